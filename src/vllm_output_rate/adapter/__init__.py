@@ -1,0 +1,1 @@
+"""Everything that touches vLLM: scheduler subclasses and named patches."""

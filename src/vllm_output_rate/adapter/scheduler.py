@@ -1,0 +1,312 @@
+"""vLLM scheduler subclasses that enforce per-user output rates.
+
+Selected by :mod:`vllm_output_rate.adapter.patches` only when the feature is
+configured; otherwise vLLM runs its stock classes untouched.
+
+How one ``schedule()`` call works (policy lives in :mod:`..gate`):
+
+* **Plan.**  Before vLLM's own ``schedule()`` runs, ``self.running`` is
+  swapped for the requests the gate offers this step: per user, its prefills
+  and as many decoding streams as its quota can pay for now, users in
+  least-recently-served order, at most the active cap.  Resident requests
+  that are out of quota (throttled) or beyond the cap stay resident -- KV,
+  model-runner slot and output history kept -- but out of sight, so vLLM's
+  loop never visits them.  Afterwards ``self.running`` is the full resident
+  list again, so every other vLLM code path sees stock state.
+* **Charge at dispatch.**  :meth:`_reserve_prefill_lookahead` is the last
+  hook vLLM calls before allocating KV for a request; when the chunk reaches
+  the sampling position we take one unit of quota.  A refused request is cut
+  back to the second-to-last prompt position (chunked prefill) or skipped.
+* **Do not block the waiting queue.**  A waiting request whose user is out
+  of quota is skipped through vLLM's own skip path
+  (:meth:`_handle_blocked_waiting_request`, :meth:`_ec_transfer_pending`)
+  instead of stopping admission for everybody behind it.
+* **Throttled requests do not count as active.**  ``max_num_active_reqs`` is
+  a property that, during a step, admits waiting requests up to the active
+  cap counting only requests that can run, and never beyond ``max_num_seqs``
+  resident.
+* **KV pressure.**  When an allocation fails, hidden throttled requests are
+  preempted first (least recently served first; under the PRIORITY policy
+  only within the same or a less important priority), before vLLM's own
+  victim choice and also on behalf of waiting requests.
+* **Refund once.**  After vLLM's ``schedule()`` returns, every charge whose
+  request did not end up scheduled at a sampling position is refunded.
+
+``update_from_output`` never touches the limiter, so async scheduling (step
+N+1 scheduled before step N's output arrives) works unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable
+
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.request_queue import SchedulingPolicy
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.core.sched.utils import remove_all
+from vllm.v1.request import Request, RequestStatus
+
+from vllm_output_rate.gate import StepGate, StepPlan
+from vllm_output_rate.limiter import OutputRateLimiter
+from vllm_output_rate.settings import (
+    ANONYMOUS_USER,
+    InvalidUserError,
+    OutputRateSettings,
+    resolve_user,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class OutputRateSchedulerMixin:
+    """Per-user output-rate limiting on top of vLLM's V1 ``Scheduler``."""
+
+    #: Clock for the limiter, in integer nanoseconds; tests replace it.
+    output_rate_clock: Callable[[], int] = staticmethod(time.monotonic_ns)
+    _step_plan: StepPlan | None = None
+    _active_cap: int = 0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        settings = OutputRateSettings.from_additional_config(
+            self.vllm_config.additional_config
+        )
+        if settings is None:
+            raise RuntimeError(
+                f"{type(self).__name__} needs additional_config['output_rate']; "
+                "it is selected automatically when the feature is configured"
+            )
+        self.output_rate_settings = settings
+        self.output_rate_limiter = OutputRateLimiter(
+            settings.default_rate, settings.user_rates
+        )
+        self.output_rate_gate = StepGate(self.output_rate_limiter)
+        #: Seconds the engine loop may wait on its input queue after a step
+        #: that ran nothing because every runnable request was throttled;
+        #: None means "poll as stock vLLM does".
+        self.output_rate_idle_wait_s: float | None = None
+        self._chunked_prefill = bool(self.scheduler_config.enable_chunked_prefill)
+        self._priority_policy = self.policy == SchedulingPolicy.PRIORITY
+        self._refused_visible = 0
+        self._preempted_in_step: list[Request] = []
+        self._evicted_in_step: list[Request] = []
+        self._held_for_other_reasons = False
+        self._stock_allocate_slots = self.kv_cache_manager.allocate_slots
+        self.kv_cache_manager.allocate_slots = self._allocate_slots_or_evict
+
+    # -- the active cap, seen through vLLM's own admission check -----------
+
+    @property
+    def max_num_active_reqs(self) -> int:
+        plan = self._step_plan
+        if plan is None:
+            return self._active_cap
+        if plan.over_cap:
+            return 0  # runnable requests were left out for lack of room
+        return min(
+            self._active_cap + self._refused_visible,
+            self.max_num_running_reqs - plan.hidden,
+        )
+
+    @max_num_active_reqs.setter
+    def max_num_active_reqs(self, value: int) -> None:
+        self._active_cap = value
+
+    # -- request lifecycle -------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id not in self.requests:
+            self.output_rate_gate.track(request, _user_of(request))
+        super().add_request(request)
+
+    def _free_request(self, request: Request, *args: Any, **kwargs: Any):
+        self.output_rate_gate.forget(request)
+        return super()._free_request(request, *args, **kwargs)
+
+    def _preempt_request(self, request: Request, *args: Any, **kwargs: Any) -> None:
+        self.output_rate_gate.release(request)
+        if self._step_plan is not None:
+            self._preempted_in_step.append(request)
+        super()._preempt_request(request, *args, **kwargs)
+
+    def update_from_output(self, scheduler_output, model_runner_output):
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        # Requests that left `running` without being freed or preempted (a
+        # streaming-input session waiting for its next chunk) stop being
+        # resident.  Only this step's requests can have changed.
+        gate = self.output_rate_gate
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(req_id)
+            if (
+                request is not None
+                and request.status != RequestStatus.RUNNING
+                and gate.is_resident(request)
+            ):
+                gate.release(request)
+        return outputs
+
+    # -- one step ------------------------------------------------------------
+
+    def schedule(self, *args: Any, **kwargs: Any):
+        gate = self.output_rate_gate
+        slots = self._active_cap - self.num_waiting_for_streaming_input
+        plan = gate.plan(self.output_rate_clock(), slots)
+        resident = self.running
+        self._refused_visible = 0
+        self._preempted_in_step = []
+        self._evicted_in_step = []
+        self._held_for_other_reasons = False
+        self.running = list(plan.visible)
+        self._step_plan = plan
+        try:
+            output = super().schedule(*args, **kwargs)
+        finally:
+            self._step_plan = None
+            self.running = self._merge_back(resident, self.running)
+            for victim in self._evicted_in_step:
+                self.waiting.prepend_request(victim)
+
+        num_scheduled = output.num_scheduled_tokens
+        for request in plan.visible:
+            if request.request_id in num_scheduled:
+                gate.set_progressing(request, _can_progress_unpaid(request))
+        gate.finish(_SampledView(num_scheduled))
+        if output.total_num_scheduled_tokens == 0 and not self._held_for_other_reasons:
+            wait_ns = gate.idle_wait_ns()
+            self.output_rate_idle_wait_s = None if wait_ns is None else wait_ns / 1e9
+        else:
+            self.output_rate_idle_wait_s = None
+        return output
+
+    def _merge_back(self, resident: list[Request], visible_after: list[Request]):
+        """The full resident list after a step: drop preempted, add admitted."""
+        gate = self.output_rate_gate
+        for request in visible_after:
+            if not gate.is_resident(request):
+                gate.admit(request, _can_progress_unpaid(request))
+                resident.append(request)
+        if self._preempted_in_step:
+            resident = remove_all(resident, set(self._preempted_in_step))
+        return resident
+
+    # -- vLLM hooks ------------------------------------------------------------
+
+    def _reserve_prefill_lookahead(
+        self, request: Request, num_computed_tokens: int, num_new_tokens: int
+    ) -> int:
+        num_new_tokens = super()._reserve_prefill_lookahead(
+            request, num_computed_tokens, num_new_tokens
+        )
+        if num_new_tokens <= 0 or self._step_plan is None:
+            return num_new_tokens
+        sample_at = request.num_tokens + request.num_output_placeholders
+        if num_computed_tokens + num_new_tokens < sample_at:
+            return num_new_tokens  # an intermediate prefill chunk is free
+        if self.output_rate_gate.charge(request):
+            return num_new_tokens
+        # Out of quota: stop short of the sampling position.
+        allowed = sample_at - 1 - num_computed_tokens if self._chunked_prefill else 0
+        allowed = max(allowed, 0)
+        if allowed == 0 and request.status == RequestStatus.RUNNING:
+            self._refused_visible += 1
+        return allowed
+
+    def _handle_blocked_waiting_request(self, request: Request) -> bool:
+        if not super()._handle_blocked_waiting_request(request):
+            if request.status == RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR:
+                self._held_for_other_reasons = True
+            return False
+        if self._step_plan is None:
+            return True
+        must_pay_first = (
+            request.status == RequestStatus.PREEMPTED  # no re-admission thrash
+            or not self._chunked_prefill  # the prefill would sample at once
+            or request.num_tokens - request.num_computed_tokens <= 1
+        )
+        if must_pay_first and not self.output_rate_gate.can_charge(request):
+            return False
+        return True
+
+    def _ec_transfer_pending(self, request: Request, num_computed_tokens: int) -> bool:
+        if super()._ec_transfer_pending(request, num_computed_tokens):
+            return True
+        if self._step_plan is None:
+            return False
+        # After the prefix-cache lookup: if only the sampling position is
+        # left and the user cannot pay, skip instead of stopping admission.
+        if request.num_tokens - num_computed_tokens <= 1:
+            return not self.output_rate_gate.can_charge(request)
+        return False
+
+    # -- KV pressure -------------------------------------------------------------
+
+    def _allocate_slots_or_evict(self, request: Request, *args: Any, **kwargs: Any):
+        blocks = self._stock_allocate_slots(request, *args, **kwargs)
+        while blocks is None and self._step_plan is not None:
+            victim = self._throttled_victim_for(request)
+            if victim is None:
+                break
+            self._evict(victim)
+            blocks = self._stock_allocate_slots(request, *args, **kwargs)
+        return blocks
+
+    def _throttled_victim_for(self, request: Request) -> Request | None:
+        gate = self.output_rate_gate
+        requester = gate.user_of(request)
+        for victim in gate.throttled_victims():
+            if victim is request or gate.user_of(victim) == requester:
+                continue  # never trade one stream of a user for another
+            if self._priority_policy and victim.priority < request.priority:
+                continue  # only evict the same or a less important priority
+            if not self._request_blocks_can_be_freed(victim):
+                continue
+            return victim
+        return None
+
+    def _evict(self, victim: Request) -> None:
+        self._preempt_request(victim, time.monotonic())
+        # vLLM's waiting loop may be mid-iteration and about to pop the head
+        # of the queue it peeked; keep the victim out until the step ends.
+        self.waiting.remove_request(victim)
+        self._evicted_in_step.append(victim)
+
+
+class _SampledView:
+    """``key in view``: the request was scheduled at a sampling position."""
+
+    __slots__ = ("_scheduled",)
+
+    def __init__(self, num_scheduled_tokens: dict[str, int]) -> None:
+        self._scheduled = num_scheduled_tokens
+
+    def __contains__(self, request: Request) -> bool:
+        return request.request_id in self._scheduled and not request.is_prefill_chunk
+
+
+def _can_progress_unpaid(request: Request) -> bool:
+    """At least two positions left: the next chunk need not sample."""
+    remaining = (
+        request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
+    )
+    return remaining >= 2
+
+
+def _user_of(request: Request) -> str:
+    params = request.sampling_params
+    try:
+        return resolve_user(params.extra_args if params is not None else None)
+    except InvalidUserError as exc:
+        # The API server and LLM() reject these before they get here; an
+        # engine must not die for one malformed request that slipped through.
+        logger.warning("request %s: %s; using %s", request.request_id, exc, ANONYMOUS_USER)
+        return ANONYMOUS_USER
+
+
+class OutputRateScheduler(OutputRateSchedulerMixin, Scheduler):
+    """Synchronous-scheduling variant."""
+
+
+class OutputRateAsyncScheduler(OutputRateSchedulerMixin, AsyncScheduler):
+    """Async-scheduling variant (step N+1 scheduled before N's output)."""

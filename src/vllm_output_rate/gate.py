@@ -1,0 +1,286 @@
+"""The per-step "who may sample" gate, in plain Python.
+
+The scheduler adapter drives one :class:`StepGate` per engine.  Requests are
+opaque hashable keys here; the gate knows each key's user and, for resident
+requests (holding KV and a model-runner slot), whether the request can make
+progress without sampling (a prefill with at least two positions left).
+
+A step goes like this:
+
+1. :meth:`StepGate.plan` picks the resident requests the scheduler may look at
+   in this step: users in least-recently-served order, and of each user its
+   prefills plus as many decoding streams as the user can pay for right now,
+   in rotation order, until the active cap is full.  Everything else stays
+   resident but out of sight, so the step costs O(active requests + users
+   visited), not O(resident requests).
+2. :meth:`StepGate.charge` is called for each request about to be given a
+   sampling position; it takes one unit of the user's quota, at most once per
+   request per step.  A user refused once in a step is not asked again.
+3. :meth:`StepGate.finish` refunds every charge that did not end up sampled
+   (the single refund point), rotates each served user's streams and moves
+   the user to the back of the service order.
+
+Invariants (checked by the tests):
+
+* a request is charged at most once per step, and a charge survives the step
+  only if the request sampled in it;
+* within one user, a served stream moves behind the user's other streams;
+* the visible set never holds more than ``slots`` requests.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from itertools import islice
+from typing import Container, Hashable, Iterator
+
+from vllm_output_rate.limiter import OutputRateLimiter
+
+Key = Hashable
+
+#: Every this many steps, users with no debt are dropped from the limiter.
+CLEANUP_EVERY_STEPS = 256
+#: Longest idle wait the engine loop is told to take, in nanoseconds.
+MAX_IDLE_WAIT_NS = 50_000_000
+
+
+@dataclass
+class _Lane:
+    """One user's resident requests."""
+
+    decoding: deque = field(default_factory=deque)  # rotation order, front first
+    progressing: dict = field(default_factory=dict)  # ordered set of prefills
+    offered: int = 0  # decoding streams offered in the current step
+
+    def __len__(self) -> int:
+        return len(self.decoding) + len(self.progressing)
+
+
+@dataclass
+class StepPlan:
+    """What :meth:`StepGate.plan` decided for one step."""
+
+    visible: list  # keys to show the scheduler, in service order
+    hidden: int  # resident requests kept out of sight
+    over_cap: bool  # some runnable request was hidden only because slots ran out
+
+
+class StepGate:
+    """Per-step quota decisions over one :class:`OutputRateLimiter`."""
+
+    def __init__(
+        self,
+        limiter: OutputRateLimiter,
+        cleanup_every: int = CLEANUP_EVERY_STEPS,
+        max_idle_wait_ns: int = MAX_IDLE_WAIT_NS,
+    ) -> None:
+        self.limiter = limiter
+        self._cleanup_every = cleanup_every
+        self._max_idle_wait_ns = max_idle_wait_ns
+        self._user_of: dict[Key, str] = {}
+        self._lane_of: dict[Key, str] = {}
+        # Users with resident requests, least recently served first.
+        self._lanes: OrderedDict[str, _Lane] = OrderedDict()
+        self._steps = 0
+        # Per-step state.
+        self.now_ns = 0
+        self._charged: dict[Key, str] = {}
+        self._refused: set[str] = set()
+        self._blocked: set[str] = set()
+        self._throttled_lanes: list[str] = []
+
+    # -- membership ------------------------------------------------------
+
+    def track(self, key: Key, user: str) -> None:
+        """Remember the user of a request (resolved once, at arrival)."""
+        self._user_of[key] = user
+
+    def forget(self, key: Key) -> None:
+        """The request is gone for good (finished or aborted)."""
+        self.release(key)
+        self._user_of.pop(key, None)
+
+    def user_of(self, key: Key) -> str:
+        return self._user_of[key]
+
+    def is_resident(self, key: Key) -> bool:
+        return key in self._lane_of
+
+    def admit(self, key: Key, progressing: bool) -> None:
+        """The request became resident (holds KV and a model-runner slot)."""
+        user = self._user_of[key]
+        lane = self._lanes.get(user)
+        if lane is None:
+            lane = self._lanes[user] = _Lane()
+        self._lane_of[key] = user
+        if progressing:
+            lane.progressing[key] = None
+        else:
+            lane.decoding.append(key)
+
+    def release(self, key: Key) -> None:
+        """The request stopped being resident (preempted, finished)."""
+        user = self._lane_of.pop(key, None)
+        if user is None:
+            return
+        lane = self._lanes[user]
+        if key in lane.progressing:
+            del lane.progressing[key]
+        else:
+            lane.decoding.remove(key)
+        if not lane:
+            del self._lanes[user]
+
+    def set_progressing(self, key: Key, progressing: bool) -> None:
+        """Update whether a resident request can advance without sampling."""
+        user = self._lane_of.get(key)
+        if user is None:
+            return
+        lane = self._lanes[user]
+        if progressing:
+            if key not in lane.progressing:
+                lane.decoding.remove(key)
+                lane.progressing[key] = None
+        elif key in lane.progressing:
+            del lane.progressing[key]
+            lane.decoding.append(key)
+
+    def resident(self) -> Iterator[Key]:
+        """Every resident key, lane by lane."""
+        for lane in self._lanes.values():
+            yield from lane.progressing
+            yield from lane.decoding
+
+    def num_resident(self) -> int:
+        return len(self._lane_of)
+
+    # -- one step ----------------------------------------------------------
+
+    def plan(self, now_ns: int, slots: int) -> StepPlan:
+        """Start a step at ``now_ns`` and choose at most ``slots`` requests."""
+        self._steps += 1
+        if self._steps % self._cleanup_every == 0:
+            self.limiter.cleanup_idle_users(now_ns)
+        self.now_ns = now_ns
+        self._charged.clear()
+        self._refused.clear()
+        self._blocked.clear()
+        self._throttled_lanes.clear()
+
+        visible: list = []
+        room = max(slots, 0)
+        over_cap = False
+        for user, lane in self._lanes.items():
+            if room <= 0:
+                over_cap = True  # this lane and any after it were not reached
+                break
+            prefills = list(islice(lane.progressing, room))
+            visible.extend(prefills)
+            room -= len(prefills)
+            lane.offered = 0
+            if not lane.decoding:
+                continue
+            can = self.limiter.available(user, now_ns)
+            offered = min(len(lane.decoding), room, can)
+            visible.extend(islice(lane.decoding, offered))
+            lane.offered = offered
+            room -= offered
+            if can < len(lane.decoding):
+                # Some streams wait for quota: the user is throttled.
+                self._throttled_lanes.append(user)
+                self._blocked.add(user)
+            if offered < min(len(lane.decoding), can):
+                over_cap = True  # quota was there, room was not
+        return StepPlan(
+            visible=visible,
+            hidden=len(self._lane_of) - len(visible),
+            over_cap=over_cap,
+        )
+
+    def charge(self, key: Key) -> bool:
+        """Charge one output token to the request's user; False if refused."""
+        if key in self._charged:
+            return True
+        user = self._user_of[key]
+        if user in self._refused:
+            return False
+        if self.limiter.try_take(user, self.now_ns):
+            self._charged[key] = user
+            return True
+        self._refused.add(user)
+        self._blocked.add(user)
+        return False
+
+    def can_charge(self, key: Key) -> bool:
+        """Would :meth:`charge` succeed now?  Does not take anything."""
+        if key in self._charged:
+            return True
+        user = self._user_of[key]
+        if user in self._refused:
+            return False
+        if self.limiter.available(user, self.now_ns) > 0:
+            return True
+        self._refused.add(user)
+        self._blocked.add(user)
+        return False
+
+    def is_charged(self, key: Key) -> bool:
+        return key in self._charged
+
+    def throttled_victims(self) -> Iterator[Key]:
+        """Hidden requests of out-of-quota users, least recently served first.
+
+        Only requests offered nothing in this step are listed; a user's
+        least recently served hidden stream comes first.
+        """
+        for user in list(self._throttled_lanes):
+            lane = self._lanes.get(user)
+            if lane is None:
+                continue
+            for key in list(islice(lane.decoding, lane.offered, None)):
+                if self._lane_of.get(key) == user and key not in self._charged:
+                    yield key
+
+    def finish(self, sampled: Container[Key]) -> int:
+        """End the step: refund unsampled charges, rotate served streams.
+
+        ``sampled`` holds the keys that were scheduled at a sampling position.
+        Returns how many charges were refunded.
+        """
+        refunded = 0
+        served_by_user: dict[str, list] = {}
+        for key, user in self._charged.items():
+            if key in sampled:
+                served_by_user.setdefault(user, []).append(key)
+            else:
+                self.limiter.refund(user, self.now_ns)
+                refunded += 1
+        for user, keys in served_by_user.items():
+            lane = self._lanes.get(user)
+            if lane is None:
+                continue
+            for key in keys:
+                if self._lane_of.get(key) == user and key not in lane.progressing:
+                    lane.decoding.remove(key)
+                    lane.decoding.append(key)
+            self._lanes.move_to_end(user)
+        self._charged.clear()
+        return refunded
+
+    def idle_wait_ns(self) -> int | None:
+        """How long the engine may sleep if this step ran nothing.
+
+        The earliest time any user blocked in this step gets quota back,
+        capped at ``max_idle_wait_ns``; None when no user was blocked.
+        """
+        if not self._blocked:
+            return None
+        now = self.now_ns
+        earliest = min(self.limiter.ready_at_ns(user, now) for user in self._blocked)
+        return max(0, min(earliest - now, self._max_idle_wait_ns))
+
+    def note_blocked(self, user: str) -> None:
+        """Record that ``user``'s request waits for quota in this step."""
+        self._blocked.add(user)
+

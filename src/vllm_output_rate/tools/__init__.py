@@ -1,0 +1,1 @@
+"""Command-line tools: serve wrapper, tiny model, bench."""

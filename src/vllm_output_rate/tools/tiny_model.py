@@ -1,0 +1,131 @@
+"""The embedded default model: a tiny random-weight Llama, made locally.
+
+No model can be downloaded on the machines this project targets, so the
+project writes its own: a 2-layer Llama (hidden 128, head_dim 64 -- the CPU
+attention backend rejects 16) with seeded random weights and a byte-level BPE
+tokenizer trained on a fixed built-in text, plus a chat template.  Output is
+gibberish; timing is real.  The same call always writes the same weights and
+tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+SEED = 1234
+VOCAB_SIZE = 1024
+MAX_POSITIONS = 2048
+SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|user|>", "<|assistant|>", "<|system|>"]
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}<|system|>"
+    "{% elif message['role'] == 'user' %}<|user|>"
+    "{% else %}<|assistant|>{% endif %}"
+    "{{ message['content'] if message['content'] is string else '' }}\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+# A fixed, varied English text: the tokenizer's training corpus.
+_CORPUS_SEED_TEXT = """
+Continuous batching lets one engine serve many users at once. Every step the
+scheduler decides which requests get a token. A user who opens many streams
+can take most decode slots and slow everyone else down. Output tokens are paced
+per user: a generic cell rate algorithm keeps one theoretical arrival time for
+each user and releases one token every interval. Prompt tokens are free; only
+generated tokens count. When the quota is spent the request pauses and resumes
+later; it is never truncated and never rejected. Other users proceed normally.
+The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor
+jugs. How vexingly quick daft zebras jump! Sphinx of black quartz, judge my vow.
+0 1 2 3 4 5 6 7 8 9 10 100 1000 tokens per second, milliseconds, bytes, blocks.
+Hello! How are you today? Explain continuous batching in simple words, please.
+Write a short poem about rivers, mountains, clouds and the sea at night.
+"""
+
+
+def _corpus() -> list[str]:
+    lines = [line.strip() for line in _CORPUS_SEED_TEXT.strip().splitlines()]
+    words = " ".join(lines).split()
+    # Deterministic variations give the trainer enough pairs to merge.
+    out = list(lines)
+    for shift in range(1, 40):
+        out.append(" ".join(words[shift:] + words[:shift]))
+    return out
+
+
+def build_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|bos|>",
+        eos_token="<|eos|>",
+        pad_token="<|pad|>",
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def write_tiny_model(out_dir: str | os.PathLike) -> Path:
+    """Write the tiny model (config, safetensors weights, tokenizer) to ``out_dir``."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer()
+    vocab = len(tokenizer)
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=MAX_POSITIONS,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+        torch_dtype="bfloat16",
+    )
+    torch.manual_seed(SEED)
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    # generation_config from save_pretrained may carry sampling defaults;
+    # keep vLLM's defaults by writing only the token ids.
+    (out / "generation_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token_id": tokenizer.bos_token_id,
+                "eos_token_id": tokenizer.eos_token_id,
+                "pad_token_id": tokenizer.pad_token_id,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
+    return out
+
+
+def is_tiny_model_dir(path: str | os.PathLike) -> bool:
+    p = Path(path)
+    return (p / "config.json").is_file() and (p / "tokenizer.json").is_file() and any(
+        p.glob("*.safetensors")
+    )
