@@ -255,11 +255,16 @@ class OutputRateSchedulerMixin:
     def _throttled_victim_for(self, request: Request) -> Request | None:
         gate = self.output_rate_gate
         requester = gate.user_of(request)
+        least_important = request.priority
+        if self._priority_policy and request.status == RequestStatus.RUNNING and self.running:
+            # vLLM's own victim would be the least important visible request;
+            # a throttled one goes first only if it is not more important.
+            least_important = max(least_important, max(r.priority for r in self.running))
         for victim in gate.throttled_victims():
             if victim is request or gate.user_of(victim) == requester:
                 continue  # never trade one stream of a user for another
-            if self._priority_policy and victim.priority < request.priority:
-                continue  # only evict the same or a less important priority
+            if self._priority_policy and victim.priority < least_important:
+                continue
             if not self._request_blocks_can_be_freed(victim):
                 continue
             return victim

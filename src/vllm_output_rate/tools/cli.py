@@ -35,15 +35,37 @@ def _fail(message: str, code: int = 2) -> None:
     raise SystemExit(code)
 
 
+class _PreParser(argparse.ArgumentParser):
+    """Reports its errors as one line (no usage block) via :func:`_fail`."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        _fail(message)
+
+
 def _precheck_rate_flags(argv: list[str]) -> None:
     """Validate the two rate flags before vLLM starts, for a one-line error."""
-    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre = _PreParser(add_help=False, allow_abbrev=False)
     pre.add_argument(DEFAULT_FLAG, default=None)
     pre.add_argument(OVERRIDES_FLAG, default=None)
-    try:
-        known, _ = pre.parse_known_args(argv)
-    except SystemExit:
-        _fail(f"{DEFAULT_FLAG} and {OVERRIDES_FLAG} each take one value")
+    # ``FLAG -inf`` / ``FLAG -x``: argparse would take the value for an option
+    # and report "expected one argument"; bind it as ``FLAG=-inf`` so the
+    # value itself is validated (a value starting with "-" is never valid).
+    bound: list[str] = []
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        if (
+            token in (DEFAULT_FLAG, OVERRIDES_FLAG)
+            and i + 1 < len(argv)
+            and argv[i + 1].startswith("-")
+            and not argv[i + 1].startswith("--")
+        ):
+            bound.append(f"{token}={argv[i + 1]}")
+            i += 2
+        else:
+            bound.append(token)
+            i += 1
+    known, _ = pre.parse_known_args(bound)
     try:
         parse_cli(
             getattr(known, DEFAULT_FLAG.lstrip("-").replace("-", "_")),

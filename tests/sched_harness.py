@@ -1,0 +1,278 @@
+"""Drive the real vLLM scheduler and KV cache manager without a model.
+
+A :class:`Harness` builds vLLM's own config from the tiny model folder, a KV
+cache of a chosen size, and either the stock or our scheduler class.  Each
+:meth:`Harness.step` schedules, fabricates the model runner's output (one
+sampled token per request that reached its sampling position) and feeds it
+back; the limiter reads a fake clock that the harness advances.
+
+With ``async_=True`` the harness runs like vLLM's async scheduling: step
+N+1 is scheduled before step N's output is fed back.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+
+import torch
+from vllm.engine.arg_utils import EngineArgs
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import Request, RequestStatus
+from vllm.v1.structured_output import StructuredOutputManager
+
+import vllm_output_rate
+from vllm_output_rate.limiter import OutputRateLimiter
+from vllm_output_rate.adapter.scheduler import (
+    OutputRateAsyncScheduler,
+    OutputRateScheduler,
+)
+from server_harness import TINY_MODEL_DIR
+
+BLOCK_SIZE = 16
+TOKEN = 7  # every fabricated sampled token (never EOS of the tiny model)
+STOP = 9  # emitted where a test asks for a stop (requests list it in stop_token_ids)
+MS = 1_000_000
+
+vllm_output_rate.register()  # install the patches as vLLM's plugin loader would
+init_none_hash(sha256)
+
+
+class FakeClock:
+    def __init__(self, start_ns: int = 1_000_000_000_000) -> None:
+        self.now_ns = start_ns
+
+    def __call__(self) -> int:
+        return self.now_ns
+
+    def advance(self, ns: int) -> None:
+        self.now_ns += ns
+
+
+@dataclass
+class Record:
+    """What happened to one request, as seen from outside the scheduler."""
+
+    user: str
+    max_tokens: int
+    prompt_len: int
+    sample_times: list = field(default_factory=list)  # clock at each sampled token
+    finished: bool = False
+
+
+class Harness:
+    def __init__(
+        self,
+        limits: dict | None,
+        *,
+        async_: bool = False,
+        num_blocks: int = 2000,
+        max_num_seqs: int = 16,
+        max_num_active_seqs: int | None = None,
+        max_num_batched_tokens: int = 512,
+        chunked: bool = True,
+        policy: str = "fcfs",
+        max_model_len: int = 1024,
+        prefix_caching: bool = True,
+    ) -> None:
+        if not chunked:
+            max_model_len = min(max_model_len, max_num_batched_tokens)
+        additional = {}
+        if limits is not None:
+            additional["output_rate"] = limits
+        args = EngineArgs(
+            model=str(TINY_MODEL_DIR),
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            max_num_active_seqs=max_num_active_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            enable_chunked_prefill=chunked,
+            scheduling_policy=policy,
+            enable_prefix_caching=prefix_caching,
+            additional_config=additional,
+        )
+        config = args.create_engine_config()
+        config.cache_config.num_gpu_blocks = num_blocks
+        kv_cache_config = KVCacheConfig(
+            num_blocks=num_blocks,
+            kv_cache_tensors=[],
+            kv_cache_groups=[
+                KVCacheGroupSpec(
+                    ["layer.0"],
+                    FullAttentionSpec(
+                        block_size=BLOCK_SIZE, num_kv_heads=1, head_size=64, dtype=torch.float32
+                    ),
+                )
+            ],
+        )
+        if limits is None:
+            cls = AsyncScheduler if async_ else Scheduler
+        else:
+            cls = OutputRateAsyncScheduler if async_ else OutputRateScheduler
+        self.config = config
+        self.num_blocks = num_blocks
+        self.async_ = async_
+        self.sched = cls(
+            vllm_config=config,
+            kv_cache_config=kv_cache_config,
+            structured_output_manager=StructuredOutputManager(config),
+            block_size=BLOCK_SIZE,
+        )
+        self.clock = FakeClock()
+        if limits is not None:
+            self.sched.output_rate_clock = self.clock
+        self._block_hasher = get_request_block_hasher(BLOCK_SIZE, sha256)
+        self._ids = itertools.count()
+        self._in_flight: deque = deque()
+        self.records: dict[str, Record] = {}
+        self.charges: dict[str, list] = defaultdict(list)  # user -> clock of each dispatched sample
+        self.dispatched: dict[str, int] = defaultdict(int)  # request id -> sampling steps dispatched
+        self.sampled_log: list[list[str]] = []  # per step: ids scheduled at a sampling position
+        self.stop_at: dict[str, int] = {}  # request id -> output index that is the stop token
+        self.step_outputs: list = []
+        self.shadow = None
+        if limits is not None:
+            # A limiter that only ever sees the samples that really happened.
+            self.shadow = OutputRateLimiter(
+                limits["default_user_output_tokens_per_second"],
+                limits.get("user_output_tokens_per_second"),
+            )
+
+    # -- requests ------------------------------------------------------------
+
+    def add(
+        self,
+        user: str | None,
+        prompt_len: int = 8,
+        max_tokens: int = 16,
+        *,
+        priority: int = 0,
+        prompt: list[int] | None = None,
+        request_id: str | None = None,
+    ) -> Request:
+        extra = None if user is None else {"output_rate_user": user}
+        params = SamplingParams(
+            max_tokens=max_tokens, ignore_eos=True, extra_args=extra, stop_token_ids=[STOP]
+        )
+        rid = request_id or f"r{next(self._ids)}"
+        tokens = prompt if prompt is not None else [(i % 50) + 100 for i in range(prompt_len)]
+        request = Request(
+            rid,
+            tokens,
+            params,
+            None,
+            arrival_time=self.clock.now_ns / 1e9,
+            priority=priority,
+            block_hasher=self._block_hasher,
+        )
+        self.sched.add_request(request)
+        self.records[rid] = Record(user or "__anonymous__", max_tokens, len(tokens))
+        return request
+
+    def abort(self, request_id: str) -> None:
+        self.sched.finish_requests(request_id, RequestStatus.FINISHED_ABORTED)
+        self.records[request_id].finished = True
+
+    # -- steps ------------------------------------------------------------------
+
+    def step(self, dt_ns: int = 10 * MS):
+        """Schedule one step; feed back outputs (async: the previous step's)."""
+        output = self.sched.schedule()
+        sampling = self._sampling_ids(output)
+        for rid in sampling:
+            user = self.records[rid].user
+            self.charges[user].append(self.clock.now_ns)
+            self.dispatched[rid] += 1
+            if self.shadow is not None:
+                assert self.shadow.try_take(user, self.clock.now_ns), "dispatched beyond quota"
+        self.sampled_log.append(sampling)
+        self._in_flight.append((output, sampling, self.clock.now_ns))
+        self.step_outputs.append(output)
+        depth = 2 if self.async_ else 1
+        while len(self._in_flight) >= depth:
+            self._feed(*self._in_flight.popleft())
+        self.clock.advance(dt_ns)
+        return output
+
+    def drain(self) -> None:
+        while self._in_flight:
+            self._feed(*self._in_flight.popleft())
+
+    def _sampling_ids(self, output) -> list[str]:
+        return [
+            rid
+            for rid in output.num_scheduled_tokens
+            if not self.sched.requests[rid].is_prefill_chunk
+        ]
+
+    def _feed(self, output, sampling: list[str], sampled_at: int) -> None:
+        req_ids = list(output.num_scheduled_tokens)
+        sampled = set(sampling)
+        runner_output = ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+            sampled_token_ids=[[self._next_token(rid)] if rid in sampled else [] for rid in req_ids],
+        )
+        engine_outputs = self.sched.update_from_output(output, runner_output)
+        for client_outputs in engine_outputs.values():
+            for out in client_outputs.outputs:
+                record = self.records[out.request_id]
+                record.sample_times.extend([sampled_at] * len(out.new_token_ids))
+                if out.finish_reason is not None:
+                    record.finished = True
+
+    def _next_token(self, rid: str) -> int:
+        request = self.sched.requests.get(rid)
+        produced = request.num_output_tokens if request is not None else 0
+        return STOP if self.stop_at.get(rid) == produced else TOKEN
+
+    def check_limiter_exact(self) -> None:
+        """Every charge that did not sample was refunded, exactly."""
+        real = self.sched.output_rate_limiter
+        now = self.clock.now_ns
+        for user in set(self.charges) | {r.user for r in self.records.values()}:
+            assert real.ready_at_ns(user, now) == self.shadow.ready_at_ns(user, now), user
+            assert real.available(user, now) == self.shadow.available(user, now), user
+
+    def run_until_done(self, dt_ns: int = 10 * MS, max_steps: int = 100_000) -> int:
+        steps = 0
+        while self.sched.has_requests() and steps < max_steps:
+            self.step(dt_ns)
+            steps += 1
+        self.drain()
+        return steps
+
+    # -- invariants -------------------------------------------------------------
+
+    def free_blocks(self) -> int:
+        return self.sched.kv_cache_manager.block_pool.get_num_free_blocks()
+
+    def check_resident_consistent(self) -> None:
+        """`running` holds exactly the gate's resident requests, all RUNNING."""
+        sched = self.sched
+        if not hasattr(sched, "output_rate_gate"):
+            return
+        running = set(map(id, sched.running))
+        assert len(running) == len(sched.running), "duplicate in running"
+        resident = set(map(id, sched.output_rate_gate.resident()))
+        assert running == resident
+        assert all(r.status == RequestStatus.RUNNING for r in sched.running)
+        assert len(sched.running) <= sched.max_num_running_reqs
+
+
+def max_in_window(times: list[int], window_ns: int) -> int:
+    """Most events within any half-open window of ``window_ns``."""
+    best = 0
+    lo = 0
+    for hi, t in enumerate(times):
+        while t - times[lo] >= window_ns:
+            lo += 1
+        best = max(best, hi - lo + 1)
+    return best

@@ -1,0 +1,569 @@
+"""Tests of the bench analysis, the README report, and the bench end to end
+against a small fake OpenAI-compatible SSE server (no vLLM needed)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+
+import pytest
+
+from vllm_output_rate.settings import ANONYMOUS_USER, USER_ARG
+from vllm_output_rate.tools import bench, report
+from vllm_output_rate.tools.bench import (
+    CANCELLED,
+    ERROR,
+    FINISHED,
+    HTTP_ERROR,
+    RequestRecord,
+    UserSpec,
+    guarantee_bound,
+    inter_token_gaps,
+    max_in_window,
+    percentile,
+    summarize,
+    time_to_first_token,
+)
+
+
+def finished(user, token_times, start=0.0, completion_tokens=None, stream=0):
+    """A finished request whose usage matches unless told otherwise."""
+    return RequestRecord(
+        user=user,
+        stream=stream,
+        start=start,
+        token_times=list(token_times),
+        completion_tokens=len(token_times) if completion_tokens is None else completion_tokens,
+        status=FINISHED,
+        http_status=200,
+    )
+
+
+# --------------------------------------------------------------------------
+# Window maxima, percentiles, gaps
+# --------------------------------------------------------------------------
+
+
+def test_max_in_window_counts_closed_windows():
+    times = [0.0, 0.5, 1.0, 1.5, 3.0]
+    assert max_in_window(times, 1.0) == 3  # 0.0, 0.5 and 1.0: both ends count
+    assert max_in_window(times, 0.25) == 1
+    assert max_in_window(times, 10.0) == 5
+    assert max_in_window([], 1.0) == 0
+
+
+def test_max_in_window_sorts_and_counts_simultaneous_tokens():
+    # Tokens of one chunk share a receive time; streams interleave unsorted.
+    times = [2.0, 0.0, 2.0, 2.0, 0.5, 2.0]
+    assert max_in_window(times, 0.0) == 4
+    assert max_in_window(times, 1.5) == 5  # 0.5 .. 2.0
+
+
+def test_percentile_interpolates_between_ranks():
+    values = [4.0, 1.0, 3.0, 2.0]
+    assert percentile(values, 0) == 1.0
+    assert percentile(values, 100) == 4.0
+    assert percentile(values, 50) == pytest.approx(2.5)
+    assert percentile(list(range(101)), 99) == pytest.approx(99.0)
+    assert percentile([7.0], 99) == 7.0
+    assert percentile([], 50) is None
+
+
+def test_gaps_are_zero_within_a_chunk_and_ttft_is_from_request_start():
+    record = finished("u", [1.25, 1.25, 1.25, 1.5, 2.0], start=1.0)
+    assert inter_token_gaps(record) == [0.0, 0.0, 0.25, 0.5]
+    assert time_to_first_token(record) == 0.25
+    assert time_to_first_token(finished("u", [])) is None
+
+
+def test_summary_percentiles_pool_all_requests_of_a_user():
+    records = [
+        finished("u", [1.0, 1.5], start=0.5),  # ttft 0.5, gap 0.5
+        finished("u", [3.0, 3.0, 4.0], start=2.0),  # ttft 1.0, gaps 0, 1.0
+    ]
+    (s,) = summarize(records, {})
+    assert s.ttft_p50_s == pytest.approx(0.75)
+    assert s.gap_p50_s == pytest.approx(0.5)
+    assert s.gap_p99_s == pytest.approx(0.99)  # 0.5 + 0.98 * 0.5
+    assert s.tokens == 5
+    assert s.first_token_s == 1.0 and s.last_token_s == 4.0
+    assert s.active_span_s == 3.0
+    assert s.tokens_per_s == pytest.approx(5 / 3)
+
+
+# --------------------------------------------------------------------------
+# Usage check, errors, anonymous user
+# --------------------------------------------------------------------------
+
+
+def test_completion_tokens_mismatch_is_detected_on_finished_requests_only():
+    records = [
+        finished("u", [0.0, 0.25]),
+        finished("u", [1.0, 1.25], completion_tokens=3),  # server says 3, we got 2
+        RequestRecord("u", 1, 0.0, [0.5], completion_tokens=None, status=CANCELLED),
+    ]
+    (s,) = summarize(records, {})
+    assert s.usage_mismatches == 1
+    assert s.usage_match is False
+    assert s.requests_finished == 2 and s.requests_cancelled == 1
+    assert s.tokens == 5  # tokens of the cancelled request still count
+
+
+def test_missing_usage_counts_as_mismatch_and_no_finished_is_na():
+    (s,) = summarize([finished("u", [0.0], completion_tokens=None)], {})
+    assert s.usage_match is True
+    record = finished("u", [0.0])
+    record.completion_tokens = None  # server sent no usage chunk
+    (s,) = summarize([record], {})
+    assert s.usage_match is False
+    (s,) = summarize([RequestRecord("u", 0, 0.0, status=CANCELLED)], {})
+    assert s.usage_match is None
+
+
+def test_errors_count_http_errors_and_exceptions():
+    records = [
+        RequestRecord("u", 0, 0.0, status=HTTP_ERROR, http_status=500, error="boom"),
+        RequestRecord("u", 0, 0.3, status=ERROR, error="ReadError"),
+        finished("u", [1.0]),
+    ]
+    (s,) = summarize(records, {})
+    assert s.errors == 2
+    assert s.requests_started == 3 and s.requests_finished == 1
+
+
+def test_anonymous_user_parsing_and_request_body():
+    anonymous = bench.parse_user_spec("-:2")
+    assert anonymous == UserSpec(ANONYMOUS_USER, 2, bench.DEFAULT_MAX_TOKENS)
+    assert not anonymous.sends_identity
+    config = bench.BenchConfig(url="http://127.0.0.1:1", users=[anonymous], duration_s=1)
+    body = bench.request_body(config, "m", anonymous)
+    assert "vllm_xargs" not in body
+    assert body["stream"] is True and body["ignore_eos"] is True
+    assert body["return_token_ids"] is True
+    assert body["stream_options"] == {"include_usage": True}
+
+    named = bench.parse_user_spec("user-a:3:50")
+    assert named == UserSpec("user-a", 3, 50)
+    assert bench.request_body(config, "m", named)["vllm_xargs"] == {USER_ARG: "user-a"}
+    assert bench.parse_limit("-=5") == (ANONYMOUS_USER, 5.0)
+
+
+def test_anonymous_user_gets_its_own_limit_in_the_summary():
+    records = [finished(ANONYMOUS_USER, [0.0]), finished("a", [0.0])]
+    summaries = summarize(records, {ANONYMOUS_USER: 5.0}, default_limit=50.0)
+    by_user = {s.user: s for s in summaries}
+    assert by_user[ANONYMOUS_USER].limit_tokens_per_s == 5.0
+    assert by_user[ANONYMOUS_USER].anonymous
+    assert by_user["a"].limit_tokens_per_s == 50.0
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("a:2", UserSpec("a", 2, 200)),
+        ("a:2:7", UserSpec("a", 2, 7)),
+        ("team:x:4", UserSpec("team:x", 4, 200)),
+    ],
+)
+def test_parse_user_spec(text, expected):
+    assert bench.parse_user_spec(text) == expected
+
+
+@pytest.mark.parametrize("text", ["a", "a:", ":2", "a:0", "a:2:0", "a:two"])
+def test_parse_user_spec_rejects(text):
+    with pytest.raises(Exception):
+        bench.parse_user_spec(text)
+
+
+def test_dash_values_are_attached_so_argparse_accepts_them():
+    argv = ["--user", "-:2", "--limit", "-=5", "--user", "a:1", "--json", "-x.json"]
+    assert bench.attach_anonymous_values(argv) == [
+        "--user=-:2", "--limit=-=5", "--user", "a:1", "--json", "-x.json"
+    ]
+
+
+def test_duplicate_user_is_rejected(capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--user", "a:1", "--user", "a:2", "--duration", "1"])
+    assert exc.value.code == 2
+    assert "more than once" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------
+# The guarantee check
+# --------------------------------------------------------------------------
+
+RATE = 4.0  # tok/s; 1 / RATE = 0.25 s is exact in binary, so windows are exact
+
+
+def ideal_pacing(seconds: float) -> list[float]:
+    """What GCRA allows a greedy user: one token every 1 / RATE seconds."""
+    return [k / RATE for k in range(int(seconds * RATE) + 1)]
+
+
+def test_guarantee_passes_on_ideally_paced_tokens():
+    times = ideal_pacing(10)
+    (s,) = summarize([finished("u", times)], {"u": RATE})
+    assert s.guarantee == "PASS"
+    one_second = next(c for c in s.windows if c.label == "1s")
+    assert one_second.max_tokens == 5  # 0, .25, .5, .75, 1.0
+    assert one_second.bound == pytest.approx(guarantee_bound(1.0, RATE)) == pytest.approx(5.4)
+    assert [c.label for c in s.windows] == ["1s", "2s", "5s", "span"]
+    assert s.windows[-1].window_s == 10.0 and s.windows[-1].max_tokens == 41
+
+
+def test_guarantee_fails_on_an_extra_burst():
+    # Two tokens more at t=0 than pacing allows: 7 in [0, 1] > 5.4.
+    times = [0.0, 0.0] + ideal_pacing(10)
+    (s,) = summarize([finished("u", times)], {"u": RATE})
+    assert s.guarantee == "FAIL"
+    failed = [c.label for c in s.windows if c.passed is False]
+    assert "1s" in failed
+    assert bench.format_window(bench.tightest_window(s)).startswith("1s: 7 > 5.4")
+
+
+def test_jitter_allowance_turns_a_near_miss_into_pass_with_jitter():
+    times = [0.0] + ideal_pacing(10)  # one token over: 6 in [0, 1] > 5.4
+    (strict,) = summarize([finished("u", times)], {"u": RATE})
+    assert strict.guarantee == bench.FAIL
+    # 0.25 s of jitter at 4 tok/s tolerates one more token per window.
+    (tolerant,) = summarize([finished("u", times)], {"u": RATE}, jitter_s=0.25)
+    assert tolerant.guarantee == bench.PASS_WITH_JITTER
+    one_second = next(c for c in tolerant.windows if c.label == "1s")
+    assert one_second.within_bound is False and one_second.passed is True
+    assert one_second.jitter_allowance == 1.0
+    assert bench.format_window(one_second) == "1s: 6 > 5.4 (jitter ok)"
+    # Two tokens over is beyond that allowance.
+    (beyond,) = summarize([finished("u", [0.0, 0.0] + ideal_pacing(10))], {"u": RATE}, jitter_s=0.25)
+    assert beyond.guarantee == bench.FAIL
+    # Within the strict bound the verdict stays a plain PASS.
+    (clean,) = summarize([finished("u", ideal_pacing(10))], {"u": RATE}, jitter_s=0.25)
+    assert clean.guarantee == bench.PASS
+
+
+def test_guarantee_fails_when_the_average_rate_is_too_high():
+    times = [k / (2 * RATE) for k in range(int(10 * 2 * RATE))]  # twice the limit
+    (s,) = summarize([finished("u", times)], {}, default_limit=RATE)
+    assert s.guarantee == "FAIL"
+    assert all(c.passed is False for c in s.windows)
+
+
+def test_guarantee_spans_all_streams_of_a_user():
+    # Each stream alone is within the limit; together they are at 2x.
+    stream0 = finished("u", ideal_pacing(5), stream=0)
+    stream1 = finished("u", [t + 0.125 for t in ideal_pacing(5)], stream=1)
+    (alone,) = summarize([stream0], {"u": RATE})
+    (both,) = summarize([stream0, stream1], {"u": RATE})
+    assert alone.guarantee == "PASS"
+    assert both.guarantee == "FAIL"
+    assert both.streams == 2
+
+
+def test_no_limit_means_na():
+    (s,) = summarize([finished("u", ideal_pacing(2))], {"other": 1.0})
+    assert s.guarantee == "n/a"
+    assert all(c.bound is None and c.passed is None for c in s.windows)
+    assert s.limit_tokens_per_s is None
+    row = bench.table_rows([s])[0]
+    assert row[1] == "?" and row[6] == "n/a"
+
+
+def test_summary_order_follows_streams_and_includes_idle_users():
+    records = [finished("z", [0.0]), finished("b", [0.0]), finished("extra", [0.0])]
+    summaries = summarize(records, {}, streams={"b": 2, "z": 1, "idle": 3})
+    assert [s.user for s in summaries] == ["b", "z", "idle", "extra"]
+    idle = summaries[2]
+    assert idle.tokens == 0 and idle.streams == 3 and idle.guarantee == "n/a"
+    assert idle.tokens_per_s is None
+
+
+def test_plot_labels_survive_matplotlib_legend_rules():
+    # matplotlib drops legend labels that start with "_".
+    assert bench.plot_label(ANONYMOUS_USER) == "anonymous"
+    assert not bench.plot_label("_hidden").startswith("_")
+    assert bench.plot_label("user-a") == "user-a"
+
+
+def test_text_report_lists_every_user_and_window():
+    summaries = summarize(
+        [finished("a", ideal_pacing(3)), finished(ANONYMOUS_USER, [0.0, 0.0, 0.0])],
+        {"a": RATE},
+    )
+    text = bench.format_report(summaries)
+    assert "PASS" in text and ANONYMOUS_USER in text and "span" in text
+    assert text.splitlines()[0].split()[0] == "user"
+
+
+# --------------------------------------------------------------------------
+# README rendering
+# --------------------------------------------------------------------------
+
+
+def sample_result() -> dict:
+    summaries = summarize(
+        [finished("user-a", ideal_pacing(3)), finished("b|c", [0.0, 0.5], completion_tokens=3)],
+        {"user-a": RATE},
+        streams={"user-a": 1, "b|c": 1},
+    )
+    return {
+        "schema": bench.SCHEMA,
+        "command": "vllm-output-rate bench --user user-a:1 --duration 3",
+        "started_at": "2025-01-02T03:04:05+00:00",
+        "config": {"model": "tiny", "duration_s": 3.0, "windows_s": [1.0, 2.0, 5.0], "burst_s": 0.1},
+        "summary": [s.to_dict() for s in summaries],
+    }
+
+
+def test_render_section_has_command_date_note_table_and_image():
+    text = report.render_section(sample_result(), "bench.png", note="8-core laptop")
+    assert "`vllm-output-rate bench --user user-a:1 --duration 3`" in text
+    assert "2025-01-02T03:04:05+00:00" in text
+    assert "Machine: 8-core laptop" in text
+    assert "![Cumulative output tokens per user](bench.png)" in text
+    table = [line for line in text.splitlines() if line.startswith("|")]
+    assert len(table) == 4  # header, rule, two users
+    assert "| user-a | 4 |" in table[2] and "PASS" in table[2]
+    assert "b\\|c" in table[3] and "NO (1)" in table[3]  # pipe escaped; mismatch shown
+    assert all(line.count(" | ") == len(bench.TABLE_HEADERS) - 1 for line in table[2:])
+
+
+def test_render_section_without_note_or_image():
+    text = report.render_section(sample_result())
+    assert "Machine" not in text and "![" not in text
+
+
+README = "# Title\n\nintro\n\n<!-- bench:start -->\nold table\n<!-- bench:end -->\n\nafter\n"
+
+
+def test_replace_section_swaps_only_the_marked_text():
+    updated = report.replace_section(README, "bench", "new table\n")
+    assert updated == (
+        "# Title\n\nintro\n\n<!-- bench:start -->\nnew table\n<!-- bench:end -->\n\nafter\n"
+    )
+    # Idempotent: replacing again with the same body changes nothing.
+    assert report.replace_section(updated, "bench", "new table") == updated
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "no markers at all",
+        "<!-- bench:start -->\nonly a start",
+        "<!-- bench:end -->\nx\n<!-- bench:start -->",
+        README + README,
+    ],
+)
+def test_replace_section_rejects_bad_markers(text):
+    with pytest.raises(report.SectionError):
+        report.replace_section(text, "bench", "body")
+
+
+def test_replace_section_leaves_other_sections_alone():
+    text = README + "<!-- other:start -->\nkeep\n<!-- other:end -->\n"
+    updated = report.replace_section(text, "bench", "new")
+    assert "<!-- other:start -->\nkeep\n<!-- other:end -->" in updated
+
+
+def test_report_main_missing_markers_fails_and_keeps_readme(tmp_path, capsys):
+    result = tmp_path / "r.json"
+    result.write_text(json.dumps(sample_result()))
+    readme = tmp_path / "README.md"
+    readme.write_text("nothing here\n")
+    with pytest.raises(SystemExit) as exc:
+        report.main(["--bench", str(result), "--readme", str(readme), "--section", "bench"])
+    assert exc.value.code == 1
+    assert "bench:start" in capsys.readouterr().err
+    assert readme.read_text() == "nothing here\n"
+
+
+# --------------------------------------------------------------------------
+# End to end against a fake OpenAI-compatible server on 127.0.0.1
+# --------------------------------------------------------------------------
+
+CHUNK_SIZES = (3, 1, 2, 4)  # tokens per SSE chunk, cycled: several per chunk
+
+
+@dataclass
+class FakeServerState:
+    tokens_sent: Counter = field(default_factory=Counter)
+    bodies: list = field(default_factory=list)
+
+
+def make_fake_app(state: FakeServerState):
+    from aiohttp import web
+
+    def sse(payload) -> bytes:
+        return f"data: {json.dumps(payload)}\n\n".encode()
+
+    async def models(request):
+        return web.json_response({"object": "list", "data": [{"id": "fake-model"}]})
+
+    async def completions(request):
+        body = await request.json()
+        state.bodies.append(body)
+        user = body.get("vllm_xargs", {}).get(USER_ARG, ANONYMOUS_USER)
+        if user == "broken":
+            return web.json_response({"error": {"message": "nope"}}, status=500)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        # Like vLLM: a first chunk may carry the prompt ids and no output token.
+        await response.write(sse({"choices": [{"index": 0, "text": "", "token_ids": [], "prompt_token_ids": [1, 2]}]}))
+        remaining, next_id, size_index = body["max_tokens"], 100, 0
+        while remaining:
+            size = min(CHUNK_SIZES[size_index % len(CHUNK_SIZES)], remaining)
+            size_index += 1
+            remaining -= size
+            ids = list(range(next_id, next_id + size))
+            next_id += size
+            choice = {"index": 0, "text": "x" * size, "token_ids": ids,
+                      "finish_reason": None if remaining else "length"}
+            await response.write(sse({"choices": [choice], "usage": None}))
+            state.tokens_sent[user] += size
+            await asyncio.sleep(0.002)
+        reported = body["max_tokens"] + (1 if user == "miscount" else 0)
+        usage = {"prompt_tokens": 2, "completion_tokens": reported, "total_tokens": reported + 2}
+        await response.write(sse({"choices": [], "usage": usage}))
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/completions", completions)
+    return app
+
+
+@pytest.fixture
+def fake_server():
+    """The fake app in its own thread and event loop, on a free 127.0.0.1 port."""
+    from aiohttp import web
+
+    state = FakeServerState()
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    loop = asyncio.new_event_loop()
+    ready = threading.Event()
+    runner_box = {}
+
+    def serve():
+        asyncio.set_event_loop(loop)
+        runner = web.AppRunner(make_fake_app(state), access_log=None)
+        loop.run_until_complete(runner.setup())
+        loop.run_until_complete(web.SockSite(runner, sock).start())
+        runner_box["runner"] = runner
+        ready.set()
+        loop.run_forever()
+        loop.run_until_complete(runner.cleanup())
+        loop.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    assert ready.wait(10), "fake server did not start"
+    try:
+        yield f"http://127.0.0.1:{port}", state
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+
+
+def test_bench_counts_tokens_exactly_against_fake_server(fake_server, tmp_path, capsys):
+    url, state = fake_server
+    out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
+    bench.main([
+        "--url", url,
+        "--user", "alice:2:10",
+        "--user", "-:1:7",
+        "--user", "miscount:1:5",
+        "--user", "broken:1",
+        "--duration", "0.6",
+        "--grace", "10",
+        "--limit", "alice=1000",
+        "--default-limit", "1000",
+        "--json", str(out_json),
+        "--plot", str(out_png),
+        "--no-progress",
+    ])
+    printed = capsys.readouterr().out
+    assert "model=fake-model" in printed
+
+    document = json.loads(out_json.read_text())
+    assert set(document) >= {"schema", "command", "started_at", "config", "summary", "requests", "totals"}
+    records = bench.records_from_document(document)
+    summaries = {s["user"]: s for s in document["summary"]}
+    assert list(summaries) == ["alice", ANONYMOUS_USER, "miscount", "broken"]
+
+    # Exact counts: what the client recorded is what the server sent.
+    received = Counter()
+    for record in records:
+        received[record.user] += len(record.token_times)
+    assert received == state.tokens_sent
+    for user in ("alice", ANONYMOUS_USER, "miscount"):
+        assert summaries[user]["tokens"] == state.tokens_sent[user] > 0
+    # Every finished request ran to max_tokens and nothing was cut off.
+    max_tokens = {"alice": 10, ANONYMOUS_USER: 7, "miscount": 5}
+    for record in records:
+        if record.user != "broken":
+            assert record.status == FINISHED
+            assert len(record.token_times) == max_tokens[record.user]
+    assert summaries["alice"]["requests_finished"] >= 2  # both streams re-issued
+
+    assert summaries["alice"]["usage_match"] is True
+    assert summaries[ANONYMOUS_USER]["usage_match"] is True
+    assert summaries["miscount"]["usage_match"] is False
+    assert summaries["miscount"]["usage_mismatches"] == summaries["miscount"]["requests_finished"]
+    assert summaries["broken"]["errors"] >= 1 and summaries["broken"]["tokens"] == 0
+    assert {r.http_status for r in records if r.user == "broken"} == {500}
+    assert summaries["alice"]["guarantee"] == "PASS"
+    assert document["config"]["jitter_s"] == bench.DEFAULT_JITTER_S
+
+    # Anonymous requests carry no identity; the others do.
+    for body in state.bodies:
+        assert body["model"] == "fake-model"
+        assert body["return_token_ids"] is True and body["stream"] is True
+    assert sum(1 for b in state.bodies if "vllm_xargs" not in b) == summaries[ANONYMOUS_USER]["requests_started"]
+
+    # The raw data reproduces the summary.
+    assert [s.to_dict() for s in bench.summarize_document(document)] == document["summary"]
+
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    readme = tmp_path / "README.md"
+    readme.write_text(README)
+    report.main([
+        "--bench", str(out_json), "--png", str(out_png), "--readme", str(readme),
+        "--section", "bench", "--note", "test machine",
+    ])
+    text = readme.read_text()
+    assert "old table" not in text and "after\n" in text
+    assert "![Cumulative output tokens per user](bench.png)" in text
+    assert "| alice | 1000 |" in text and "Machine: test machine" in text
+
+
+def test_report_draws_missing_plot_from_json(fake_server, tmp_path):
+    url, _ = fake_server
+    out_json = tmp_path / "r.json"
+    bench.main(["--url", url, "--user", "a:1:3", "--duration", "0.1", "--json", str(out_json), "--no-progress"])
+    readme = tmp_path / "docs" / "README.md"
+    readme.parent.mkdir()
+    readme.write_text(README)
+    png = tmp_path / "img" / "plot.png"
+    report.main(["--bench", str(out_json), "--png", str(png), "--readme", str(readme), "--section", "bench"])
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    assert "](../img/plot.png)" in readme.read_text()
+
+
+def test_unreachable_server_exits_nonzero_with_one_line(capsys):
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--url", f"http://127.0.0.1:{port}", "--user", "a:1", "--duration", "1", "--no-progress"])
+    assert exc.value.code == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "cannot reach server" in err

@@ -1,0 +1,567 @@
+"""Configuration surface: CLI flag validation, refused modes, help, engine config.
+
+Three kinds of tests:
+
+* fast CLI tests -- ``vllm-output-rate serve <tiny> <bad flags>`` must fail
+  before vLLM is imported, with exactly one ``vllm-output-rate: error:`` line;
+* slow CLI tests -- refused modes (data/pipeline parallel, speculative
+  decoding, custom scheduler class) are detected while vLLM builds its
+  config, so vLLM is imported (~15-25 s each on 2 cores) but no engine runs;
+* in-process tests on ``EngineArgs`` / ``AsyncEngineArgs`` with the plugin's
+  patches installed, and the vLLM version guard.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from server_harness import CLI, free_port, run_cli, server_env
+from vllm_output_rate.adapter import compat
+from vllm_output_rate.adapter import patches as patches_module  # no vLLM import at load
+from vllm_output_rate.adapter.compat import UnsupportedVllmVersion, require_supported_vllm
+from vllm_output_rate.settings import (
+    DEFAULT_FLAG,
+    DEFAULT_KEY,
+    OVERRIDES_FLAG,
+    OVERRIDES_KEY,
+    OutputRateConfigError,
+)
+
+SCHEDULER_CLS = "vllm_output_rate.adapter.scheduler.OutputRateScheduler"
+ERROR_PREFIX = "vllm-output-rate: error: "
+FAST_LIMIT_S = 15.0  # bad flag values must be refused before vLLM is imported
+SLOW_LIMIT_S = 60.0  # refused modes: vLLM is imported and builds its config
+
+
+# -- helpers -----------------------------------------------------------------------
+
+
+def _stderr_lines(proc: subprocess.CompletedProcess) -> list[str]:
+    return [line for line in proc.stderr.splitlines() if line.strip()]
+
+
+def _run_bounded(args: list[str], timeout: float) -> tuple[subprocess.CompletedProcess, float]:
+    """Run ``vllm-output-rate ARGS``; on timeout stop its whole process group by PID."""
+    start = time.monotonic()
+    proc = subprocess.Popen(
+        [str(CLI), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=server_env(),
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate(timeout=30)
+        pytest.fail(f"{args} did not exit within {timeout}s; stderr tail:\n{err[-3000:]}")
+    elapsed = time.monotonic() - start
+    _assert_group_gone(proc.pid)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), elapsed
+
+
+def _assert_group_gone(pgid: int) -> None:
+    """No process of the CLI's group (engine core, workers) may outlive it."""
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        if time.monotonic() > deadline:
+            os.killpg(pgid, signal.SIGKILL)
+            pytest.fail("processes of the refused `serve` were still running after it exited")
+        time.sleep(0.2)
+
+
+# -- fixtures ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def plugin():
+    """vLLM with the plugin's patches installed (what vLLM's plugin loader does)."""
+    import vllm_output_rate
+
+    vllm_output_rate.register()
+    vllm_output_rate.register()  # idempotent
+    from vllm_output_rate.adapter import patches
+
+    return patches
+
+
+@pytest.fixture(autouse=True)
+def _restore_frontend_flag(monkeypatch):
+    """Creating an engine config flips a process-global; keep other tests unaffected."""
+    monkeypatch.setattr(patches_module, "_frontend_active", patches_module._frontend_active)
+
+
+def _on(default=5, overrides=None) -> dict:
+    section = {DEFAULT_KEY: default}
+    if overrides is not None:
+        section[OVERRIDES_KEY] = overrides
+    return {"output_rate": section}
+
+
+def _engine_args(tiny_model_dir, **kwargs):
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(model=tiny_model_dir, max_model_len=256, **kwargs)
+
+
+# -- fast CLI refusals of bad flag values -------------------------------------------
+
+D, O = DEFAULT_FLAG, OVERRIDES_FLAG
+
+BAD_FLAGS = [
+    # (id, extra args, substrings the single error line must contain)
+    ("malformed-json", [D, "5", O, '{"a": 1'], [O, "malformed JSON"]),
+    ("json-nan-constant", [D, "5", O, '{"a": NaN}'], [O, "malformed JSON", "NaN"]),
+    ("json-infinity-constant", [D, "5", O, '{"a": Infinity}'], [O, "malformed JSON", "Infinity"]),
+    ("json-list", [D, "5", O, "[1, 2]"], [O, "must be a JSON object", "list"]),
+    ("json-string", [D, "5", O, '"user-a"'], [O, "must be a JSON object", "str"]),
+    ("json-number", [D, "5", O, "20"], [O, "must be a JSON object", "int"]),
+    ("json-negative-number", [D, "5", O, "-1"], [O, "must be a JSON object"]),
+    ("empty-user", [D, "5", O, '{"": 20}'], [O, "user names must be non-empty"]),
+    ("long-user", [D, "5", O, '{"%s": 20}' % ("u" * 257)], [O, "longer than 256"]),
+    ("default-not-number", [D, "fast"], [D, "must be a number", "'fast'"]),
+    ("default-empty", [D, ""], [D, "must be a number"]),
+    ("default-zero", [D, "0"], [D, "must be positive"]),
+    ("default-negative", [D, "-5"], [D, "must be positive"]),
+    ("default-negative-eq", [D + "=-0.5"], [D, "must be positive"]),
+    ("default-nan", [D, "nan"], [D, "must be a number", "NaN"]),
+    ("default-inf", [D, "inf"], [D, "must be finite"]),
+    ("default-minus-inf", [D, "-inf"], [D, "must be finite"]),
+    ("default-overflow", [D, "1e999"], [D, "must be finite"]),
+    ("default-missing-value", [D], [D, "expected one argument"]),
+    ("override-not-number", [D, "5", O, '{"a": "fast"}'], [O + "['a']", "must be a number"]),
+    ("override-bool", [D, "5", O, '{"a": true}'], [O + "['a']", "must be a number"]),
+    ("override-null", [D, "5", O, '{"a": null}'], [O + "['a']", "must be a number"]),
+    ("override-zero", [D, "5", O, '{"a": 0}'], [O + "['a']", "must be positive"]),
+    ("override-negative", [D, "5", O, '{"a": -3}'], [O + "['a']", "must be positive"]),
+    ("override-overflow", [D, "5", O, '{"a": 1e999}'], [O + "['a']", "must be finite"]),
+    ("override-without-default", [O, '{"a": 20}'], [O, "requires " + D]),
+    ("bad-override-without-default", [O, "{bad"], [O, "requires " + D]),
+]
+
+
+@pytest.mark.parametrize(
+    "args,expected", [pytest.param(a, e, id=i) for i, a, e in BAD_FLAGS]
+)
+def test_bad_flag_value_is_one_line_error(tiny_model_dir, args, expected):
+    start = time.monotonic()
+    proc = run_cli(["serve", tiny_model_dir, "--host", "127.0.0.1", *args], timeout=60)
+    elapsed = time.monotonic() - start
+
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    lines = _stderr_lines(proc)
+    assert len(lines) == 1, f"expected exactly one stderr line, got:\n{proc.stderr}"
+    line = lines[0]
+    assert line.startswith(ERROR_PREFIX), line
+    for part in expected:
+        assert part in line, f"{part!r} not in {line!r}"
+    assert "Traceback" not in proc.stderr
+    assert proc.stdout == "", "vLLM must not have started:\n" + proc.stdout[-2000:]
+    assert elapsed < FAST_LIMIT_S, f"took {elapsed:.1f}s: vLLM was probably imported"
+
+
+# -- slow CLI refusals of unsupported modes ------------------------------------------
+
+REFUSED_MODES = [
+    ("data-parallel", ["--data-parallel-size", "2"], "does not support data_parallel_size > 1"),
+    ("pipeline-parallel", ["--pipeline-parallel-size", "2"], "does not support pipeline_parallel_size > 1"),
+    (
+        "speculative-ngram",
+        ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}'],
+        "does not support speculative decoding",
+    ),
+    ("scheduler-cls", ["--scheduler-cls", "some.Class"], "does not support a custom scheduler_cls ('some.Class')"),
+]
+
+
+@pytest.mark.parametrize(
+    "args,message", [pytest.param(a, m, id=i) for i, a, m in REFUSED_MODES]
+)
+def test_unsupported_mode_is_refused_by_serve(tiny_model_dir, args, message):
+    proc, elapsed = _run_bounded(
+        [
+            "serve", tiny_model_dir,
+            "--host", "127.0.0.1", "--port", str(free_port()),
+            "--max-model-len", "256",
+            D, "5",
+            *args,
+        ],
+        timeout=SLOW_LIMIT_S + 30,
+    )
+    print(f"refusal {args[0]}: {elapsed:.1f}s")
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    lines = _stderr_lines(proc)
+    assert lines, "no error message on stderr"
+    last = lines[-1]
+    assert last.startswith(ERROR_PREFIX + "per-user output rate limiting " + message), (
+        proc.stderr[-3000:]
+    )
+    # The message is printed once and no other error line accompanies it
+    # (vLLM itself may print unrelated warnings, e.g. about Triton).
+    assert sum(ERROR_PREFIX in line for line in lines) == 1, proc.stderr
+    assert not any("error" in line.lower() for line in lines[:-1]), proc.stderr
+    assert elapsed < SLOW_LIMIT_S, f"refusal took {elapsed:.1f}s"
+
+
+# -- help ---------------------------------------------------------------------------
+
+
+def test_serve_help_lists_output_rate_group(tiny_model_dir):
+    proc, elapsed = _run_bounded(["serve", tiny_model_dir, "--help"], timeout=90)
+    print(f"serve --help: {elapsed:.1f}s")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    group_lines = [line for line in proc.stdout.splitlines() if line.strip().startswith("OutputRate")]
+    assert group_lines, proc.stdout
+    assert "Per-user output-token rate limits" in proc.stdout
+
+
+def test_serve_help_output_rate_group_shows_flags():
+    proc, elapsed = _run_bounded(["serve", "--help=OutputRate"], timeout=90)
+    print(f"serve --help=OutputRate: {elapsed:.1f}s")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = proc.stdout
+    assert "OutputRate:" in text, text
+    section = text[text.index("OutputRate:"):]
+    assert f"{DEFAULT_FLAG} N" in section, text
+    assert f"{OVERRIDES_FLAG} JSON" in section, text
+    assert "Requires --default-" in section  # help of the overrides flag (wrapped)
+
+
+def test_parser_group_holds_both_flags(plugin):
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
+    groups = [g for g in parser._action_groups if g.title == "OutputRate"]
+    assert len(groups) == 1
+    options = [opt for action in groups[0]._group_actions for opt in action.option_strings]
+    assert options == [DEFAULT_FLAG, OVERRIDES_FLAG]
+
+
+# -- in-process: EngineArgs.create_engine_config -------------------------------------
+
+
+def test_feature_on_selects_sync_scheduler(plugin, tiny_model_dir):
+    config = _engine_args(
+        tiny_model_dir, additional_config=_on(5, {"user-a": 20})
+    ).create_engine_config()
+    sched = config.scheduler_config
+    assert sched.async_scheduling is False  # the CPU platform forces it off
+    assert sched.scheduler_cls == SCHEDULER_CLS
+    assert config.additional_config["output_rate"] == {
+        DEFAULT_KEY: 5,
+        OVERRIDES_KEY: {"user-a": 20},
+    }
+    assert plugin.frontend_active() is True
+
+
+def test_feature_on_changes_nothing_but_the_scheduler_class(plugin, tiny_model_dir):
+    stock_create = type(_engine_args(tiny_model_dir)).create_engine_config.__wrapped__
+    stock = stock_create(_engine_args(tiny_model_dir, additional_config=_on(5)))
+    ours = _engine_args(tiny_model_dir, additional_config=_on(5)).create_engine_config()
+    assert stock.scheduler_config.scheduler_cls is None
+    for field in dataclasses.fields(stock.scheduler_config):
+        if field.name == "scheduler_cls":
+            continue
+        assert getattr(ours.scheduler_config, field.name) == getattr(
+            stock.scheduler_config, field.name
+        ), field.name
+
+
+@pytest.mark.parametrize(
+    "additional_config",
+    [None, {}, {"unrelated": 1}, {"output_rate": None}, {"output_rate": {}}],
+    ids=["none", "empty", "unrelated-key", "section-none", "section-empty"],
+)
+def test_feature_off_leaves_config_stock(plugin, tiny_model_dir, additional_config):
+    from vllm.engine.arg_utils import EngineArgs
+
+    stock_create = EngineArgs.create_engine_config.__wrapped__
+    assert not getattr(stock_create, "_vllm_output_rate_patch", False)
+    assert getattr(EngineArgs.create_engine_config, "_vllm_output_rate_patch", False)
+
+    kwargs = {} if additional_config is None else {"additional_config": additional_config}
+    stock = stock_create(_engine_args(tiny_model_dir, **kwargs))
+    patched = _engine_args(tiny_model_dir, **kwargs).create_engine_config()
+
+    assert patched.scheduler_config.scheduler_cls is None
+    assert patched.additional_config == stock.additional_config
+    if not (additional_config or {}).get("output_rate", "absent") in (None, {}):
+        assert "output_rate" not in patched.additional_config
+    assert patched.scheduler_config == stock.scheduler_config
+    assert str(patched) == str(stock)
+    assert patched.compute_hash() == stock.compute_hash()
+    assert plugin.frontend_active() is False
+
+
+def test_feature_off_does_not_refuse_anything(plugin, tiny_model_dir):
+    config = _engine_args(tiny_model_dir, scheduler_cls="some.Class").create_engine_config()
+    assert config.scheduler_config.scheduler_cls == "some.Class"
+    config = _engine_args(tiny_model_dir, pipeline_parallel_size=2).create_engine_config()
+    assert config.parallel_config.pipeline_parallel_size == 2
+
+
+P = "additional_config['output_rate']"
+BAD_ADDITIONAL = [
+    ("section-not-object", {"output_rate": 5}, [P, "must be an object", "int"]),
+    ("section-list", {"output_rate": [5]}, [P, "must be an object", "list"]),
+    ("unknown-key", {"output_rate": {DEFAULT_KEY: 5, "defualt": 1}}, [P, "unknown keys", "defualt"]),
+    ("default-zero", _on(0), [f"{P}['{DEFAULT_KEY}']", "must be positive"]),
+    ("default-negative", _on(-1), [f"{P}['{DEFAULT_KEY}']", "must be positive"]),
+    ("default-nan", _on(float("nan")), [f"{P}['{DEFAULT_KEY}']", "NaN"]),
+    ("default-inf", _on(float("inf")), [f"{P}['{DEFAULT_KEY}']", "must be finite"]),
+    ("default-string", _on("fast"), [f"{P}['{DEFAULT_KEY}']", "must be a number"]),
+    ("default-bool", _on(True), [f"{P}['{DEFAULT_KEY}']", "must be a number"]),
+    ("overrides-list", _on(5, [1]), [f"{P}['{OVERRIDES_KEY}']", "must be a JSON object"]),
+    ("overrides-empty-user", _on(5, {"": 1}), [f"{P}['{OVERRIDES_KEY}']", "non-empty"]),
+    ("overrides-zero", _on(5, {"u": 0}), [f"{P}['{OVERRIDES_KEY}']['u']", "must be positive"]),
+    ("overrides-inf", _on(5, {"u": float("inf")}), [f"{P}['{OVERRIDES_KEY}']['u']", "must be finite"]),
+    (
+        "overrides-without-default",
+        {"output_rate": {OVERRIDES_KEY: {"u": 1}}},
+        [f"{P}['{OVERRIDES_KEY}']", f"requires '{DEFAULT_KEY}'"],
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "additional_config,expected", [pytest.param(c, e, id=i) for i, c, e in BAD_ADDITIONAL]
+)
+def test_bad_additional_config_raises(plugin, tiny_model_dir, additional_config, expected):
+    with pytest.raises(OutputRateConfigError) as info:
+        _engine_args(tiny_model_dir, additional_config=additional_config).create_engine_config()
+    assert isinstance(info.value, ValueError)
+    message = str(info.value)
+    assert "\n" not in message
+    for part in expected:
+        assert part in message, f"{part!r} not in {message!r}"
+
+
+REFUSED_ENGINE_ARGS = [
+    ("data-parallel", {"data_parallel_size": 2}, "data_parallel_size > 1"),
+    ("pipeline-parallel", {"pipeline_parallel_size": 2}, "pipeline_parallel_size > 1"),
+    ("scheduler-cls", {"scheduler_cls": "some.Class"}, "custom scheduler_cls ('some.Class')"),
+    (
+        "speculative",
+        {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}},
+        "speculative decoding",
+    ),
+    (
+        "kv-connector",
+        {"kv_transfer_config": {"kv_connector": "SharedStorageConnector", "kv_role": "kv_both"}},
+        "KV connectors",
+    ),
+    ("kv-offloading", {"kv_offloading_size": 1.0}, "KV offloading"),
+]
+
+
+@pytest.mark.parametrize(
+    "kwargs,mode", [pytest.param(k, m, id=i) for i, k, m in REFUSED_ENGINE_ARGS]
+)
+def test_unsupported_mode_is_refused_in_process(plugin, tiny_model_dir, kwargs, mode):
+    with pytest.raises(OutputRateConfigError, match="does not support") as info:
+        _engine_args(tiny_model_dir, additional_config=_on(5), **kwargs).create_engine_config()
+    assert mode in str(info.value)
+    assert plugin.frontend_active() is False
+
+
+# -- in-process: CLI parsing into additional_config -----------------------------------
+
+
+@pytest.fixture()
+def cli_parser(plugin):
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    return AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
+
+
+def _from_cli(parser, argv):
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    return AsyncEngineArgs.from_cli_args(parser.parse_args(argv))
+
+
+def test_flags_land_in_additional_config(cli_parser, tiny_model_dir):
+    engine_args = _from_cli(
+        cli_parser,
+        ["--model", tiny_model_dir, "--max-model-len", "256",
+         D, "7.5", O, '{"user-a": 20, "user-b": 0.5}'],
+    )
+    assert engine_args.additional_config == {
+        "output_rate": {DEFAULT_KEY: 7.5, OVERRIDES_KEY: {"user-a": 20.0, "user-b": 0.5}}
+    }
+    config = engine_args.create_engine_config()
+    assert config.scheduler_config.scheduler_cls == SCHEDULER_CLS
+
+
+def test_default_flag_alone(cli_parser, tiny_model_dir):
+    engine_args = _from_cli(cli_parser, ["--model", tiny_model_dir, D, "3"])
+    assert engine_args.additional_config == {"output_rate": {DEFAULT_KEY: 3.0, OVERRIDES_KEY: {}}}
+
+
+def test_flags_merge_with_other_additional_config(cli_parser, tiny_model_dir):
+    engine_args = _from_cli(
+        cli_parser, ["--model", tiny_model_dir, D, "3", "--additional-config", '{"other": 1}']
+    )
+    assert engine_args.additional_config == {
+        "other": 1,
+        "output_rate": {DEFAULT_KEY: 3.0, OVERRIDES_KEY: {}},
+    }
+
+
+def test_flags_and_additional_config_section_are_refused_together(cli_parser, tiny_model_dir):
+    argv = [
+        "--model", tiny_model_dir, D, "3",
+        "--additional-config", '{"output_rate": {"%s": 2}}' % DEFAULT_KEY,
+    ]
+    with pytest.raises(OutputRateConfigError) as info:
+        _from_cli(cli_parser, argv)
+    assert D in str(info.value) and "--additional-config" in str(info.value)
+
+
+def test_overrides_flag_without_default_is_refused(cli_parser, tiny_model_dir):
+    with pytest.raises(OutputRateConfigError, match="requires " + D):
+        _from_cli(cli_parser, ["--model", tiny_model_dir, O, '{"a": 1}'])
+
+
+def test_no_flags_parse_like_stock(cli_parser, tiny_model_dir):
+    from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
+
+    args = cli_parser.parse_args(["--model", tiny_model_dir, "--additional-config", '{"x": 1}'])
+    assert args.default_user_output_tokens_per_second is None
+    assert args.user_output_tokens_per_second is None
+    stock_from_cli = EngineArgs.__dict__["from_cli_args"].__func__.__wrapped__
+    assert AsyncEngineArgs.from_cli_args(args) == stock_from_cli(AsyncEngineArgs, args)
+    assert AsyncEngineArgs.from_cli_args(args).additional_config == {"x": 1}
+
+
+@pytest.mark.parametrize(
+    "argv,expected",
+    [
+        ([D, "0"], [D, "must be positive"]),
+        ([D, "nan"], [D, "NaN"]),
+        ([D, "5", O, "[1]"], [O, "must be a JSON object"]),
+        ([D, "5", O, '{"a": -1}'], [O, "must be positive"]),
+    ],
+    ids=["zero", "nan", "list", "negative-override"],
+)
+def test_parser_rejects_bad_values(cli_parser, tiny_model_dir, capsys, argv, expected):
+    with pytest.raises(SystemExit) as info:
+        cli_parser.parse_args(["--model", tiny_model_dir, *argv])
+    assert info.value.code != 0
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    for part in expected:
+        assert part in err, err
+
+
+# -- version guard -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("version", ["0.31.2", "0.33.0", "1.0.0", "0.3.2", "garbage", "0"])
+def test_unsupported_versions_raise(version):
+    with pytest.raises(UnsupportedVllmVersion) as info:
+        require_supported_vllm(version)
+    message = str(info.value)
+    assert "0.32.x" in message and version in message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize("version", ["0.32.0", "0.32.3+cpu", "0.32.1rc1"])
+def test_supported_versions_pass(version):
+    assert require_supported_vllm(version) == version
+
+
+def test_installed_version_is_supported():
+    version = compat.installed_vllm_version()
+    assert version is not None and version.startswith("0.32.")
+    assert require_supported_vllm() == version
+
+
+def test_missing_vllm_raises(monkeypatch):
+    monkeypatch.setattr(compat, "installed_vllm_version", lambda: None)
+    with pytest.raises(UnsupportedVllmVersion, match="not installed"):
+        require_supported_vllm()
+
+
+def test_register_refuses_unsupported_vllm(monkeypatch):
+    import vllm_output_rate
+    from vllm_output_rate.adapter import patches
+
+    applied = []
+    monkeypatch.setattr(compat, "installed_vllm_version", lambda: "0.31.0")
+    monkeypatch.setattr(patches, "apply_all", lambda: applied.append(True))
+    with pytest.raises(UnsupportedVllmVersion, match="0.31.0"):
+        vllm_output_rate.register()
+    assert applied == [], "patches must not be installed on an unsupported vLLM"
+
+
+@pytest.fixture()
+def no_real_vllm_serve(monkeypatch):
+    """Guard for in-process ``cmd_serve``: never let it reach vLLM's real serve."""
+    import vllm.entrypoints.cli.main as vllm_cli_main
+
+    calls = []
+    monkeypatch.setattr(vllm_cli_main, "main", lambda: calls.append(list(sys.argv)))
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setattr(importlib.metadata, "version", importlib.metadata.version)
+    return calls
+
+
+@pytest.mark.parametrize(
+    "version,expected", [("0.31.0", "0.31.0"), ("0.33.1", "0.33.1"), (None, "not installed")]
+)
+def test_cmd_serve_refuses_unsupported_vllm(
+    monkeypatch, capsys, tiny_model_dir, no_real_vllm_serve, version, expected
+):
+    from vllm_output_rate.tools import cli
+
+    monkeypatch.setattr(compat, "installed_vllm_version", lambda: version)
+    with pytest.raises(SystemExit) as info:
+        cli.cmd_serve([tiny_model_dir, D, "5"])
+    assert info.value.code not in (0, None)
+    assert no_real_vllm_serve == []
+    captured = capsys.readouterr()
+    lines = [line for line in captured.err.splitlines() if line.strip()]
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith(ERROR_PREFIX) and expected in lines[0]
+
+
+def test_cmd_serve_turns_config_error_into_one_line(monkeypatch, capsys, tiny_model_dir, no_real_vllm_serve):
+    import vllm.entrypoints.cli.main as vllm_cli_main
+    from vllm_output_rate.tools import cli
+
+    def refuse():
+        raise OutputRateConfigError("per-user output rate limiting does not support X: why")
+
+    monkeypatch.setattr(vllm_cli_main, "main", refuse)
+    with pytest.raises(SystemExit) as info:
+        cli.cmd_serve([tiny_model_dir, D, "5"])
+    assert info.value.code not in (0, None)
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert lines == [ERROR_PREFIX + "per-user output rate limiting does not support X: why"]
+
+
+def test_cmd_serve_passes_arguments_through(capsys, tiny_model_dir, no_real_vllm_serve):
+    from vllm_output_rate.tools import cli
+
+    argv = [tiny_model_dir, "--host", "127.0.0.1", D, "5", O, '{"a": 2}']
+    cli.cmd_serve(argv)
+    assert no_real_vllm_serve == [["vllm", "serve", *argv]]
+    assert capsys.readouterr().err == ""

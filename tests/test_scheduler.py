@@ -1,0 +1,407 @@
+"""Our scheduler subclasses, driven on vLLM's real Scheduler and KV manager.
+
+No model runs: the harness fabricates each step's sampled tokens and a fake
+clock drives the limiter, so every assertion here is exact.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import RequestStatus
+
+from sched_harness import MS, Harness, max_in_window
+from vllm_output_rate.adapter.scheduler import OutputRateAsyncScheduler, OutputRateScheduler
+
+S = 1_000_000_000
+
+
+def limits(default, **users):
+    return {
+        "default_user_output_tokens_per_second": default,
+        "user_output_tokens_per_second": users,
+    }
+
+
+def bound(window_s: float, rate: float) -> int:
+    return int((window_s + 0.1) * rate + 1 + 1e-9)
+
+
+def assert_all_done(h: Harness, initial_free: int) -> None:
+    sched = h.sched
+    assert not sched.running and not sched.waiting and not sched.kv_holding_waiting
+    assert h.free_blocks() == initial_free, "KV blocks leaked"
+    for rid, rec in h.records.items():
+        assert rec.finished, rid
+        if rid not in h.stop_at:
+            assert len(rec.sample_times) == rec.max_tokens, f"{rid} truncated"
+    if hasattr(sched, "output_rate_gate"):
+        assert sched.output_rate_gate.num_resident() == 0
+
+
+# -- the article's timeline ----------------------------------------------------------
+
+
+def test_article_timeline_two_at_start_then_one_every_third_step_rotating():
+    h = Harness(limits(10))
+    streams = [h.add("a", prompt_len=8, max_tokens=50).request_id for _ in range(4)]
+    grants = []  # (time ms, request id)
+    for _ in range(31):  # t = 0 .. 900 ms in 30 ms steps
+        now_ms = (h.clock.now_ns - h.clock.__class__().now_ns) // MS
+        h.step(30 * MS)
+        grants += [(now_ms, rid) for rid in h.sampled_log[-1]]
+    times = [t for t, _ in grants]
+    assert times == [0, 0, 120, 210, 300, 420, 510, 600, 720, 810, 900]
+    # After the burst, the streams take turns: every 4 consecutive grants
+    # cover all 4 streams.
+    order = [rid for _, rid in grants[2:]]
+    for i in range(len(order) - 3):
+        assert sorted(order[i : i + 4]) == sorted(streams)
+
+
+def test_clock_read_once_per_step():
+    h = Harness(limits(50))
+    calls = []
+    h.sched.output_rate_clock = lambda: calls.append(1) or h.clock.now_ns
+    for _ in range(3):
+        h.add("a", max_tokens=20)
+    for step in range(1, 30):
+        h.step()
+        assert len(calls) == step
+
+
+# -- the guarantee over long random runs -----------------------------------------------
+
+RATES = {"a": 50.0, "b": 20.0, "c": 7.5, "__anonymous__": 30.0}
+
+
+def _long_run(async_: bool, seed: int, seconds: float = 20.0):
+    rng = random.Random(seed)
+    h = Harness(
+        limits(30, a=50, b=20, c=7.5),
+        async_=async_,
+        max_num_seqs=24,
+        max_num_active_seqs=12,
+        num_blocks=600,
+        max_num_batched_tokens=256,
+    )
+    streams = {"a": 5, "b": 3, "c": 2, None: 2}
+    open_reqs: dict = {u: [] for u in streams}
+
+    def top_up():
+        for user, n in streams.items():
+            open_reqs[user] = [r for r in open_reqs[user] if not h.records[r].finished]
+            while len(open_reqs[user]) < n:
+                req = h.add(user, prompt_len=rng.randint(1, 120), max_tokens=rng.randint(1, 60))
+                if async_ and rng.random() < 0.2:
+                    h.stop_at[req.request_id] = rng.randint(0, 5)
+                open_reqs[user].append(req.request_id)
+
+    end = h.clock.now_ns + int(seconds * S)
+    while h.clock.now_ns < end:
+        top_up()
+        out = h.step(rng.randint(5, 40) * MS)
+        assert len(out.num_scheduled_tokens) <= 12
+        assert len(h.sched.running) <= 24
+        h.check_resident_consistent()
+        h.check_limiter_exact()
+    return h
+
+
+@pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
+def test_guarantee_and_rate_over_long_random_run(async_):
+    h = _long_run(async_, seed=7 if async_ else 3)
+    start = h.clock.__class__().now_ns
+    for user, rate in RATES.items():
+        times = h.charges[user]
+        for window_s in (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10):
+            most = max_in_window(times, int(window_s * S))
+            assert most <= bound(window_s, rate), (user, window_s, most)
+        # Demand always exceeds the limit, and 40 ms steps are within the
+        # 100 ms burst, so each user reaches its rate over long windows.
+        steady = [t for t in times if t >= start + 2 * S]
+        span_s = (h.clock.now_ns - (start + 2 * S)) / S
+        assert len(steady) >= 0.97 * rate * span_s, (user, len(steady), rate * span_s)
+
+
+def test_async_overcharge_at_stop_is_at_most_one_per_request():
+    h = _long_run(True, seed=11, seconds=8)
+    h.drain()
+    stopped = [rid for rid in h.stop_at if h.records[rid].finished]
+    assert stopped, "the run produced no stop-token finishes"
+    for rid, rec in h.records.items():
+        if not rec.finished:
+            continue
+        over = h.dispatched[rid] - len(rec.sample_times)
+        assert 0 <= over <= 1, (rid, over)
+
+
+def test_sync_never_overcharges():
+    h = _long_run(False, seed=5, seconds=6)
+    for rid, rec in h.records.items():
+        if rec.finished:
+            assert h.dispatched[rid] == len(rec.sample_times), rid
+
+
+# -- throttled requests give up their active slot ---------------------------------------
+
+
+def _exhaust(h: Harness, user: str, streams: int, steps: int = 3):
+    reqs = [h.add(user, prompt_len=8, max_tokens=200) for _ in range(streams)]
+    for _ in range(steps):
+        h.step(10 * MS)
+    return reqs
+
+
+def test_other_user_admitted_while_user_is_throttled():
+    h = Harness(limits(1000, a=5), max_num_seqs=8, max_num_active_seqs=2)
+    _exhaust(h, "a", streams=6, steps=8)
+    assert len(h.sched.running) == 6  # a's streams stay resident with their KV
+    b = h.add("b", prompt_len=8, max_tokens=5)
+    for _ in range(3):
+        out = h.step(10 * MS)
+        assert len(out.num_scheduled_tokens) <= 2
+    assert len(h.records[b.request_id].sample_times) >= 2
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["whole-prefill", "chunked"])
+def test_throttled_request_at_head_of_waiting_queue_does_not_block_others(chunked):
+    h = Harness(limits(1000, a=5), max_num_seqs=8, max_num_active_seqs=4, chunked=chunked)
+    _exhaust(h, "a", streams=2, steps=4)
+    # Head of the queue: a's request that must sample right away (whole
+    # prefill, or a one-token prompt under chunked prefill).
+    head = h.add("a", prompt_len=1 if chunked else 30, max_tokens=3)
+    b = h.add("b", prompt_len=8, max_tokens=3)
+    h.step(10 * MS)
+    assert b.request_id in h.step_outputs[-1].num_scheduled_tokens
+    assert head.request_id not in h.step_outputs[-1].num_scheduled_tokens
+    assert head.status == RequestStatus.WAITING
+
+
+def test_throttled_prefill_stops_before_sampling_position_with_chunked_prefill():
+    h = Harness(limits(10))
+    _exhaust(h, "a", streams=3, steps=1)
+    late = h.add("a", prompt_len=40, max_tokens=2)
+    h.step(10 * MS)
+    assert late.status == RequestStatus.RUNNING
+    assert late.num_computed_tokens == 39  # everything but the sampling position
+    assert late.num_output_tokens == 0
+    steps = 0
+    while late.num_output_tokens == 0:
+        h.step(10 * MS)
+        steps += 1
+        assert steps < 200
+    # Resumed with a one-position step, not a recomputation.
+    assert h.step_outputs[-1].num_scheduled_tokens[late.request_id] == 1
+
+
+def test_throttled_prefill_waits_whole_without_chunked_prefill():
+    h = Harness(limits(10), chunked=False)
+    _exhaust(h, "a", streams=3, steps=1)
+    late = h.add("a", prompt_len=40, max_tokens=2)
+    h.step(10 * MS)
+    assert late.status == RequestStatus.WAITING and late.num_computed_tokens == 0
+    while late.status == RequestStatus.WAITING:
+        h.step(10 * MS)
+    assert h.step_outputs[-1].num_scheduled_tokens[late.request_id] == 40
+    assert late.num_output_tokens == 1  # sampled in that very step
+    h.run_until_done()
+    assert h.records[late.request_id].finished
+
+
+# -- KV pressure and preemption ------------------------------------------------------------
+
+
+def test_kv_pressure_preempts_throttled_requests_first_fcfs():
+    # 10 usable blocks of 16 tokens.  a's 3 throttled streams hold 6; b's
+    # growing stream must take theirs, not lose its own.
+    h = Harness(limits(1000, a=2), num_blocks=11, max_num_seqs=8, max_num_active_seqs=8)
+    a_reqs = _exhaust(h, "a", streams=3, steps=1)
+    for r in a_reqs:
+        r  # each holds ceil((8 + 1) / 16) blocks after its first token
+    b = h.add("b", prompt_len=60, max_tokens=100)
+    preempted = []
+    for _ in range(60):
+        out = h.step(10 * MS)
+        preempted += list(out.preempted_req_ids)
+        h.check_resident_consistent()
+        h.check_limiter_exact()
+        if h.records[b.request_id].finished:
+            break
+    assert preempted, "the scenario did not create KV pressure"
+    assert b.request_id not in preempted
+    assert set(preempted) <= {r.request_id for r in a_reqs}
+
+
+def test_kv_pressure_admits_waiting_request_of_other_user():
+    h = Harness(limits(1000, a=2), num_blocks=9, max_num_seqs=8, max_num_active_seqs=8)
+    a_reqs = [h.add("a", prompt_len=40, max_tokens=100) for _ in range(2)]
+    for _ in range(3):
+        h.step(10 * MS)
+    free_before = h.free_blocks()
+    b = h.add("b", prompt_len=100, max_tokens=4)  # needs 7 blocks
+    assert free_before < 7
+    h.step(10 * MS)
+    assert b.request_id in h.step_outputs[-1].num_scheduled_tokens
+    assert set(h.step_outputs[-1].preempted_req_ids) <= {r.request_id for r in a_reqs}
+    # A preempted throttled request is not re-admitted while a is still out
+    # of quota (no thrash): it stays waiting over the next steps.
+    victims = [r for r in a_reqs if r.status == RequestStatus.PREEMPTED]
+    assert victims
+    for _ in range(5):
+        h.step(10 * MS)
+        assert all(v.status == RequestStatus.PREEMPTED for v in victims)
+
+
+def test_priority_policy_evicts_throttled_only_within_its_priority():
+    # a (throttled) has priority 0 = more important than b's priority 1:
+    # b's own request must be the victim, not a's.
+    h = Harness(
+        limits(1000, a=2), num_blocks=9, max_num_seqs=8, max_num_active_seqs=8, policy="priority"
+    )
+    a_reqs = [h.add("a", prompt_len=40, max_tokens=100, priority=0) for _ in range(2)]
+    for _ in range(3):
+        h.step(10 * MS)
+    b = h.add("b", prompt_len=30, max_tokens=200, priority=1)
+    seen = set()
+    for _ in range(120):
+        out = h.step(10 * MS)
+        seen |= set(out.preempted_req_ids)
+        h.check_limiter_exact()
+    assert not seen & {r.request_id for r in a_reqs}
+
+    # Same priority: the throttled requests go first.
+    h = Harness(
+        limits(1000, a=2), num_blocks=9, max_num_seqs=8, max_num_active_seqs=8, policy="priority"
+    )
+    a_reqs = [h.add("a", prompt_len=40, max_tokens=100, priority=1) for _ in range(2)]
+    for _ in range(3):
+        h.step(10 * MS)
+    b = h.add("b", prompt_len=30, max_tokens=60, priority=1)  # fits alone, not beside a
+    seen = set()
+    while not h.records[b.request_id].finished:
+        out = h.step(10 * MS)
+        seen |= set(out.preempted_req_ids)
+        h.check_limiter_exact()
+        assert h.clock.now_ns < 10**13
+    assert seen and b.request_id not in seen
+
+
+def test_refunds_are_exact_under_kv_pressure_budget_and_preemption():
+    rng = random.Random(1)
+    for policy in ("fcfs", "priority"):
+        h = Harness(
+            limits(40, a=25, b=60),
+            num_blocks=14,
+            max_num_seqs=10,
+            max_num_active_seqs=6,
+            max_num_batched_tokens=48,
+            policy=policy,
+        )
+        initial_free = h.free_blocks()
+        for i in range(30):
+            h.add(rng.choice(["a", "b", "c"]), prompt_len=rng.randint(1, 70),
+                  max_tokens=rng.randint(1, 40), priority=rng.randint(0, 2))
+        preempted = 0
+        steps = 0
+        while h.sched.has_requests():
+            out = h.step(rng.randint(5, 30) * MS)
+            preempted += len(out.preempted_req_ids)
+            h.check_limiter_exact()
+            h.check_resident_consistent()
+            steps += 1
+            assert steps < 20_000
+        assert preempted > 0, f"{policy}: no preemption exercised"
+        assert_all_done(h, initial_free)
+
+
+# -- completion, cleanup, feature off ------------------------------------------------------
+
+
+@pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
+def test_every_request_finishes_whole_and_frees_everything(async_):
+    rng = random.Random(2)
+    h = Harness(limits(80, a=15), async_=async_, max_num_seqs=8, max_num_active_seqs=4,
+                num_blocks=64)
+    initial_free = h.free_blocks()
+    for _ in range(25):
+        h.add(rng.choice(["a", "b", None]), prompt_len=rng.randint(1, 90),
+              max_tokens=rng.randint(1, 30))
+    h.run_until_done()
+    assert_all_done(h, initial_free)
+
+
+def test_aborting_throttled_requests_releases_them():
+    h = Harness(limits(1000, a=2), max_num_seqs=8, max_num_active_seqs=2)
+    initial_free = h.free_blocks()
+    reqs = _exhaust(h, "a", streams=5, steps=4)
+    waiting = h.add("a", prompt_len=1, max_tokens=3)
+    h.step()
+    for r in reqs + [waiting]:
+        h.abort(r.request_id)
+    h.step()
+    h.check_resident_consistent()
+    assert not h.sched.running and not h.sched.waiting
+    assert h.free_blocks() == initial_free
+    assert h.sched.output_rate_gate.num_resident() == 0
+
+
+def test_idle_users_are_dropped_every_256_steps():
+    h = Harness(limits(1000))
+    for user in ("u1", "u2", "u3"):
+        h.add(user, max_tokens=2)
+    h.run_until_done(dt_ns=10 * MS)
+    assert h.sched.output_rate_limiter.tracked_users() > 0
+    while h.sched.output_rate_gate._steps % 256:
+        h.step(10 * MS)
+    assert h.sched.output_rate_limiter.tracked_users() == 0
+
+
+def test_idle_wait_hint_only_when_everything_is_throttled():
+    h = Harness(limits(1000, a=10))
+    _exhaust(h, "a", streams=2, steps=1)
+    out = h.step(MS)
+    assert out.total_num_scheduled_tokens == 0
+    wait = h.sched.output_rate_idle_wait_s
+    assert wait is not None and 0 < wait <= 0.05
+    h.add("b", max_tokens=3)
+    out = h.step(MS)
+    assert out.total_num_scheduled_tokens > 0
+    assert h.sched.output_rate_idle_wait_s is None
+
+
+def test_feature_off_uses_stock_classes():
+    from vllm.engine.arg_utils import EngineArgs
+    from server_harness import TINY_MODEL_DIR
+
+    config = EngineArgs(model=str(TINY_MODEL_DIR), max_model_len=256).create_engine_config()
+    assert config.scheduler_config.scheduler_cls is None
+    assert config.scheduler_config.get_scheduler_cls() is Scheduler
+    on = EngineArgs(
+        model=str(TINY_MODEL_DIR), max_model_len=256,
+        additional_config={"output_rate": limits(5)},
+    ).create_engine_config()
+    assert on.scheduler_config.get_scheduler_cls() is OutputRateScheduler
+
+
+@pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
+def test_limits_never_hit_schedule_exactly_like_stock(async_):
+    def run(limit):
+        rng = random.Random(4)
+        h = Harness(limit, async_=async_, max_num_seqs=8, max_num_active_seqs=8,
+                    num_blocks=400, max_num_batched_tokens=1024)
+        trace = []
+        for step in range(150):
+            if step % 3 == 0:
+                h.add(rng.choice(["a", "b", "c"]), prompt_len=rng.randint(1, 60),
+                      max_tokens=rng.randint(1, 40))
+            out = h.step(10 * MS)
+            trace.append(dict(out.num_scheduled_tokens))
+        return trace
+
+    stock = run(None)
+    ours = run(limits(1e9))
+    assert any(stock) and ours == stock
+    assert isinstance(Harness(limits(1), async_=True).sched, OutputRateAsyncScheduler)
