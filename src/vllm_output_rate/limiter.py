@@ -161,22 +161,28 @@ class OutputRateLimiter:
 
     # -- operations -------------------------------------------------------
 
-    def try_take(self, user: str, now_ns: int) -> bool:
-        """Take one token of ``user``'s quota at ``now_ns`` if allowed."""
+    def try_take(self, user: str, now_ns: int, count: int = 1) -> bool:
+        """Take ``count`` tokens of ``user``'s quota at ``now_ns``, all or none.
+
+        Taking ``count`` at once is exactly ``count`` successive single takes
+        at the same instant, provided all of them would succeed.
+        """
+        if count <= 0:
+            return True
         r = self._scaled(user)
         now = now_ns * r.clock_scale
         tat = self._tat.get(user, now)
         if tat < now:
             tat = now
-        if tat - now > r.burst:
+        if tat - now + (count - 1) * r.interval > r.burst:
             return False
-        self._tat[user] = tat + r.interval
+        self._tat[user] = tat + count * r.interval
         return True
 
-    def refund(self, user: str, now_ns: int) -> None:
-        """Give back one token taken earlier at a time <= ``now_ns``.
+    def refund(self, user: str, now_ns: int, count: int = 1) -> None:
+        """Give back ``count`` tokens taken earlier at a time <= ``now_ns``.
 
-        Moves TAT back by one interval.  A refund for a user without state
+        Moves TAT back by ``count`` intervals.  A refund for a user without state
         (it is idle, so its quota is already whole) does nothing; a refund
         that leaves TAT at or before now makes the user idle again.
         """
@@ -184,7 +190,7 @@ class OutputRateLimiter:
         if tat is None:
             return
         r = self._scaled(user)
-        tat -= r.interval
+        tat -= count * r.interval
         if tat <= now_ns * r.clock_scale:
             del self._tat[user]
         else:

@@ -68,7 +68,7 @@ class OutputRateSettings:
             raise OutputRateConfigError(
                 f"{where} must be an object, got {type(section).__name__}"
             )
-        unknown = sorted(set(section) - {DEFAULT_KEY, OVERRIDES_KEY})
+        unknown = sorted(set(section) - {DEFAULT_KEY, OVERRIDES_KEY}, key=repr)
         if unknown:
             raise OutputRateConfigError(f"{where}: unknown keys {unknown}")
         default = section.get(DEFAULT_KEY)
@@ -96,7 +96,12 @@ def validate_rate(value: Any, what: str) -> float:
             raise OutputRateConfigError(f"{what}: must be a number, got {value!r}") from None
     if not isinstance(value, (int, float)):
         raise OutputRateConfigError(f"{what}: must be a number, got {value!r}")
-    as_float = float(value)
+    try:
+        as_float = float(value)
+    except OverflowError:  # an int beyond float range (JSON ints are unbounded)
+        raise OutputRateConfigError(
+            f"{what}: too large, got an integer beyond float range"
+        ) from None
     if math.isnan(as_float):
         raise OutputRateConfigError(f"{what}: must be a number, got NaN")
     if math.isinf(as_float):
@@ -120,6 +125,8 @@ def validate_overrides(value: Any, what: str) -> dict[str, float]:
             raise OutputRateConfigError(
                 f"{what}: user name longer than {MAX_USER_LEN} characters"
             )
+        if isinstance(rate, str):  # JSON rates are numbers, not numeric text
+            raise OutputRateConfigError(f"{what}[{user!r}]: must be a number, got {rate!r}")
         rates[user] = validate_rate(rate, f"{what}[{user!r}]")
     return rates
 

@@ -22,7 +22,10 @@ Touch-points (vLLM 0.32):
     or abort wakes it at once) instead of polling every millisecond.
 ``sampling_params.identity``
     ``SamplingParams._verify_extra_args`` rejects malformed
-    ``output_rate_user`` values with a validation error (HTTP 400).
+    ``output_rate_user`` values with a validation error (HTTP 400) while the
+    request is parsed; ``InputProcessor._validate_params`` checks again for
+    every request an engine with the feature on accepts (this catches
+    ``SamplingParams`` built before ``LLM(...)``).
 ``beam_search``
     Beam search is refused (HTTP 400 online, ValueError offline) while the
     feature is on: its candidate expansion does not go through the
@@ -327,6 +330,27 @@ def _patch_identity_validation() -> None:
         return _verify_extra_args
 
     _install(SamplingParams, "_verify_extra_args", make)
+
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    def make_validate(original):
+        def _validate_params(self, params, *args, **kwargs):
+            result = original(self, params, *args, **kwargs)
+            enabled = self.__dict__.get("_output_rate_enabled")
+            if enabled is None:
+                config = self.vllm_config.additional_config
+                enabled = OutputRateSettings.from_additional_config(config) is not None
+                self._output_rate_enabled = enabled
+            if enabled and isinstance(params, SamplingParams):
+                try:
+                    resolve_user(params.extra_args)
+                except InvalidUserError as exc:
+                    raise VLLMValidationError(str(exc), parameter="vllm_xargs") from None
+            return result
+
+        return _validate_params
+
+    _install(InputProcessor, "_validate_params", make_validate)
 
 
 # -- beam_search -------------------------------------------------------------------

@@ -66,6 +66,7 @@ class OutputRateSchedulerMixin:
     #: Clock for the limiter, in integer nanoseconds; tests replace it.
     output_rate_clock: Callable[[], int] = staticmethod(time.monotonic_ns)
     _step_plan: StepPlan | None = None
+    _prepaid: set | None = None  # during a step: decoding requests already paid for
     _active_cap: int = 0
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -90,11 +91,11 @@ class OutputRateSchedulerMixin:
         self._chunked_prefill = bool(self.scheduler_config.enable_chunked_prefill)
         self._priority_policy = self.policy == SchedulingPolicy.PRIORITY
         self._refused_visible = 0
+        self._prepaid_hits = 0
         self._preempted_in_step: list[Request] = []
         self._evicted_in_step: list[Request] = []
         self._held_for_other_reasons = False
         self._stock_allocate_slots = self.kv_cache_manager.allocate_slots
-        self.kv_cache_manager.allocate_slots = self._allocate_slots_or_evict
 
     # -- the active cap, seen through vLLM's own admission check -----------
 
@@ -155,24 +156,36 @@ class OutputRateSchedulerMixin:
         plan = gate.plan(self.output_rate_clock(), slots)
         resident = self.running
         self._refused_visible = 0
+        self._prepaid_hits = 0
         self._preempted_in_step = []
         self._evicted_in_step = []
         self._held_for_other_reasons = False
         self.running = list(plan.visible)
+        self._prepaid = plan.prepaid
         self._step_plan = plan
+        kv_cache_manager = self.kv_cache_manager
+        if plan.throttled:
+            # Hidden throttled requests exist: allocation failures evict them
+            # first.  Otherwise vLLM's own allocate_slots runs unwrapped.
+            kv_cache_manager.allocate_slots = self._allocate_slots_or_evict
         try:
             output = super().schedule(*args, **kwargs)
         finally:
+            kv_cache_manager.__dict__.pop("allocate_slots", None)
             self._step_plan = None
-            self.running = self._merge_back(resident, self.running)
+            self._prepaid = None
+            admitted = self._settle_membership(resident, plan)
             for victim in self._evicted_in_step:
                 self.waiting.prepend_request(victim)
 
         num_scheduled = output.num_scheduled_tokens
-        for request in plan.visible:
+        for request in plan.prefills:
             if request.request_id in num_scheduled:
                 gate.set_progressing(request, _can_progress_unpaid(request))
-        gate.finish(_SampledView(num_scheduled))
+        for request in admitted:
+            gate.set_progressing(request, _can_progress_unpaid(request))
+        undisturbed = not self._preempted_in_step and self._prepaid_hits == len(plan.prepaid)
+        gate.finish(_SampledView(num_scheduled), all_prepaid_sampled=undisturbed)
         if output.total_num_scheduled_tokens == 0 and not self._held_for_other_reasons:
             wait_ns = gate.idle_wait_ns()
             self.output_rate_idle_wait_s = None if wait_ns is None else wait_ns / 1e9
@@ -180,16 +193,24 @@ class OutputRateSchedulerMixin:
             self.output_rate_idle_wait_s = None
         return output
 
-    def _merge_back(self, resident: list[Request], visible_after: list[Request]):
-        """The full resident list after a step: drop preempted, add admitted."""
+    def _settle_membership(self, resident: list[Request], plan: StepPlan) -> list[Request]:
+        """Make ``self.running`` the full resident list again; return admissions.
+
+        vLLM only appends admitted requests to the visible list and removes
+        preempted ones, so without preemption the admissions are its tail.
+        """
         gate = self.output_rate_gate
-        for request in visible_after:
-            if not gate.is_resident(request):
-                gate.admit(request, _can_progress_unpaid(request))
-                resident.append(request)
+        visible_after = self.running
         if self._preempted_in_step:
+            admitted = [r for r in visible_after if not gate.is_resident(r)]
             resident = remove_all(resident, set(self._preempted_in_step))
-        return resident
+        else:
+            admitted = visible_after[len(plan.visible):]
+        for request in admitted:
+            gate.admit(request, _can_progress_unpaid(request))
+        resident.extend(admitted)
+        self.running = resident
+        return admitted
 
     # -- vLLM hooks ------------------------------------------------------------
 
@@ -199,7 +220,11 @@ class OutputRateSchedulerMixin:
         num_new_tokens = super()._reserve_prefill_lookahead(
             request, num_computed_tokens, num_new_tokens
         )
-        if num_new_tokens <= 0 or self._step_plan is None:
+        prepaid = self._prepaid
+        if prepaid is None or num_new_tokens <= 0:
+            return num_new_tokens
+        if request in prepaid:  # a decoding stream the plan already paid for
+            self._prepaid_hits += 1
             return num_new_tokens
         sample_at = request.num_tokens + request.num_output_placeholders
         if num_computed_tokens + num_new_tokens < sample_at:

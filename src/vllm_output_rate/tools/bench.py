@@ -43,6 +43,15 @@ What is measured, and how:
 * tok/s of a user is its token count divided by its active span (first token
   to last token, all of its requests together).
 
+``--json OUT.json`` writes one object: ``schema``, ``command`` (the command
+line), ``started_at`` (UTC), ``config`` (url, model, prompt, duration_s,
+grace_s, users, limits, default_limit, burst_s, windows_s, jitter_s),
+``wall_s``, ``client`` (event-loop lag of the bench itself), ``totals``,
+``summary`` (one :class:`UserSummary` per user) and ``requests`` (one
+:class:`RequestRecord` per request: user, stream, start, token_times,
+completion_tokens, status, http_status, error).  :func:`summarize_document`
+redoes the analysis from it.
+
 The analysis (:func:`summarize`, :func:`max_in_window`, :func:`percentile`,
 ...) is pure functions over :class:`RequestRecord` lists; the network code
 only produces those records.  Proxies from the environment are ignored: the
@@ -397,7 +406,7 @@ TABLE_HEADERS = [
     "user",
     "limit tok/s",
     "streams",
-    "finished",
+    "finished/sent",
     "tokens",
     "tok/s",
     "guarantee",
@@ -697,7 +706,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--json", dest="json_path", metavar="OUT.json", help="write raw data and summary")
     parser.add_argument("--plot", dest="plot_path", metavar="OUT.png", help="draw cumulative tokens per user")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar (it is also off when stdout is not a terminal)")
     return parser
 
 

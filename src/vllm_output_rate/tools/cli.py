@@ -42,6 +42,17 @@ class _PreParser(argparse.ArgumentParser):
         _fail(message)
 
 
+def _canonical_flag(token: str) -> str:
+    """``--default_user_output...`` -> ``--default-user-output...`` (vLLM accepts both)."""
+    if not token.startswith("--"):
+        return token
+    name, sep, value = token.partition("=")
+    dashed = "--" + name[2:].replace("_", "-")
+    if dashed in (DEFAULT_FLAG, OVERRIDES_FLAG):
+        return dashed + sep + value
+    return token
+
+
 def _precheck_rate_flags(argv: list[str]) -> None:
     """Validate the two rate flags before vLLM starts, for a one-line error."""
     pre = _PreParser(add_help=False, allow_abbrev=False)
@@ -53,7 +64,7 @@ def _precheck_rate_flags(argv: list[str]) -> None:
     bound: list[str] = []
     i = 0
     while i < len(argv):
-        token = argv[i]
+        token = _canonical_flag(argv[i])
         if (
             token in (DEFAULT_FLAG, OVERRIDES_FLAG)
             and i + 1 < len(argv)
@@ -131,10 +142,17 @@ def cmd_bench(argv: list[str]) -> None:
     bench_main(argv)
 
 
+def cmd_demo(argv: list[str]) -> None:
+    from vllm_output_rate.tools.demo import main as demo_main
+
+    demo_main(argv)
+
+
 COMMANDS = {
     "serve": (cmd_serve, "run vLLM's OpenAI-compatible server with the plugin"),
     "tiny-model": (cmd_tiny_model, "write the embedded tiny model to a folder"),
     "bench": (cmd_bench, "drive many users against a server and report per-user rates"),
+    "demo": (cmd_demo, "serve the tiny model, bench a heavy and a light user, stop"),
 }
 
 

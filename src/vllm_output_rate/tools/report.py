@@ -83,6 +83,10 @@ def render_section(
         facts.append(f"model: {_code(str(config['model']))}")
     if config.get("duration_s") is not None:
         facts.append(f"duration: {config['duration_s']:g} s")
+    lag = (result.get("client") or {}).get("loop_lag_max_s")
+    if lag is not None:
+        # Tells the reader whether a FAIL could be the client's own stall.
+        facts.append(f"client loop lag max: {lag * 1000:.0f} ms")
     lines.append(" · ".join(facts))
     if note:
         lines += ["", f"Machine: {note}"]

@@ -1,0 +1,209 @@
+"""Scheduler step cost: stock vLLM ``Scheduler`` vs ours, in one process.
+
+No model runs.  Both schedulers are vLLM's real classes with a real KV cache
+manager; each step is ``schedule()`` plus ``update_from_output()`` with a
+fabricated output (one sampled token per request at a sampling position),
+and the limiter reads a fake clock advanced 10 ms per step.  Reported: the
+median microseconds per step over blocks of steps that alternate between
+the two schedulers.
+
+Scenarios, at R resident requests for R in {16, 64, 256, 1024}:
+
+``never_hit``
+    Limits configured but never reached (1e9 tok/s), every resident request
+    decoding (R requests over 2 users), active cap = R.  Compared with stock vLLM on the same workload;
+    target: ours / stock <= 1.05.
+``throttled_90``
+    90 % of resident requests belong to 14 throttled users (1 tok/s), the rest
+    to 2 users whose limit is never hit; active cap 16.
+    Target: ours at R=1024 <= 2 x ours at R=64 (the step follows the active
+    requests and throttled *users*, not throttled requests).  Stock vLLM
+    cannot hold more than the active cap resident, so it has no equivalent;
+    for reference the table shows stock with R running requests.
+
+Usage: ``python benchmarks/scheduler_step.py --out results/scheduler_step``
+(writes ``.json`` and ``.png``).  Figures are CPU-only and machine-dependent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
+
+from sched_harness import MS, TOKEN, Harness  # noqa: E402
+
+RESIDENT = (16, 64, 256, 1024)
+PROMPT_LEN = 8
+THROTTLED_USERS = 14  # U = 16 users whatever R is: 14 throttled (1 tok/s) ...
+FREE_USERS = 2  # ... and 2 whose limit is never hit
+WARMUP_STEPS = 40
+MEASURED_TOKENS = 1200  # upper bound on steps measured per build (steps x reps)
+LONG = 1_000_000  # max_tokens: nobody finishes during a measurement
+
+
+def limits(default, **users):
+    return {"default_user_output_tokens_per_second": default, "user_output_tokens_per_second": users}
+
+
+def build(scenario: str, resident: int, ours: bool) -> Harness:
+    throttled = scenario == "throttled_90"
+    active = 16 if (throttled and ours) else resident
+    # Room for every request's whole life in the run: no preemption noise.
+    blocks = resident * ((PROMPT_LEN + WARMUP_STEPS + MEASURED_TOKENS) // 16 + 2) + 64
+    h = Harness(
+        (limits(1e9, **({} if not throttled else {f"t{i}": 1.0 for i in range(THROTTLED_USERS)}))
+         if ours else None),
+        max_num_seqs=resident,
+        max_num_active_seqs=active,
+        num_blocks=blocks,
+        max_num_batched_tokens=max(2048, resident * PROMPT_LEN),
+        max_model_len=2048,
+    )
+    n_throttled = int(resident * 0.9) if throttled else 0
+    for i in range(resident):
+        if i < n_throttled:
+            user = f"t{i % THROTTLED_USERS}"
+        else:
+            user = f"u{i % FREE_USERS}"
+        h.add(user, prompt_len=PROMPT_LEN, max_tokens=LONG)
+    # Admit and prefill everybody, then let throttled users spend their burst.
+    for _ in range(WARMUP_STEPS):
+        h.step(10 * MS)
+    return h
+
+
+def time_steps(h: Harness, steps: int) -> list[float]:
+    sched = h.sched
+    samples = []
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(steps):
+            t0 = time.perf_counter_ns()
+            out = sched.schedule()
+            req_ids = list(out.num_scheduled_tokens)
+            runner = ModelRunnerOutput(
+                req_ids=req_ids,
+                req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+                sampled_token_ids=[[TOKEN]] * len(req_ids),
+            )
+            sched.update_from_output(out, runner)
+            samples.append((time.perf_counter_ns() - t0) / 1000)
+            h.clock.advance(10 * MS)
+    finally:
+        gc.enable()
+    return samples
+
+
+def measure_pair(scenario: str, resident: int, steps: int, reps: int) -> dict:
+    """Stock and ours built side by side, timed in alternating blocks.
+
+    Alternating blocks of ``steps`` steps share whatever the machine is doing
+    and the growth of the sequences, so their ratio is fair even when the
+    absolute figures drift.
+    """
+    harnesses = {"stock": build(scenario, resident, False), "ours": build(scenario, resident, True)}
+    samples: dict[str, list[float]] = {"stock": [], "ours": []}
+    block_medians: dict[str, list[float]] = {"stock": [], "ours": []}
+    for rep in range(reps):
+        order = ("stock", "ours") if rep % 2 == 0 else ("ours", "stock")
+        for who in order:
+            block = time_steps(harnesses[who], steps)
+            samples[who] += block
+            block_medians[who].append(statistics.median(block))
+    row = {
+        who: {
+            "us_per_step": statistics.median(samples[who]),
+            "block_medians_us": block_medians[who],
+            "resident": len(harnesses[who].sched.running),
+            "waiting": len(harnesses[who].sched.waiting),
+        }
+        for who in samples
+    }
+    row["ratio"] = row["ours"]["us_per_step"] / row["stock"]["us_per_step"]
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="results/scheduler_step")
+    ap.add_argument("--steps", type=int, default=50, help="steps per timed block")
+    ap.add_argument("--reps", type=int, default=10, help="timed blocks per scheduler")
+    ap.add_argument("--resident", default=",".join(map(str, RESIDENT)))
+    args = ap.parse_args()
+    sizes = [int(x) for x in args.resident.split(",")]
+    results: dict = {"never_hit": {}, "throttled_90": {}}
+    for scenario in results:
+        for r in sizes:
+            row = measure_pair(scenario, r, args.steps, args.reps)
+            results[scenario][r] = row
+            print(
+                f"{scenario:13s} R={r:5d}  stock {row['stock']['us_per_step']:9.1f} us  "
+                f"ours {row['ours']['us_per_step']:9.1f} us  ratio {row['ratio']:.3f}  "
+                f"(ours resident {row['ours']['resident']}, waiting {row['ours']['waiting']})",
+                flush=True,
+            )
+    t90 = results["throttled_90"]
+    scaling = None
+    if 64 in t90 and 1024 in t90:
+        scaling = t90[1024]["ours"]["us_per_step"] / t90[64]["ours"]["us_per_step"]
+        print(f"throttled_90: ours R=1024 / R=64 = {scaling:.2f} (target <= 2)")
+    worst = max(row["ratio"] for row in results["never_hit"].values())
+    print(f"never_hit: worst ours/stock = {worst:.3f} (target <= 1.05)")
+    doc = {
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                    "platform": platform.platform()},
+        "steps": args.steps,
+        "reps": args.reps,
+        "results": results,
+        "never_hit_worst_ratio": worst,
+        "throttled_90_scaling_1024_over_64": scaling,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(doc, indent=2) + "\n")
+    plot(doc, out.with_suffix(".png"))
+    print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
+
+
+def plot(doc: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, scenario, title in (
+        (axes[0], "never_hit", "limits never hit (active = R)"),
+        (axes[1], "throttled_90", "90% throttled (ours: active cap 16)"),
+    ):
+        rows = doc["results"][scenario]
+        rs = sorted(int(r) for r in rows)
+        for who, style in (("stock", "o--"), ("ours", "s-")):
+            ax.plot(rs, [rows[r][who]["us_per_step"] for r in rs], style, label=who)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("resident requests R")
+        ax.set_ylabel("µs per step (schedule + update)")
+        ax.set_title(title)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
