@@ -1,4 +1,4 @@
-"""A real server whose only work is throttled must not spin.
+"""A real server whose only work is throttled must not spin its engine loop.
 
 When every runnable request is out of quota, the engine core waits on its
 input queue (woken by new requests and aborts) instead of polling every
@@ -23,8 +23,20 @@ pytestmark = pytest.mark.server
 SLOW_RATE = 2  # tok/s: the throttled user's whole quota
 
 
-def engine_processes(server_pid: int) -> list[psutil.Process]:
-    return psutil.Process(server_pid).children(recursive=True)
+def engine_core_processes(server_pid: int) -> list[psutil.Process]:
+    """The engine-core process: the loop this plugin changes.
+
+    Not the model worker: vLLM's shared-memory queue busy-polls for 1 s after
+    every message it reads, so any server that runs a step at least once a
+    second (as a throttled user at 2 tok/s makes it do) keeps its worker
+    spinning, with or without this plugin.
+    """
+    procs = [
+        p for p in psutil.Process(server_pid).children(recursive=True)
+        if "EngineCore" in p.name() or "EngineCore" in " ".join(p.cmdline())
+    ]
+    assert procs, "no engine-core process found"
+    return procs
 
 
 def cpu_seconds(procs: list[psutil.Process]) -> float:
@@ -78,7 +90,7 @@ async def _stream(client, url: str, model: str, user: str, max_tokens: int, sink
 
 def test_throttled_only_engine_does_not_spin_and_others_are_served_at_once(server):
     model = httpx.get(f"{server.base_url}/v1/models").json()["data"][0]["id"]
-    procs = engine_processes(server.pid) + [psutil.Process(server.pid)]
+    procs = engine_core_processes(server.pid)
     time.sleep(2)
     idle = core_share(procs, 3.0)
 
@@ -102,6 +114,6 @@ def test_throttled_only_engine_does_not_spin_and_others_are_served_at_once(serve
     print(f"idle {idle:.3f} cores, throttled-only {throttled:.3f} cores, fast TTFT {fast_ttft:.3f}s")
     # Stock vLLM polls every 1 ms here (a large share of a core); we wait on
     # the input queue with at most 50 ms timeouts.
-    assert throttled <= idle + 0.15, (idle, throttled)
+    assert throttled <= idle + 0.10, (idle, throttled)
     # A new request wakes the engine at once.
     assert fast_ttft < 1.0
