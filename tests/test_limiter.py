@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import bisect
 import copy
-import math
 from fractions import Fraction
 
 import pytest
@@ -541,6 +540,62 @@ def test_cleanup_never_changes_any_later_outcome(seq_data, data):
     assert b.tracked_users() == 0
     for u in USERS:
         assert observe(a, u, end) == observe(b, u, end)
+
+
+@FAST
+@given(op_sequences(), st.data())
+def test_bulk_take_and_refund_equal_repeated_single_ones(seq_data, data):
+    """try_take(count) is all-or-none and, when it succeeds, exactly
+    ``count`` single takes at that instant; refund(count) is ``count``
+    single refunds."""
+    rates, burst, start, seq = seq_data
+    lim = make(rates, burst)
+    t = start
+    for gap, user, op in seq:
+        t += gap
+        run_op(lim, op, user, t)
+        probe = data.draw(st.sampled_from(USERS), label="probe")
+        count = data.draw(st.integers(1, 15), label="count")
+        bulk, singles = copy.deepcopy(lim), copy.deepcopy(lim)
+        n_ok = 0
+        while n_ok < count and singles.try_take(probe, t):
+            n_ok += 1
+        ok = bulk.try_take(probe, t, count)
+        assert ok == (n_ok == count) == (lim.available(probe, t) >= count)
+        if ok:
+            for u in USERS:
+                assert observe(bulk, u, t) == observe(singles, u, t)
+        else:
+            for u in USERS:  # nothing taken
+                assert observe(bulk, u, t) == observe(lim, u, t)
+        # Refunds, possibly at a later instant, possibly more than was taken.
+        later = t + data.draw(st.sampled_from([0, 1, 10 * MS, S]), label="later")
+        back = data.draw(st.integers(1, count + 2), label="back")
+        for _ in range(back):
+            singles.refund(probe, later)
+        bulk_ref = copy.deepcopy(bulk)
+        if ok:
+            bulk_ref.refund(probe, later, back)
+            for u in USERS:
+                assert observe(bulk_ref, u, later) == observe(singles, u, later)
+        # count <= 0 takes nothing and succeeds.
+        zero = copy.deepcopy(lim)
+        assert zero.try_take(probe, t, 0)
+        assert observe(zero, probe, t) == observe(lim, probe, t)
+
+
+def test_bulk_take_examples():
+    lim = OutputRateLimiter(20)  # 3 tokens when idle (100 ms burst, 50 ms interval)
+    assert not lim.try_take("u", 0, 4)
+    assert lim.tracked_users() == 0  # all or none
+    assert lim.try_take("u", 0, 3)
+    assert lim.available("u", 0) == 0
+    assert lim.ready_at_ns("u", 0) == 50 * MS
+    lim.refund("u", 0, 2)
+    assert lim.available("u", 0) == 2
+    lim.refund("u", 0, 5)  # more than outstanding: back to idle
+    assert lim.tracked_users() == 0
+    assert lim.available("u", 0) == 3
 
 
 def test_cleanup_of_user_with_tat_exactly_now_is_invisible():

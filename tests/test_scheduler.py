@@ -166,6 +166,25 @@ def test_other_user_admitted_while_user_is_throttled():
     assert len(h.records[b.request_id].sample_times) >= 2
 
 
+def test_throttled_user_filling_every_slot_gives_one_up_for_another_user():
+    h = Harness(limits(1000, a=5), max_num_seqs=6, max_num_active_seqs=3)
+    a_reqs = _exhaust(h, "a", streams=6, steps=6)
+    assert len(h.sched.running) == 6  # every model-runner slot is a's
+    b = h.add("b", prompt_len=8, max_tokens=3)
+    h.step(10 * MS)
+    out = h.step_outputs[-1]
+    assert b.request_id in out.num_scheduled_tokens
+    assert len(out.preempted_req_ids) == 1
+    assert out.preempted_req_ids <= {r.request_id for r in a_reqs}
+    assert len(h.sched.running) <= 6
+    h.check_resident_consistent()
+    h.check_limiter_exact()
+    # The preempted stream waits for a's quota and then finishes whole.
+    h.run_until_done()
+    assert all(h.records[r.request_id].finished for r in a_reqs)
+    assert len(h.records[a_reqs[0].request_id].sample_times) == 200
+
+
 @pytest.mark.parametrize("chunked", [False, True], ids=["whole-prefill", "chunked"])
 def test_throttled_request_at_head_of_waiting_queue_does_not_block_others(chunked):
     h = Harness(limits(1000, a=5), max_num_seqs=8, max_num_active_seqs=4, chunked=chunked)

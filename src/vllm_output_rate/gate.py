@@ -86,6 +86,7 @@ class StepGate:
         self._cleanup_every = cleanup_every
         self._max_idle_wait_ns = max_idle_wait_ns
         self._user_of: dict[Key, str] = {}
+        self._known_per_user: dict[str, int] = {}  # user -> tracked requests
         self._lane_of: dict[Key, str] = {}
         # Users with resident requests, least recently served first.
         self._lanes: OrderedDict[str, _Lane] = OrderedDict()
@@ -103,12 +104,24 @@ class StepGate:
 
     def track(self, key: Key, user: str) -> None:
         """Remember the user of a request (resolved once, at arrival)."""
+        if key not in self._user_of:
+            self._known_per_user[user] = self._known_per_user.get(user, 0) + 1
         self._user_of[key] = user
 
     def forget(self, key: Key) -> None:
         """The request is gone for good (finished or aborted)."""
         self.release(key)
-        self._user_of.pop(key, None)
+        user = self._user_of.pop(key, None)
+        if user is None:
+            return
+        left = self._known_per_user[user] - 1
+        if left:
+            self._known_per_user[user] = left
+        else:
+            del self._known_per_user[user]
+            lane = self._lanes.get(user)
+            if lane is not None and not lane:
+                del self._lanes[user]
 
     def user_of(self, key: Key) -> str:
         return self._user_of[key]
@@ -121,6 +134,9 @@ class StepGate:
         user = self._user_of[key]
         lane = self._lanes.get(user)
         if lane is None:
+            # A user with no resident request joins the service order at the
+            # back, like a queue: it is served after the users already
+            # waiting, in the order users arrived.
             lane = self._lanes[user] = _Lane()
         self._lane_of[key] = user
         if progressing:
@@ -138,8 +154,11 @@ class StepGate:
             del lane.progressing[key]
         else:
             lane.decoding.remove(key)
-        if not lane:
+        if not lane and user not in self._known_per_user:
             del self._lanes[user]
+        # A user whose requests all went back to the waiting queue (e.g.
+        # preempted) keeps its place in the service order until it has no
+        # request left at all.
 
     def set_progressing(self, key: Key, progressing: bool) -> None:
         """Update whether a resident request can advance without sampling."""
@@ -160,6 +179,10 @@ class StepGate:
         for lane in self._lanes.values():
             yield from lane.progressing
             yield from lane.decoding
+
+    def service_order(self) -> list[str]:
+        """Users holding a place in the service order, next to be served first."""
+        return list(self._lanes)
 
     def num_resident(self) -> int:
         return len(self._lane_of)
@@ -194,6 +217,8 @@ class StepGate:
                 prefills.extend(batch)
                 visible.extend(batch)
                 room -= len(batch)
+                if len(batch) < len(lane.progressing):
+                    over_cap = True  # a prefill that could run was left out
             lane.offered = 0
             if not lane.decoding:
                 continue
@@ -262,7 +287,9 @@ class StepGate:
             lane = self._lanes.get(user)
             if lane is None:
                 continue
-            for key in list(islice(lane.decoding, lane.offered, None)):
+            # Offered streams were the front of the deque; skip them by key,
+            # since a released one shifts the positions.
+            for key in list(lane.decoding):
                 if self._lane_of.get(key) == user and not self.is_charged(key):
                     yield key
 

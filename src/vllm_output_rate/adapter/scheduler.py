@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import logging
 import time
+from itertools import islice
 from typing import Any, Callable
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -163,6 +164,8 @@ class OutputRateSchedulerMixin:
         self.running = list(plan.visible)
         self._prepaid = plan.prepaid
         self._step_plan = plan
+        if plan.throttled and self.waiting:
+            self._free_slots_for_waiting(plan, len(resident))
         kv_cache_manager = self.kv_cache_manager
         if plan.throttled:
             # Hidden throttled requests exist: allocation failures evict them
@@ -265,7 +268,33 @@ class OutputRateSchedulerMixin:
             return not self.output_rate_gate.can_charge(request)
         return False
 
-    # -- KV pressure -------------------------------------------------------------
+    # -- slot and KV pressure -----------------------------------------------------
+
+    def _free_slots_for_waiting(self, plan: StepPlan, num_resident: int) -> None:
+        """Throttled requests must not keep every model-runner slot from others.
+
+        When ``max_num_seqs`` requests are resident and some of them wait for
+        quota, a waiting request of another user who can be served now takes
+        the slot of a throttled one (least recently served first), which goes
+        back to the waiting queue until its user has quota again.
+        """
+        occupied = num_resident + self.num_waiting_for_streaming_input
+        free = self.max_num_running_reqs - occupied
+        if free > 0:
+            return
+        gate = self.output_rate_gate
+        for request in list(islice(self.waiting, self._active_cap)):
+            if request.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+                continue
+            if not gate.can_charge(request):
+                continue  # its user could not run it now either
+            victim = self._throttled_victim_for(request)
+            if victim is None:
+                return
+            self._preempt_request(victim, time.monotonic())
+            plan.hidden -= 1
+
+    # KV pressure: allocation failures evict hidden throttled requests first.
 
     def _allocate_slots_or_evict(self, request: Request, *args: Any, **kwargs: Any):
         blocks = self._stock_allocate_slots(request, *args, **kwargs)

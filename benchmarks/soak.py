@@ -1,0 +1,618 @@
+#!/usr/bin/env python
+"""Soak test of per-user output rate limiting against a real server.
+
+Sends a bounded number of streamed requests (default 600) from many users
+(default 24 named users with random limits, plus anonymous traffic), with
+random prompt lengths and ``max_tokens``, about 10% of them cancelled by the
+client mid-stream (or before their first token), at bounded concurrency.  Then
+checks:
+
+* no errors (every request that was not cancelled by us answered 200);
+* no truncation: ``usage.completion_tokens`` == tokens received, and with
+  ``ignore_eos`` == ``max_tokens`` with finish_reason ``length``;
+* the ``vllm:num_requests_running`` / ``vllm:num_requests_waiting`` gauges are
+  back to 0 at the end;
+* the guarantee, tokens in any window of W s <= (W + 0.1) * N + 1, for every
+  user, three ways:
+
+  - jitter-free, over sliding windows [a, b] whose ends are request send and
+    request completion times: every token of a request sent at or after ``a``
+    and finished by ``b`` was charged inside [a, b] (the "envelope" check);
+  - per request, with the server's own first/last token timestamps
+    (``--enable-per-request-metrics``): tokens <= (gen + 0.1 + 0.05) * N + 1;
+  - over all sliding windows of the client's token receive timestamps, with an
+    allowance for delivery jitter: max(--jitter, 2 * the largest difference
+    between a request's server-side and client-side first->last interval).
+    Under CPU contention tokens reach the client in bunches, so this one
+    needs the allowance; the strict (no allowance) excess is reported too.
+
+By default it starts its own server (``vllm-output-rate serve`` on the tiny
+model, 127.0.0.1 only, stopped by PID at the end) with random per-user limits;
+``--url`` targets an existing server instead, whose limits must then be given
+with ``--default-rate`` and ``--user-rates``.
+
+Exit status 0 when every check passes, 1 otherwise.  ``--json PATH`` writes a
+summary.  Count-bounded (``--requests``) and time-bounded (``--time-limit``).
+
+Example::
+
+    VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE=1 HF_HUB_OFFLINE=1 \\
+        .venv/bin/python benchmarks/soak.py --json /tmp/soak.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import sys
+import tempfile
+import time
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+BURST_S = 0.1
+#: Tolerance for server-side per-request timestamps (taken after the model
+#: step, while the limiter reads its clock before it).
+SERVER_TS_TOLERANCE_S = 0.05
+VOCAB_LO, VOCAB_HI = 10, 680
+ANON = "__anonymous__"
+
+for var, value in (
+    ("VLLM_TARGET_DEVICE", "cpu"),
+    ("VLLM_CPU_KVCACHE_SPACE", "1"),
+    ("HF_HUB_OFFLINE", "1"),
+):
+    os.environ.setdefault(var, value)
+
+
+# -- plan ----------------------------------------------------------------------
+
+
+@dataclass
+class Planned:
+    idx: int
+    user: str  # ANON for requests without identity
+    endpoint: str  # "chat" | "completions"
+    prompt_len: int
+    prompt_key: int  # same key -> same prompt (prefix-cache hits)
+    max_tokens: int
+    ignore_eos: bool
+    cancel_after: int | None  # tokens; 0 = cancel before the first token (by time)
+    cancel_delay_s: float = 0.0
+
+
+@dataclass
+class Outcome:
+    idx: int
+    user: str
+    status: int = 0
+    error: str = ""
+    cancelled: bool = False
+    t_sent: float = 0.0
+    t_done: float = 0.0
+    times: list = field(default_factory=list)
+    n_tokens: int = 0
+    finish_reason: str | None = None
+    completion_tokens: int | None = None
+    generation_time_s: float | None = None
+
+
+def make_rates(rng: random.Random, n_users: int, lo: float, hi: float) -> dict[str, float]:
+    rates = {}
+    for i in range(n_users):
+        rate = rng.uniform(lo, hi)
+        # Mix whole and fractional rates (fractions are exact in the limiter).
+        rate = round(rate) if i % 3 else round(rate * 2) / 2
+        rates[f"soak-u{i:02d}"] = max(rate, 1.0)
+    return rates
+
+
+def make_plan(args, rng: random.Random, users: list[str], rates: dict[str, float]) -> list[Planned]:
+    # Demand per user proportional to its rate, so that every user stays
+    # backlogged for a similar time and the soak does not wait on one slow user.
+    weights = [rates[u] for u in users]
+    plan = []
+    for idx in range(args.requests):
+        user = rng.choices(users, weights)[0]
+        if rng.random() < 0.2:
+            max_tokens = rng.randint(1, 4)  # very short answers
+        else:
+            max_tokens = rng.randint(5, args.max_tokens)
+        prompt_cap = args.max_model_len - max_tokens - 16  # chat template overhead
+        r = rng.random()
+        if r < 0.1:
+            prompt_len = rng.randint(max(prompt_cap - 64, 1), prompt_cap)  # near the limit
+        elif r < 0.5:
+            prompt_len = rng.randint(1, 32)
+        else:
+            prompt_len = rng.randint(1, min(prompt_cap, 600))
+        # 20% reuse one of a few shared long prompts (prefix-cache hits).
+        if rng.random() < 0.2:
+            prompt_key = rng.randint(0, 3)
+            prompt_len = min(prompt_cap, 700)
+        else:
+            prompt_key = 1000 + idx
+        cancel_after = None
+        delay = 0.0
+        if rng.random() < args.cancel_fraction:
+            if max_tokens >= 2 and rng.random() < 0.7:
+                cancel_after = rng.randint(1, max_tokens - 1)
+            else:
+                cancel_after = 0
+                delay = rng.uniform(0.05, 0.6)
+        plan.append(
+            Planned(
+                idx=idx,
+                user=user,
+                endpoint="chat" if rng.random() < 0.4 else "completions",
+                prompt_len=prompt_len,
+                prompt_key=prompt_key,
+                max_tokens=max_tokens,
+                ignore_eos=rng.random() >= 0.1,
+                cancel_after=cancel_after,
+                cancel_delay_s=delay,
+            )
+        )
+    return plan
+
+
+def prompt_for(p: Planned):
+    rng = random.Random(p.prompt_key * 7919 + p.prompt_len)
+    if p.endpoint == "completions":
+        return [rng.randrange(VOCAB_LO, VOCAB_HI) for _ in range(p.prompt_len)]
+    # Roughly one token per word for this tokenizer; stays below the cap.
+    words = ["rivers", "clouds", "tokens", "quick", "fox", "sea", "night", "steps"]
+    return " ".join(rng.choice(words) for _ in range(max(1, p.prompt_len // 2)))
+
+
+# -- client --------------------------------------------------------------------
+
+
+async def run_one(client: httpx.AsyncClient, base_url: str, model: str, p: Planned) -> Outcome:
+    out = Outcome(idx=p.idx, user=p.user)
+    body: dict = {
+        "model": model,
+        "max_tokens": p.max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "return_token_ids": True,
+    }
+    if p.ignore_eos:
+        body["ignore_eos"] = True
+    if p.user != ANON:
+        body["vllm_xargs"] = {"output_rate_user": p.user}
+    prompt = prompt_for(p)
+    if p.endpoint == "chat":
+        body["messages"] = [{"role": "user", "content": prompt}]
+        url = f"{base_url}/v1/chat/completions"
+    else:
+        body["prompt"] = prompt
+        url = f"{base_url}/v1/completions"
+
+    async def consume():
+        async with client.stream("POST", url, json=body) as resp:
+            out.status = resp.status_code
+            if resp.status_code != 200:
+                out.error = (await resp.aread()).decode(errors="replace")[:500]
+                return
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    break
+                event = json.loads(data)
+                now = time.monotonic()
+                if event.get("usage"):
+                    out.completion_tokens = event["usage"].get("completion_tokens")
+                metrics = event.get("metrics") or {}
+                if metrics.get("generation_time_ms") is not None:
+                    out.generation_time_s = metrics["generation_time_ms"] / 1000
+                for choice in event.get("choices") or []:
+                    ids = choice.get("token_ids") or []
+                    out.times.extend([now] * len(ids))
+                    out.n_tokens += len(ids)
+                    if choice.get("finish_reason"):
+                        out.finish_reason = choice["finish_reason"]
+                if p.cancel_after and out.n_tokens >= p.cancel_after:
+                    out.cancelled = True
+                    return  # leaving the context closes the connection
+
+    out.t_sent = time.monotonic()
+    try:
+        if p.cancel_after == 0:
+            try:
+                await asyncio.wait_for(consume(), timeout=p.cancel_delay_s)
+            except asyncio.TimeoutError:
+                out.cancelled = True
+        else:
+            await consume()
+    except Exception as exc:  # noqa: BLE001 - every failure is reported
+        out.error = f"{type(exc).__name__}: {exc}"
+    out.t_done = time.monotonic()
+    return out
+
+
+def read_gauges(base_url: str) -> dict[str, float]:
+    text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    out = {}
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:num_preemptions_total"):
+        out[name] = sum(
+            float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{")
+        )
+    return out
+
+
+# -- checks --------------------------------------------------------------------
+
+
+def window_excess(times: list[float], rate: float, extra_s: float) -> tuple[float, float]:
+    """Max over windows [t_i, t_j] of count - ((t_j - t_i) + BURST + extra) * N - 1.
+
+    Returns (excess, window length of the worst window).  O(n).
+    """
+    ts = sorted(times)
+    best, best_w = -math.inf, 0.0
+    min_val, min_i = math.inf, 0
+    for j, t in enumerate(ts):
+        v = j - rate * t
+        if v < min_val:
+            min_val, min_i = v, j
+        # count - (W + B + extra)N - 1 = (j - N t_j) - (i - N t_i) + 1 - (B+extra)N - 1
+        excess = (j - rate * t) - min_val - (BURST_S + extra_s) * rate
+        if excess > best:
+            best, best_w = excess, t - ts[min_i]
+    return best, best_w
+
+
+def envelope_excess(outs: list, rate: float) -> tuple[float, float, int]:
+    """Jitter-free check over whole requests.
+
+    Every token of a request was charged after the client sent it and before
+    the client saw the end of it, so the tokens of all requests sent at or
+    after ``a`` and done by ``b`` lie in a window of at most ``b - a``.
+    Returns the worst (excess, window, tokens) over all such request sets.
+    """
+    reqs = [(o.t_sent, o.t_done, o.n_tokens) for o in outs if o.n_tokens and o.t_done]
+    best = (-math.inf, 0.0, 0)
+    starts = sorted({r[0] for r in reqs})
+    ends = sorted({r[1] for r in reqs})
+    for a in starts:
+        inside = [r for r in reqs if r[0] >= a]
+        for b in ends:
+            if b <= a:
+                continue
+            count = sum(n for s0, e0, n in inside if e0 <= b)
+            if not count:
+                continue
+            excess = count - ((b - a) + BURST_S) * rate - 1
+            if excess > best[0]:
+                best = (excess, b - a, count)
+    return best
+
+
+def max_in_window(times: list[float], width: float) -> int:
+    ts = sorted(times)
+    best, i = 0, 0
+    for j, t in enumerate(ts):
+        while t - ts[i] > width:
+            i += 1
+        best = max(best, j - i + 1)
+    return best
+
+
+def check(plan, outcomes, rates_of, args, gauges_end, runtime_s) -> dict:
+    failures: list[str] = []
+    by_idx = {p.idx: p for p in plan}
+    errors = truncated = finished = cancelled = server_side = 0
+    for o in outcomes:
+        p = by_idx[o.idx]
+        if o.error or (o.status and o.status != 200):
+            errors += 1
+            failures.append(f"request {o.idx} ({o.user}): HTTP {o.status} {o.error}")
+            continue
+        if o.cancelled:
+            cancelled += 1
+            continue
+        finished += 1
+        problems = []
+        if o.completion_tokens != o.n_tokens:
+            problems.append(f"usage {o.completion_tokens} != received {o.n_tokens}")
+        if p.ignore_eos:
+            if o.finish_reason != "length" or o.n_tokens != p.max_tokens:
+                problems.append(
+                    f"finish {o.finish_reason} with {o.n_tokens}/{p.max_tokens} tokens"
+                )
+        else:
+            if o.finish_reason not in ("stop", "length") or (
+                o.finish_reason == "length" and o.n_tokens != p.max_tokens
+            ) or not 1 <= o.n_tokens <= p.max_tokens:
+                problems.append(
+                    f"finish {o.finish_reason} with {o.n_tokens}/{p.max_tokens} tokens (no ignore_eos)"
+                )
+        if o.generation_time_s is not None and o.n_tokens > 1:
+            rate = rates_of(o.user)
+            allowed = (o.generation_time_s + BURST_S + SERVER_TS_TOLERANCE_S) * rate + 1
+            if o.n_tokens > allowed:
+                server_side += 1
+                problems.append(
+                    f"server-side: {o.n_tokens} tokens in {o.generation_time_s:.3f}s > {allowed:.1f}"
+                )
+        if problems and (len(problems) > 1 or not problems[0].startswith("server-side")):
+            truncated += 1
+        if problems:
+            failures.append(f"request {o.idx} ({o.user}): " + "; ".join(problems))
+
+    # Client delivery jitter, measured: per finished request, the server's
+    # first->last output interval minus the client's first->last receive
+    # interval.  Two tokens of different requests can be displaced in opposite
+    # directions, so the receive-timestamp window check allows the larger of
+    # --jitter and twice the largest displacement seen in this run.
+    lag_spread = 0.0
+    for o in outcomes:
+        if o.generation_time_s is not None and len(o.times) > 1 and not o.cancelled:
+            lag_spread = max(lag_spread, abs(o.generation_time_s - (o.times[-1] - o.times[0])))
+    allowance = max(args.jitter, 2 * lag_spread)
+
+    per_user = {}
+    by_user: dict[str, list[Outcome]] = {}
+    for o in outcomes:
+        by_user.setdefault(o.user, []).append(o)
+    guarantee_violations = 0
+    for user, outs in sorted(by_user.items()):
+        rate = rates_of(user)
+        times = [t for o in outs for t in o.times]
+        if not times:
+            continue
+        excess, w = window_excess(times, rate, allowance)
+        strict, ws = window_excess(times, rate, 0.0)
+        env, env_w, env_n = envelope_excess(outs, rate)
+        span = max(times) - min(times)
+        entry = {
+            "rate": rate,
+            "tokens": len(times),
+            "requests": len(outs),
+            "span_s": round(span, 3),
+            "mean_rate": round((len(times) - 1) / span, 2) if span > 0 else None,
+            "max_tokens_in_1s": max_in_window(times, 1.0),
+            "max_tokens_in_5s": max_in_window(times, 5.0),
+            "bound_1s": round((1.0 + BURST_S) * rate + 1, 1),
+            "bound_5s": round((5.0 + BURST_S) * rate + 1, 1),
+            "worst_excess_sliding": round(excess, 2),
+            "worst_window_s": round(w, 3),
+            "worst_excess_sliding_strict": round(strict, 2),
+            "worst_strict_window_s": round(ws, 3),
+            "worst_excess_envelope": round(env, 2),
+            "worst_envelope_window_s": round(env_w, 3),
+            "worst_envelope_tokens": env_n,
+        }
+        per_user[user] = entry
+        if env > 1e-9:
+            guarantee_violations += 1
+            failures.append(
+                f"user {user} (N={rate}): requests sent and finished within {env_w:.3f}s "
+                f"received {env_n} tokens, {env:.1f} over the bound (jitter-free check)"
+            )
+        if excess > 1e-9:
+            guarantee_violations += 1
+            failures.append(
+                f"user {user} (N={rate}): {excess:.1f} tokens over the bound in a {w:.3f}s "
+                f"window of receive timestamps (jitter allowance {allowance:.2f}s)"
+            )
+    if gauges_end.get("vllm:num_requests_running") or gauges_end.get("vllm:num_requests_waiting"):
+        failures.append(f"gauges not back to 0 at the end: {gauges_end}")
+    if len(outcomes) < len(plan):
+        failures.append(f"only {len(outcomes)} of {len(plan)} requests completed within the time limit")
+    return {
+        "ok": not failures,
+        "runtime_s": round(runtime_s, 1),
+        "requests": len(plan),
+        "completed_outcomes": len(outcomes),
+        "finished": finished,
+        "cancelled": cancelled,
+        "errors": errors,
+        "truncated_or_miscounted": truncated,
+        "server_side_request_violations": server_side,
+        "guarantee_violations": guarantee_violations,
+        "measured_delivery_jitter_s": round(lag_spread, 3),
+        "sliding_window_allowance_s": round(allowance, 3),
+        "gauges_end": gauges_end,
+        "tokens_received": sum(o.n_tokens for o in outcomes),
+        "per_user": per_user,
+        "failures": failures[:200],
+    }
+
+
+# -- main ------------------------------------------------------------------------
+
+
+async def drive(args, base_url: str, model: str, plan: list[Planned]) -> tuple[list[Outcome], float]:
+    sem = asyncio.Semaphore(args.concurrency)
+    limits = httpx.Limits(max_connections=args.concurrency + 8, max_keepalive_connections=args.concurrency)
+    outcomes: list[Outcome] = []
+    done = 0
+    t0 = time.monotonic()
+
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600, connect=30), limits=limits) as client:
+
+        async def worker(p: Planned):
+            nonlocal done
+            async with sem:
+                o = await run_one(client, base_url, model, p)
+            outcomes.append(o)
+            done += 1
+            if done % max(1, len(plan) // 10) == 0:
+                print(f"  {done}/{len(plan)} requests done, {time.monotonic() - t0:.0f}s", flush=True)
+
+        tasks = [asyncio.create_task(worker(p)) for p in plan]
+        _, pending = await asyncio.wait(tasks, timeout=args.time_limit)
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+    return outcomes, time.monotonic() - t0
+
+
+def wait_gauges_zero(base_url: str, timeout_s: float) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        g = read_gauges(base_url)
+        if not g["vllm:num_requests_running"] and not g["vllm:num_requests_waiting"]:
+            return g
+        if time.monotonic() > deadline:
+            return g
+        time.sleep(0.25)
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--url", help="existing server (needs --default-rate and --user-rates)")
+    ap.add_argument("--default-rate", type=float, default=None,
+                    help="server's default tok/s (anonymous users); own server: default 60")
+    ap.add_argument("--user-rates", default=None,
+                    help="JSON user -> tok/s; own server: random limits when omitted")
+    ap.add_argument("--users", type=int, default=24, help="named users (random limits)")
+    ap.add_argument("--min-rate", type=float, default=10.0)
+    ap.add_argument("--max-rate", type=float, default=60.0)
+    ap.add_argument("--requests", type=int, default=600)
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=96, help="largest max_tokens drawn")
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--cancel-fraction", type=float, default=0.1)
+    ap.add_argument("--anonymous-share", type=float, default=0.05,
+                    help="weight of anonymous traffic relative to one named user's")
+    ap.add_argument("--jitter", type=float, default=0.5,
+                    help="client delivery-jitter allowance (s) in the sliding-window check")
+    ap.add_argument("--seed", type=int, default=20240601)
+    ap.add_argument("--time-limit", type=float, default=900.0, help="seconds for the request phase")
+    ap.add_argument("--max-num-seqs", type=int, default=48)
+    ap.add_argument("--max-num-active-seqs", type=int, default=16)
+    ap.add_argument("--server-arg", action="append", default=[],
+                    help="extra vllm serve argument for the own server (repeatable), "
+                    "e.g. --server-arg=--num-gpu-blocks-override=40")
+    ap.add_argument("--log-dir", default=None, help="server log folder (own server)")
+    ap.add_argument("--json", dest="json_path", default=None, help="write the summary here")
+    ap.add_argument("--dump-requests", default=None,
+                    help="write every request's plan and outcome (JSON lines) here")
+    args = ap.parse_args(argv)
+    if args.url and (args.default_rate is None or args.user_rates is None):
+        ap.error("--url needs --default-rate and --user-rates matching the server")
+    if args.users < 1 or args.requests < 1 or args.concurrency < 1:
+        ap.error("--users, --requests and --concurrency must be positive")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    rng = random.Random(args.seed)
+    default_rate = args.default_rate if args.default_rate is not None else 60.0
+    if args.user_rates is not None:
+        rates = {k: float(v) for k, v in json.loads(args.user_rates).items()}
+    else:
+        rates = make_rates(rng, args.users, args.min_rate, args.max_rate)
+    users = list(rates)
+    all_rates = dict(rates)
+    all_rates[ANON] = default_rate
+    plan_rates = dict(rates)
+    plan_rates[ANON] = args.anonymous_share * (sum(rates.values()) / len(rates))
+    plan = make_plan(args, rng, users + [ANON], plan_rates)
+
+    def rates_of(user: str) -> float:
+        return rates.get(user, default_rate)
+
+    demand = sum(p.max_tokens for p in plan)
+    est = max(
+        sum(p.max_tokens for p in plan if p.user == u) / all_rates[u] for u in all_rates
+        if any(p.user == u for p in plan)
+    )
+    print(
+        f"soak: {len(plan)} requests, {len(users)} named users + anonymous, "
+        f"rates {min(rates.values())}..{max(rates.values())} tok/s (default {default_rate}), "
+        f"{sum(1 for p in plan if p.cancel_after is not None)} to cancel, "
+        f"{demand} tokens requested, slowest user needs >= {est:.0f}s",
+        flush=True,
+    )
+
+    with ExitStack() as stack:
+        if args.url:
+            base_url = args.url.rstrip("/")
+            model = httpx.get(f"{base_url}/v1/models", timeout=10).json()["data"][0]["id"]
+            server = None
+        else:
+            sys.path.insert(0, str(REPO / "tests"))
+            from server_harness import running_server
+
+            log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="soak-logs-"))
+            log_dir.mkdir(parents=True, exist_ok=True)
+            server_args = [
+                "--default-user-output-tokens-per-second", str(default_rate),
+                "--user-output-tokens-per-second", json.dumps(rates),
+                "--max-num-seqs", str(args.max_num_seqs),
+                "--max-num-active-seqs", str(args.max_num_active_seqs),
+                "--max-model-len", str(args.max_model_len),
+                "--max-num-batched-tokens", "512",
+                "--enforce-eager",
+                "--enable-per-request-metrics",
+                *args.server_arg,
+            ]
+            t_start = time.monotonic()
+            server = stack.enter_context(running_server(server_args, log_dir, "soak"))
+            base_url, model = server.base_url, server.model
+            print(f"server pid {server.pid} at {base_url} up in {time.monotonic() - t_start:.0f}s; "
+                  f"log {server.log_path}", flush=True)
+
+        g0 = read_gauges(base_url)
+        outcomes, runtime = asyncio.run(drive(args, base_url, model, plan))
+        gauges_end = wait_gauges_zero(base_url, 15.0)
+        summary = check(plan, outcomes, rates_of, args, gauges_end, runtime)
+        summary["preemptions"] = gauges_end["vllm:num_preemptions_total"] - g0["vllm:num_preemptions_total"]
+        summary["config"] = {
+            k: v for k, v in vars(args).items() if k not in ("json_path",)
+        } | {"default_rate": default_rate, "user_rates": rates}
+        if server is not None:
+            summary["server_log"] = str(server.log_path)
+            if not summary["ok"]:
+                summary["server_log_tail"] = server.log_tail(40)
+
+    # -- report --
+    print(f"\nruntime {summary['runtime_s']}s: {summary['finished']} finished, "
+          f"{summary['cancelled']} cancelled, {summary['errors']} errors, "
+          f"{summary['truncated_or_miscounted']} truncated/miscounted, "
+          f"{summary['server_side_request_violations']} over the bound per request (server-side), "
+          f"{summary['guarantee_violations']} users over the bound, "
+          f"{summary['tokens_received']} tokens, {summary['preemptions']:.0f} preemptions; "
+          f"gauges at end {summary['gauges_end']}")
+    print(f"delivery jitter measured {summary['measured_delivery_jitter_s']}s; sliding-window "
+          f"allowance {summary['sliding_window_allowance_s']}s.  Excess = tokens over "
+          f"(W + 0.1 [+ allowance]) * N + 1 in the worst window (<= 0 is within the guarantee)")
+    print(f"{'user':<16}{'N':>7}{'reqs':>6}{'tokens':>8}{'mean':>8}{'max1s':>7}{'bnd1s':>7}"
+          f"{'envelope':>10}{'sliding':>9}{'strict':>8}")
+    for user, e in summary["per_user"].items():
+        print(f"{user:<16}{e['rate']:>7}{e['requests']:>6}{e['tokens']:>8}{str(e['mean_rate']):>8}"
+              f"{e['max_tokens_in_1s']:>7}{e['bound_1s']:>7}{e['worst_excess_envelope']:>10}"
+              f"{e['worst_excess_sliding']:>9}{e['worst_excess_sliding_strict']:>8}")
+    for line in summary["failures"][:30]:
+        print("FAIL:", line)
+    if summary.get("server_log_tail"):
+        print("server log tail:\n" + summary["server_log_tail"])
+    print("RESULT:", "PASS" if summary["ok"] else "FAIL")
+    if args.dump_requests:
+        by_idx = {o.idx: o for o in outcomes}
+        with open(args.dump_requests, "w") as fh:
+            for p in plan:
+                o = by_idx.get(p.idx)
+                fh.write(json.dumps({"plan": asdict(p), "outcome": asdict(o) if o else None}) + "\n")
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps(summary, indent=2, default=str))
+    return 0 if summary["ok"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

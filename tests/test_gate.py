@@ -1,0 +1,1093 @@
+"""Tests of the per-step gate (:mod:`vllm_output_rate.gate`).
+
+The gate runs over a real :class:`OutputRateLimiter`; time is a plain integer
+(a fake clock) passed to :meth:`StepGate.plan`.  Keys are plain strings.
+
+A step follows the protocol the scheduler adapter uses: ``plan`` (which
+prepays the decoding streams it offers) -> ``charge`` / ``can_charge`` /
+``release`` / ``throttled_victims`` -> ``admit`` of newly scheduled requests
+-> ``set_progressing`` of prefills and admissions -> ``finish(sampled)`` ->
+``idle_wait_ns``.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vllm_output_rate.gate import (
+    CLEANUP_EVERY_STEPS,
+    MAX_IDLE_WAIT_NS,
+    StepGate,
+)
+from vllm_output_rate.limiter import OutputRateLimiter
+
+MS = 1_000_000
+S = 1_000_000_000
+
+# With the default 100 ms burst:
+#   5 tok/s  -> interval 200 ms, 1 token available when idle
+#   20 tok/s -> interval 50 ms, 3 tokens available when idle
+#   1000/s   -> interval 1 ms, 101 tokens available when idle
+#   0.5/s    -> interval 2 s, 1 token available when idle
+RATES = {"one": 5, "three": 20, "lots": 1000, "slow": 0.5}
+
+
+class CountingLimiter(OutputRateLimiter):
+    """A real limiter that records what the gate asks of it."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.takes: list[tuple[str, int]] = []
+        self.refunds: list[tuple[str, int]] = []
+        self.cleanups: list[int] = []
+
+    def try_take(self, user, now_ns, count=1):
+        self.takes.append((user, count))
+        return super().try_take(user, now_ns, count)
+
+    def refund(self, user, now_ns, count=1):
+        self.refunds.append((user, count))
+        return super().refund(user, now_ns, count)
+
+    def cleanup_idle_users(self, now_ns):
+        self.cleanups.append(now_ns)
+        return super().cleanup_idle_users(now_ns)
+
+
+def new_gate(default=1000, rates=None, **kw) -> tuple[StepGate, CountingLimiter]:
+    lim = CountingLimiter(default, RATES if rates is None else rates)
+    return StepGate(lim, **kw), lim
+
+
+def add(gate: StepGate, user: str, *keys: str, progressing: bool = False) -> None:
+    for k in keys:
+        gate.track(k, user)
+        gate.admit(k, progressing)
+
+
+def step(gate: StepGate, now: int, slots: int, serve=None):
+    """One step: plan, charge every visible key (or ``serve``), all sampled."""
+    plan = gate.plan(now, slots)
+    keys = plan.visible if serve is None else serve
+    sampled = {k for k in keys if gate.charge(k)}
+    gate.finish(sampled)
+    return plan
+
+
+def observe(lim: OutputRateLimiter, users, now):
+    return {u: (lim.available(u, now), lim.ready_at_ns(u, now)) for u in users}
+
+
+def taken(lim: CountingLimiter) -> int:
+    return sum(c for _, c in lim.takes)
+
+
+# ---------------------------------------------------------------------------
+# Membership bookkeeping
+# ---------------------------------------------------------------------------
+
+
+def test_membership():
+    gate, _ = new_gate()
+    gate.track("p", "u")
+    assert gate.user_of("p") == "u"
+    assert not gate.is_resident("p")
+    add(gate, "u", "d1", "d2")
+    gate.admit("p", True)
+    add(gate, "v", "x")
+    assert gate.num_resident() == 4
+    # Lane by lane, prefills before decoding streams.
+    assert list(gate.resident()) == ["p", "d1", "d2", "x"]
+    gate.set_progressing("p", False)
+    gate.set_progressing("d1", True)
+    assert list(gate.resident()) == ["d1", "d2", "p", "x"]
+    gate.set_progressing("d1", True)  # idempotent
+    gate.set_progressing("x", False)  # idempotent
+    gate.set_progressing("nobody", True)  # not resident: ignored
+    assert list(gate.resident()) == ["d1", "d2", "p", "x"]
+    gate.release("d2")
+    gate.release("d2")  # twice is harmless
+    assert not gate.is_resident("d2")
+    assert gate.user_of("d2") == "u"  # still tracked
+    gate.forget("x")
+    assert not gate.is_resident("x")
+    with pytest.raises(KeyError):
+        gate.user_of("x")
+    assert gate.num_resident() == 2
+    assert list(gate.resident()) == ["d1", "p"]
+    gate.release("d1")
+    gate.release("p")
+    assert gate.num_resident() == 0
+    assert list(gate.resident()) == []
+    plan = gate.plan(0, 10)
+    assert (plan.visible, plan.hidden, plan.over_cap) == ([], 0, False)
+    assert (plan.prepaid, plan.prefills, plan.throttled) == (set(), [], False)
+
+
+# ---------------------------------------------------------------------------
+# plan() prepays; charge / can_charge / finish
+# ---------------------------------------------------------------------------
+
+
+def test_plan_prepays_offered_streams_in_one_take_per_user():
+    gate, lim = new_gate()
+    add(gate, "three", "p", progressing=True)
+    add(gate, "three", "a", "b")
+    add(gate, "lots", "l1", "l2")
+    plan = gate.plan(0, 10)
+    assert plan.visible == ["p", "a", "b", "l1", "l2"]
+    assert plan.prefills == ["p"]
+    assert plan.prepaid == {"a", "b", "l1", "l2"}
+    assert sorted(lim.takes) == [("lots", 2), ("three", 2)]
+    assert lim.available("three", 0) == 1
+    assert lim.available("lots", 0) == 99
+    assert all(gate.is_charged(k) for k in ("a", "b", "l1", "l2"))
+    assert not gate.is_charged("p")
+    # Paid streams pass for free, and so does asking again.
+    for k in ("a", "b", "a"):
+        assert gate.charge(k) and gate.can_charge(k)
+    assert len(lim.takes) == 2
+    assert gate.finish({"a", "b", "l1", "l2"}) == 0
+    assert lim.available("three", 0) == 1
+    assert lim.available("lots", 0) == 99
+
+
+def test_charge_at_most_once_per_key_per_step():
+    gate, lim = new_gate()
+    add(gate, "three", "p", progressing=True)
+    gate.plan(0, 10)
+    assert gate.charge("p") and gate.charge("p") and gate.charge("p")
+    assert gate.can_charge("p")
+    assert lim.takes == [("three", 1)]
+    assert lim.available("three", 0) == 2
+    assert gate.is_charged("p")
+    assert gate.finish({"p"}) == 0
+    assert lim.available("three", 0) == 2
+    assert not gate.is_charged("p")
+    # A new step charges again.
+    gate.plan(0, 10)
+    assert gate.charge("p")
+    assert lim.takes == [("three", 1), ("three", 1)]
+    assert lim.available("three", 0) == 1
+    gate.finish({"p"})
+
+
+def test_refused_user_is_not_asked_again_in_the_step():
+    gate, lim = new_gate()
+    add(gate, "one", "a", "b", "c", progressing=True)
+    add(gate, "three", "x", progressing=True)
+    gate.plan(0, 10)
+    assert gate.charge("a")
+    assert not gate.charge("b")  # quota gone: the limiter says no
+    assert lim.takes == [("one", 1), ("one", 1)]
+    # Even if quota comes back mid-step, the user is not asked again.
+    lim.refund("one", 0)
+    assert lim.available("one", 0) == 1
+    assert not gate.charge("c")
+    assert not gate.can_charge("c")
+    assert lim.takes == [("one", 1), ("one", 1)]  # not asked again
+    assert gate.charge("a")  # already charged keys stay charged
+    assert gate.charge("x")  # other users are unaffected
+    gate.finish({"a", "x"})
+    # Next step: asked again.
+    gate.plan(0, 10)
+    assert gate.charge("b")
+    assert lim.takes[-1] == ("one", 1)
+    gate.finish(set())
+
+
+def test_can_charge_takes_nothing_but_a_no_sticks():
+    gate, lim = new_gate()
+    add(gate, "one", "a", "b", progressing=True)
+    gate.plan(0, 10)
+    assert gate.can_charge("a")
+    assert gate.can_charge("b")
+    assert lim.takes == [] and lim.available("one", 0) == 1
+    assert gate.charge("a")
+    assert not gate.can_charge("b")  # refused: remembered
+    lim.refund("one", 0)
+    assert not gate.charge("b")
+    assert lim.takes == [("one", 1)]
+    gate.finish(set())
+
+
+def test_finish_refunds_exactly_the_unsampled_charges():
+    gate, lim = new_gate()
+    ref = OutputRateLimiter(1000, RATES)
+    now = 7 * S
+    add(gate, "three", "t1", "t2", "t3")
+    add(gate, "lots", "l1", "l2", "l3", "l4")
+    add(gate, "lots", "lp1", "lp2", progressing=True)
+    add(gate, "one", "o1")
+    gate.track("w", "one")  # a waiting request of "one"
+    plan = gate.plan(now, 100)
+    assert plan.prepaid == {"t1", "t2", "t3", "l1", "l2", "l3", "l4", "o1"}
+    assert gate.charge("lp1") and gate.charge("lp2")
+    assert not gate.charge("w")  # "one" spent its token on o1
+    sampled = {"t2", "l1", "l4", "lp2", "not-charged", "w"}
+    # Unsampled: t1, t3, l2, l3, o1 (prepaid) and lp1 (charged).
+    assert gate.finish(sampled) == 6
+    for k in ["t2", "l1", "l4", "lp2"]:
+        assert ref.try_take(gate.user_of(k), now)
+    users = ["three", "lots", "one"]
+    for t in (now, now + 10 * MS, now + 60 * MS, now + S):
+        assert observe(lim, users, t) == observe(ref, users, t)
+    # Nothing is refunded twice.
+    assert gate.finish(sampled) == 0
+    assert observe(lim, users, now) == observe(ref, users, now)
+
+
+def test_finish_refunds_charges_of_requests_that_left_mid_step():
+    gate, lim = new_gate()
+    add(gate, "lots", "a", "b", "c")
+    add(gate, "lots", "p", progressing=True)
+    gate.plan(0, 10)
+    assert gate.charge("p")
+    assert lim.available("lots", 0) == 101 - 4
+    gate.release("a")  # preempted after being paid for
+    gate.forget("b")  # aborted after being paid for
+    gate.release("p")  # preempted after being charged
+    assert gate.finish({"c"}) == 3
+    assert lim.available("lots", 0) == 100
+    assert gate.num_resident() == 1
+
+
+def test_charge_of_newly_admitted_request():
+    gate, lim = new_gate()
+    add(gate, "three", "a")
+    gate.plan(0, 10)  # prepays a
+    gate.track("new", "three")  # a waiting request scheduled in this step
+    assert gate.charge("new")
+    gate.admit("new", False)
+    assert gate.finish({"new"}) == 1  # a was offered but did not sample
+    assert lim.available("three", 0) == 2
+    assert list(gate.resident()) == ["a", "new"]
+
+
+# ---------------------------------------------------------------------------
+# Rotation and service order
+# ---------------------------------------------------------------------------
+
+
+def test_served_stream_moves_behind_the_users_other_streams():
+    gate, _ = new_gate()
+    add(gate, "lots", "k0", "k1", "k2", "k3", "k4")
+    plan = gate.plan(0, 2)
+    assert plan.visible == ["k0", "k1"]
+    assert gate.finish({"k1"}) == 1  # only k1 sampled
+    assert list(gate.resident()) == ["k0", "k2", "k3", "k4", "k1"]
+    assert step(gate, 0, 2).visible == ["k0", "k2"]
+    assert step(gate, 0, 2).visible == ["k3", "k4"]
+    assert step(gate, 0, 2).visible == ["k1", "k0"]
+
+
+def test_unserved_offered_streams_keep_their_order():
+    gate, _ = new_gate()
+    add(gate, "lots", "k0", "k1", "k2", "k3", "k4")
+    assert gate.plan(0, 4).visible == ["k0", "k1", "k2", "k3"]
+    assert gate.finish({"k2", "k0"}) == 2
+    assert list(gate.resident()) == ["k1", "k3", "k4", "k0", "k2"]
+    assert gate.plan(0, 2).visible == ["k1", "k3"]
+    gate.finish(set())
+
+
+def test_rotation_when_an_offered_stream_left_mid_step():
+    gate, _ = new_gate()
+    add(gate, "lots", "k0", "k1", "k2", "k3")
+    assert gate.plan(0, 2).visible == ["k0", "k1"]
+    gate.release("k0")  # preempted
+    gate.finish({"k1"})
+    assert list(gate.resident()) == ["k2", "k3", "k1"]
+    assert gate.plan(0, 2).visible == ["k2", "k3"]
+    gate.finish(set())
+
+
+def test_rotation_round_robin_under_quota():
+    # One token per step: each step serves the stream after the last served.
+    gate, _ = new_gate()
+    add(gate, "one", "a", "b", "c")
+    served = []
+    for i in range(9):
+        plan = step(gate, i * 200 * MS, 10)
+        assert len(plan.visible) == 1
+        served.extend(plan.visible)
+    assert served == ["a", "b", "c"] * 3
+
+
+def test_progressing_keys_are_offered_without_quota():
+    gate, lim = new_gate()
+    add(gate, "one", "p1", "p2", progressing=True)
+    add(gate, "one", "d1", "d2")
+    assert lim.try_take("one", 0)  # drain the user's quota
+    plan = gate.plan(0, 10)
+    assert plan.visible == ["p1", "p2"]
+    assert plan.prefills == ["p1", "p2"]
+    assert plan.hidden == 2
+    assert plan.throttled
+    gate.finish(set())
+    plan = gate.plan(200 * MS, 10)
+    assert plan.visible == ["p1", "p2", "d1"]
+    assert plan.prepaid == {"d1"}
+    gate.finish({"d1"})
+    # Prefills do not rotate; the served stream does.
+    assert list(gate.resident()) == ["p1", "p2", "d2", "d1"]
+
+
+def test_users_least_recently_served_first():
+    gate, _ = new_gate()
+    add(gate, "lots", "a1", "a2")
+    add(gate, "three", "b1")
+    add(gate, "one", "c1")
+    # Room for one request per step: users take turns.
+    seen = [step(gate, i * S, 1).visible for i in range(6)]
+    assert seen == [["a1"], ["b1"], ["c1"], ["a2"], ["b1"], ["c1"]]
+
+
+def test_user_offered_but_not_served_keeps_its_place():
+    gate, _ = new_gate()
+    add(gate, "lots", "a1")
+    add(gate, "three", "b1")
+    plan = gate.plan(0, 10)
+    assert plan.visible == ["a1", "b1"]
+    gate.finish({"b1"})  # a1 was offered and paid for but did not sample
+    assert gate.plan(0, 1).visible == ["a1"]
+    gate.finish(set())
+
+
+def test_user_served_through_a_charge_moves_back():
+    gate, _ = new_gate()
+    add(gate, "lots", "a1")
+    add(gate, "three", "bp", progressing=True)
+    add(gate, "one", "c1")
+    gate.plan(0, 10)
+    assert gate.charge("bp")
+    gate.set_progressing("bp", False)  # its prefill reached the sampling position
+    gate.finish({"a1", "bp", "c1"})
+    gate.finish(set())
+    # Everyone was served; then "three" alone is served next step.
+    gate.plan(S, 10)
+    gate.finish({"bp"})
+    assert gate.plan(S, 1).visible == ["a1"]
+    gate.finish(set())
+    users = []
+    for k in gate.resident():
+        if gate.user_of(k) not in users:
+            users.append(gate.user_of(k))
+    assert users[-1] == "three"
+
+
+def test_unserved_user_goes_before_users_served_in_the_step():
+    gate, _ = new_gate()
+    add(gate, "lots", "a1")
+    add(gate, "three", "b1")
+    add(gate, "one", "c1")
+    gate.plan(0, 10)
+    gate.finish({"a1", "b1"})
+    # c1 was not served: now first; a and b (served together) follow.
+    plan = gate.plan(S, 10)
+    assert plan.visible[0] == "c1"
+    assert set(plan.visible[1:]) == {"a1", "b1"}
+    gate.finish(set())
+
+
+def test_service_order_survives_preemption_and_readmission():
+    gate, _ = new_gate()
+    add(gate, "lots", "a1")
+    add(gate, "three", "b1")
+    step(gate, 0, 1)  # serves a: order is now b, a
+    assert gate.plan(S, 1).visible == ["b1"]
+    gate.finish(set())  # b not served (e.g. no KV for it)
+    gate.release("b1")  # b's only request is preempted ...
+    gate.admit("b1", False)  # ... and comes back
+    # b was served less recently than a (never vs. step 1): b goes first.
+    assert gate.plan(2 * S, 1).visible == ["b1"]
+
+
+def test_all_prepaid_sampled_shortcut_matches_the_full_settlement():
+    def build():
+        gate, lim = new_gate()
+        add(gate, "lots", "a0", "a1", "a2", "a3")
+        add(gate, "three", "b0", "b1", "b2", "b3", "b4")
+        add(gate, "three", "bp", progressing=True)
+        add(gate, "one", "c0")
+        return gate, lim
+
+    results = []
+    for shortcut in (False, True):
+        gate, lim = build()
+        plan = gate.plan(0, 7)
+        assert plan.visible == ["a0", "a1", "a2", "a3", "bp", "b0", "b1"]
+        assert gate.charge("bp")
+        gate.track("new", "three")
+        assert not gate.charge("new")  # "three" is out: 2 prepaid + bp
+        gate.admit("new", False)
+        sampled = set(plan.prepaid) | {"bp"}
+        refunded = gate.finish(sampled, all_prepaid_sampled=shortcut)
+        results.append((refunded, list(gate.resident()), observe(lim, RATES, 0)))
+    assert results[0] == results[1]
+    assert results[0][1] == [
+        "c0", "a0", "a1", "a2", "a3", "bp", "b2", "b3", "b4", "new", "b0", "b1"
+    ]
+
+
+# ---------------------------------------------------------------------------
+# plan(): slots and quota
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("slots", [-3, 0])
+def test_no_slots_no_visible(slots):
+    gate, lim = new_gate()
+    add(gate, "lots", "a", "b")
+    plan = gate.plan(0, slots)
+    assert plan.visible == []
+    assert plan.prepaid == set()
+    assert plan.hidden == 2
+    assert plan.over_cap
+    assert lim.takes == []
+
+
+def test_plan_respects_slots_and_quota():
+    gate, lim = new_gate()
+    add(gate, "three", "t1", "t2", "t3", "t4", "t5")
+    add(gate, "lots", "l1", "l2", "l3")
+    add(gate, "lots", "lp", progressing=True)
+    plan = gate.plan(0, 100)
+    # "three" can pay for 3 of its 5 streams; "lots" for all.
+    assert plan.visible == ["t1", "t2", "t3", "lp", "l1", "l2", "l3"]
+    assert plan.hidden == 2
+    assert not plan.over_cap
+    assert plan.throttled
+    gate.finish(set())
+    for slots in range(0, 9):
+        plan = gate.plan(0, slots)
+        assert plan.visible == ["t1", "t2", "t3", "lp", "l1", "l2", "l3"][:slots]
+        assert plan.hidden == 9 - len(plan.visible)
+        assert plan.over_cap == (slots < 7)
+        assert gate.finish(set()) == len(plan.prepaid)
+    # Quota spent by serving two streams: one left.
+    step(gate, 0, 100, serve=["t1", "t2"])
+    assert lim.available("three", 0) == 1
+    plan = gate.plan(0, 100)
+    assert [k for k in plan.visible if k.startswith("t")] == ["t3"]
+    gate.finish(set())
+
+
+def test_over_cap_false_when_only_quota_hides_requests():
+    gate, _ = new_gate()
+    add(gate, "one", "a", "b", "c")
+    plan = gate.plan(0, 1)
+    assert plan.visible == ["a"]
+    assert not plan.over_cap  # b, c wait for quota, not for room
+    assert plan.throttled
+    gate.finish(set())
+
+
+def test_prefills_are_cut_at_the_slot_limit():
+    gate, _ = new_gate()
+    add(gate, "lots", "p1", "p2", "p3", progressing=True)
+    add(gate, "three", "q1", progressing=True)
+    plan = gate.plan(0, 2)
+    assert plan.visible == ["p1", "p2"] == plan.prefills
+    assert plan.hidden == 2
+    assert plan.over_cap  # q1 was not reached
+    gate.finish(set())
+
+
+def test_over_cap_when_prefills_of_the_last_lane_are_cut_by_slots():
+    gate, _ = new_gate()
+    add(gate, "lots", "p1", "p2", "p3", progressing=True)
+    plan = gate.plan(0, 2)
+    assert plan.visible == ["p1", "p2"]
+    # p3 can run without quota and was hidden only for lack of room.
+    assert plan.over_cap
+
+
+# ---------------------------------------------------------------------------
+# idle_wait_ns (asked after finish(), as the adapter does)
+# ---------------------------------------------------------------------------
+
+
+def test_idle_wait_none_when_nobody_blocked():
+    gate, _ = new_gate()
+    add(gate, "lots", "a", "b")
+    add(gate, "one", "p", progressing=True)
+    step(gate, 0, 10)
+    assert gate.idle_wait_ns() is None
+
+
+def test_idle_wait_is_earliest_ready_time_of_blocked_users():
+    gate, lim = new_gate()
+    now = 10 * S
+    add(gate, "one", "o1", "o2")  # 200 ms interval
+    add(gate, "three", "t1", "t2", "t3", "t4")  # 50 ms interval
+    add(gate, "lots", "l1")  # never blocked
+    # Drain both throttled users completely.
+    assert lim.try_take("one", now)
+    assert lim.try_take("three", now, 3)
+    gate.plan(now, 10)
+    gate.finish({"l1"})
+    # one: TAT now+200ms -> ready at now+100ms; three: TAT now+150ms -> +50ms.
+    assert lim.ready_at_ns("three", now) == now + 50 * MS
+    assert lim.ready_at_ns("one", now) == now + 100 * MS
+    assert gate.idle_wait_ns() == 50 * MS
+    # 60 ms later "three" has a token again (and is still throttled).
+    plan = gate.plan(now + 60 * MS, 10)
+    assert plan.prepaid == {"t1", "l1"}
+    gate.finish(set())  # nothing sampled: refunded
+    assert gate.idle_wait_ns() == 0
+    # Served this time: the wait is until the next token.
+    plan = gate.plan(now + 60 * MS, 10)
+    gate.finish({"t1"})
+    assert gate.idle_wait_ns() == 40 * MS  # one: ready at now+100ms
+
+
+def test_idle_wait_is_capped():
+    gate, lim = new_gate()
+    add(gate, "slow", "s1")  # 0.5 tok/s: 2 s interval
+    assert lim.try_take("slow", 0)
+    gate.plan(0, 10)
+    gate.finish(set())
+    assert gate.idle_wait_ns() == MAX_IDLE_WAIT_NS == 50 * MS
+    gate2, lim2 = new_gate(max_idle_wait_ns=7 * S)
+    add(gate2, "slow", "s1")
+    assert lim2.try_take("slow", 0)
+    gate2.plan(0, 10)
+    gate2.finish(set())
+    assert gate2.idle_wait_ns() == 2 * S - 100 * MS
+
+
+def test_idle_wait_counts_users_refused_at_charge_and_note_blocked():
+    gate, lim = new_gate(max_idle_wait_ns=S)
+    add(gate, "one", "o1")
+    gate.plan(0, 10)  # prepays o1: "one" is not throttled
+    gate.track("w", "one")  # a waiting request of the same user
+    assert not gate.charge("w")
+    gate.finish({"o1"})
+    assert gate.idle_wait_ns() == 200 * MS - 100 * MS  # interval - burst
+    # A new step forgets who was blocked.
+    gate.plan(S, 10)
+    gate.finish({"o1"})
+    assert gate.idle_wait_ns() is None
+    gate.note_blocked("slow")  # idle user: ready now
+    assert gate.idle_wait_ns() == 0
+
+
+def test_idle_wait_counts_can_charge_refusals():
+    gate, lim = new_gate(max_idle_wait_ns=S)
+    gate.track("w", "one")
+    assert lim.try_take("one", 0)
+    gate.plan(0, 10)
+    assert not gate.can_charge("w")
+    gate.finish(set())
+    assert gate.idle_wait_ns() == 100 * MS
+
+
+# ---------------------------------------------------------------------------
+# throttled_victims
+# ---------------------------------------------------------------------------
+
+
+def test_throttled_victims_are_hidden_streams_of_throttled_users():
+    gate, lim = new_gate()
+    add(gate, "three", "t1", "t2", "t3", "t4", "t5")  # 3 tokens: t4, t5 hidden
+    add(gate, "one", "o1", "o2")  # 1 token: o2 hidden
+    add(gate, "lots", "l1", "l2", "l3")  # plenty of quota, but no room
+    add(gate, "slow", "sp", progressing=True)
+    assert lim.try_take("slow", 0)
+    add(gate, "slow", "s1", "s2")  # no quota at all
+    plan = gate.plan(0, 6)
+    assert plan.visible == ["t1", "t2", "t3", "o1", "l1", "l2"]
+    assert plan.over_cap
+    # "slow" was not reached (no room left), so it was not judged throttled.
+    assert list(gate.throttled_victims()) == ["t4", "t5", "o2"]
+    gate.finish(set())
+    plan = gate.plan(0, 100)
+    assert plan.visible == ["t1", "t2", "t3", "o1", "l1", "l2", "l3", "sp"]
+    victims = list(gate.throttled_victims())
+    assert victims == ["t4", "t5", "o2", "s1", "s2"]
+    assert not set(victims) & set(plan.visible)
+    # Evicting victims one by one (as the adapter does) lists the rest.
+    gate.release("t4")
+    assert list(gate.throttled_victims()) == ["t5", "o2", "s1", "s2"]
+    gate.finish(set())
+
+
+def test_throttled_victims_empty_without_throttling():
+    gate, _ = new_gate()
+    add(gate, "lots", "a", "b", "c")
+    plan = gate.plan(0, 1)
+    assert not plan.throttled
+    assert list(gate.throttled_victims()) == []
+    gate.finish(set())
+
+
+def test_paid_request_is_never_a_victim():
+    gate, _ = new_gate()
+    add(gate, "three", "t0", "t1", "t2", "t3")  # 3 tokens, 4 streams
+    plan = gate.plan(0, 2)  # room for two: one token left over
+    assert plan.visible == ["t0", "t1"] and plan.throttled
+    assert list(gate.throttled_victims()) == ["t2", "t3"]
+    gate.track("w", "three")  # a waiting request scheduled in this step
+    assert gate.charge("w")
+    gate.admit("w", False)  # paid for, now resident behind t2, t3
+    assert list(gate.throttled_victims()) == ["t2", "t3"]
+    gate.finish({"w"})
+
+
+def test_throttled_victims_after_a_visible_stream_is_preempted():
+    gate, _ = new_gate()
+    add(gate, "one", "a0", "a1", "a2")
+    plan = gate.plan(0, 10)
+    assert plan.visible == ["a0"]
+    assert list(gate.throttled_victims()) == ["a1", "a2"]
+    gate.release("a0")  # the scheduler preempts the visible stream
+    assert list(gate.throttled_victims()) == ["a1", "a2"]
+
+
+# ---------------------------------------------------------------------------
+# Limiter cleanup cadence
+# ---------------------------------------------------------------------------
+
+
+def test_cleanup_every_256_plans():
+    assert CLEANUP_EVERY_STEPS == 256
+    gate, lim = new_gate()
+    assert lim.try_take("idle-user", 0)
+    t = 10 * S  # idle-user's TAT is long past
+    for i in range(1, 256):
+        gate.plan(t + i, 1)
+        gate.finish(set())
+    assert lim.tracked_users() == 1
+    assert lim.cleanups == []
+    gate.plan(t + 256, 1)
+    assert lim.cleanups == [t + 256]
+    assert lim.tracked_users() == 0
+    assert lim.try_take("idle-user", t + 300)
+    for i in range(257, 512):
+        gate.plan(t + i + S, 1)
+    assert lim.tracked_users() == 1
+    assert len(lim.cleanups) == 1
+    gate.plan(t + 512 + S, 1)
+    assert lim.cleanups == [t + 256, t + 512 + S]
+    assert lim.tracked_users() == 0
+
+
+def test_cleanup_keeps_users_with_debt():
+    gate, lim = new_gate(cleanup_every=1)
+    add(gate, "slow", "s")
+    step(gate, 0, 1)  # slow's TAT is now 2 s
+    gate.plan(S, 1)
+    assert lim.tracked_users() == 1
+    gate.finish(set())
+    gate.release("s")
+    gate.plan(2 * S, 1)
+    assert lim.tracked_users() == 0
+
+
+# ---------------------------------------------------------------------------
+# Randomized protocol test against a model
+# ---------------------------------------------------------------------------
+
+
+class Model:
+    """Independent bookkeeping of what the gate must hold.
+
+    Orders are checked through "stamps" from one event counter: a decoding
+    stream is stamped when it joins its lane's decoding streams or is served;
+    a user when its lane is created or it is served.  The gate's orders must
+    be sorted by stamp (ties, i.e. things served in the same step, in any
+    order).  Once checked, the gate's own order is adopted, so the expected
+    plan can be computed exactly.
+    """
+
+    def __init__(self):
+        self.user_of: dict[str, str] = {}
+        self.where: dict[str, str] = {}  # resident key -> user
+        self.pro: dict[str, list] = {}  # user -> prefills in admission order
+        self.dec: dict[str, list] = {}  # user -> decoding streams (gate order)
+        self.order: list[str] = []  # users with a lane (gate order)
+        self.key_stamp: dict[str, int] = {}
+        self.user_stamp: dict[str, int] = {}
+        self.clock = 0
+        self.prepaid_now: set = set()  # streams the current step's plan paid for
+
+    def tick(self) -> int:
+        self.clock += 1
+        return self.clock
+
+    def admit(self, key, progressing):
+        user = self.user_of[key]
+        if user not in self.user_stamp:
+            self.user_stamp[user] = self.tick()
+            self.order.append(user)
+            self.pro[user], self.dec[user] = [], []
+        self.where[key] = user
+        if progressing:
+            self.pro[user].append(key)
+        else:
+            self.dec[user].append(key)
+            self.key_stamp[key] = self.tick()
+
+    def release(self, key):
+        user = self.where.pop(key, None)
+        if user is None:
+            return
+        if key in self.pro[user]:
+            self.pro[user].remove(key)
+        else:
+            self.dec[user].remove(key)
+        self.drop_lane_if_gone(user)
+
+    def drop_lane_if_gone(self, user):
+        """A lane lives while its user has resident requests or any request
+        at all: a user whose requests went back to waiting keeps its place."""
+        if user not in self.user_stamp or self.pro[user] or self.dec[user]:
+            return
+        if any(u == user for u in self.user_of.values()):
+            return
+        del self.pro[user], self.dec[user], self.user_stamp[user]
+        self.order.remove(user)
+
+    def set_progressing(self, key, progressing):
+        user = self.where.get(key)
+        if user is None:
+            return
+        if progressing and key in self.dec[user]:
+            self.dec[user].remove(key)
+            self.pro[user].append(key)
+        elif not progressing and key in self.pro[user]:
+            self.pro[user].remove(key)
+            self.dec[user].append(key)
+            self.key_stamp[key] = self.tick()
+
+    def plan(self, slots, avail):
+        visible, prefills, prepaid, throttled, hidden_dec = [], [], set(), [], {}
+        room = max(slots, 0)
+        for user in self.order:
+            if room <= 0:
+                break
+            pro = self.pro[user][:room]
+            visible += pro
+            prefills += pro
+            room -= len(pro)
+            dec = self.dec[user]
+            if not dec:
+                continue
+            n = min(len(dec), room, avail[user])
+            visible += dec[:n]
+            prepaid.update(dec[:n])
+            hidden_dec[user] = list(dec[n:])
+            room -= n
+            if avail[user] < len(dec):
+                throttled.append(user)
+        return visible, prefills, prepaid, throttled, hidden_dec
+
+    def served(self, sampled_paid, user_of):
+        """Stamp what was served at the end of a step.
+
+        A served user moves behind the others (if it still has a lane); a
+        served prepaid stream moves behind its user's other streams.  (A
+        charged, non-prepaid request was just admitted or just finished its
+        prefill: it already joined the back of its user's streams.)
+        """
+        stamp = self.tick()
+        for key in sampled_paid:
+            user = user_of[key]
+            if user not in self.user_stamp:
+                continue  # no lane left
+            if key in self.prepaid_now and self.where.get(key) == user and key in self.dec[user]:
+                self.key_stamp[key] = stamp
+            self.user_stamp[user] = stamp
+
+    def adopt(self, gate: StepGate):
+        """Check the gate's orders against the stamps, then adopt them."""
+        order = list(gate.resident())
+        assert len(order) == len(set(order))
+        assert set(order) == set(self.where)
+        assert gate.num_resident() == len(self.where)
+        users, runs = [], {}
+        for key in order:
+            user = self.where[key]
+            if not users or users[-1] != user:
+                assert user not in runs, f"lane of {user} is not contiguous"
+                users.append(user)
+                runs[user] = []
+            runs[user].append(key)
+        order_all = gate.service_order()
+        assert set(order_all) == set(self.order)
+        assert [u for u in order_all if u in runs] == users
+        stamps = [self.user_stamp[u] for u in order_all]
+        assert stamps == sorted(stamps), "users not in least-recently-served order"
+        for user in order_all:
+            n_pro = len(self.pro[user])
+            run_of_user = runs.get(user, [])
+            assert run_of_user[:n_pro] == self.pro[user]
+            dec = run_of_user[n_pro:]
+            assert sorted(dec) == sorted(self.dec[user])
+            ks = [self.key_stamp[k] for k in dec]
+            assert ks == sorted(ks), f"streams of {user} not in rotation order"
+            self.dec[user] = dec
+        self.order = order_all
+        for key in self.user_of:
+            assert gate.is_resident(key) == (key in self.where)
+            assert gate.user_of(key) == self.user_of[key]
+
+
+USERS = list(RATES) + ["dflt"]
+# Users drawn for new requests: biased to those with quota for several streams.
+NEW_USERS = ["lots", "lots", "dflt", "dflt", "three", "one", "slow"]
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    seed=st.integers(0, 2**64),
+    cleanup_every=st.sampled_from([1, 3, CLEANUP_EVERY_STEPS]),
+    population=st.integers(0, 30),
+    churn=st.sampled_from([0.0, 0.1, 0.3]),
+)
+def test_random_protocol_keeps_invariants(seed, cleanup_every, population, churn):
+    """Random admit/release/plan/charge/finish sequences, checked every step.
+
+    The sequence comes from ``random.Random(seed)`` (uniform choices give
+    far busier lanes than Hypothesis's own data would); Hypothesis picks and
+    reports the seed and the shape parameters.
+    """
+    rng = random.Random(seed)
+    lim = OutputRateLimiter(50, RATES)
+    gate = StepGate(lim, cleanup_every=cleanup_every)
+    ref = OutputRateLimiter(50, RATES)  # sees only the tokens that were sampled
+    model = Model()
+    next_key = 0
+    now = rng.randint(0, 10**12)
+    ever_user: dict[str, str] = {}  # every key's user, even after forget()
+
+    def coin(p=0.5):
+        return rng.random() < p
+
+    def new_key(user):
+        nonlocal next_key
+        key = f"k{next_key}"
+        next_key += 1
+        gate.track(key, user)
+        model.user_of[key] = user
+        ever_user[key] = user
+        return key
+
+    def admit(key, progressing):
+        gate.admit(key, progressing)
+        model.admit(key, progressing)
+
+    def set_progressing(key, progressing):
+        gate.set_progressing(key, progressing)
+        model.set_progressing(key, progressing)
+
+    def release(key, forget=False):
+        if forget:
+            gate.forget(key)
+            user = model.user_of.pop(key)
+            model.release(key)
+            model.drop_lane_if_gone(user)
+        else:
+            gate.release(key)
+            model.release(key)
+
+    for _ in range(population):
+        admit(new_key(rng.choice(NEW_USERS)), rng.random() < 0.3)
+
+    for _ in range(rng.randint(1, 30)):
+        # -- between steps: arrivals, admissions, departures ----------------
+        for _ in range(rng.randint(0, 4)):
+            op = rng.choices(
+                ["arrive", "admit", "release", "forget", "flip"],
+                [1, 1, churn * 4, churn * 2, 1],
+            )[0]
+            outside = sorted(k for k in model.user_of if k not in model.where)
+            resident = sorted(model.where)
+            if op == "arrive" or (op == "admit" and not outside):
+                key = new_key(rng.choice(NEW_USERS))
+                if coin():
+                    admit(key, coin())
+            elif op == "admit":
+                admit(rng.choice(outside), coin())
+            elif op == "release" and resident:
+                release(rng.choice(resident))
+            elif op == "forget" and model.user_of:
+                release(rng.choice(sorted(model.user_of)), forget=True)
+            elif op == "flip" and resident:
+                set_progressing(rng.choice(resident), coin())
+            model.adopt(gate)
+
+        # -- plan ----------------------------------------------------------
+        now += rng.choice([0, 1, 10 * MS, 50 * MS, 200 * MS, 3 * S])
+        slots = rng.choice([-1, 0, 1, 2, 3, 5, 8, 12, 20, 40])
+        avail = {u: lim.available(u, now) for u in USERS}
+        plan = gate.plan(now, slots)
+        visible = plan.visible
+        exp_visible, exp_prefills, exp_prepaid, exp_throttled, exp_hidden = model.plan(
+            slots, avail
+        )
+        model.prepaid_now = set(exp_prepaid)
+        assert len(visible) == len(set(visible))
+        assert len(visible) <= max(slots, 0)
+        assert set(visible) <= set(model.where)
+        assert plan.hidden == len(model.where) - len(visible)
+        for user in USERS:
+            n_dec = sum(1 for k in visible if k in model.dec.get(user, ()))
+            assert n_dec <= avail[user]
+            # The offered streams are paid for in plan(), nothing more.
+            assert lim.available(user, now) == avail[user] - n_dec
+        if len(visible) < max(slots, 0):
+            # Room to spare: every prefill and all affordable streams shown.
+            for user in model.order:
+                assert set(model.pro[user]) <= set(visible)
+                n_dec = sum(1 for k in visible if k in model.dec[user])
+                assert n_dec == min(len(model.dec[user]), avail[user])
+        if not plan.over_cap:
+            for user in model.order:
+                n_dec = sum(1 for k in visible if k in model.dec[user])
+                assert n_dec == min(len(model.dec[user]), avail[user])
+        assert visible == exp_visible
+        assert plan.prefills == exp_prefills
+        assert plan.prepaid == exp_prepaid
+        assert plan.throttled == bool(exp_throttled)
+        assert list(gate.throttled_victims()) == [
+            k for u in exp_throttled for k in exp_hidden[u]
+        ]
+        model.adopt(gate)
+
+        # -- during the step -------------------------------------------------
+        charged: list[tuple[str, str]] = []  # non-prepaid charges, in order
+        refused: set[str] = set()
+        blocked = set(exp_throttled)
+        scheduled_new: list[str] = []  # waiting requests scheduled this step
+        left: set[str] = set()  # keys that stopped being resident mid-step
+        shifted: set[str] = set()  # users whose offered stream left mid-step
+        for _ in range(rng.randint(0, 16)):
+            op = rng.choices(
+                ["charge", "can", "new", "preempt", "victims", "abort", "note"],
+                [6, 1, 1, churn * 3, 1, churn * 2, 0.3],
+            )[0]
+            candidates = [k for k in visible if k in model.where] + [
+                k for k in scheduled_new if k in model.user_of
+            ]
+            charged_keys = {k for k, _ in charged}
+            if op in ("charge", "can") and candidates:
+                key = rng.choice(candidates)
+                user = model.user_of[key]
+                paid = key in charged_keys or key in exp_prepaid
+                before = lim.available(user, now)
+                if paid:
+                    expected = True
+                elif user in refused:
+                    expected = False
+                else:
+                    expected = before > 0
+                if op == "charge":
+                    assert gate.charge(key) == expected
+                    if expected and not paid:
+                        charged.append((key, user))
+                        assert lim.available(user, now) == before - 1
+                    else:
+                        assert lim.available(user, now) == before
+                else:
+                    assert gate.can_charge(key) == expected
+                    assert lim.available(user, now) == before
+                if not expected:
+                    refused.add(user)
+                    blocked.add(user)
+            elif op == "new":
+                scheduled_new.append(new_key(rng.choice(NEW_USERS)))
+            elif op in ("preempt", "abort"):
+                pool = sorted(model.where) if op == "preempt" else sorted(model.user_of)
+                if pool:
+                    key = rng.choice(pool)
+                    if key in model.where:
+                        left.add(key)
+                    if key in exp_prepaid:
+                        shifted.add(model.user_of[key])
+                    release(key, forget=op == "abort")
+            elif op == "note":
+                user = rng.choice(USERS)
+                gate.note_blocked(user)
+                blocked.add(user)
+            elif op == "victims":
+                got = list(gate.throttled_victims())
+                assert len(got) == len(set(got))
+                for key in got:
+                    # Only hidden, unpaid, resident streams of throttled users.
+                    assert key in model.where
+                    assert key not in visible
+                    assert key not in charged_keys
+                    assert model.where[key] in exp_throttled
+                    assert key in model.dec[model.where[key]]
+                complete = [
+                    k
+                    for u in exp_throttled
+                    if u not in shifted
+                    for k in exp_hidden[u]
+                    if model.where.get(k) == u and k not in charged_keys
+                ]
+                assert [k for k in got if model.where[k] not in shifted] == complete
+            charged_keys = {k for k, _ in charged}
+            for key in model.user_of:
+                assert gate.is_charged(key) == (key in charged_keys or key in exp_prepaid)
+            for key in charged_keys:
+                assert key in visible or key in scheduled_new
+
+        # -- settle membership: scheduled waiting requests become resident ----
+        admitted = []
+        for key in scheduled_new:
+            if key in model.user_of and key not in model.where and coin():
+                admit(key, coin())
+                admitted.append(key)
+        for key in exp_prefills + admitted:
+            if key in model.where and coin():
+                set_progressing(key, coin())
+        model.adopt(gate)
+
+        # -- finish ----------------------------------------------------------
+        paid = [k for k, _ in charged] + sorted(exp_prepaid)
+        if coin():
+            sampled = set(exp_prepaid) | {k for k, _ in charged if coin()}
+        else:
+            sampled = {k for k in paid if coin()}
+        sampled -= left  # a request preempted mid-step did not sample
+        noise = {k for k in visible if rng.random() < 0.2}
+        sampled |= noise - set(paid)  # scheduled prefill chunks that sample nothing
+        n_unsampled = sum(1 for k in paid if k not in sampled)
+        promise = not left and exp_prepaid <= sampled
+        if promise:
+            # The shortcut must settle exactly like the full path.
+            other = copy.deepcopy(gate)
+            assert other.finish(sampled, all_prepaid_sampled=False) == n_unsampled
+            assert gate.finish(sampled, all_prepaid_sampled=True) == n_unsampled
+            assert list(other.resident()) == list(gate.resident())
+            assert observe(other.limiter, USERS, now) == observe(lim, USERS, now)
+        else:
+            assert gate.finish(sampled) == n_unsampled
+        for key in paid:
+            if key in sampled:
+                assert ref.try_take(ever_user[key], now)
+        model.served([k for k in paid if k in sampled], ever_user)
+        model.adopt(gate)
+        for key in model.user_of:
+            assert not gate.is_charged(key)
+        # The limiter is exactly as if only the sampled tokens had been taken
+        # (and cleanup, at any cadence, changed nothing).
+        assert observe(lim, USERS, now) == observe(ref, USERS, now)
+        assert observe(lim, USERS, now + 30 * MS) == observe(ref, USERS, now + 30 * MS)
+
+        # -- idle wait -------------------------------------------------------
+        wait = gate.idle_wait_ns()
+        if not blocked:
+            assert wait is None
+        else:
+            earliest = min(lim.ready_at_ns(u, now) for u in blocked)
+            assert wait == min(earliest - now, MAX_IDLE_WAIT_NS)
+            assert 0 <= wait <= MAX_IDLE_WAIT_NS
