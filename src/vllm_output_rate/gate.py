@@ -285,8 +285,8 @@ class StepGate:
         """
         for user in list(self._throttled_lanes):
             lane = self._lanes.get(user)
-            if lane is None:
-                continue
+            if lane is None or self.limiter.available(user, self.now_ns) > 0:
+                continue  # gone, or its hidden streams wait for room, not quota
             # Offered streams were the front of the deque; skip them by key,
             # since a released one shifts the positions.
             for key in list(lane.decoding):
