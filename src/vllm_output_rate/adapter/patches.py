@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
+import os
 import queue
 from typing import Any, Callable
 
@@ -62,8 +63,11 @@ SCHEDULER_CLS = "vllm_output_rate.adapter.scheduler.OutputRateScheduler"
 ASYNC_SCHEDULER_CLS = "vllm_output_rate.adapter.scheduler.OutputRateAsyncScheduler"
 
 # Whether the latest engine config created in this process turned the
-# feature on.  Front-end checks (identity, beam search) follow it.
-_frontend_active = False
+# feature on.  Front-end checks (identity, beam search) follow it.  It is
+# mirrored in an environment variable so that API-server processes spawned
+# after the config was made (--api-server-count > 1) inherit it.
+_FRONTEND_ENV = "VLLM_OUTPUT_RATE_FRONTEND_ACTIVE"
+_frontend_active = os.environ.get(_FRONTEND_ENV) == "1"
 
 
 def frontend_active() -> bool:
@@ -73,6 +77,10 @@ def frontend_active() -> bool:
 def _set_frontend_active(active: bool) -> None:
     global _frontend_active
     _frontend_active = active
+    if active:
+        os.environ[_FRONTEND_ENV] = "1"
+    else:
+        os.environ.pop(_FRONTEND_ENV, None)
 
 
 def _install(owner: Any, name: str, make: Callable[[Callable], Callable]) -> None:
