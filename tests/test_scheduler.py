@@ -274,6 +274,30 @@ def test_kv_pressure_admits_waiting_request_of_other_user():
         assert all(v.status == RequestStatus.PREEMPTED for v in victims)
 
 
+def test_evicted_stream_of_a_served_user_takes_its_turn_again():
+    # a (5 tok/s) has 4 streams holding most KV; b's request evicts one of
+    # them.  Once b is done, the evicted stream must come back and share a's
+    # quota with its siblings instead of waiting for them all to finish.
+    h = Harness(limits(1000, a=5), num_blocks=20, max_num_seqs=8, max_num_active_seqs=8)
+    a_reqs = [  # distinct prompts: no shared prefix blocks
+        h.add("a", prompt=[200 + 4 * i + j % 3 for j in range(60)], max_tokens=40)
+        for i in range(4)
+    ]
+    for _ in range(5):
+        h.step(10 * MS)
+    b = h.add("b", prompt_len=100, max_tokens=4)
+    victims = set()
+    while not h.records[b.request_id].finished:
+        victims |= set(h.step(10 * MS).preempted_req_ids)
+    assert victims and victims <= {r.request_id for r in a_reqs}
+    before = {rid: len(h.records[rid].sample_times) for rid in victims}
+    for _ in range(300):  # 3 s: a's 15 tokens over 4 streams
+        h.step(10 * MS)
+        h.check_limiter_exact()
+    for rid in victims:
+        assert len(h.records[rid].sample_times) > before[rid], f"{rid} starved"
+
+
 def test_priority_policy_evicts_throttled_only_within_its_priority():
     # a (throttled) has priority 0 = more important than b's priority 1:
     # b's own request must be the victim, not a's.

@@ -274,6 +274,11 @@ class StepGate:
         self._blocked.add(user)
         return False
 
+    def is_served_now(self, key: Key) -> bool:
+        """Was the key's user offered (and paid for) a decoding stream in this step?"""
+        user = self._user_of[key]
+        return any(offer_user == user for offer_user, _ in self._offers)
+
     def is_charged(self, key: Key) -> bool:
         return key in self._charged or key in self._prepaid
 

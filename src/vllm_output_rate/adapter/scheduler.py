@@ -248,13 +248,17 @@ class OutputRateSchedulerMixin:
             return False
         if self._step_plan is None:
             return True
-        must_pay_first = (
-            request.status == RequestStatus.PREEMPTED  # no re-admission thrash
-            or not self._chunked_prefill  # the prefill would sample at once
-            or request.num_tokens - request.num_computed_tokens <= 1
+        gate = self.output_rate_gate
+        samples_at_once = (
+            not self._chunked_prefill or request.num_tokens - request.num_computed_tokens <= 1
         )
-        if must_pay_first and not self.output_rate_gate.can_charge(request):
-            return False
+        if samples_at_once:
+            return gate.can_charge(request)
+        if request.status == RequestStatus.PREEMPTED:
+            # No re-admission thrash: a preempted stream comes back only while
+            # its user can pay now or is being served in this step (then it
+            # takes its turn in the user's rotation instead of starving).
+            return gate.can_charge(request) or gate.is_served_now(request)
         return True
 
     def _ec_transfer_pending(self, request: Request, num_computed_tokens: int) -> bool:
@@ -308,6 +312,8 @@ class OutputRateSchedulerMixin:
 
     def _throttled_victim_for(self, request: Request) -> Request | None:
         gate = self.output_rate_gate
+        if not gate.can_charge(request):
+            return None  # only a request that can run now may take KV from others
         requester = gate.user_of(request)
         least_important = request.priority
         if self._priority_policy and request.status == RequestStatus.RUNNING and self.running:

