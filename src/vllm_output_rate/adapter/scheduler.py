@@ -97,6 +97,9 @@ class OutputRateSchedulerMixin:
         self._evicted_in_step: list[Request] = []
         self._held_for_other_reasons = False
         self._stock_allocate_slots = self.kv_cache_manager.allocate_slots
+        # Bound once: this hook runs for every scheduled request of every step.
+        self._stock_reserve_prefill_lookahead = super()._reserve_prefill_lookahead
+        self._resumable_seen = False  # streaming-input sessions need extra bookkeeping
 
     # -- the active cap, seen through vLLM's own admission check -----------
 
@@ -121,6 +124,8 @@ class OutputRateSchedulerMixin:
     def add_request(self, request: Request) -> None:
         if request.request_id not in self.requests:
             self.output_rate_gate.track(request, _user_of(request))
+            if request.resumable:
+                self._resumable_seen = True
         super().add_request(request)
 
     def _free_request(self, request: Request, *args: Any, **kwargs: Any):
@@ -135,6 +140,8 @@ class OutputRateSchedulerMixin:
 
     def update_from_output(self, scheduler_output, model_runner_output):
         outputs = super().update_from_output(scheduler_output, model_runner_output)
+        if not self._resumable_seen:
+            return outputs
         # Requests that left `running` without being freed or preempted (a
         # streaming-input session waiting for its next chunk) stop being
         # resident.  Only this step's requests can have changed.
@@ -220,7 +227,7 @@ class OutputRateSchedulerMixin:
     def _reserve_prefill_lookahead(
         self, request: Request, num_computed_tokens: int, num_new_tokens: int
     ) -> int:
-        num_new_tokens = super()._reserve_prefill_lookahead(
+        num_new_tokens = self._stock_reserve_prefill_lookahead(
             request, num_computed_tokens, num_new_tokens
         )
         prepaid = self._prepaid
