@@ -70,8 +70,17 @@ def scheduler_step_lines(doc: dict, image: str | None) -> list[str]:
 
 def throughput_lines(doc: dict) -> list[str]:
     a = doc.get("analysis", doc)
-    lines = ["### End-to-end throughput, limits never hit vs feature off (`benchmarks/throughput_ratio.py`)", ""]
-    stock, ours = a.get("stock", {}), a.get("plugin", a.get("ours", {}))
+    sides = a.get("per_side", a)
+    cfg = doc.get("config", {})
+    lines = [
+        "### End-to-end throughput, limits never hit vs feature off (`benchmarks/throughput_ratio.py`)",
+        "",
+        f"{cfg.get('users', '?')} users × {cfg.get('streams', '?')} streams, max_tokens "
+        f"{cfg.get('max_tokens', '?')}, {cfg.get('duration', '?')} s per run; a fresh server per run, "
+        "stock and plugin runs alternating.",
+        "",
+    ]
+    stock, ours = sides.get("stock", {}), sides.get("plugin", sides.get("ours", {}))
     if stock and ours:
         lines += [
             "| server | runs | mean tok/s | min | max | stdev |",
@@ -85,8 +94,32 @@ def throughput_lines(doc: dict) -> list[str]:
             )
     ratio = a.get("ratio_of_means", a.get("ratio"))
     if ratio is not None:
-        lines += ["", f"Ratio of means: **{ratio:.3f}** (target ≥ 0.98)."]
+        pairs = ", ".join(f"{r:.2f}" for r in a.get("pair_ratios", []))
+        lines += ["", f"Ratio of means: **{ratio:.3f}** (target ≥ 0.98)"
+                  + (f"; per pair: {pairs}." if pairs else ".")]
     return lines
+
+
+def offline_lines(doc: dict) -> list[str]:
+    summ = doc["summary"]
+    cfg = doc["config"]
+    return [
+        "### In-process throughput A/B (`benchmarks/offline_throughput.py`)",
+        "",
+        f"Both engines in one process (no engine/worker processes competing for the two "
+        f"cores), {cfg['requests']} requests × {cfg['max_tokens']} tokens over {cfg['users']} users "
+        f"per `generate()`, calls alternating, {cfg['reps']} each.",
+        "",
+        "| engine | mean tok/s | min | max | stdev |",
+        "| --- | ---: | ---: | ---: | ---: |",
+        *(
+            f"| {name} | {summ[key]['mean']:.0f} | {summ[key]['min']:.0f} | {summ[key]['max']:.0f} | "
+            f"{summ[key]['stdev']:.0f} |"
+            for name, key in (("stock", "stock"), ("plugin, limits never hit", "plugin"))
+        ),
+        "",
+        f"Ratio of means: **{doc['ratio_of_means']:.3f}**.",
+    ]
 
 
 def idle_lines(doc: dict) -> list[str]:
@@ -149,6 +182,7 @@ def render(results: Path, docs: Path, readme: Path) -> str:
             image = (docs / "scheduler_step.png").relative_to(readme.parent).as_posix()
         parts.append(scheduler_step_lines(step, image))
     for name, render_fn in (("throughput_ratio.json", throughput_lines),
+                            ("offline_throughput.json", offline_lines),
                             ("idle_cpu.json", idle_lines),
                             ("kv_pressure.json", kv_lines)):
         doc = _load(results / name)

@@ -20,6 +20,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=str(serverproc.DEFAULT_MODEL_DIR))
     p.add_argument("--duration", type=float, default=30.0)
     p.add_argument("--heavy-streams", type=int, default=12)
+    p.add_argument("--heavy-max-tokens", type=int, default=40,
+                   help="short answers, so the heavy user's requests finish and are re-issued")
     p.add_argument("--heavy-limit", type=float, default=30.0)
     p.add_argument("--default-limit", type=float, default=1000.0,
                    help="limit of every other user (the light user): high, so it is not throttled")
@@ -46,7 +48,7 @@ def main(argv: list[str] | None = None) -> None:
               flush=True)
         bench.main([
             "--url", srv.base_url,
-            "--user", f"heavy:{args.heavy_streams}",
+            "--user", f"heavy:{args.heavy_streams}:{args.heavy_max_tokens}",
             "--user", "light:1",
             "--duration", str(args.duration),
             "--limit", f"heavy={args.heavy_limit}",
