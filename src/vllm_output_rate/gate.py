@@ -55,7 +55,6 @@ class _Lane:
 
     decoding: deque = field(default_factory=deque)  # rotation order, front first
     progressing: dict = field(default_factory=dict)  # ordered set of prefills
-    offered: int = 0  # decoding streams offered (and prepaid) in the current step
 
     def __len__(self) -> int:
         return len(self.decoding) + len(self.progressing)
@@ -219,7 +218,6 @@ class StepGate:
                 room -= len(batch)
                 if len(batch) < len(lane.progressing):
                     over_cap = True  # a prefill that could run was left out
-            lane.offered = 0
             if not lane.decoding:
                 continue
             can = limiter.available(user, now_ns)
@@ -230,7 +228,6 @@ class StepGate:
                 visible.extend(batch)
                 prepaid.update(batch)
                 self._offers.append((user, batch))
-                lane.offered = offered
                 room -= offered
             if can < len(lane.decoding):
                 # Some streams wait for quota: the user is throttled.

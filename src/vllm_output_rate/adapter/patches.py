@@ -51,7 +51,6 @@ from vllm_output_rate.settings import (
     USER_ARG,
     parse_cli,
     resolve_user,
-    validate_overrides,
     validate_rate,
 )
 
@@ -422,5 +421,4 @@ __all__ = [
     "check_vllm_config",
     "frontend_active",
     "merge_cli_into_engine_args",
-    "validate_overrides",
 ]
