@@ -76,12 +76,9 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-for _name, _value in (
-    ("VLLM_TARGET_DEVICE", "cpu"),
-    ("VLLM_CPU_KVCACHE_SPACE", "1"),
-    ("HF_HUB_OFFLINE", "1"),
-):
-    os.environ.setdefault(_name, _value)
+import common  # noqa: E402  (benchmarks/common.py)
+
+common.use_cpu_testbed_env()
 
 import httpx  # noqa: E402
 import psutil  # noqa: E402
@@ -100,7 +97,7 @@ IDLE, THROTTLED = "idle", "throttled"
 # --------------------------------------------------------------------------
 
 
-from machine import loadavg, machine_facts  # noqa: E402  (benchmarks/machine.py)
+from common import cpu_seconds, fmt_load, loadavg, machine_facts, table  # noqa: E402
 
 
 def busy_cpu_seconds() -> float:
@@ -130,17 +127,6 @@ def server_processes(root_pid: int) -> dict[str, list[psutil.Process]]:
         else:
             roles["other"].append(child)
     return roles
-
-
-def cpu_seconds(procs: list[psutil.Process]) -> float:
-    total = 0.0
-    for proc in procs:
-        try:
-            t = proc.cpu_times()
-            total += t.user + t.system
-        except psutil.NoSuchProcess:
-            pass
-    return total
 
 
 def describe(roles: dict[str, list[psutil.Process]]) -> dict[str, list[dict]]:
@@ -280,18 +266,6 @@ def analyse(windows: list[dict]) -> dict:
     out["meets_target"] = None if thr["max"] is None else thr["mean"] <= TARGET_ENGINE_CORE_PERCENT
     out["meets_target_every_window"] = None if thr["max"] is None else thr["max"] <= TARGET_ENGINE_CORE_PERCENT
     return out
-
-
-def table(headers: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(str(c)) for c in col) for col in zip(headers, *rows)]
-    out = ["  ".join(str(c).rjust(w) for c, w in zip(headers, widths))]
-    out.append("  ".join("-" * w for w in widths))
-    out += ["  ".join(str(c).rjust(w) for c, w in zip(row, widths)) for row in rows]
-    return "\n".join(out)
-
-
-def fmt_load(values) -> str:
-    return "/".join(f"{v:.2f}" for v in values) if values else "-"
 
 
 def report(doc: dict) -> str:

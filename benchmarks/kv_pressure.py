@@ -84,12 +84,9 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-for _name, _value in (
-    ("VLLM_TARGET_DEVICE", "cpu"),
-    ("VLLM_CPU_KVCACHE_SPACE", "1"),
-    ("HF_HUB_OFFLINE", "1"),
-):
-    os.environ.setdefault(_name, _value)
+import common  # noqa: E402  (benchmarks/common.py)
+
+common.use_cpu_testbed_env()
 
 import httpx  # noqa: E402
 
@@ -107,7 +104,7 @@ USER_A, USER_B = "A", "B"
 # --------------------------------------------------------------------------
 
 
-from machine import loadavg, machine_facts  # noqa: E402  (benchmarks/machine.py)
+from common import fmt_load, loadavg, machine_facts, table  # noqa: E402
 
 
 # --------------------------------------------------------------------------
@@ -333,18 +330,6 @@ def analyse(trials: list[dict]) -> dict:
     out["target_ratio"] = TARGET_RATIO
     out["meets_target"] = None if ratio is None else ratio <= TARGET_RATIO
     return out
-
-
-def table(headers: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(str(c)) for c in col) for col in zip(headers, *rows)]
-    out = ["  ".join(str(c).rjust(w) for c, w in zip(headers, widths))]
-    out.append("  ".join("-" * w for w in widths))
-    out += ["  ".join(str(c).rjust(w) for c, w in zip(row, widths)) for row in rows]
-    return "\n".join(out)
-
-
-def fmt_load(values) -> str:
-    return "/".join(f"{v:.2f}" for v in values) if values else "-"
 
 
 def ms(x) -> str:

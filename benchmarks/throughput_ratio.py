@@ -80,12 +80,9 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-for _name, _value in (
-    ("VLLM_TARGET_DEVICE", "cpu"),
-    ("VLLM_CPU_KVCACHE_SPACE", "1"),
-    ("HF_HUB_OFFLINE", "1"),
-):
-    os.environ.setdefault(_name, _value)
+import common  # noqa: E402  (benchmarks/common.py)
+
+common.use_cpu_testbed_env()
 
 import httpx  # noqa: E402
 import psutil  # noqa: E402
@@ -110,7 +107,7 @@ STOCK, PLUGIN = "stock", "plugin"
 # --------------------------------------------------------------------------
 
 
-from machine import loadavg, machine_facts  # noqa: E402  (benchmarks/machine.py)
+from common import cpu_seconds, fmt_load, loadavg, machine_facts, table  # noqa: E402
 
 
 def tree_cpu_seconds(pid: int) -> float:
@@ -120,14 +117,7 @@ def tree_cpu_seconds(pid: int) -> float:
         procs = [root, *root.children(recursive=True)]
     except psutil.NoSuchProcess:
         return 0.0
-    total = 0.0
-    for proc in procs:
-        try:
-            t = proc.cpu_times()
-            total += t.user + t.system
-        except psutil.NoSuchProcess:
-            pass
-    return total
+    return cpu_seconds(procs)
 
 
 def role_of(proc: psutil.Process, root_pid: int) -> str:
@@ -402,18 +392,6 @@ def analyse(runs: list[dict]) -> dict:
         "target_ratio": TARGET_RATIO,
         "meets_target": None if ratio is None else ratio >= TARGET_RATIO,
     }
-
-
-def table(headers: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(str(c)) for c in col) for col in zip(headers, *rows)]
-    out = ["  ".join(str(c).rjust(w) for c, w in zip(headers, widths))]
-    out.append("  ".join("-" * w for w in widths))
-    out += ["  ".join(str(c).rjust(w) for c, w in zip(row, widths)) for row in rows]
-    return "\n".join(out)
-
-
-def fmt_load(values) -> str:
-    return "/".join(f"{v:.2f}" for v in values) if values else "-"
 
 
 def report(doc: dict) -> str:

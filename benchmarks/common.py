@@ -1,4 +1,4 @@
-"""Machine facts recorded by the real-server benchmark scripts."""
+"""Helpers shared by the real-server benchmark scripts: environment, machine facts, tables."""
 
 from __future__ import annotations
 
@@ -44,3 +44,36 @@ def machine_facts() -> dict:
         "torch": _package_version("torch"),
         "vllm_output_rate": _package_version("vllm-output-rate"),
     }
+
+
+def use_cpu_testbed_env() -> None:
+    """The CPU testbed's vLLM settings, unless the caller set them already."""
+    for name, value in (
+        ("VLLM_TARGET_DEVICE", "cpu"),
+        ("VLLM_CPU_KVCACHE_SPACE", "1"),
+        ("HF_HUB_OFFLINE", "1"),
+    ):
+        os.environ.setdefault(name, value)
+
+
+def cpu_seconds(procs: list[psutil.Process]) -> float:
+    total = 0.0
+    for proc in procs:
+        try:
+            t = proc.cpu_times()
+            total += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def table(headers: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(str(c)) for c in col) for col in zip(headers, *rows)]
+    out = ["  ".join(str(c).rjust(w) for c, w in zip(headers, widths))]
+    out.append("  ".join("-" * w for w in widths))
+    out += ["  ".join(str(c).rjust(w) for c, w in zip(row, widths)) for row in rows]
+    return "\n".join(out)
+
+
+def fmt_load(values) -> str:
+    return "/".join(f"{v:.2f}" for v in values) if values else "-"
