@@ -184,7 +184,7 @@ class OutputRateSchedulerMixin:
             kv_cache_manager.__dict__.pop("allocate_slots", None)
             self._step_plan = None
             self._prepaid = None
-            admitted = self._settle_membership(resident, plan)
+            self._settle_membership(resident, plan)
             for victim in self._evicted_in_step:
                 self.waiting.prepend_request(victim)
 
@@ -192,8 +192,6 @@ class OutputRateSchedulerMixin:
         for request in plan.prefills:
             if request.request_id in num_scheduled:
                 gate.set_progressing(request, _can_progress_unpaid(request))
-        for request in admitted:
-            gate.set_progressing(request, _can_progress_unpaid(request))
         undisturbed = not self._preempted_in_step and self._prepaid_hits == len(plan.prepaid)
         gate.finish(_SampledView(num_scheduled), all_prepaid_sampled=undisturbed)
         if output.total_num_scheduled_tokens == 0 and not self._held_for_other_reasons:
@@ -203,8 +201,11 @@ class OutputRateSchedulerMixin:
             self.output_rate_idle_wait_s = None
         return output
 
-    def _settle_membership(self, resident: list[Request], plan: StepPlan) -> list[Request]:
-        """Make ``self.running`` the full resident list again; return admissions.
+    def _settle_membership(self, resident: list[Request], plan: StepPlan) -> None:
+        """Make ``self.running`` the full resident list again, admissions included.
+
+        Runs after vLLM's schedule() advanced every request, so an admitted
+        request is classified (prefilling or decoding) once, here.
 
         vLLM only appends admitted requests to the visible list and removes
         preempted ones, so without preemption the admissions are its tail.
