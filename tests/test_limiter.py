@@ -584,6 +584,29 @@ def test_bulk_take_and_refund_equal_repeated_single_ones(seq_data, data):
         assert observe(zero, probe, t) == observe(lim, probe, t)
 
 
+@FAST
+@given(op_sequences(), st.data())
+def test_take_up_to_equals_single_takes_until_the_first_refusal(seq_data, data):
+    """take_up_to(count) takes what ``count`` single takes at that instant
+    would, stopping at the first refusal, and leaves the same state."""
+    rates, burst, start, seq = seq_data
+    lim = make(rates, burst)
+    t = start
+    for gap, user, op in seq:
+        t += gap
+        run_op(lim, op, user, t)
+        probe = data.draw(st.sampled_from(USERS), label="probe")
+        count = data.draw(st.integers(-1, 15), label="count")
+        up_to, singles = copy.deepcopy(lim), copy.deepcopy(lim)
+        n_ok = 0
+        while n_ok < count and singles.try_take(probe, t):
+            n_ok += 1
+        assert up_to.take_up_to(probe, t, count) == n_ok
+        assert n_ok == max(0, min(count, lim.available(probe, t)))
+        for u in USERS:
+            assert observe(up_to, u, t) == observe(singles, u, t)
+
+
 def test_bulk_take_examples():
     lim = OutputRateLimiter(20)  # 3 tokens when idle (100 ms burst, 50 ms interval)
     assert not lim.try_take("u", 0, 4)
