@@ -50,6 +50,12 @@ class CountingLimiter(OutputRateLimiter):
         self.takes.append((user, count))
         return super().try_take(user, now_ns, count)
 
+    def take_up_to(self, user, now_ns, count):
+        taken = super().take_up_to(user, now_ns, count)
+        if taken:
+            self.takes.append((user, taken))
+        return taken
+
     def refund(self, user, now_ns, count=1):
         self.refunds.append((user, count))
         return super().refund(user, now_ns, count)
@@ -690,6 +696,113 @@ def test_cleanup_keeps_users_with_debt():
     gate.release("s")
     gate.plan(2 * S, 1)
     assert lim.tracked_users() == 0
+
+
+# ---------------------------------------------------------------------------
+# Repeated steps (steady)
+# ---------------------------------------------------------------------------
+
+
+def test_steady_repeats_a_full_undisturbed_step_with_one_take_per_user():
+    gate, lim = new_gate()
+    add(gate, "lots", "l1", "l2")
+    add(gate, "dflt", "d1")
+    assert not gate.steady(0, 10)  # nothing planned yet
+    plan = gate.plan(0, 10)
+    gate.finish(set(plan.visible), all_prepaid_sampled=True)
+    lim.takes.clear()
+    order = list(gate.resident())
+    assert gate.steady(10 * MS, 10)
+    assert sorted(lim.takes) == [("dflt", 1), ("lots", 2)]
+    assert all(gate.charge(k) for k in order)  # paid: asking takes nothing more
+    assert len(lim.takes) == 2
+    assert gate.finish_steady(order, set(order), all_sampled=True) == 0
+    assert list(gate.resident()) == order
+    assert gate.steady(20 * MS, 10)
+
+
+def test_steady_refused_after_membership_change_slots_or_partial_step():
+    gate, lim = new_gate()
+    add(gate, "lots", "l1", "l2")
+    step(gate, 0, 10)  # settled without all_prepaid_sampled
+    assert not gate.steady(MS, 10)  # that step was not declared undisturbed
+    plan = gate.plan(2 * MS, 10)
+    gate.finish(set(plan.visible), all_prepaid_sampled=True)
+    assert not gate.steady(3 * MS, 1)  # fewer slots than resident requests
+    add(gate, "lots", "l3")  # joined since the last plan
+    assert not gate.steady(4 * MS, 10)
+    plan = gate.plan(5 * MS, 10)
+    gate.finish(set(plan.visible), all_prepaid_sampled=True)
+    gate.release("l1")
+    assert not gate.steady(6 * MS, 10)
+
+
+def test_steady_takes_nothing_when_a_user_is_short():
+    gate, lim = new_gate()
+    add(gate, "lots", "l1")
+    add(gate, "three", "a", "b", "c")  # 20 tok/s: 3 tokens at once
+    plan = gate.plan(0, 10)
+    gate.finish(set(plan.visible), all_prepaid_sampled=True)
+    before = observe(lim, ["lots", "three"], MS)
+    assert not gate.steady(MS, 10)  # "three" cannot pay 3 streams again
+    assert observe(lim, ["lots", "three"], MS) == before
+
+
+def test_finish_steady_settles_a_disturbed_step_like_finish():
+    gate, lim = new_gate()
+    add(gate, "lots", "l1", "l2", "l3")
+    add(gate, "dflt", "d1")
+    plan = gate.plan(0, 10)
+    gate.finish(set(plan.visible), all_prepaid_sampled=True)
+    order = list(gate.resident())
+    assert gate.steady(MS, 10)
+    refunded = gate.finish_steady(order, {"l1", "d1"}, all_sampled=False)
+    assert refunded == 2  # l2 and l3 did not sample
+    assert list(gate.resident()) == ["l2", "l3", "l1", "d1"]
+    assert not gate.steady(2 * MS, 10)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**64), slots=st.integers(1, 12))
+def test_steady_steps_match_planned_steps(seed, slots):
+    """A gate that repeats steps whenever steady() allows and one that always
+    plans see the same events: same visible sets, limiter states and orders."""
+    rng = random.Random(seed)
+    fast, fast_lim = new_gate(default=200)
+    slow, slow_lim = new_gate(default=200)
+    users = ["lots", "dflt", "three", "one"]
+    next_key = 0
+    now = 0
+    for _ in range(60):
+        roll = rng.random()
+        if roll < 0.15:
+            key, user = f"k{next_key}", rng.choice(users)
+            next_key += 1
+            for gate in (fast, slow):
+                add(gate, user, key)
+        elif roll < 0.25 and slow.num_resident():
+            key = rng.choice(sorted(slow.resident()))
+            for gate in (fast, slow):
+                gate.forget(key)
+        now += rng.choice([0, MS, 10 * MS, 50 * MS, 300 * MS])
+        start = list(fast.resident())
+        repeated = fast.steady(now, slots)
+        plan = slow.plan(now, slots)
+        if repeated:
+            assert set(plan.visible) == set(start)
+        else:
+            assert fast.plan(now, slots).visible == plan.visible
+        drop = rng.random() < 0.2 and plan.visible
+        sampled = set(plan.visible) - ({rng.choice(plan.visible)} if drop else set())
+        complete = not drop and not plan.prefills
+        if repeated:
+            fast.finish_steady(start, sampled, all_sampled=complete)
+        else:
+            fast.finish(sampled, all_prepaid_sampled=complete)
+        slow.finish(sampled, all_prepaid_sampled=complete)
+        assert list(fast.resident()) == list(slow.resident())
+        assert fast.service_order() == slow.service_order()
+        assert observe(fast_lim, users, now) == observe(slow_lim, users, now)
 
 
 # ---------------------------------------------------------------------------

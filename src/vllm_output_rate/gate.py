@@ -47,6 +47,7 @@ Key = Hashable
 CLEANUP_EVERY_STEPS = 256
 #: Longest idle wait the engine loop is told to take, in nanoseconds.
 MAX_IDLE_WAIT_NS = 50_000_000
+_NOTHING: frozenset = frozenset()
 
 
 @dataclass
@@ -60,7 +61,7 @@ class _Lane:
         return len(self.decoding) + len(self.progressing)
 
 
-@dataclass
+@dataclass(slots=True)
 class StepPlan:
     """What :meth:`StepGate.plan` decided for one step."""
 
@@ -90,6 +91,14 @@ class StepGate:
         # Users with resident requests, least recently served first.
         self._lanes: OrderedDict[str, _Lane] = OrderedDict()
         self._steps = 0
+        # Bumped whenever the resident set or a request's kind changes.
+        self._membership_version = 0
+        # The last step offered every resident request, each sampled, and
+        # nobody was short of quota: the next one may repeat it (see steady()).
+        self._repeatable = False
+        self._plan_version = -1
+        self._plan_was_full = False
+        self._steady_step = False
         # Per-step state.
         self.now_ns = 0
         self._charged: dict[Key, str] = {}
@@ -138,6 +147,7 @@ class StepGate:
             # waiting, in the order users arrived.
             lane = self._lanes[user] = _Lane()
         self._lane_of[key] = user
+        self._membership_version += 1
         if progressing:
             lane.progressing[key] = None
         else:
@@ -148,6 +158,7 @@ class StepGate:
         user = self._lane_of.pop(key, None)
         if user is None:
             return
+        self._membership_version += 1
         lane = self._lanes[user]
         if key in lane.progressing:
             del lane.progressing[key]
@@ -169,9 +180,11 @@ class StepGate:
             if key not in lane.progressing:
                 lane.decoding.remove(key)
                 lane.progressing[key] = None
+                self._membership_version += 1
         elif key in lane.progressing:
             del lane.progressing[key]
             lane.decoding.append(key)
+            self._membership_version += 1
 
     def resident(self) -> Iterator[Key]:
         """Every resident key, lane by lane."""
@@ -190,14 +203,8 @@ class StepGate:
 
     def plan(self, now_ns: int, slots: int) -> StepPlan:
         """Start a step at ``now_ns`` and choose at most ``slots`` requests."""
-        self._steps += 1
-        if self._steps % self._cleanup_every == 0:
-            self.limiter.cleanup_idle_users(now_ns)
-        self.now_ns = now_ns
-        self._charged.clear()
-        self._refused.clear()
-        self._blocked.clear()
-        self._throttled_lanes.clear()
+        self._start_step(now_ns)
+        self._steady_step = False
         self._offers = []
         prepaid: set = set()
         self._prepaid = prepaid
@@ -205,8 +212,10 @@ class StepGate:
 
         visible: list = []
         prefills: list = []
+        offers = self._offers
         room = max(slots, 0)
         over_cap = False
+        take_up_to = limiter.take_up_to
         for user, lane in self._lanes.items():
             if room <= 0:
                 over_cap = True  # this lane and any after it were not reached
@@ -218,35 +227,110 @@ class StepGate:
                 room -= len(batch)
                 if len(batch) < len(lane.progressing):
                     over_cap = True  # a prefill that could run was left out
-            if not lane.decoding:
+            decoding = lane.decoding
+            if not decoding:
                 continue
-            can = limiter.available(user, now_ns)
-            offered = min(len(lane.decoding), room, can)
+            streams = len(decoding)
+            wanted = streams if streams <= room else room
+            offered = take_up_to(user, now_ns, wanted)  # one bulk take per user
             if offered:
-                limiter.try_take(user, now_ns, offered)  # cannot fail: offered <= can
-                batch = list(islice(lane.decoding, offered))
+                batch = list(decoding) if offered == streams else list(islice(decoding, offered))
                 visible.extend(batch)
                 prepaid.update(batch)
-                self._offers.append((user, batch))
+                offers.append((user, batch))
                 room -= offered
-            if can < len(lane.decoding):
-                # Some streams wait for quota: the user is throttled.
-                self._throttled_lanes.append(user)
-                self._blocked.add(user)
-            if offered < min(len(lane.decoding), can):
-                over_cap = True  # quota was there, room was not
-        return StepPlan(
-            visible=visible,
-            hidden=len(self._lane_of) - len(visible),
-            over_cap=over_cap,
-            prepaid=prepaid,
-            prefills=prefills,
-            throttled=bool(self._throttled_lanes),
-        )
+            if offered < streams:
+                # Quota the user had before this take; asked again only when
+                # room, not quota, stopped the take.
+                can = offered if offered < wanted else offered + limiter.available(user, now_ns)
+                if can < streams:
+                    # Some streams wait for quota: the user is throttled.
+                    self._throttled_lanes.append(user)
+                    self._blocked.add(user)
+                if offered < can:
+                    over_cap = True  # quota was there, room was not
+        hidden = len(self._lane_of) - len(visible)
+        throttled = bool(self._throttled_lanes)
+        self._plan_was_full = not (prefills or hidden or over_cap or throttled)
+        return StepPlan(visible, hidden, over_cap, prepaid, prefills, throttled)
+
+    def _start_step(self, now_ns: int) -> None:
+        self._steps += 1
+        if self._steps % self._cleanup_every == 0:
+            self.limiter.cleanup_idle_users(now_ns)
+        self.now_ns = now_ns
+        self._plan_version = self._membership_version
+        self._charged.clear()
+        self._refused.clear()
+        self._blocked.clear()
+        self._throttled_lanes.clear()
+
+    def steady(self, now_ns: int, slots: int) -> bool:
+        """Start a step that repeats the last one, without a plan, if it can.
+
+        Allowed when the last step offered every resident request (all of
+        them decoding), each one sampled, no user was short of quota, and no
+        request became or stopped being resident since.  Then, if every user
+        can pay for all of its streams again (one bulk take per user), the
+        quota is taken and True is returned: the caller runs the step on the
+        full resident list, in its current order, and ends it with
+        :meth:`finish_steady`.  Otherwise nothing is taken and False is
+        returned; the caller plans the step.
+
+        Seen from the limiter and the service order this is exactly what
+        :meth:`plan` and :meth:`finish` would do: with every stream of every
+        user served, the rotations and the move of each user to the back
+        leave every order as it was.
+        """
+        if (
+            not self._repeatable
+            or self._membership_version != self._plan_version
+            or len(self._lane_of) > slots
+        ):
+            return False
+        take_up_to = self.limiter.take_up_to
+        taken: list = []
+        for user, lane in self._lanes.items():
+            streams = len(lane.decoding)
+            if not streams:
+                continue
+            got = take_up_to(user, now_ns, streams)
+            if got:
+                taken.append((user, got))
+            if got < streams:
+                for paid_user, count in taken:
+                    self.limiter.refund(paid_user, now_ns, count)
+                self._repeatable = False
+                return False
+        self._start_step(now_ns)
+        self._steady_step = True
+        self._offers = []
+        self._prepaid = _NOTHING
+        return True
+
+    def finish_steady(self, resident: list, sampled: Container[Key], all_sampled: bool) -> int:
+        """End a :meth:`steady` step; ``resident`` lists the requests it started with.
+
+        ``all_sampled`` is the caller's promise that every one of them sampled
+        and none left during the step; then nothing needs doing.  Otherwise
+        the step is settled like a planned one whose offers were every
+        resident stream.  Returns how many tokens were refunded.
+        """
+        self._steady_step = False
+        if all_sampled and not self._charged:
+            return 0
+        if not all_sampled:
+            by_user: dict[str, list] = {}
+            for key in resident:
+                by_user.setdefault(self._user_of[key], []).append(key)
+            order = [user for user in self._lanes if user in by_user]
+            order += [user for user in by_user if user not in self._lanes]
+            self._offers = [(user, by_user[user]) for user in order]
+        return self.finish(sampled, all_prepaid_sampled=all_sampled)
 
     def charge(self, key: Key) -> bool:
         """Charge one output token to the request's user; False if refused."""
-        if key in self._charged or key in self._prepaid:
+        if self.is_charged(key):
             return True
         user = self._user_of[key]
         if user in self._refused:
@@ -260,7 +344,7 @@ class StepGate:
 
     def can_charge(self, key: Key) -> bool:
         """Would :meth:`charge` succeed now?  Does not take anything."""
-        if key in self._charged or key in self._prepaid:
+        if self.is_charged(key):
             return True
         user = self._user_of[key]
         if user in self._refused:
@@ -274,10 +358,18 @@ class StepGate:
     def is_served_now(self, key: Key) -> bool:
         """Was the key's user offered (and paid for) a decoding stream in this step?"""
         user = self._user_of[key]
+        if self._steady_step:  # every stream of every user was paid for
+            lane = self._lanes.get(user)
+            return lane is not None and bool(lane.decoding)
         return any(offer_user == user for offer_user, _ in self._offers)
 
     def is_charged(self, key: Key) -> bool:
-        return key in self._charged or key in self._prepaid
+        """Paid for in this step (charged, or prepaid by the plan or steady())."""
+        return (
+            key in self._charged
+            or key in self._prepaid
+            or (self._steady_step and key in self._lane_of)
+        )
 
     def throttled_victims(self) -> Iterator[Key]:
         """Hidden requests of out-of-quota users, least recently served first.
@@ -335,9 +427,15 @@ class StepGate:
             else:
                 self.limiter.refund(user, now)
                 refunded += 1
+        self._repeatable = (
+            all_prepaid_sampled
+            and self._plan_was_full
+            and not self._charged
+            and self._membership_version == self._plan_version
+        )
         self._charged.clear()
         self._offers = []
-        self._prepaid = set()
+        self._prepaid = _NOTHING
         return refunded
 
     def idle_wait_ns(self) -> int | None:

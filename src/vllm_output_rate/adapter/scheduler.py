@@ -13,7 +13,8 @@ How one ``schedule()`` call works (policy lives in :mod:`..gate`):
   model-runner slot and output history kept -- but out of sight, so vLLM's
   loop never visits them.  Afterwards ``self.running`` is the full resident
   list again, so every other vLLM code path sees stock state.
-* **Charge at dispatch.**  :meth:`_reserve_prefill_lookahead` is the last
+* **Charge at dispatch.**  :meth:`_charge_at_sampling_position` (vLLM's
+  ``_reserve_prefill_lookahead`` hook) is the last
   hook vLLM calls before allocating KV for a request; when the chunk reaches
   the sampling position we take one unit of quota.  A refused request is cut
   back to the second-to-last prompt position (chunked prefill) or skipped.
@@ -92,14 +93,18 @@ class OutputRateSchedulerMixin:
         self._chunked_prefill = bool(self.scheduler_config.enable_chunked_prefill)
         self._priority_policy = self.policy == SchedulingPolicy.PRIORITY
         self._refused_visible = 0
-        self._prepaid_hits = 0
         self._preempted_in_step: list[Request] = []
         self._evicted_in_step: list[Request] = []
         self._held_for_other_reasons = False
         self._stock_allocate_slots = self.kv_cache_manager.allocate_slots
         # Bound once: this hook runs for every scheduled request of every step.
         self._stock_reserve_prefill_lookahead = super()._reserve_prefill_lookahead
-        self._resumable_seen = False  # streaming-input sessions need extra bookkeeping
+        self._charging_reserve_prefill_lookahead = self._charge_at_sampling_position
+        # vLLM calls self._reserve_prefill_lookahead for every request it
+        # schedules.  It is an instance attribute that always exists and only
+        # changes value (keeping the instance's attribute layout stable, which
+        # CPython's attribute caches in vLLM's loop rely on).
+        self._reserve_prefill_lookahead = self._charging_reserve_prefill_lookahead
 
     # -- the active cap, seen through vLLM's own admission check -----------
 
@@ -108,6 +113,7 @@ class OutputRateSchedulerMixin:
         plan = self._step_plan
         if plan is None:
             return self._active_cap
+        self._resume_charging()  # vLLM's waiting loop reads this first
         if plan.over_cap:
             return 0  # runnable requests were left out for lack of room
         return min(
@@ -124,8 +130,10 @@ class OutputRateSchedulerMixin:
     def add_request(self, request: Request) -> None:
         if request.request_id not in self.requests:
             self.output_rate_gate.track(request, _user_of(request))
-            if request.resumable:
-                self._resumable_seen = True
+            if request.resumable and "update_from_output" not in self.__dict__:
+                # Streaming-input sessions need bookkeeping after each step;
+                # engines that never see one skip the extra call per step.
+                self.update_from_output = self._update_from_output_with_sessions
         super().add_request(request)
 
     def _free_request(self, request: Request, *args: Any, **kwargs: Any):
@@ -138,10 +146,8 @@ class OutputRateSchedulerMixin:
             self._preempted_in_step.append(request)
         super()._preempt_request(request, *args, **kwargs)
 
-    def update_from_output(self, scheduler_output, model_runner_output):
+    def _update_from_output_with_sessions(self, scheduler_output, model_runner_output):
         outputs = super().update_from_output(scheduler_output, model_runner_output)
-        if not self._resumable_seen:
-            return outputs
         # Requests that left `running` without being freed or preempted (a
         # streaming-input session waiting for its next chunk) stop being
         # resident.  Only this step's requests can have changed.
@@ -161,16 +167,26 @@ class OutputRateSchedulerMixin:
     def schedule(self, *args: Any, **kwargs: Any):
         gate = self.output_rate_gate
         slots = self._active_cap - self.num_waiting_for_streaming_input
-        plan = gate.plan(self.output_rate_clock(), slots)
+        now_ns = self.output_rate_clock()
+        if gate.steady(now_ns, slots):
+            return self._schedule_repeat(args, kwargs)
+        plan = gate.plan(now_ns, slots)
         resident = self.running
+        num_visible = len(plan.visible)
         self._refused_visible = 0
-        self._prepaid_hits = 0
         self._preempted_in_step = []
         self._evicted_in_step = []
         self._held_for_other_reasons = False
-        self.running = list(plan.visible)
+        self.running = plan.visible  # vLLM appends admissions to it
         self._prepaid = plan.prepaid
         self._step_plan = plan
+        all_visible_prepaid = not plan.prefills
+        if all_visible_prepaid:
+            # vLLM's running loop will only meet decoding streams already
+            # paid for, so it may call its own hook directly, without this
+            # class's per-request check.  Charging resumes before the waiting
+            # loop reaches its first request (see _resume_charging).
+            self._reserve_prefill_lookahead = self._stock_reserve_prefill_lookahead
         if plan.throttled and self.waiting:
             self._free_slots_for_waiting(plan, len(resident))
         kv_cache_manager = self.kv_cache_manager
@@ -182,9 +198,10 @@ class OutputRateSchedulerMixin:
             output = super().schedule(*args, **kwargs)
         finally:
             kv_cache_manager.__dict__.pop("allocate_slots", None)
+            self._resume_charging()
             self._step_plan = None
             self._prepaid = None
-            self._settle_membership(resident, plan)
+            admitted = self._settle_membership(resident, num_visible)
             for victim in self._evicted_in_step:
                 self.waiting.prepend_request(victim)
 
@@ -192,16 +209,69 @@ class OutputRateSchedulerMixin:
         for request in plan.prefills:
             if request.request_id in num_scheduled:
                 gate.set_progressing(request, _can_progress_unpaid(request))
-        undisturbed = not self._preempted_in_step and self._prepaid_hits == len(plan.prepaid)
+        # Every prepaid stream sampled iff, with nothing preempted, every
+        # visible request was scheduled (all of them decoding streams, each
+        # at its sampling position): a count, not a look at each request.
+        undisturbed = (
+            all_visible_prepaid
+            and not self._preempted_in_step
+            and len(num_scheduled) - len(admitted) == num_visible
+        )
         gate.finish(_SampledView(num_scheduled), all_prepaid_sampled=undisturbed)
+        self._set_idle_wait(output)
+        return output
+
+    def _schedule_repeat(self, args: tuple, kwargs: dict):
+        """A step that repeats the last one (see ``StepGate.steady``).
+
+        Every resident request is decoding and already paid for, so vLLM
+        gets the whole resident list in its current order: no visible list
+        to build or merge back, and its running loop calls its own hook
+        directly.  Admissions from the waiting queue are charged as usual.
+        """
+        gate = self.output_rate_gate
+        resident = self.running
+        num_resident = len(resident)
+        self.running = list(resident)  # vLLM edits this copy; `resident` keeps the start
+        self._refused_visible = 0
+        self._preempted_in_step = []
+        self._evicted_in_step = []
+        self._held_for_other_reasons = False
+        self._prepaid = _NOTHING_PREPAID
+        self._step_plan = _REPEAT_PLAN
+        self._reserve_prefill_lookahead = self._stock_reserve_prefill_lookahead
+        try:
+            output = super().schedule(*args, **kwargs)
+        finally:
+            self._resume_charging()
+            self._step_plan = None
+            self._prepaid = None
+            # vLLM removed what it preempted from `running` and appended
+            # what it admitted; only the admissions need classifying.
+            running = self.running
+            if self._preempted_in_step:
+                admitted = [r for r in running if not gate.is_resident(r)]
+            else:
+                admitted = running[num_resident:]
+            for request in admitted:
+                gate.admit(request, _can_progress_unpaid(request))
+        num_scheduled = output.num_scheduled_tokens
+        all_sampled = (
+            not self._preempted_in_step
+            and len(num_scheduled) - len(admitted) == num_resident
+        )
+        gate.finish_steady(resident, _SampledView(num_scheduled), all_sampled)
+        self._set_idle_wait(output)
+        return output
+
+    def _set_idle_wait(self, output) -> None:
         if output.total_num_scheduled_tokens == 0 and not self._held_for_other_reasons:
-            wait_ns = gate.idle_wait_ns()
+            wait_ns = self.output_rate_gate.idle_wait_ns()
             self.output_rate_idle_wait_s = None if wait_ns is None else wait_ns / 1e9
         else:
             self.output_rate_idle_wait_s = None
-        return output
 
-    def _settle_membership(self, resident: list[Request], plan: StepPlan) -> None:
+    def _settle_membership(self, resident: list[Request], num_visible: int) -> list[Request]:
         """Make ``self.running`` the full resident list again, admissions included.
 
         Runs after vLLM's schedule() advanced every request, so an admitted
@@ -216,7 +286,7 @@ class OutputRateSchedulerMixin:
             admitted = [r for r in visible_after if not gate.is_resident(r)]
             resident = remove_all(resident, set(self._preempted_in_step))
         else:
-            admitted = visible_after[len(plan.visible):]
+            admitted = visible_after[num_visible:]
         for request in admitted:
             gate.admit(request, _can_progress_unpaid(request))
         resident.extend(admitted)
@@ -225,9 +295,25 @@ class OutputRateSchedulerMixin:
 
     # -- vLLM hooks ------------------------------------------------------------
 
-    def _reserve_prefill_lookahead(
+    def _resume_charging(self) -> None:
+        """Route vLLM's per-request hook through the charging check again.
+
+        Called from every hook of vLLM's waiting loop that runs before a
+        waiting request can reach ``_reserve_prefill_lookahead`` (and at the
+        end of the step), so a request admitted from the waiting queue is
+        always charged even in steps whose running loop skipped the check.
+        """
+        self._reserve_prefill_lookahead = self._charging_reserve_prefill_lookahead
+
+    def _charge_at_sampling_position(
         self, request: Request, num_computed_tokens: int, num_new_tokens: int
     ) -> int:
+        """vLLM's ``_reserve_prefill_lookahead`` hook, plus the charge.
+
+        The last hook vLLM calls before allocating KV for a request: when the
+        scheduled chunk reaches the sampling position, one unit of the user's
+        quota is taken here, or the chunk is cut short of it.
+        """
         num_new_tokens = self._stock_reserve_prefill_lookahead(
             request, num_computed_tokens, num_new_tokens
         )
@@ -235,7 +321,6 @@ class OutputRateSchedulerMixin:
         if prepaid is None or num_new_tokens <= 0:
             return num_new_tokens
         if request in prepaid:  # a decoding stream the plan already paid for
-            self._prepaid_hits += 1
             return num_new_tokens
         sample_at = request.num_tokens + request.num_output_placeholders
         if num_computed_tokens + num_new_tokens < sample_at:
@@ -250,6 +335,7 @@ class OutputRateSchedulerMixin:
         return allowed
 
     def _handle_blocked_waiting_request(self, request: Request) -> bool:
+        self._resume_charging()
         if not super()._handle_blocked_waiting_request(request):
             if request.status == RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR:
                 self._held_for_other_reasons = True
@@ -270,6 +356,7 @@ class OutputRateSchedulerMixin:
         return True
 
     def _ec_transfer_pending(self, request: Request, num_computed_tokens: int) -> bool:
+        self._resume_charging()
         if super()._ec_transfer_pending(request, num_computed_tokens):
             return True
         if self._step_plan is None:
@@ -344,6 +431,14 @@ class OutputRateSchedulerMixin:
         # of the queue it peeked; keep the victim out until the step ends.
         self.waiting.remove_request(victim)
         self._evicted_in_step.append(victim)
+
+
+_NOTHING_PREPAID: frozenset = frozenset()
+# What max_num_active_reqs and the waiting-queue hooks see during a repeated
+# step: every resident request offered, none hidden, nobody throttled.
+_REPEAT_PLAN = StepPlan(
+    visible=[], hidden=0, over_cap=False, prepaid=_NOTHING_PREPAID, prefills=[], throttled=False
+)
 
 
 class _SampledView:
