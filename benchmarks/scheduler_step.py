@@ -21,19 +21,31 @@ Scenarios, at R resident requests for R in {16, 64, 256, 1024}:
     cannot hold more than the active cap resident, so it has no equivalent;
     for reference the table shows stock with R running requests.
 
-Usage: ``python benchmarks/scheduler_step.py --out results/scheduler_step``
-(writes ``.json`` and ``.png``).  Figures are CPU-only and machine-dependent.
+Wall-clock ratios move by several percent from run to run on a shared
+2-core machine.  ``--instructions`` adds a repeatable figure: each scheduler
+runs the same workload in its own process under valgrind's callgrind, and
+only the instructions executed inside ``schedule()`` and
+``update_from_output()`` are collected (client requests toggle collection;
+their own cost is measured and subtracted; ``PYTHONHASHSEED=0``).
+
+Usage: ``python benchmarks/scheduler_step.py [--instructions] --out
+results/scheduler_step`` (writes ``.json`` and ``.png``).  Figures are
+CPU-only and machine-dependent.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import json
 import os
 import platform
+import shutil
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -85,23 +97,37 @@ def build(scenario: str, resident: int, ours: bool) -> Harness:
     return h
 
 
+def fabricated_output(out) -> ModelRunnerOutput:
+    """What the model runner would return: one token per scheduled request."""
+    req_ids = list(out.num_scheduled_tokens)
+    return ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+        sampled_token_ids=[[TOKEN]] * len(req_ids),
+    )
+
+
 def time_steps(h: Harness, steps: int) -> list[float]:
+    """Microseconds in ``schedule()`` + ``update_from_output()`` per step.
+
+    Building the fabricated runner output is not counted: it is no part of
+    either scheduler.
+    """
     sched = h.sched
+    clock = time.perf_counter_ns
     samples = []
     gc.collect()
     gc.disable()
     try:
         for _ in range(steps):
-            t0 = time.perf_counter_ns()
+            t0 = clock()
             out = sched.schedule()
-            req_ids = list(out.num_scheduled_tokens)
-            runner = ModelRunnerOutput(
-                req_ids=req_ids,
-                req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
-                sampled_token_ids=[[TOKEN]] * len(req_ids),
-            )
+            t1 = clock()
+            runner = fabricated_output(out)
+            t2 = clock()
             sched.update_from_output(out, runner)
-            samples.append((time.perf_counter_ns() - t0) / 1000)
+            t3 = clock()
+            samples.append((t1 - t0 + t3 - t2) / 1000)
             h.clock.advance(10 * MS)
     finally:
         gc.enable()
@@ -137,12 +163,137 @@ def measure_pair(scenario: str, resident: int, steps: int, reps: int) -> dict:
     return row
 
 
+# --------------------------------------------------------------------------
+# Instruction counts (callgrind): a repeatable companion to the wall clock
+# --------------------------------------------------------------------------
+
+_CALLGRIND_HELPER_C = r"""
+#include <valgrind/callgrind.h>
+void cg_begin(void) { CALLGRIND_START_INSTRUMENTATION; }
+void cg_toggle(void) { CALLGRIND_TOGGLE_COLLECT; }
+void cg_dump(const char *what) { CALLGRIND_DUMP_STATS_AT(what); }
+"""
+#: Steps counted per build; the count per step barely moves from step to step.
+INSTRUCTION_STEPS = {16: 100, 64: 60, 256: 20, 1024: 8}
+CALIBRATION_TOGGLES = 200
+
+
+def build_callgrind_helper(workdir: Path) -> Path:
+    """Compile the three client requests into a library ctypes can call."""
+    missing = [tool for tool in ("valgrind", "gcc") if shutil.which(tool) is None]
+    if missing or not Path("/usr/include/valgrind/callgrind.h").is_file():
+        raise SystemExit(
+            "--measure instructions needs valgrind (with its headers) and gcc; "
+            f"missing: {', '.join(missing) or 'valgrind/callgrind.h'}"
+        )
+    source = workdir / "cgctl.c"
+    source.write_text(_CALLGRIND_HELPER_C)
+    library = workdir / "cgctl.so"
+    subprocess.run(["gcc", "-shared", "-fPIC", "-O2", "-o", str(library), str(source)], check=True)
+    return library
+
+
+def count_child(scenario: str, resident: int, who: str, steps: int, helper: str) -> None:
+    """Runs under callgrind: only schedule() and update_from_output() are collected.
+
+    Collection is toggled on around each of the two calls.  The toggles
+    themselves (a ctypes call each) are measured separately ("calibrate",
+    empty on/off pairs) so that the parent can subtract them.
+    """
+    h = build(scenario, resident, who == "ours")
+    cg = ctypes.CDLL(helper)
+    toggle = cg.cg_toggle
+    sched = h.sched
+    gc.collect()
+    gc.disable()
+    cg.cg_begin()
+    for _ in range(CALIBRATION_TOGGLES):
+        toggle()
+        toggle()
+    cg.cg_dump(b"calibrate")
+    for _ in range(steps):
+        toggle()
+        out = sched.schedule()
+        toggle()
+        runner = fabricated_output(out)
+        toggle()
+        sched.update_from_output(out, runner)
+        toggle()
+        h.clock.advance(10 * MS)
+    cg.cg_dump(b"measured")
+
+
+def _dumped_instructions(out_dir: Path, trigger: str) -> int:
+    for path in out_dir.iterdir():
+        text = path.read_text(errors="replace")
+        if f"Client Request: {trigger}" not in text:
+            continue
+        for line in text.splitlines():
+            if line.startswith(("summary:", "totals:")):
+                return int(line.split()[1])
+    raise RuntimeError(f"no callgrind dump '{trigger}' in {out_dir}")
+
+
+def count_instructions(scenario: str, resident: int, who: str, steps: int, helper: Path) -> float:
+    """Instructions per step, from one child process under callgrind."""
+    with tempfile.TemporaryDirectory(prefix="cg-") as tmp:
+        out_dir = Path(tmp)
+        cmd = [
+            "valgrind", "--tool=callgrind", "--instr-atstart=no", "--collect-atstart=no",
+            f"--callgrind-out-file={out_dir}/cg.out",
+            sys.executable, __file__, "--count-child", scenario, str(resident), who,
+            str(steps), str(helper),
+        ]
+        env = dict(os.environ, PYTHONHASHSEED="0")
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"callgrind child failed:\n{done.stderr[-3000:]}")
+        calibrate = _dumped_instructions(out_dir, "calibrate")
+        measured = _dumped_instructions(out_dir, "measured")
+    per_toggle_pair = calibrate / CALIBRATION_TOGGLES
+    return (measured - 2 * steps * per_toggle_pair) / steps
+
+
+def measure_instructions(sizes: list[int]) -> dict:
+    results: dict = {"never_hit": {}, "throttled_90": {}}
+    with tempfile.TemporaryDirectory(prefix="cgctl-") as tmp:
+        helper = build_callgrind_helper(Path(tmp))
+        for scenario in results:
+            for r in sizes:
+                steps = INSTRUCTION_STEPS.get(r, 20)
+                row = {
+                    who: {"instructions_per_step": count_instructions(scenario, r, who, steps, helper)}
+                    for who in ("stock", "ours")
+                }
+                row["steps"] = steps
+                row["ratio"] = (
+                    row["ours"]["instructions_per_step"] / row["stock"]["instructions_per_step"]
+                )
+                results[scenario][r] = row
+                print(
+                    f"{scenario:13s} R={r:5d}  stock {row['stock']['instructions_per_step'] / 1e6:8.3f} M  "
+                    f"ours {row['ours']['instructions_per_step'] / 1e6:8.3f} M instructions/step  "
+                    f"ratio {row['ratio']:.3f}",
+                    flush=True,
+                )
+    return results
+
+
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--count-child":
+        scenario, resident, who, steps, helper = sys.argv[2:7]
+        count_child(scenario, int(resident), who, int(steps), helper)
+        return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="results/scheduler_step")
     ap.add_argument("--steps", type=int, default=50, help="steps per timed block")
     ap.add_argument("--reps", type=int, default=10, help="timed blocks per scheduler")
     ap.add_argument("--resident", default=",".join(map(str, RESIDENT)))
+    ap.add_argument(
+        "--instructions", action="store_true",
+        help="also count instructions per step under callgrind (repeatable; "
+        "needs valgrind and gcc; adds a few minutes)",
+    )
     args = ap.parse_args()
     sizes = [int(x) for x in args.resident.split(",")]
     results: dict = {"never_hit": {}, "throttled_90": {}}
@@ -172,6 +323,19 @@ def main() -> None:
         "never_hit_worst_ratio": worst,
         "throttled_90_scaling_1024_over_64": scaling,
     }
+    if args.instructions:
+        counted = measure_instructions(sizes)
+        doc["instructions"] = counted
+        doc["instructions_never_hit_worst_ratio"] = max(
+            row["ratio"] for row in counted["never_hit"].values()
+        )
+        c90 = counted["throttled_90"]
+        if 64 in c90 and 1024 in c90:
+            doc["instructions_throttled_90_scaling_1024_over_64"] = (
+                c90[1024]["ours"]["instructions_per_step"] / c90[64]["ours"]["instructions_per_step"]
+            )
+        print(f"instructions, never_hit: worst ours/stock = "
+              f"{doc['instructions_never_hit_worst_ratio']:.3f} (target <= 1.05)")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(doc, indent=2) + "\n")
