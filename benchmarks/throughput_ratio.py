@@ -2,22 +2,32 @@
 """End-to-end throughput: limits configured but never hit vs the feature off.
 
 What
-    The same closed-loop workload (default 8 users x 2 streaming completions
+    The same closed-loop workload (default 8 users x 3 streaming completions
     each, ``max_tokens`` 128, ``ignore_eos``, each stream re-issued as soon as
-    it finishes) runs against two servers on the tiny model:
+    it finishes) runs against two servers on the *bench* model
+    (``make bench-model``: 8 layers, hidden 512):
 
     * ``stock``:  ``vllm-output-rate serve MODEL --max-num-seqs 16``
       (no ``--default-user-output-tokens-per-second``: the plugin is off and
       vLLM runs its stock scheduler class and loop);
     * ``plugin``: the same plus ``--default-user-output-tokens-per-second
       100000`` (every request goes through the limiter, nobody is ever
-      throttled: 16 streams make ~400 tok/s in total on this testbed).
+      throttled).
+
+    24 streams for 16 slots keep a waiting queue, so every step runs a full
+    batch and the figure is the engine's capacity.  Why not the tiny model:
+    its forward pass takes ~1 ms, so on 2 cores the HTTP front end, the
+    client and the spinning engine/worker processes fight for CPU and the
+    throughput swings by tens of percent between identical stock runs (seen:
+    794-2102 tok/s; batches of 1-7 tokens per step although 16 streams were
+    open).  With the bench model a step takes ~10 ms and batches stay full.
 
     Reported per run: total output tokens/s, i.e. the tokens received by the
     client during the measurement window divided by its length.  Per side:
     mean, stdev, min, max.  Headline: ratio of means plugin / stock (target
-    >= 0.98).  Also the per-pair ratios and their geometric mean, a paired
-    estimate that cancels load drifting slowly between pairs.
+    >= 0.98).  Also the per-pair ratios, their median and geometric mean
+    (paired estimates that cancel load drifting slowly between pairs), and
+    output tokens per engine step (how full the batches were).
 
 How
     Two servers on a 2-core machine cannot both run well at once, so each run
@@ -27,7 +37,8 @@ How
     both sides alike.  In each run the workload starts, the first
     ``--warmup`` seconds are discarded, and the next ``--duration`` seconds
     are measured without stopping the streams in between (steady state); the
-    streams still in flight at the end are cancelled.
+    streams still in flight at the end are cancelled.  The server's first
+    /metrics request (slow) is made before the workload starts.
 
     Tokens are counted exactly: every streamed chunk carries ``token_ids``
     (``"return_token_ids": true``).  For requests that finished inside a run,
@@ -40,7 +51,7 @@ How
     psutil).  A run with a lot of foreign CPU is noisier; compare the spread
     before trusting the ratio.
 
-    Secondary figures, to tell plugin overhead from noise:
+Secondary figures, to tell plugin overhead from noise:
 
     * server-side throughput: the delta of ``vllm:generation_tokens_total``
       (``/metrics``) over the same window, independent of when the client
@@ -52,9 +63,10 @@ How
     * tokens received per 1-s bin (JSON ``tokens_per_1s_bin``): shows stalls
       (seconds with ~0 tokens happen on both sides on this shared machine).
 
-Bounded in time: ``--time-budget`` (default 720 s) is checked before each
-run; runs that would not fit are skipped (reported as such).  Startup of the
-tiny model takes about 60 s on an idle machine (more under load).
+Bounded in time: ``--time-budget`` (default 900 s) is checked before each
+run; runs that would not fit are skipped (reported as such).  A server
+starts in about 45-60 s on an idle machine (more under load), so the default
+4 pairs take about 10 minutes.
 
 Usage::
 
@@ -94,9 +106,10 @@ from vllm_output_rate.tools.bench import (  # noqa: E402
     percentile,
     run_request,
 )
-from vllm_output_rate.tools.serverproc import DEFAULT_MODEL_DIR, running_server  # noqa: E402
+from vllm_output_rate.tools.serverproc import running_server  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
+BENCH_MODEL_DIR = Path(os.environ.get("BENCH_MODEL_DIR", "models/bench-llama"))
 SCHEMA = "vllm-output-rate-throughput-ratio/1"
 TARGET_RATIO = 0.98
 STOCK, PLUGIN = "stock", "plugin"
@@ -148,17 +161,25 @@ def role_cpu_seconds(pid: int) -> dict[str, float]:
     return out
 
 
-def server_generation_tokens(base_url: str) -> float | None:
-    """``vllm:generation_tokens_total`` from /metrics (server-side token count)."""
+_COUNTERS = {
+    "vllm:generation_tokens_total": "generated_tokens",
+    "vllm:iteration_tokens_total_count": "engine_steps",
+}
+
+
+def server_counters(base_url: str) -> dict[str, float | None]:
+    """Server-side counters from /metrics: tokens generated and engine steps run."""
+    found: dict[str, float | None] = dict.fromkeys(_COUNTERS.values())
     try:
-        text = httpx.get(f"{base_url}/metrics", timeout=10, trust_env=False).text
+        text = httpx.get(f"{base_url}/metrics", timeout=30, trust_env=False).text
     except httpx.HTTPError:
-        return None
-    total = None
+        return found
     for line in text.splitlines():
-        if line.startswith("vllm:generation_tokens_total"):
-            total = (total or 0.0) + float(line.rsplit(None, 1)[-1])
-    return total
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        key = _COUNTERS.get(name)
+        if key is not None:
+            found[key] = (found[key] or 0.0) + float(line.rsplit(None, 1)[-1])
+    return found
 
 
 def busy_cpu_seconds() -> float:
@@ -248,11 +269,14 @@ def measure_run(side: str, args, server_args: list[str], log_dir: Path) -> dict:
         run["startup_s"] = round(time.monotonic() - started, 1)
         run["server_pid"] = server.pid
         model = httpx.get(f"{server.base_url}/v1/models", timeout=10, trust_env=False).json()["data"][0]["id"]
+        # The first /metrics request of a server takes seconds (seen: 4 s) and
+        # stalls the front end; make it here, not at the window's start.
+        server_counters(server.base_url)
         me = psutil.Process()
         snap: dict = {}
 
         def at_start() -> None:
-            snap["gen"] = server_generation_tokens(server.base_url)
+            snap["counters"] = server_counters(server.base_url)
             snap["t"] = time.monotonic()
             snap["server"] = tree_cpu_seconds(server.pid)
             snap["roles"] = role_cpu_seconds(server.pid)
@@ -263,9 +287,19 @@ def measure_run(side: str, args, server_args: list[str], log_dir: Path) -> dict:
 
         def at_end() -> None:
             wall = time.monotonic() - snap["t"]
-            gen = server_generation_tokens(server.base_url)
-            run["server_generated_tokens_in_window"] = (
-                None if gen is None or snap["gen"] is None else gen - snap["gen"]
+            counters = server_counters(server.base_url)
+            delta = {
+                key: None if counters[key] is None or snap["counters"][key] is None
+                else counters[key] - snap["counters"][key]
+                for key in counters
+            }
+            run["server_generated_tokens_in_window"] = delta["generated_tokens"]
+            # Output tokens per engine step: how full the batches were (the
+            # workload keeps more streams open than --max-num-seqs, so an
+            # engine-bound run stays near max-num-seqs).
+            run["tokens_per_engine_step"] = (
+                delta["generated_tokens"] / delta["engine_steps"]
+                if delta["generated_tokens"] is not None and delta["engine_steps"] else None
             )
             run["server_tokens_per_s"] = (
                 None if run["server_generated_tokens_in_window"] is None
@@ -398,7 +432,7 @@ def report(doc: dict) -> str:
     rows = []
     for r in doc["runs"]:
         if "tokens_per_s" not in r:
-            rows.append([str(r["index"]), str(r["pair"]), r["side"], "skipped/failed", "", "", "", "", "", "", "", ""])
+            rows.append([str(r["index"]), str(r["pair"]), r["side"], "skipped/failed", "", "", "", "", "", "", "", "", ""])
             continue
         cpu = r["cpu_during_window"]
         rows.append(
@@ -407,6 +441,7 @@ def report(doc: dict) -> str:
                 str(r["pair"]),
                 r["side"],
                 f"{r['tokens_per_s']:.1f}",
+                "-" if r.get("tokens_per_engine_step") is None else f"{r['tokens_per_engine_step']:.1f}",
                 str(r["tokens_in_window"]),
                 f"{r['window_s']:.1f}",
                 f"{r['requests_finished']}/{r['requests_sent']}",
@@ -419,7 +454,7 @@ def report(doc: dict) -> str:
         )
     parts = [
         table(
-            ["run", "pair", "side", "tok/s", "tokens", "window s", "finished/sent",
+            ["run", "pair", "side", "tok/s", "tok/step", "tokens", "window s", "finished/sent",
              "usage!=/errors", "cores srv/client/foreign", "cores engine/worker/api",
              "load before (1/5/15)", "startup s"],
             rows,
@@ -443,6 +478,7 @@ def report(doc: dict) -> str:
             f"ratio of means plugin/stock = {a['ratio_of_means']:.3f} "
             f"({verdict} target >= {TARGET_RATIO}); per-pair ratios "
             + ", ".join(f"{x:.3f}" for x in a["pair_ratios"])
+            + (f"; median {a['pair_ratio_median']:.3f}" if a["pair_ratio_median"] else "")
             + (f"; geometric mean {a['pair_ratio_geomean']:.3f}" if a["pair_ratio_geomean"] else "")
         )
     ec = a.get("engine_core_cpu_ms_per_100_tokens") or {}
@@ -516,10 +552,12 @@ def main(argv: list[str] | None = None) -> int:
         "(alternating server restarts).",
     )
     parser.add_argument("--out", required=True, metavar="PREFIX", help="writes PREFIX.json and PREFIX.png")
-    parser.add_argument("--model", default=str(DEFAULT_MODEL_DIR), help="model path (default: tiny model)")
-    parser.add_argument("--pairs", type=int, default=3, help="stock/plugin run pairs (default 3)")
+    parser.add_argument("--model", default=str(BENCH_MODEL_DIR),
+                        help=f"model path (default: {BENCH_MODEL_DIR}, written by `make bench-model`)")
+    parser.add_argument("--pairs", type=int, default=4, help="stock/plugin run pairs (default 4)")
     parser.add_argument("--users", type=int, default=8, help="users (default 8)")
-    parser.add_argument("--streams", type=int, default=2, help="concurrent streams per user (default 2)")
+    parser.add_argument("--streams", type=int, default=3,
+                        help="concurrent streams per user (default 3: 24 streams for 16 slots)")
     parser.add_argument("--max-tokens", type=int, default=128, help="max_tokens per request (default 128)")
     parser.add_argument("--warmup", type=float, default=4.0, help="seconds of workload discarded first (default 4)")
     parser.add_argument("--duration", type=float, default=18.0, help="measured seconds per run (default 18)")
@@ -527,10 +565,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--limit", type=float, default=100000.0,
                         help="plugin side's --default-user-output-tokens-per-second (default 100000)")
     parser.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt of every request")
-    parser.add_argument("--time-budget", type=float, default=720.0,
-                        help="seconds; a run is skipped when it would not fit (default 720)")
+    parser.add_argument("--time-budget", type=float, default=900.0,
+                        help="seconds; a run is skipped when it would not fit (default 900)")
     parser.add_argument("--log-dir", default=None, help="server logs (default: PREFIX-logs/)")
     args = parser.parse_args(argv)
+    if not Path(args.model, "config.json").is_file():
+        parser.error(f"no model at {args.model}; `make bench-model` writes the default one")
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -129,11 +129,18 @@ def cmd_tiny_model(argv: list[str]) -> None:
         description="Write the embedded tiny random-weight Llama model to DIR.",
     )
     parser.add_argument("dir", metavar="DIR")
+    parser.add_argument(
+        "--size",
+        choices=("tiny", "bench"),
+        default="tiny",
+        help="tiny (default: 2 layers, hidden 128) or bench (8 layers, hidden 512, "
+        "for end-to-end throughput benchmarks)",
+    )
     args = parser.parse_args(argv)
     from vllm_output_rate.tools.tiny_model import write_tiny_model
 
-    out = write_tiny_model(args.dir)
-    print(f"tiny model written to {out}")
+    out = write_tiny_model(args.dir, args.size)
+    print(f"{args.size} model written to {out}")
 
 
 def cmd_bench(argv: list[str]) -> None:

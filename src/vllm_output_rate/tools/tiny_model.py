@@ -6,6 +6,11 @@ attention backend rejects 16) with seeded random weights and a byte-level BPE
 tokenizer trained on a fixed built-in text, plus a chat template.  Output is
 gibberish; timing is real.  The same call always writes the same weights and
 tokenizer.
+
+A second shape, ``bench`` (8 layers, hidden 512, about 28 M parameters), is
+for end-to-end throughput benchmarks: its forward pass takes long enough on
+CPU that the engine, not the HTTP front end, limits throughput, as on a real
+deployment.
 """
 
 from __future__ import annotations
@@ -15,6 +20,12 @@ import os
 from pathlib import Path
 
 SEED = 1234
+
+#: Model shapes by name: (hidden, intermediate, layers, attention heads, KV heads).
+SIZES = {
+    "tiny": (128, 256, 2, 2, 1),
+    "bench": (512, 1536, 8, 8, 2),
+}
 VOCAB_SIZE = 1024
 MAX_POSITIONS = 2048
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|user|>", "<|assistant|>", "<|system|>"]
@@ -81,22 +92,25 @@ def build_tokenizer():
     return fast
 
 
-def write_tiny_model(out_dir: str | os.PathLike) -> Path:
-    """Write the tiny model (config, safetensors weights, tokenizer) to ``out_dir``."""
+def write_tiny_model(out_dir: str | os.PathLike, size: str = "tiny") -> Path:
+    """Write the model of shape ``size`` (config, safetensors weights, tokenizer)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    if size not in SIZES:
+        raise ValueError(f"unknown model size {size!r}; choose from {', '.join(SIZES)}")
+    hidden, intermediate, layers, heads, kv_heads = SIZES[size]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
     vocab = len(tokenizer)
     config = LlamaConfig(
         vocab_size=vocab,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,  # head_dim = hidden / heads = 64
+        num_key_value_heads=kv_heads,
         max_position_embeddings=MAX_POSITIONS,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
