@@ -12,7 +12,7 @@ import pytest
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
-from sched_harness import MS, Harness, max_in_window
+from sched_harness import MS, Harness, Record, max_in_window
 from vllm_output_rate.adapter.scheduler import OutputRateAsyncScheduler, OutputRateScheduler
 
 S = 1_000_000_000
@@ -448,3 +448,60 @@ def test_limits_never_hit_schedule_exactly_like_stock(async_):
     ours = run(limits(1e9))
     assert any(stock) and ours == stock
     assert isinstance(Harness(limits(1), async_=True).sched, OutputRateAsyncScheduler)
+
+
+# -- streaming-input sessions --------------------------------------------------------
+
+
+@pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
+def test_streaming_input_session_leaves_and_rejoins_residency(async_):
+    """A resumable request that ends a turn leaves `running` without being
+    freed: it stops being resident for the gate (its slot is not counted as
+    busy-but-throttled), its next input chunk is admitted and charged like a
+    new request, and closing the session frees it."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    h = Harness(limits(1000, sess=50), async_=async_)
+    initial_free = h.free_blocks()
+    h.add("other", prompt_len=8, max_tokens=60)
+    turn_tokens = 4
+
+    def chunk(tokens, resumable=True):
+        params = SamplingParams(
+            max_tokens=turn_tokens, ignore_eos=True, extra_args={"output_rate_user": "sess"}
+        )
+        return Request("s", tokens, params, None, arrival_time=h.clock.now_ns / 1e9,
+                       block_hasher=h._block_hasher, resumable=resumable)
+
+    def run_turn():
+        for _ in range(200):
+            h.step(10 * MS)
+            h.check_resident_consistent()
+            h.check_limiter_exact()
+            session = h.sched.requests.get("s")
+            if session is not None and session.status == RequestStatus.WAITING_FOR_STREAMING_REQ:
+                h.drain()
+                return session
+        raise AssertionError("turn did not end")
+
+    h.sched.add_request(chunk([101 + i for i in range(8)]))
+    h.records["s"] = Record("sess", turn_tokens, 8)
+    session = run_turn()
+    assert not h.sched.output_rate_gate.is_resident(session)
+    assert session not in h.sched.running
+    first_turn = h.dispatched["s"]
+    assert first_turn >= turn_tokens
+
+    h.sched.add_request(chunk([151 + i for i in range(5)]))  # the next input chunk
+    session = run_turn()
+    assert h.dispatched["s"] - first_turn >= turn_tokens  # sampled again, charged again
+    assert not h.sched.output_rate_gate.is_resident(session)
+
+    h.sched.add_request(chunk([7], resumable=False))  # closes the session
+    h.run_until_done()
+    h.check_limiter_exact()
+    assert "s" not in h.sched.requests
+    assert h.sched.output_rate_gate.num_resident() == 0
+    assert not h.sched.running and not h.sched.waiting
+    assert h.free_blocks() == initial_free
