@@ -192,12 +192,14 @@ class OutputRateSchedulerMixin:
         kv_cache_manager = self.kv_cache_manager
         if plan.throttled:
             # Hidden throttled requests exist: allocation failures evict them
-            # first.  Otherwise vLLM's own allocate_slots runs unwrapped.
-            kv_cache_manager.allocate_slots = self._allocate_slots_or_evict
+            # first.  Otherwise vLLM talks to its own KV cache manager.
+            self.kv_cache_manager = _EvictingKVCacheManager(
+                kv_cache_manager, self._allocate_slots_or_evict
+            )
         try:
             output = super().schedule(*args, **kwargs)
         finally:
-            kv_cache_manager.__dict__.pop("allocate_slots", None)
+            self.kv_cache_manager = kv_cache_manager
             self._resume_charging()
             self._step_plan = None
             self._prepaid = None
@@ -431,6 +433,26 @@ class OutputRateSchedulerMixin:
         # of the queue it peeked; keep the victim out until the step ends.
         self.waiting.remove_request(victim)
         self._evicted_in_step.append(victim)
+
+
+class _EvictingKVCacheManager:
+    """The scheduler's KV cache manager as seen during a step with throttled requests.
+
+    ``allocate_slots`` is replaced; every other attribute is the real
+    manager's.  A stand-in object rather than an attribute set on the real
+    manager: touching the real manager's instance dict makes CPython's
+    attribute caches miss on every later access vLLM makes to it (measured:
+    about 3 000 instructions per scheduled request per step).
+    """
+
+    __slots__ = ("_real", "allocate_slots")
+
+    def __init__(self, real: Any, allocate_slots: Callable) -> None:
+        self._real = real
+        self.allocate_slots = allocate_slots
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
 
 
 _NOTHING_PREPAID: frozenset = frozenset()
