@@ -316,8 +316,9 @@ def plot(doc: dict, path: Path) -> None:
     width = 0.38
     for offset, phase, color in ((-width / 2, IDLE, "C0"), (width / 2, THROTTLED, "C3")):
         means = [a[phase][k]["mean"] or 0.0 for k in keys]
-        lows = [m - (a[phase][k]["min"] or 0.0) for m, k in zip(means, keys)]
-        highs = [(a[phase][k]["max"] or 0.0) - m for m, k in zip(means, keys)]
+        # Clamped: a mean equal to its min or max can differ from it by float rounding.
+        lows = [max(0.0, m - (a[phase][k]["min"] or 0.0)) for m, k in zip(means, keys)]
+        highs = [max(0.0, (a[phase][k]["max"] or 0.0) - m) for m, k in zip(means, keys)]
         xs = [i + offset for i in range(len(keys))]
         ax.bar(xs, means, width, color=color, label=phase, yerr=[lows, highs], capsize=3)
         for x, m in zip(xs, means):
