@@ -42,7 +42,7 @@ from __future__ import annotations
 import logging
 import time
 from itertools import islice
-from typing import Any, Callable
+from typing import Any, Callable, Container
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.request_queue import SchedulingPolicy
@@ -105,6 +105,7 @@ class OutputRateSchedulerMixin:
         # changes value (keeping the instance's attribute layout stable, which
         # CPython's attribute caches in vLLM's loop rely on).
         self._reserve_prefill_lookahead = self._charging_reserve_prefill_lookahead
+        self._tracks_sessions = False
 
     # -- the active cap, seen through vLLM's own admission check -----------
 
@@ -130,9 +131,10 @@ class OutputRateSchedulerMixin:
     def add_request(self, request: Request) -> None:
         if request.request_id not in self.requests:
             self.output_rate_gate.track(request, _user_of(request))
-            if request.resumable and "update_from_output" not in self.__dict__:
+            if request.resumable and not self._tracks_sessions:
                 # Streaming-input sessions need bookkeeping after each step;
                 # engines that never see one skip the extra call per step.
+                self._tracks_sessions = True
                 self.update_from_output = self._update_from_output_with_sessions
         super().add_request(request)
 
@@ -173,20 +175,9 @@ class OutputRateSchedulerMixin:
         plan = gate.plan(now_ns, slots)
         resident = self.running
         num_visible = len(plan.visible)
-        self._refused_visible = 0
-        self._preempted_in_step = []
-        self._evicted_in_step = []
-        self._held_for_other_reasons = False
         self.running = plan.visible  # vLLM appends admissions to it
-        self._prepaid = plan.prepaid
-        self._step_plan = plan
         all_visible_prepaid = not plan.prefills
-        if all_visible_prepaid:
-            # vLLM's running loop will only meet decoding streams already
-            # paid for, so it may call its own hook directly, without this
-            # class's per-request check.  Charging resumes before the waiting
-            # loop reaches its first request (see _resume_charging).
-            self._reserve_prefill_lookahead = self._stock_reserve_prefill_lookahead
+        self._begin_step(plan, plan.prepaid, all_visible_prepaid)
         if plan.throttled and self.waiting:
             self._free_slots_for_waiting(plan, len(resident))
         kv_cache_manager = self.kv_cache_manager
@@ -235,28 +226,16 @@ class OutputRateSchedulerMixin:
         resident = self.running
         num_resident = len(resident)
         self.running = list(resident)  # vLLM edits this copy; `resident` keeps the start
-        self._refused_visible = 0
-        self._preempted_in_step = []
-        self._evicted_in_step = []
-        self._held_for_other_reasons = False
-        self._prepaid = _NOTHING_PREPAID
-        self._step_plan = _REPEAT_PLAN
-        self._reserve_prefill_lookahead = self._stock_reserve_prefill_lookahead
+        self._begin_step(_REPEAT_PLAN, _NOTHING_PREPAID, all_visible_prepaid=True)
         try:
             output = super().schedule(*args, **kwargs)
         finally:
             self._resume_charging()
             self._step_plan = None
             self._prepaid = None
-            # vLLM removed what it preempted from `running` and appended
-            # what it admitted; only the admissions need classifying.
-            running = self.running
-            if self._preempted_in_step:
-                admitted = [r for r in running if not gate.is_resident(r)]
-            else:
-                admitted = running[num_resident:]
-            for request in admitted:
-                gate.admit(request, _can_progress_unpaid(request))
+            # vLLM removed what it preempted from `running` (the whole
+            # resident list here), so only the admissions need settling.
+            admitted = self._admit_new(self.running, num_resident)
         num_scheduled = output.num_scheduled_tokens
         all_sampled = (
             not self._preempted_in_step
@@ -265,6 +244,36 @@ class OutputRateSchedulerMixin:
         gate.finish_steady(resident, _SampledView(num_scheduled), all_sampled)
         self._set_idle_wait(output)
         return output
+
+    def _begin_step(self, plan: StepPlan, prepaid: Container, all_visible_prepaid: bool) -> None:
+        """Reset the per-step state both kinds of step share."""
+        self._refused_visible = 0
+        self._preempted_in_step = []
+        self._evicted_in_step = []
+        self._held_for_other_reasons = False
+        self._prepaid = prepaid
+        self._step_plan = plan
+        if all_visible_prepaid:
+            # vLLM's running loop will only meet decoding streams already
+            # paid for, so it may call its own hook directly, without this
+            # class's per-request check.  Charging resumes before the waiting
+            # loop reaches its first request (see _resume_charging).
+            self._reserve_prefill_lookahead = self._stock_reserve_prefill_lookahead
+
+    def _admit_new(self, running_after: list[Request], num_before: int) -> list[Request]:
+        """Classify and return the requests vLLM admitted in this step.
+
+        vLLM only appends admitted requests to ``running`` and removes
+        preempted ones, so without preemption the admissions are its tail.
+        """
+        gate = self.output_rate_gate
+        if self._preempted_in_step:
+            admitted = [r for r in running_after if not gate.is_resident(r)]
+        else:
+            admitted = running_after[num_before:]
+        for request in admitted:
+            gate.admit(request, _can_progress_unpaid(request))
+        return admitted
 
     def _set_idle_wait(self, output) -> None:
         if output.total_num_scheduled_tokens == 0 and not self._held_for_other_reasons:
@@ -278,19 +287,10 @@ class OutputRateSchedulerMixin:
 
         Runs after vLLM's schedule() advanced every request, so an admitted
         request is classified (prefilling or decoding) once, here.
-
-        vLLM only appends admitted requests to the visible list and removes
-        preempted ones, so without preemption the admissions are its tail.
         """
-        gate = self.output_rate_gate
-        visible_after = self.running
+        admitted = self._admit_new(self.running, num_visible)
         if self._preempted_in_step:
-            admitted = [r for r in visible_after if not gate.is_resident(r)]
             resident = remove_all(resident, set(self._preempted_in_step))
-        else:
-            admitted = visible_after[num_visible:]
-        for request in admitted:
-            gate.admit(request, _can_progress_unpaid(request))
         resident.extend(admitted)
         self.running = resident
         return admitted
