@@ -32,6 +32,31 @@ def _machine(doc: dict) -> str:
     return f"{cpus} CPU cores" if cpus else "this machine"
 
 
+STEP_SCENARIOS = (
+    ("never_hit", "limits never hit, active = R"),
+    ("throttled_90", "90 % throttled, active cap 16 (ours)"),
+)
+
+
+def _step_table(results: dict, unit: str, value) -> list[str]:
+    """Rows per scenario and R: stock, ours (``value`` formats one side), ratio."""
+    lines = [
+        f"| scenario | R resident | stock {unit} | ours {unit} | ours / stock |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    for scenario, label in STEP_SCENARIOS:
+        for r, row in sorted(results[scenario].items(), key=lambda kv: int(kv[0])):
+            lines.append(
+                f"| {label} | {r} | {value(row['stock'])} | {value(row['ours'])} | {row['ratio']:.3f} |"
+            )
+    return lines
+
+
+def _worst_ratio_line(what: str, worst: float) -> str:
+    missed = "" if worst <= 1.05 else f"; missed by {100 * (worst - 1.05):.1f} points"
+    return f"- {what}: worst ours/stock = **{worst:.3f}** (target ≤ 1.05{missed})."
+
+
 def scheduler_step_lines(doc: dict, image: str | None) -> list[str]:
     res = doc["results"]
     lines = [
@@ -40,23 +65,10 @@ def scheduler_step_lines(doc: dict, image: str | None) -> list[str]:
         "µs per step (`schedule()` + `update_from_output()`), median over blocks of "
         f"{doc['steps']} steps alternating between stock vLLM and ours, {doc['reps']} blocks each.",
         "",
-        "| scenario | R resident | stock µs | ours µs | ours / stock |",
-        "| --- | ---: | ---: | ---: | ---: |",
+        *_step_table(res, "µs", lambda side: f"{side['us_per_step']:.0f}"),
     ]
-    for scenario, label in (("never_hit", "limits never hit, active = R"),
-                            ("throttled_90", "90 % throttled, active cap 16 (ours)")):
-        for r, row in sorted(res[scenario].items(), key=lambda kv: int(kv[0])):
-            lines.append(
-                f"| {label} | {r} | {row['stock']['us_per_step']:.0f} | "
-                f"{row['ours']['us_per_step']:.0f} | {row['ratio']:.3f} |"
-            )
-    worst = doc["never_hit_worst_ratio"]
     scaling = doc.get("throttled_90_scaling_1024_over_64")
-    lines += [
-        "",
-        f"- Limits never hit: worst ours/stock = **{worst:.3f}** (target ≤ 1.05"
-        f"{'' if worst <= 1.05 else f'; missed by {100 * (worst - 1.05):.1f} points'}).",
-    ]
+    lines += ["", _worst_ratio_line("Limits never hit", doc["never_hit_worst_ratio"])]
     if scaling is not None:
         lines.append(
             f"- 90 % of resident requests throttled: ours at R=1024 / ours at R=64 = "
@@ -72,22 +84,15 @@ def scheduler_step_lines(doc: dict, image: str | None) -> list[str]:
             "`update_from_output()` collected. Unlike the wall clock this does not move "
             "with the machine's load, so it settles small ratios.",
             "",
-            "| scenario | R resident | stock M instr | ours M instr | ours / stock |",
-            "| --- | ---: | ---: | ---: | ---: |",
+            *_step_table(
+                counted, "M instr", lambda side: f"{side['instructions_per_step'] / 1e6:.3f}"
+            ),
         ]
-        for scenario, label in (("never_hit", "limits never hit, active = R"),
-                                ("throttled_90", "90 % throttled, active cap 16 (ours)")):
-            for r, row in sorted(counted[scenario].items(), key=lambda kv: int(kv[0])):
-                lines.append(
-                    f"| {label} | {r} | {row['stock']['instructions_per_step'] / 1e6:.3f} | "
-                    f"{row['ours']['instructions_per_step'] / 1e6:.3f} | {row['ratio']:.3f} |"
-                )
-        worst_i = doc["instructions_never_hit_worst_ratio"]
         scaling_i = doc.get("instructions_throttled_90_scaling_1024_over_64")
         lines += [
             "",
-            f"- Limits never hit, by instructions: worst ours/stock = **{worst_i:.3f}** "
-            f"(target ≤ 1.05{'' if worst_i <= 1.05 else f'; missed by {100 * (worst_i - 1.05):.1f} points'}).",
+            _worst_ratio_line("Limits never hit, by instructions",
+                              doc["instructions_never_hit_worst_ratio"]),
         ]
         if scaling_i is not None:
             c90 = counted["throttled_90"]
