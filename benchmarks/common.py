@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import os
 import platform
+import shlex
+import sys
+from datetime import datetime, timezone
 from pathlib import Path
 
 import psutil
@@ -77,3 +80,31 @@ def table(headers: list[str], rows: list[list[str]]) -> str:
 
 def fmt_load(values) -> str:
     return "/".join(f"{v:.2f}" for v in values) if values else "-"
+
+
+def start_report(schema: str, args, server_args) -> dict:
+    """The head every real-server benchmark's JSON starts with; prints the machine."""
+    doc = {
+        "schema": schema,
+        "command": shlex.join([sys.executable, *sys.argv]),
+        "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine_facts(),
+        "load_before": loadavg(),
+        "config": dict(vars(args)),
+        "server_args": server_args,
+    }
+    print(f"machine: {doc['machine']}\nload avg before: {fmt_load(doc['load_before'])}", flush=True)
+    return doc
+
+
+def machine_line(doc: dict) -> str:
+    """The closing line of a benchmark's text report."""
+    m = doc["machine"]
+    line = (
+        f"machine: nproc={m['nproc']} cpu={m['cpu_model']} vllm={m['vllm']} torch={m['torch']}; "
+        f"load avg before {fmt_load(doc['load_before'])}, after {fmt_load(doc['load_after'])}; "
+        f"wall {doc['wall_s']:.0f} s"
+    )
+    if doc.get("startup_s") is not None:
+        line += f" (startup {doc['startup_s']:.0f} s)"
+    return line

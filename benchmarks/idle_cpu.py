@@ -68,12 +68,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import shlex
 import statistics
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import common  # noqa: E402  (benchmarks/common.py)
@@ -97,7 +95,9 @@ IDLE, THROTTLED = "idle", "throttled"
 # --------------------------------------------------------------------------
 
 
-from common import cpu_seconds, fmt_load, loadavg, machine_facts, table  # noqa: E402
+from common import (  # noqa: E402
+    cpu_seconds, fmt_load, loadavg, machine_line, start_report, table,
+)
 
 
 def busy_cpu_seconds() -> float:
@@ -295,12 +295,7 @@ def report(doc: dict) -> str:
             f"engine core while throttled: mean {thr['mean']:.2f} %, max {thr['max']:.2f} % of a core "
             f"({verdict} target <= {TARGET_ENGINE_CORE_PERCENT:g} %)"
         )
-    m = doc["machine"]
-    parts.append(
-        f"machine: nproc={m['nproc']} cpu={m['cpu_model']} vllm={m['vllm']}; load avg before "
-        f"{fmt_load(doc['load_before'])}, after {fmt_load(doc['load_after'])}; wall {doc['wall_s']:.0f} s "
-        f"(startup {doc.get('startup_s', 0):.0f} s)"
-    )
+    parts.append(machine_line(doc))
     return "\n\n".join(parts)
 
 
@@ -364,16 +359,7 @@ def main(argv: list[str] | None = None) -> int:
         *args.server_arg,
     ]
     t_begin = time.monotonic()
-    doc: dict = {
-        "schema": SCHEMA,
-        "command": shlex.join([sys.executable, *sys.argv]),
-        "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine_facts(),
-        "load_before": loadavg(),
-        "config": dict(vars(args)),
-        "server_args": server_args,
-    }
-    print(f"machine: {doc['machine']}\nload avg before: {fmt_load(doc['load_before'])}", flush=True)
+    doc = start_report(SCHEMA, args, server_args)
     print(f"starting server: {shlex.join(server_args)}", flush=True)
     with running_server(server_args, log_dir, name="idle-cpu", model=args.model) as server:
         doc["startup_s"] = time.monotonic() - t_begin

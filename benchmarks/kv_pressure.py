@@ -81,7 +81,6 @@ import shlex
 import statistics
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import common  # noqa: E402  (benchmarks/common.py)
@@ -104,7 +103,7 @@ USER_A, USER_B = "A", "B"
 # --------------------------------------------------------------------------
 
 
-from common import fmt_load, loadavg, machine_facts, table  # noqa: E402
+from common import fmt_load, loadavg, machine_line, start_report, table  # noqa: E402
 
 
 # --------------------------------------------------------------------------
@@ -399,12 +398,7 @@ def report(doc: dict) -> str:
                      f"({verdict} target <= {TARGET_RATIO:g})"
                      + (f"; median B latency (all {doc['config']['b_max_tokens']} tokens) ratio "
                         f"{a['ratio_median_b_latency']:.2f}" if a.get("ratio_median_b_latency") else ""))
-    m = doc["machine"]
-    parts.append(
-        f"machine: nproc={m['nproc']} cpu={m['cpu_model']} vllm={m['vllm']}; load avg before "
-        f"{fmt_load(doc['load_before'])}, after {fmt_load(doc['load_after'])}; wall {doc['wall_s']:.0f} s "
-        f"(startup {doc['startup_s']:.0f} s)"
-    )
+    parts.append(machine_line(doc))
     return "\n\n".join(parts)
 
 
@@ -476,16 +470,7 @@ def main(argv: list[str] | None = None) -> int:
         *args.server_arg,
     ]
     t_begin = time.monotonic()
-    doc: dict = {
-        "schema": SCHEMA,
-        "command": shlex.join([sys.executable, *sys.argv]),
-        "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine_facts(),
-        "load_before": loadavg(),
-        "config": dict(vars(args)),
-        "server_args": server_args,
-    }
-    print(f"machine: {doc['machine']}\nload avg before: {fmt_load(doc['load_before'])}", flush=True)
+    doc = start_report(SCHEMA, args, server_args)
     print(f"starting server: {shlex.join(server_args)}", flush=True)
     # INFO logs: the engine logs the KV cache size it allocated (cross-check).
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO")

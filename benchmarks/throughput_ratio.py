@@ -85,7 +85,6 @@ import asyncio
 import json
 import math
 import os
-import shlex
 import statistics
 import sys
 import time
@@ -120,7 +119,9 @@ STOCK, PLUGIN = "stock", "plugin"
 # --------------------------------------------------------------------------
 
 
-from common import cpu_seconds, fmt_load, loadavg, machine_facts, table  # noqa: E402
+from common import (  # noqa: E402
+    cpu_seconds, fmt_load, loadavg, machine_line, start_report, table,
+)
 
 
 def tree_cpu_seconds(pid: int) -> float:
@@ -497,12 +498,7 @@ def report(doc: dict) -> str:
             f"plugin {ss[PLUGIN]['mean']:.1f} tok/s (min {ss[PLUGIN]['min']:.1f}, max {ss[PLUGIN]['max']:.1f}), "
             f"ratio {a['server_metric_ratio_of_means']:.3f}"
         )
-    m = doc["machine"]
-    parts.append(
-        f"machine: nproc={m['nproc']} cpu={m['cpu_model']} vllm={m['vllm']} torch={m['torch']}; "
-        f"load avg before {fmt_load(doc['load_before'])}, after {fmt_load(doc['load_after'])}; "
-        f"total wall {doc['wall_s']:.0f} s"
-    )
+    parts.append(machine_line(doc))
     return "\n\n".join(parts)
 
 
@@ -581,17 +577,8 @@ def main(argv: list[str] | None = None) -> int:
         PLUGIN: common + ["--default-user-output-tokens-per-second", f"{args.limit:g}"],
     }
     t_begin = time.monotonic()
-    doc: dict = {
-        "schema": SCHEMA,
-        "command": shlex.join([sys.executable, *sys.argv]),
-        "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine_facts(),
-        "load_before": loadavg(),
-        "config": {k: v for k, v in vars(args).items()},
-        "server_args": server_args,
-        "runs": [],
-    }
-    print(f"machine: {doc['machine']}\nload avg before: {fmt_load(doc['load_before'])}", flush=True)
+    doc = start_report(SCHEMA, args, server_args)
+    doc["runs"] = []
     failed = False
     est_run_s = None  # learned from the first run
     index = 0
