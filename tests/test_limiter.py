@@ -432,15 +432,22 @@ def run_op(lim: OutputRateLimiter, op: str, user: str, t: int):
     raise AssertionError(op)
 
 
-@FAST
-@given(op_sequences(), st.data())
-def test_ready_at_is_exact_and_available_counts_takes(seq_data, data):
+def replayed(seq_data):
+    """Run a drawn op sequence on a fresh limiter; yield (limiter, time) after each op."""
     rates, burst, start, seq = seq_data
     lim = make(rates, burst)
     t = start
     for gap, user, op in seq:
         t += gap
         run_op(lim, op, user, t)
+        yield lim, t
+
+
+@FAST
+@given(op_sequences(), st.data())
+def test_ready_at_is_exact_and_available_counts_takes(seq_data, data):
+    _, burst, _, _ = seq_data
+    for lim, t in replayed(seq_data):
         probe = data.draw(st.sampled_from(USERS), label="probe user")
         ready = lim.ready_at_ns(probe, t)
         assert ready >= t
@@ -548,12 +555,7 @@ def test_bulk_take_and_refund_equal_repeated_single_ones(seq_data, data):
     """try_take(count) is all-or-none and, when it succeeds, exactly
     ``count`` single takes at that instant; refund(count) is ``count``
     single refunds."""
-    rates, burst, start, seq = seq_data
-    lim = make(rates, burst)
-    t = start
-    for gap, user, op in seq:
-        t += gap
-        run_op(lim, op, user, t)
+    for lim, t in replayed(seq_data):
         probe = data.draw(st.sampled_from(USERS), label="probe")
         count = data.draw(st.integers(1, 15), label="count")
         bulk, singles = copy.deepcopy(lim), copy.deepcopy(lim)
@@ -589,12 +591,7 @@ def test_bulk_take_and_refund_equal_repeated_single_ones(seq_data, data):
 def test_take_up_to_equals_single_takes_until_the_first_refusal(seq_data, data):
     """take_up_to(count) takes what ``count`` single takes at that instant
     would, stopping at the first refusal, and leaves the same state."""
-    rates, burst, start, seq = seq_data
-    lim = make(rates, burst)
-    t = start
-    for gap, user, op in seq:
-        t += gap
-        run_op(lim, op, user, t)
+    for lim, t in replayed(seq_data):
         probe = data.draw(st.sampled_from(USERS), label="probe")
         count = data.draw(st.integers(-1, 15), label="count")
         up_to, singles = copy.deepcopy(lim), copy.deepcopy(lim)
