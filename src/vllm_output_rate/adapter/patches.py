@@ -30,6 +30,10 @@ Touch-points (vLLM 0.32):
     Beam search is refused (HTTP 400 online, ValueError offline) while the
     feature is on: its candidate expansion does not go through the
     one-charge-per-sampled-token path.
+``worker.idle_spin``
+    ``WorkerProc._init_message_queues``: the model worker's input queue spins
+    a few ms per wait instead of 1 s after each read, then sleeps until the
+    engine writes (see :mod:`.worker_idle`).
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ from vllm_output_rate.settings import (
     resolve_user,
     validate_rate,
 )
+from vllm_output_rate.adapter.worker_idle import patch_worker_idle
 
 logger = logging.getLogger(__name__)
 
@@ -402,6 +407,7 @@ PATCHES: dict[str, Callable[[], None]] = {
     "engine_core.idle_wait": _patch_engine_idle_wait,
     "sampling_params.identity": _patch_identity_validation,
     "beam_search": _patch_beam_search,
+    "worker.idle_spin": patch_worker_idle,
 }
 
 

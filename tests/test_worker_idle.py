@@ -1,0 +1,284 @@
+"""The model worker's short busy window (adapter/worker_idle.py).
+
+With the feature on, the worker's input queue spins a few ms from the moment
+it starts waiting, then sleeps in vLLM's poll until the engine writes.  These
+tests drive vLLM's real shared-memory ``MessageQueue``: the wait decisions on
+a fake clock, every message delivered between two threads (also after idle
+gaps, woken by the writer's notification rather than vLLM's 5 s re-check),
+and the patch reaching ``WorkerProc`` only with the feature on.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from vllm_output_rate import register
+
+register()  # idempotent; installs every patch in this process
+
+from vllm.distributed.device_communicators import shm_broadcast  # noqa: E402
+from vllm.distributed.device_communicators.shm_broadcast import MessageQueue  # noqa: E402
+from vllm.v1.executor.multiproc_executor import WorkerProc  # noqa: E402
+
+from vllm_output_rate.adapter import worker_idle  # noqa: E402
+from vllm_output_rate.adapter.patches import PATCHES  # noqa: E402
+from vllm_output_rate.adapter.worker_idle import (  # noqa: E402
+    SPIN_WINDOW_ENV,
+    SPIN_WINDOW_S,
+    shorten_spin,
+    spin_window_s,
+)
+
+WINDOW = 0.005
+
+
+def small_queue_pair() -> tuple[MessageQueue, MessageQueue]:
+    """A writer and its one local reader (not yet handshaken), 4 small slots."""
+    writer = MessageQueue(1, 1, max_chunk_bytes=1 << 16, max_chunks=4)
+    reader = MessageQueue.create_from_handle(writer.export_handle(), 0)
+    return writer, reader
+
+
+def handshake(writer: MessageQueue, reader: MessageQueue) -> None:
+    t = threading.Thread(target=writer.wait_until_ready)
+    t.start()
+    reader.wait_until_ready()
+    t.join(timeout=30)
+    assert not t.is_alive()
+
+
+# -- wait decisions on a fake clock ------------------------------------------------
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+class SpyPoller:
+    """Stands in for the reader's zmq poller: records polls, returns no event."""
+
+    def __init__(self) -> None:
+        self.polls: list[int | None] = []
+
+    def poll(self, timeout=None):
+        self.polls.append(timeout)
+        return []
+
+
+@pytest.fixture
+def fake_clock(monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr(shm_broadcast, "time", SimpleNamespace(monotonic=clock.monotonic))
+    yields: list[float] = []
+    monkeypatch.setattr(shm_broadcast, "sched_yield", lambda: yields.append(clock.now))
+    return clock, yields
+
+
+def spied_reader(shorten: bool):
+    writer, reader = small_queue_pair()
+    cond = reader._spin_condition
+    if shorten:
+        assert shorten_spin(reader, WINDOW)
+    cond.poller = SpyPoller()
+    return writer, reader, cond
+
+
+def decisions(cond, clock: Clock, yields: list[float], steps) -> list[str]:
+    """Run ``("read"|"wait", t)`` steps; return "yield"/"poll" per wait."""
+    out = []
+    for what, t in steps:
+        clock.now = 1000.0 + t
+        if what == "read":
+            cond.record_read()
+            continue
+        n_yield, n_poll = len(yields), len(cond.poller.polls)
+        cond.wait(timeout_ms=5000)
+        if len(yields) > n_yield:
+            out.append("yield")
+        else:
+            assert len(cond.poller.polls) == n_poll + 1
+            out.append("poll")
+    return out
+
+
+STEPS = [
+    ("read", 0.0),
+    ("wait", 0.100),    # a 100 ms forward pass later: the window starts now
+    ("wait", 0.104),
+    ("wait", 0.106),    # 6 ms into the wait: past the 5 ms window
+    ("wait", 0.500),
+    ("read", 0.600),
+    ("wait", 1.700),    # 1.1 s after the read, but the first wait after it
+    ("wait", 1.7049),
+    ("wait", 1.7051),
+]
+
+
+def test_short_window_counts_from_the_first_wait_after_a_read(fake_clock):
+    clock, yields = fake_clock
+    writer, reader, cond = spied_reader(shorten=True)
+    assert cond.busy_loop_s == WINDOW
+    assert decisions(cond, clock, yields, STEPS) == [
+        "yield", "yield", "poll", "poll",
+        "yield", "yield", "poll",
+    ]
+    # The timeout handed to vLLM's poll is unchanged (its own 5 s re-check).
+    assert cond.poller.polls == [5000, 5000, 5000]
+
+
+def test_stock_reader_spins_for_a_second_after_each_read(fake_clock):
+    """The behaviour the patch replaces, on the same steps (feature off)."""
+    clock, yields = fake_clock
+    writer, reader, cond = spied_reader(shorten=False)
+    assert cond.busy_loop_s == 1
+    assert decisions(cond, clock, yields, STEPS) == [
+        "yield", "yield", "yield", "yield",
+        "poll", "poll", "poll",
+    ]
+
+
+def test_shorten_spin_is_idempotent_and_only_for_shm_readers():
+    writer, reader = small_queue_pair()
+    assert not shorten_spin(writer, WINDOW)      # the writer does not wait
+    assert not shorten_spin(None, WINDOW)
+    assert shorten_spin(reader, WINDOW)
+    wait = reader._spin_condition.wait
+    assert shorten_spin(reader, 0.002)
+    assert reader._spin_condition.wait is wait   # not wrapped twice
+    assert reader._spin_condition.busy_loop_s == 0.002
+
+
+# -- real queue between two threads ------------------------------------------------
+
+
+def test_every_message_arrives_in_bursts_and_after_idle_gaps():
+    writer, reader = small_queue_pair()
+    assert shorten_spin(reader, WINDOW)
+    handshake(writer, reader)
+
+    burst, spaced, gap_s = 300, 6, 0.25
+    total = burst + spaced
+    received: list[int] = []
+    recv_at: dict[int, float] = {}
+    cpu_at: dict[int, float] = {}
+    failure: list[BaseException] = []
+
+    def read_all():
+        try:
+            for _ in range(total):
+                msg = reader.dequeue(timeout=20)
+                recv_at[msg] = time.monotonic()
+                cpu_at[msg] = time.thread_time()
+                received.append(msg)
+        except BaseException as exc:  # reported by the main thread
+            failure.append(exc)
+
+    t = threading.Thread(target=read_all)
+    t.start()
+    # Burst: 300 messages through 4 slots, so the writer keeps waiting for
+    # the reader and the reader keeps finding the next one while spinning.
+    for i in range(burst):
+        writer.enqueue(i, timeout=20)
+    sent_at: dict[int, float] = {}
+    for i in range(burst, total):
+        time.sleep(gap_s)  # longer than the window: the reader is asleep
+        sent_at[i] = time.monotonic()
+        writer.enqueue(i, timeout=20)
+    t.join(timeout=60)
+    assert not t.is_alive() and not failure, failure
+
+    assert received == list(range(total))
+    # Woken by the writer's notification, not by vLLM's 5 s re-check.
+    latencies = [recv_at[i] - sent_at[i] for i in sent_at]
+    assert max(latencies) < 1.0, latencies
+    # Between the spaced messages the reader slept: its thread used a small
+    # part of the ~1.25 s it waited (spinning would use most of it).
+    idle_cpu = cpu_at[total - 1] - cpu_at[burst]
+    idle_wall = recv_at[total - 1] - recv_at[burst]
+    assert idle_wall > 1.0
+    assert idle_cpu < 0.3 * idle_wall, (idle_cpu, idle_wall)
+
+
+# -- reaching the worker process -----------------------------------------------------
+
+
+def test_patch_is_registered():
+    assert PATCHES["worker.idle_spin"] is worker_idle.patch_worker_idle
+    assert getattr(WorkerProc._init_message_queues, "_vllm_output_rate_patch", False)
+
+
+@pytest.fixture(scope="module")
+def configs(tiny_model_dir):
+    from vllm.engine.arg_utils import EngineArgs
+
+    def make(additional):
+        config = EngineArgs(
+            model=tiny_model_dir, max_model_len=256, additional_config=additional
+        ).create_engine_config()
+        # The executor pickles the config into the worker process.
+        return pickle.loads(pickle.dumps(config))
+
+    return {
+        "on": make({"output_rate": {"default_user_output_tokens_per_second": 5}}),
+        "off": make({}),
+    }
+
+
+@pytest.mark.parametrize("state", ["on", "off"])
+def test_worker_input_queue_follows_the_feature(configs, state):
+    writer = MessageQueue(1, 1, max_chunk_bytes=1 << 16, max_chunks=4)
+    proc = WorkerProc.__new__(WorkerProc)
+    proc.worker = SimpleNamespace(rank=0)
+    WorkerProc._init_message_queues(proc, writer.export_handle(), configs[state])
+    cond = proc.rpc_broadcast_mq._spin_condition
+    if state == "on":
+        assert cond.busy_loop_s == SPIN_WINDOW_S
+        assert getattr(cond, "_vllm_output_rate_short_spin", False)
+    else:
+        assert cond.busy_loop_s == 1
+        assert not getattr(cond, "_vllm_output_rate_short_spin", False)
+        assert "wait" not in vars(cond)
+    # The response queue (read by the engine core) is never touched.
+    assert proc.worker_response_mq._spin_condition.is_reader is False
+    proc.rpc_broadcast_mq.shutdown()
+
+
+def test_general_plugin_loading_installs_the_patch_in_a_fresh_process():
+    """What a spawned worker does in ``WorkerWrapperBase.init_worker``."""
+    code = (
+        "from vllm.plugins import load_general_plugins\n"
+        "load_general_plugins()\n"
+        "from vllm.v1.executor.multiproc_executor import WorkerProc\n"
+        "print(getattr(WorkerProc._init_message_queues, '_vllm_output_rate_patch', False))\n"
+    )
+    env = dict(os.environ)
+    env.pop("VLLM_PLUGINS", None)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "True"
+
+
+def test_window_override(monkeypatch):
+    monkeypatch.delenv(SPIN_WINDOW_ENV, raising=False)
+    assert spin_window_s() == SPIN_WINDOW_S
+    monkeypatch.setenv(SPIN_WINDOW_ENV, "2")
+    assert spin_window_s() == 0.002
+    monkeypatch.setenv(SPIN_WINDOW_ENV, "0")
+    assert spin_window_s() == 0.0
+    for bad in ("abc", "-1", "nan", "inf"):
+        monkeypatch.setenv(SPIN_WINDOW_ENV, bad)
+        with pytest.raises(ValueError, match=SPIN_WINDOW_ENV):
+            spin_window_s()
