@@ -671,3 +671,191 @@ def test_no_drift_over_many_paced_takes(rate, n):
     if rate == 3:
         # Spelled out: the millionth take is at 999_999 / 3 s - 100 ms.
         assert t == 333_333 * S - DEFAULT_BURST_NS
+
+
+# ---------------------------------------------------------------------------
+# Injected state store
+# ---------------------------------------------------------------------------
+
+
+class RecordingStore(dict):
+    """A state store (any MutableMapping) that records which users were written."""
+
+    def __init__(self):
+        super().__init__()
+        self.writes: list[str] = []
+
+    def __setitem__(self, user, tat):
+        self.writes.append(user)
+        super().__setitem__(user, tat)
+
+
+def test_injected_store_holds_the_state_and_behaves_like_the_default():
+    store = RecordingStore()
+    lim = OutputRateLimiter(20, store=store)
+    ref = OutputRateLimiter(20)
+    for x in (lim, ref):
+        assert x.try_take("u", 0, 3)
+        assert x.take_up_to("v", 0, 5) == 3
+    assert sorted(store) == ["u", "v"] and store.writes == ["u", "v"]
+    assert store["u"] == 3 * 50 * MS * 20  # TAT 150 ms on the scaled clock (p = 20)
+    for u in ("u", "v", "w"):
+        assert observe(lim, u, 0) == observe(ref, u, 0)
+    # A second limiter over the same store continues the same state (restart).
+    again = OutputRateLimiter(20, store=store)
+    assert again.available("u", 0) == 0
+    assert again.ready_at_ns("u", 0) == ref.ready_at_ns("u", 0)
+    assert lim.cleanup_idle_users(S) == 2
+    assert len(store) == 0
+
+
+def test_default_store_is_a_plain_dict():
+    # The scheduler calls the limiter every step; the default store must stay
+    # the cheapest mapping there is.
+    assert type(OutputRateLimiter(5)._tat) is dict
+
+
+# ---------------------------------------------------------------------------
+# Live rate changes
+# ---------------------------------------------------------------------------
+
+
+def test_update_rates_examples():
+    lim = OutputRateLimiter(10, {"fast": 100})
+    assert lim.take_up_to("fast", 0, 100) == 11  # TAT = 110 ms
+    assert lim.take_up_to("slow", 0, 100) == 2  # TAT = 200 ms
+    assert lim.take_up_to("same", 0, 100) == 2
+    changed = lim.update_rates(10, {"fast": 20, "slow": 5})
+    assert sorted(changed) == ["fast", "slow"]
+    assert lim.rate_of("fast") == 20 and lim.rate_of("slow") == 5 and lim.rate_of("x") == 10
+    # TAT kept as a point in time: fast's debt is 110 ms, past the 100 ms burst
+    # until 10 ms; then one token, the next one 50 ms later (new interval).
+    assert lim.ready_at_ns("fast", 0) == 10 * MS
+    assert lim.try_take("fast", 10 * MS) and not lim.try_take("fast", 10 * MS)
+    assert lim.ready_at_ns("fast", 10 * MS) == 60 * MS
+    # slow: TAT 200 ms, new interval 200 ms.
+    assert lim.ready_at_ns("slow", 0) == 100 * MS
+    assert lim.try_take("slow", 100 * MS)
+    assert lim.ready_at_ns("slow", 100 * MS) == 300 * MS
+    # Unchanged user: untouched.
+    ref = OutputRateLimiter(10)
+    ref.take_up_to("same", 0, 100)
+    assert observe(lim, "same", 0) == observe(ref, "same", 0)
+    assert lim.configured_rates() == (Fraction(10), {"fast": Fraction(20), "slow": Fraction(5)})
+
+
+def test_update_rates_is_all_or_nothing():
+    lim = OutputRateLimiter(10, {"a": 5})
+    assert lim.try_take("a", 0)
+    before = observe(lim, "a", 0)
+    with pytest.raises(ValueError, match="bob"):
+        lim.update_rates(10, {"a": 50, "bob": -1})
+    with pytest.raises(ValueError, match="default rate"):
+        lim.update_rates(0, {"a": 50})
+    assert lim.rate_of("a") == 5 and observe(lim, "a", 0) == before
+
+
+def test_update_rates_rounds_the_tat_up_never_earlier():
+    # 3 tok/s -> 7 tok/s: TAT 1/3 s is not a whole ns; on the new clock it
+    # is rounded up, so the next take is never allowed earlier than 1/3 s - burst.
+    lim = OutputRateLimiter(3, burst_ns=1)
+    assert lim.try_take("u", 0)
+    lim.update_rates(7)
+    ready = lim.ready_at_ns("u", 0)
+    assert ready == 333_333_334 - 1
+    assert not lim.try_take("u", ready - 1)
+    assert lim.try_take("u", ready)
+
+
+@st.composite
+def rate_changes(draw):
+    rates = {u: draw(RATES) for u in USERS}
+    new_rates = {u: draw(st.one_of(st.just(rates[u]), RATES)) for u in USERS}
+    return rates, new_rates
+
+
+@FAST
+@given(op_sequences(ops=("take", "take", "ready", "avail", "refund")), rate_changes(), st.data())
+def test_update_rates_keeps_unchanged_users_exactly(seq_data, change, data):
+    """Limiter B changes rates mid-sequence, A never does: for every user
+    whose rate stayed the same, every answer of B is A's."""
+    _, burst, start, seq = seq_data
+    rates, new_rates = change
+    a = make(rates, burst)
+    b = make(rates, burst)
+    at = data.draw(st.integers(0, len(seq)), label="change at")
+    unchanged = [u for u in USERS if exact_rate(rates[u]) == exact_rate(new_rates[u])]
+    t = start
+    for i, (gap, user, op) in enumerate(seq):
+        t += gap
+        if i == at:
+            changed = b.update_rates(new_rates["a"], {"b": new_rates["b"], "c": new_rates["c"]})
+            assert not set(changed) & set(unchanged)
+        ra, rb = run_op(a, op, user, t), run_op(b, op, user, t)
+        if user in unchanged:
+            assert ra == rb, (op, user, t)
+        for u in unchanged:
+            assert observe(a, u, t) == observe(b, u, t)
+    for u in USERS:
+        assert b.exact_rate_of(u) == exact_rate(new_rates[u] if at < len(seq) else rates[u])
+
+
+@FAST
+@given(
+    rates=rate_changes(),
+    burst=BURSTS,
+    start=st.integers(0, 10**14),
+    before=st.lists(st.integers(0, 30 * MS), min_size=0, max_size=80),
+    after=st.lists(st.one_of(st.just(0), st.integers(0, 30 * MS), st.integers(0, 2 * S)),
+                   min_size=1, max_size=150),
+)
+def test_update_rates_bound_at_new_rate_from_the_change(rates, burst, start, before, after):
+    """Whatever was taken before, takes from the change on obey the bound at
+    the new rate in every window starting at or after the change; a user taking
+    at ready times reaches the new rate (the change takes effect at once)."""
+    old, new = rates
+    lim = OutputRateLimiter(old["a"], burst_ns=burst)
+    t = start
+    for gap in before:
+        t += gap
+        while lim.try_take("u", t):
+            pass
+    change = t
+    lim.update_rates(new["a"])
+    r = lim.exact_rate_of("u")
+    assert r == exact_rate(new["a"])
+    times: list[int] = []
+    for gap in after:
+        t += gap
+        while lim.try_take("u", t):
+            times.append(t)
+    # Windows starting at the change and at every take after it.
+    anchors = [change] + times
+    for s in anchors:
+        for j in range(bisect.bisect_left(times, s), len(times)):
+            count = j - bisect.bisect_left(times, s) + 1
+            assert at_most_bound(count, times[j] - s, burst, r), (s, times[j], count)
+    # Effect at once: once the burst is used up, takes at ready times are
+    # spaced exactly by the new interval (up to ns rounding).
+    while lim.try_take("u", t):
+        pass
+    paced = []
+    for _ in range(6):
+        t = lim.ready_at_ns("u", t)
+        assert lim.try_take("u", t)
+        paced.append(t)
+    interval = Fraction(r.denominator * NS_PER_S, r.numerator)
+    tail = paced[-5:]
+    for x, y in zip(tail, tail[1:]):
+        assert abs((y - x) - interval) <= 1
+
+
+def test_make_limiter_without_store_is_the_in_memory_limiter():
+    from vllm_output_rate.limiter import make_limiter
+    from vllm_output_rate.settings import OutputRateSettings
+
+    settings = OutputRateSettings(default_rate=2.5, user_rates={"a": 20})
+    lim = make_limiter(settings)
+    assert type(lim) is OutputRateLimiter
+    assert lim.exact_rate_of("a") == 20 and lim.exact_rate_of("z") == Fraction(5, 2)
+    assert lim.burst_ns == DEFAULT_BURST_NS

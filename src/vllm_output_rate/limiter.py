@@ -25,6 +25,16 @@ so millions of takes accumulate no rounding error.
 The limiter is pure bookkeeping with time passed in by the caller (the
 scheduler reads its clock once per step).  It makes no fairness or queueing
 decision and imports nothing from vLLM.
+
+Strategy and storage.  :class:`OutputRateLimiter` is the GCRA strategy; the
+per-user state it reads and writes lives in an injected *state store*: a
+mutable mapping ``user -> TAT on that user's scaled clock`` (absent == idle).
+The default store is a plain ``dict`` (:data:`MemoryStore`), so the in-memory
+path costs exactly what it did before the split.  A store shared between
+engines cannot be consulted synchronously from the scheduler step (it would
+wait on the network); that case is :mod:`vllm_output_rate.stores.lease`, which
+runs the same algorithm on the shared server and spends local leases through
+this same interface.  :func:`make_limiter` picks one from the settings.
 """
 
 from __future__ import annotations
@@ -33,10 +43,18 @@ import math
 from dataclasses import dataclass
 from fractions import Fraction
 from numbers import Real
-from typing import Mapping
+from typing import Any, Mapping, MutableMapping
 
 NS_PER_S = 1_000_000_000
 DEFAULT_BURST_NS = 100_000_000  # 100 ms: must cover at least one engine step.
+
+#: The per-user state store the GCRA strategy runs over: ``user -> TAT`` on
+#: the user's scaled clock (see the module docstring); a user without an entry
+#: is idle.  Any ``MutableMapping[str, int]`` works; entries are only read,
+#: written and deleted one user at a time, plus :meth:`items` for cleanup.
+StateStore = MutableMapping[str, int]
+#: The default store: a plain dict, the fastest mapping CPython has.
+MemoryStore = dict
 
 
 def exact_rate(value: object, what: str = "rate") -> Fraction:
@@ -98,20 +116,50 @@ class OutputRateLimiter:
         default_rate: float,
         user_rates: Mapping[str, float] | None = None,
         burst_ns: int = DEFAULT_BURST_NS,
+        store: StateStore | None = None,
     ) -> None:
         if isinstance(burst_ns, bool) or not isinstance(burst_ns, int) or burst_ns <= 0:
             raise ValueError(f"burst_ns must be a positive integer, got {burst_ns!r}")
         self._burst_ns = burst_ns
-        self._default = _ScaledRate.of(exact_rate(default_rate, "default rate"), burst_ns)
-        self._overrides: dict[str, _ScaledRate] = {}
-        for user, rate in (user_rates or {}).items():
-            if not isinstance(user, str) or not user:
-                raise ValueError(f"user names must be non-empty strings, got {user!r}")
-            self._overrides[user] = _ScaledRate.of(
-                exact_rate(rate, f"rate of user {user!r}"), burst_ns
-            )
+        self._default, self._overrides = _scaled_rates(default_rate, user_rates, burst_ns)
         # user -> TAT on that user's scaled clock.  Absent == idle.
-        self._tat: dict[str, int] = {}
+        self._tat: StateStore = MemoryStore() if store is None else store
+
+    # -- configuration ----------------------------------------------------
+
+    def update_rates(
+        self, default_rate: float, user_rates: Mapping[str, float] | None = None
+    ) -> list[str]:
+        """Replace the configured rates; return the tracked users whose rate changed.
+
+        All or nothing: invalid rates raise ``ValueError`` (as the
+        constructor does) and change nothing.  A user whose rate is the same
+        before and after keeps its state exactly.  A tracked user whose rate
+        changed keeps its TAT as a point in time (rounded up to the new
+        scaled clock, never earlier), so it neither gets a fresh burst nor
+        loses more than its current debt; its next take is judged at the new
+        rate, and from the change on the bound holds at the new rate ``N``:
+        over any window starting at or after the change, at most
+        ``(W + burst) * N + 1`` takes.  (GCRA's bound holds from any starting
+        TAT: a take needs ``TAT - now <= burst`` whatever came before.)
+        """
+        default, overrides = _scaled_rates(default_rate, user_rates, self._burst_ns)
+        changed: list[str] = []
+        tat = self._tat
+        for user in list(tat):
+            old = self._overrides.get(user, self._default)
+            new = overrides.get(user, default)
+            if old.rate != new.rate:
+                # Same instant on the new clock: tat / p_old * p_new, rounded up.
+                tat[user] = -((-tat[user] * new.clock_scale) // old.clock_scale)
+                changed.append(user)
+        self._default = default
+        self._overrides = overrides
+        return changed
+
+    def configured_rates(self) -> tuple[Fraction, dict[str, Fraction]]:
+        """The default rate and the per-user overrides, exactly."""
+        return self._default.rate, {u: r.rate for u, r in self._overrides.items()}
 
     # -- queries ----------------------------------------------------------
 
@@ -238,3 +286,34 @@ class OutputRateLimiter:
 
     def _scaled(self, user: str) -> _ScaledRate:
         return self._overrides.get(user, self._default)
+
+
+def _scaled_rates(
+    default_rate: float, user_rates: Mapping[str, float] | None, burst_ns: int
+) -> tuple[_ScaledRate, dict[str, _ScaledRate]]:
+    """Validate and scale a default rate and per-user overrides."""
+    default = _ScaledRate.of(exact_rate(default_rate, "default rate"), burst_ns)
+    overrides: dict[str, _ScaledRate] = {}
+    for user, rate in (user_rates or {}).items():
+        if not isinstance(user, str) or not user:
+            raise ValueError(f"user names must be non-empty strings, got {user!r}")
+        overrides[user] = _ScaledRate.of(exact_rate(rate, f"rate of user {user!r}"), burst_ns)
+    return default, overrides
+
+
+def make_limiter(settings: Any, **kwargs: Any) -> Any:
+    """The limiter the scheduler uses for ``settings`` (an ``OutputRateSettings``).
+
+    Without a shared store configured (``settings.store_url`` missing or
+    empty) this is ``OutputRateLimiter(settings.default_rate,
+    settings.user_rates)``: the exact in-memory limiter.  With a store URL it
+    is a :class:`~vllm_output_rate.stores.lease.LeasedOutputRateLimiter`
+    spending leases of the shared quota (same methods); ``kwargs`` go to its
+    constructor.  Call ``close()`` on the result, if it has one, at shutdown.
+    """
+    store_url = getattr(settings, "store_url", None)
+    if not store_url:
+        return OutputRateLimiter(settings.default_rate, settings.user_rates)
+    from vllm_output_rate.stores.lease import limiter_from_settings
+
+    return limiter_from_settings(settings, **kwargs)
