@@ -88,6 +88,9 @@ class StepGate:
         self._user_of: dict[Key, str] = {}
         self._known_per_user: dict[str, int] = {}  # user -> tracked requests
         self._lane_of: dict[Key, str] = {}
+        # Resident key -> admission number: vLLM's own order of `running`.
+        self._admitted_at: dict[Key, int] = {}
+        self._admissions = 0
         # Users with resident requests, least recently served first.
         self._lanes: OrderedDict[str, _Lane] = OrderedDict()
         self._steps = 0
@@ -147,6 +150,8 @@ class StepGate:
             # waiting, in the order users arrived.
             lane = self._lanes[user] = _Lane()
         self._lane_of[key] = user
+        self._admissions += 1
+        self._admitted_at[key] = self._admissions
         self._membership_version += 1
         if progressing:
             lane.progressing[key] = None
@@ -158,6 +163,7 @@ class StepGate:
         user = self._lane_of.pop(key, None)
         if user is None:
             return
+        del self._admitted_at[key]
         self._membership_version += 1
         lane = self._lanes[user]
         if key in lane.progressing:
@@ -198,6 +204,10 @@ class StepGate:
 
     def num_resident(self) -> int:
         return len(self._lane_of)
+
+    def in_admission_order(self, keys: list) -> None:
+        """Sort resident ``keys`` in place into the order they became resident."""
+        keys.sort(key=self._admitted_at.__getitem__)
 
     # -- one step ----------------------------------------------------------
 

@@ -175,7 +175,14 @@ class OutputRateSchedulerMixin:
         plan = gate.plan(now_ns, slots)
         resident = self.running
         num_visible = len(plan.visible)
-        self.running = plan.visible  # vLLM appends admissions to it
+        # The gate decides which requests vLLM sees; vLLM's own order among
+        # them (admission order) decides who gets the token budget first and
+        # who is preempted first, exactly as in stock vLLM.
+        if plan.hidden:
+            gate.in_admission_order(plan.visible)
+            self.running = plan.visible  # vLLM appends admissions to it
+        else:
+            self.running = list(resident)
         all_visible_prepaid = not plan.prefills
         self._begin_step(plan, plan.prepaid, all_visible_prepaid)
         if plan.throttled and self.waiting:
