@@ -568,7 +568,7 @@ def test_idle_wait_is_capped():
     assert gate2.idle_wait_ns() == 2 * S - 100 * MS
 
 
-def test_idle_wait_counts_users_refused_at_charge_and_note_blocked():
+def test_idle_wait_counts_users_refused_at_charge():
     gate, lim = new_gate(max_idle_wait_ns=S)
     add(gate, "one", "o1")
     gate.plan(0, 10)  # prepays o1: "one" is not throttled
@@ -580,8 +580,6 @@ def test_idle_wait_counts_users_refused_at_charge_and_note_blocked():
     gate.plan(S, 10)
     gate.finish({"o1"})
     assert gate.idle_wait_ns() is None
-    gate.note_blocked("slow")  # idle user: ready now
-    assert gate.idle_wait_ns() == 0
 
 
 def test_idle_wait_counts_can_charge_refusals():
@@ -1089,8 +1087,8 @@ def test_random_protocol_keeps_invariants(seed, cleanup_every, population, churn
         shifted: set[str] = set()  # users whose offered stream left mid-step
         for _ in range(rng.randint(0, 16)):
             op = rng.choices(
-                ["charge", "can", "new", "preempt", "victims", "abort", "note"],
-                [6, 1, 1, churn * 3, 1, churn * 2, 0.3],
+                ["charge", "can", "new", "preempt", "victims", "abort"],
+                [6, 1, 1, churn * 3, 1, churn * 2],
             )[0]
             candidates = [k for k in visible if k in model.where] + [
                 k for k in scheduled_new if k in model.user_of
@@ -1131,10 +1129,6 @@ def test_random_protocol_keeps_invariants(seed, cleanup_every, population, churn
                     if key in exp_prepaid:
                         shifted.add(model.user_of[key])
                     release(key, forget=op == "abort")
-            elif op == "note":
-                user = rng.choice(USERS)
-                gate.note_blocked(user)
-                blocked.add(user)
             elif op == "victims":
                 got = list(gate.throttled_victims())
                 assert len(got) == len(set(got))

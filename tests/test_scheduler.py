@@ -505,3 +505,32 @@ def test_streaming_input_session_leaves_and_rejoins_residency(async_):
     assert h.sched.output_rate_gate.num_resident() == 0
     assert not h.sched.running and not h.sched.waiting
     assert h.free_blocks() == initial_free
+
+
+# -- observability ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
+def test_gate_counts_charged_tokens_throttled_time_and_idle_steps(async_):
+    h = Harness(limits(1000, slow=10), async_=async_, max_num_seqs=8)
+    for _ in range(3):
+        h.add("slow", prompt_len=8, max_tokens=12)
+    h.add("fast", prompt_len=8, max_tokens=12)
+    gate = h.sched.output_rate_gate
+    seen_held = False
+    while h.sched.has_requests():
+        h.step(10 * MS)
+        users = gate.last_step_users()
+        if users.get("slow", (0, 0))[1]:
+            seen_held = True
+            assert users["slow"][1] <= 3
+    h.drain()
+    # Every dispatched sample is charged once and kept; refunds net out.
+    assert gate.charged_tokens == {user: len(times) for user, times in h.charges.items()}
+    assert gate.charged_tokens["slow"] == 36
+    assert seen_held
+    # "slow" needs ~3.5 s for 36 tokens at 10 tok/s and waits for quota most
+    # of that time; "fast" never waits.
+    assert 2 * S < gate.throttled_ns["slow"] <= 4 * S
+    assert "fast" not in gate.throttled_ns
+    assert gate.idle_steps > 0

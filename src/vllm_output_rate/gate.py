@@ -102,6 +102,14 @@ class StepGate:
         self._plan_version = -1
         self._plan_was_full = False
         self._steady_step = False
+        # Observability, read at stats time (never on the step's hot path).
+        #: user -> tokens charged and kept (sampled), cumulative.
+        self.charged_tokens: dict[str, int] = {}
+        #: user -> ns during which the user had runnable requests and no quota.
+        self.throttled_ns: dict[str, int] = {}
+        #: Steps that ran nothing because every runnable request was throttled.
+        self.idle_steps = 0
+        self._last_ran: dict[str, int] = {}
         # Per-step state.
         self.now_ns = 0
         self._charged: dict[Key, str] = {}
@@ -268,6 +276,12 @@ class StepGate:
         self._steps += 1
         if self._steps % self._cleanup_every == 0:
             self.limiter.cleanup_idle_users(now_ns)
+        if self._blocked:
+            # Users who waited for quota in the last step waited until now.
+            elapsed = now_ns - self.now_ns
+            throttled_ns = self.throttled_ns
+            for user in self._blocked:
+                throttled_ns[user] = throttled_ns.get(user, 0) + elapsed
         self.now_ns = now_ns
         self._plan_version = self._membership_version
         self._charged.clear()
@@ -328,6 +342,12 @@ class StepGate:
         """
         self._steady_step = False
         if all_sampled and not self._charged:
+            ran = self._last_ran = {}
+            charged_tokens = self.charged_tokens
+            for user, lane in self._lanes.items():
+                if lane.decoding:
+                    ran[user] = count = len(lane.decoding)
+                    charged_tokens[user] = charged_tokens.get(user, 0) + count
             return 0
         if not all_sampled:
             by_user: dict[str, list] = {}
@@ -409,13 +429,16 @@ class StepGate:
         refunded = 0
         lanes = self._lanes
         now = self.now_ns
+        ran = self._last_ran = {}
         for user, batch in self._offers:
             lane = lanes.get(user)
             if all_prepaid_sampled and lane is not None:
                 lane.decoding.rotate(-len(batch))
                 lanes.move_to_end(user)
+                ran[user] = len(batch)
                 continue
             served = [key for key in batch if key in sampled]
+            ran[user] = len(served)
             unpaid = len(batch) - len(served)
             if unpaid:
                 self.limiter.refund(user, now, unpaid)
@@ -430,6 +453,7 @@ class StepGate:
             lanes.move_to_end(user)
         for key, user in self._charged.items():
             if key in sampled:
+                ran[user] = ran.get(user, 0) + 1
                 # Just admitted or just done prefilling: already at the back
                 # of its user's streams; only the user order changes.
                 if user in lanes:
@@ -437,6 +461,9 @@ class StepGate:
             else:
                 self.limiter.refund(user, now)
                 refunded += 1
+        charged_tokens = self.charged_tokens
+        for user, count in ran.items():
+            charged_tokens[user] = charged_tokens.get(user, 0) + count
         self._repeatable = (
             all_prepaid_sampled
             and self._plan_was_full
@@ -456,11 +483,25 @@ class StepGate:
         """
         if not self._blocked:
             return None
+        self.idle_steps += 1
         now = self.now_ns
         earliest = min(self.limiter.ready_at_ns(user, now) for user in self._blocked)
         return max(0, min(earliest - now, self._max_idle_wait_ns))
 
-    def note_blocked(self, user: str) -> None:
-        """Record that ``user``'s request waits for quota in this step."""
-        self._blocked.add(user)
+    def last_step_users(self) -> dict[str, tuple[int, int]]:
+        """user -> (requests that sampled in the last finished step, resident
+        requests held back for quota in it), for users with resident requests
+        or a sample in that step."""
+        ran = self._last_ran
+        throttled = self._blocked  # the last step's until the next one starts
+        result: dict[str, tuple[int, int]] = {}
+        for user, lane in self._lanes.items():
+            count = ran.get(user, 0)
+            held = max(len(lane) - count, 0) if user in throttled else 0
+            if count or held or lane:
+                result[user] = (count, held)
+        for user, count in ran.items():
+            if user not in result:
+                result[user] = (count, 0)
+        return result
 

@@ -50,8 +50,9 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.core.sched.utils import remove_all
 from vllm.v1.request import Request, RequestStatus
 
+from vllm_output_rate.adapter.operate import OperateSchedulerMixin
 from vllm_output_rate.gate import StepGate, StepPlan
-from vllm_output_rate.limiter import OutputRateLimiter
+from vllm_output_rate.limiter import make_limiter
 from vllm_output_rate.settings import (
     ANONYMOUS_USER,
     InvalidUserError,
@@ -82,9 +83,7 @@ class OutputRateSchedulerMixin:
                 "it is selected automatically when the feature is configured"
             )
         self.output_rate_settings = settings
-        self.output_rate_limiter = OutputRateLimiter(
-            settings.default_rate, settings.user_rates
-        )
+        self.output_rate_limiter = make_limiter(settings)
         self.output_rate_gate = StepGate(self.output_rate_limiter)
         #: Seconds the engine loop may wait on its input queue after a step
         #: that ran nothing because every runnable request was throttled;
@@ -501,9 +500,9 @@ def _user_of(request: Request) -> str:
         return ANONYMOUS_USER
 
 
-class OutputRateScheduler(OutputRateSchedulerMixin, Scheduler):
+class OutputRateScheduler(OperateSchedulerMixin, OutputRateSchedulerMixin, Scheduler):
     """Synchronous-scheduling variant."""
 
 
-class OutputRateAsyncScheduler(OutputRateSchedulerMixin, AsyncScheduler):
+class OutputRateAsyncScheduler(OperateSchedulerMixin, OutputRateSchedulerMixin, AsyncScheduler):
     """Async-scheduling variant (step N+1 scheduled before N's output)."""
