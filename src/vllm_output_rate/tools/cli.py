@@ -123,11 +123,14 @@ def cmd_serve(argv: list[str]) -> None:
         _fail(str(exc))
 
 
-def cmd_tiny_model(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(
-        prog=f"{PROG} tiny-model",
-        description="Write the embedded tiny random-weight Llama model to DIR.",
-    )
+def cmd_tiny_model(args: argparse.Namespace) -> None:
+    from vllm_output_rate.tools.tiny_model import write_tiny_model
+
+    out = write_tiny_model(args.dir, args.size)
+    print(f"{args.size} model written to {out}")
+
+
+def add_tiny_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("dir", metavar="DIR")
     parser.add_argument(
         "--size",
@@ -136,11 +139,6 @@ def cmd_tiny_model(argv: list[str]) -> None:
         help="tiny (default: 2 layers, hidden 128) or bench (8 layers, hidden 512, "
         "for end-to-end throughput benchmarks)",
     )
-    args = parser.parse_args(argv)
-    from vllm_output_rate.tools.tiny_model import write_tiny_model
-
-    out = write_tiny_model(args.dir, args.size)
-    print(f"{args.size} model written to {out}")
 
 
 def cmd_bench(argv: list[str]) -> None:
@@ -155,25 +153,45 @@ def cmd_demo(argv: list[str]) -> None:
     demo_main(argv)
 
 
-COMMANDS = {
-    "serve": (cmd_serve, "run vLLM's OpenAI-compatible server with the plugin"),
-    "tiny-model": (cmd_tiny_model, "write the embedded tiny model to a folder"),
+#: Commands whose arguments are handed, unchanged, to another parser: vLLM's
+#: own ``serve`` parser, and the bench's and demo's parsers.
+#: name -> (function taking the remaining argv, help)
+PASSTHROUGH_COMMANDS = {
+    "serve": (cmd_serve, "run vLLM's OpenAI-compatible server with the plugin "
+                         "(every argument goes to `vllm serve`)"),
     "bench": (cmd_bench, "drive many users against a server and report per-user rates"),
-    "demo": (cmd_demo, "serve the tiny model, bench a heavy and a light user, stop"),
+    "demo": (cmd_demo, "the same workload on stock vLLM and with the plugin; one figure"),
 }
+
+#: Commands parsed here: name -> (function taking the parsed namespace, help,
+#: function adding the command's arguments).  Add new subcommands here.
+COMMANDS = {
+    "tiny-model": (cmd_tiny_model, "write the embedded tiny model to a folder", add_tiny_model_arguments),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROG, description="Per-user output-token rate limits for vLLM.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (_, text) in PASSTHROUGH_COMMANDS.items():
+        # Documented here, parsed by the command itself (see main).
+        p = sub.add_parser(name, help=text, description=text, add_help=False)
+        p.add_argument("args", nargs=argparse.REMAINDER, help="passed on unchanged")
+    for name, (func, text, add_arguments) in COMMANDS.items():
+        p = sub.add_parser(name, help=text, description=text)
+        add_arguments(p)
+        p.set_defaults(func=func)
+    return parser
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        lines = [f"usage: {PROG} {{{','.join(COMMANDS)}}} ...", ""]
-        lines += [f"  {name:<11} {text}" for name, (_, text) in COMMANDS.items()]
-        print("\n".join(lines), file=sys.stderr if argv else sys.stdout)
-        if argv and argv[0] not in ("-h", "--help"):
-            _fail(f"unknown command {argv[0]!r}")
-        raise SystemExit(0 if argv else 2)
-    command, _ = COMMANDS[argv[0]]
-    command(argv[1:])
+    if argv and argv[0] in PASSTHROUGH_COMMANDS:
+        command, _ = PASSTHROUGH_COMMANDS[argv[0]]
+        command(argv[1:])
+        return
+    args = build_parser().parse_args(argv)
+    args.func(args)
 
 
 if __name__ == "__main__":

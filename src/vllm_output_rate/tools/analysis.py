@@ -1,0 +1,378 @@
+"""Bench analysis: pure functions over :class:`~.measure.RequestRecord` lists.
+
+The guarantee verdict
+    The limiter promises at most ``(W + burst) * N + 1`` tokens in any window
+    of W seconds (N = the user's limit).  The server charges a token when it
+    schedules it; the client sees it later, after a delay that varies with the
+    engine step, the API server and the client's own event loop (on a loaded
+    2-core machine receive stalls reach ~1 s).  Windows over *receive* times
+    therefore overstate what the server did whenever tokens arrive bunched.
+    The verdict is judged on two checks that such stalls cannot inflate:
+
+    1. **Envelope** (no allowance at all).  Every token of a request was
+       charged after the client sent it and before the client saw the stream
+       end.  So for any times a < b, the tokens of the user's requests sent at
+       or after a and ended by b were charged within ``[a, b]``: they must
+       fit ``(b - a + burst) * N + 1``.  A late delivery only moves b later,
+       which loosens this check; it can never make it fail.
+    2. **Receive-time windows widened by the measured stall.**  For
+       W in ``windows_s`` and the user's whole active span, the most tokens
+       received in a closed window ``[t, t + W]`` must fit
+       ``(W + burst + stall) * N + 1``, where ``stall`` is this user's measured
+       receive stall: the larger of the client's own event-loop lag (max) and,
+       when the server sends per-request timing, the largest difference
+       between a request's first->last token interval as the server stamped
+       it and as the client received it.
+
+    PASS when both hold; FAIL otherwise.  A server that really overruns
+    fails both: a sustained overrun fails the envelope and the span window; a
+    burst fails the short windows unless it is smaller than the stall.
+    The strict receive-time figure (no stall allowance) is kept in the
+    window details, and the stall itself is reported as its own column.
+
+Other figures: tok/s over the user's active span (first to last token
+received), share of all tokens received in the run, TTFT (first token
+received minus send), inter-token gaps within a request (0 inside a chunk),
+``usage.completion_tokens`` == tokens received for every finished request.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, Iterable, Mapping, Sequence
+
+from vllm_output_rate.limiter import DEFAULT_BURST_NS, NS_PER_S
+from vllm_output_rate.settings import ANONYMOUS_USER
+from vllm_output_rate.tools.measure import (
+    CANCELLED,
+    ERROR_STATUSES,
+    FINISHED,
+    RequestRecord,
+    max_in_window,
+    percentile,
+    usage_matches,
+)
+
+#: The limiter's burst, which loosens the bound by ``BURST_S * N`` tokens.
+BURST_S = DEFAULT_BURST_NS / NS_PER_S
+DEFAULT_WINDOWS_S = (1.0, 2.0, 5.0)
+
+# Guarantee verdicts.
+PASS = "PASS"
+FAIL = "FAIL"
+NOT_CHECKED = "n/a"
+
+#: How the verdict is judged, for tables and JSON.
+VERDICT_BASIS = "send/end envelope + receive windows widened by the measured stall"
+
+
+def guarantee_bound(window_s: float, rate: float, burst_s: float = BURST_S) -> float:
+    """Tokens a user limited to ``rate`` tok/s may get in any ``window_s``."""
+    return (window_s + burst_s) * rate + 1
+
+
+@dataclass
+class WindowCheck:
+    """Most tokens received in any window of ``window_s`` vs the bound."""
+
+    label: str  # "1s", "2s", ... or "span" for the user's whole active span
+    window_s: float
+    max_tokens: int
+    bound: float | None  # strict (W + burst) * N + 1; None when the limit is unknown
+    stall_allowance: float | None  # extra tokens tolerated: stall_s * N
+    within_bound: bool | None  # max_tokens <= bound (strict, information only)
+    passed: bool | None  # max_tokens <= bound + stall_allowance
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "WindowCheck":
+        names = cls.__dataclass_fields__
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+
+@dataclass
+class EnvelopeCheck:
+    """The tightest set of whole requests: sent at or after ``a``, ended by ``b``."""
+
+    window_s: float  # b - a
+    tokens: int
+    bound: float | None
+    passed: bool | None
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None) -> "EnvelopeCheck | None":
+        return None if data is None else cls(**data)
+
+
+def envelope_worst(
+    requests: Iterable[tuple[float, float, int]], rate: float, burst_s: float = BURST_S
+) -> tuple[float, float, int] | None:
+    """Largest ``count - ((b - a) + burst) * rate - 1`` over request sets.
+
+    ``requests`` are ``(sent, ended, tokens)``; a set is every request sent at
+    or after ``a`` and ended by ``b``, for a among the send times and b among
+    the end times.  Returns ``(excess, b - a, count)`` of the worst set
+    (excess <= 0 means within the bound), or None without tokens.
+    """
+    reqs = sorted((s, e, n) for s, e, n in requests if n > 0)
+    if not reqs:
+        return None
+    best: tuple[float, float, int] | None = None
+    starts = sorted({s for s, _, _ in reqs}, reverse=True)
+    inside: list[tuple[float, int]] = []  # (end, tokens) of requests sent at or after a
+    pending = sorted(reqs, key=lambda r: r[0], reverse=True)
+    i = 0
+    for a in starts:
+        while i < len(pending) and pending[i][0] >= a:
+            inside.append((pending[i][1], pending[i][2]))
+            i += 1
+        inside.sort()
+        count = 0
+        for end, tokens in inside:
+            count += tokens
+            width = max(end - a, 0.0)
+            excess = count - (width + burst_s) * rate - 1
+            if best is None or excess > best[0]:
+                best = (excess, width, count)
+    return best
+
+
+def check_envelope(
+    records: Sequence[RequestRecord], limit: float | None, burst_s: float = BURST_S
+) -> EnvelopeCheck | None:
+    reqs = [(r.start, r.end, r.n_tokens) for r in records if r.end is not None]
+    worst = envelope_worst(reqs, limit, burst_s) if limit else None
+    if worst is None:
+        if not limit:
+            tokens = sum(n for _, _, n in reqs)
+            return EnvelopeCheck(0.0, tokens, None, None) if tokens else None
+        return None
+    excess, width, count = worst
+    bound = guarantee_bound(width, limit, burst_s)
+    return EnvelopeCheck(width, count, bound, excess <= 1e-9)
+
+
+def window_label(window_s: float) -> str:
+    return f"{window_s:g}s"
+
+
+def check_windows(
+    times: Sequence[float],
+    limit: float | None,
+    windows_s: Sequence[float] = DEFAULT_WINDOWS_S,
+    burst_s: float = BURST_S,
+    stall_s: float = 0.0,
+) -> list[WindowCheck]:
+    """Window maxima for each W in ``windows_s`` plus the full active span."""
+    if not times:
+        return []
+    span = max(times) - min(times)
+    sized = [(window_label(w), w) for w in windows_s] + [("span", span)]
+    checks = []
+    for label, window_s in sized:
+        most = max_in_window(times, window_s)
+        if limit is None:
+            checks.append(WindowCheck(label, window_s, most, None, None, None, None))
+            continue
+        bound = guarantee_bound(window_s, limit, burst_s)
+        allowance = stall_s * limit
+        checks.append(WindowCheck(label, window_s, most, bound, allowance,
+                                  most <= bound, most <= bound + allowance))
+    return checks
+
+
+def verdict(checks: Sequence[WindowCheck], envelope: EnvelopeCheck | None) -> str:
+    results = [c.passed for c in checks if c.passed is not None]
+    if envelope is not None and envelope.passed is not None:
+        results.append(envelope.passed)
+    if not results:
+        return NOT_CHECKED
+    return PASS if all(results) else FAIL
+
+
+def time_to_first_token(record: RequestRecord) -> float | None:
+    return record.token_times[0] - record.start if record.token_times else None
+
+
+def inter_token_gaps(record: RequestRecord) -> list[float]:
+    """Gaps between consecutive tokens of one request (0 within a chunk)."""
+    times = record.token_times
+    return [later - earlier for earlier, later in zip(times, times[1:])]
+
+
+def receive_stall(records: Sequence[RequestRecord], client_lag_s: float = 0.0) -> float:
+    """This user's measured receive stall (see the module docstring)."""
+    stall = client_lag_s
+    for r in records:
+        if r.status == FINISHED and r.server_generation_s is not None and r.n_tokens > 1:
+            client_span = r.token_times[-1] - r.token_times[0]
+            stall = max(stall, abs(client_span - r.server_generation_s))
+    return stall
+
+
+def limit_for(user: str, limits: Mapping[str, float], default_limit: float | None = None) -> float | None:
+    return limits.get(user, default_limit)
+
+
+@dataclass
+class UserSummary:
+    user: str
+    streams: int
+    requests_started: int
+    requests_finished: int
+    requests_cancelled: int
+    errors: int
+    tokens: int
+    share: float | None  # of all tokens received in the run
+    first_token_s: float | None
+    last_token_s: float | None
+    active_span_s: float | None
+    tokens_per_s: float | None
+    limit_tokens_per_s: float | None
+    receive_stall_s: float  # allowance of the receive-window check
+    envelope: EnvelopeCheck | None
+    windows: list[WindowCheck]
+    guarantee: str  # PASS, FAIL or NOT_CHECKED
+    ttft_p50_s: float | None
+    ttft_p99_s: float | None
+    gap_p50_s: float | None
+    gap_p99_s: float | None
+    usage_mismatches: int  # finished requests whose completion_tokens != tokens received
+    usage_match: bool | None  # None when no request finished
+
+    @property
+    def anonymous(self) -> bool:
+        return self.user == ANONYMOUS_USER
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "UserSummary":
+        values = dict(data)
+        values["windows"] = [WindowCheck.from_dict(w) for w in data.get("windows", [])]
+        values["envelope"] = EnvelopeCheck.from_dict(data.get("envelope"))
+        names = cls.__dataclass_fields__
+        return cls(**{k: v for k, v in values.items() if k in names})
+
+
+def summarize_user(
+    user: str,
+    records: Sequence[RequestRecord],
+    limit: float | None,
+    streams: int | None = None,
+    windows_s: Sequence[float] = DEFAULT_WINDOWS_S,
+    burst_s: float = BURST_S,
+    client_lag_s: float = 0.0,
+    run_tokens: int | None = None,
+) -> UserSummary:
+    """Summary of one user's requests (all of them must belong to ``user``)."""
+    # Every received token counts toward the guarantee, including those of
+    # cancelled or failed requests: the server did deliver them.
+    times = sorted(t for r in records for t in r.token_times)
+    finished = [r for r in records if r.status == FINISHED]
+    span = (times[-1] - times[0]) if times else None
+    ttfts = [x for x in (time_to_first_token(r) for r in records) if x is not None]
+    gaps = [g for r in records for g in inter_token_gaps(r)]
+    mismatches = sum(1 for r in finished if not usage_matches(r))
+    stall = receive_stall(records, client_lag_s)
+    checks = check_windows(times, limit, windows_s, burst_s, stall)
+    envelope = check_envelope(records, limit, burst_s)
+    return UserSummary(
+        user=user,
+        streams=streams if streams is not None else len({r.stream for r in records}),
+        requests_started=len(records),
+        requests_finished=len(finished),
+        requests_cancelled=sum(1 for r in records if r.status == CANCELLED),
+        errors=sum(1 for r in records if r.status in ERROR_STATUSES),
+        tokens=len(times),
+        share=(len(times) / run_tokens) if run_tokens else None,
+        first_token_s=times[0] if times else None,
+        last_token_s=times[-1] if times else None,
+        active_span_s=span,
+        tokens_per_s=(len(times) / span) if span else None,
+        limit_tokens_per_s=limit,
+        receive_stall_s=stall,
+        envelope=envelope,
+        windows=checks,
+        guarantee=verdict(checks, envelope),
+        ttft_p50_s=percentile(ttfts, 50),
+        ttft_p99_s=percentile(ttfts, 99),
+        gap_p50_s=percentile(gaps, 50),
+        gap_p99_s=percentile(gaps, 99),
+        usage_mismatches=mismatches,
+        usage_match=(mismatches == 0) if finished else None,
+    )
+
+
+def summarize(
+    records: Sequence[RequestRecord],
+    limits: Mapping[str, float],
+    default_limit: float | None = None,
+    streams: Mapping[str, int] | None = None,
+    windows_s: Sequence[float] = DEFAULT_WINDOWS_S,
+    burst_s: float = BURST_S,
+    client_lag_s: float = 0.0,
+) -> list[UserSummary]:
+    """One summary per user: users of ``streams`` first (in order), then the rest."""
+    streams = streams or {}
+    by_user: dict[str, list[RequestRecord]] = {user: [] for user in streams}
+    for record in records:
+        by_user.setdefault(record.user, []).append(record)
+    ordered = list(streams) + sorted(u for u in by_user if u not in streams)
+    run_tokens = sum(r.n_tokens for r in records)
+    return [
+        summarize_user(user, by_user[user], limit_for(user, limits, default_limit),
+                       streams.get(user), windows_s, burst_s, client_lag_s, run_tokens)
+        for user in ordered
+    ]
+
+
+def totals(records: Sequence[RequestRecord]) -> dict[str, int]:
+    return {
+        "requests": len(records),
+        "finished": sum(1 for r in records if r.status == FINISHED),
+        "cancelled": sum(1 for r in records if r.status == CANCELLED),
+        "errors": sum(1 for r in records if r.status in ERROR_STATUSES),
+        "tokens": sum(r.n_tokens for r in records),
+    }
+
+
+def loop_lag_summary(samples: Sequence[float]) -> dict[str, float | None]:
+    return {
+        "loop_lag_p50_s": percentile(samples, 50),
+        "loop_lag_p99_s": percentile(samples, 99),
+        "loop_lag_max_s": max(samples) if samples else None,
+    }
+
+
+def cumulative_series(records: Sequence[RequestRecord]) -> dict[str, list[float]]:
+    """Sorted token receive times per user (the x values of a cumulative plot)."""
+    series: dict[str, list[float]] = {}
+    for record in records:
+        series.setdefault(record.user, []).extend(record.token_times)
+    return {user: sorted(times) for user, times in series.items()}
+
+
+def rate_series(records: Sequence[RequestRecord], bin_s: float = 1.0,
+                end_s: float | None = None) -> dict[str, list[float]]:
+    """Tokens received per second in consecutive ``bin_s`` bins from t = 0, per user.
+
+    Every user's list has the same length (bins up to ``end_s`` or the last token).
+    """
+    series = cumulative_series(records)
+    last = max((t[-1] for t in series.values() if t), default=0.0)
+    n_bins = max(1, math.ceil(max(end_s or 0.0, last) / bin_s - 1e-9))
+    out: dict[str, list[float]] = {}
+    for user, times in series.items():
+        counts = [0] * n_bins
+        for t in times:
+            counts[min(int(max(t, 0.0) // bin_s), n_bins - 1)] += 1
+        out[user] = [c / bin_s for c in counts]
+    return out
+
+
+def ttft_series(records: Sequence[RequestRecord], user: str) -> list[tuple[float, float]]:
+    """(send time, TTFT) of every request of ``user`` that got a token."""
+    return [(r.start, r.token_times[0] - r.start) for r in records
+            if r.user == user and r.token_times]
