@@ -15,8 +15,10 @@ the flag (or key) and what is wrong with it.  No vLLM import here.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -33,6 +35,16 @@ ANONYMOUS_USER = "__anonymous__"
 #: Longest accepted identity, in characters.
 MAX_USER_LEN = 256
 
+#: ``additional_config["output_rate"]`` keys for the operating features.
+LIMITS_FILE_KEY = "limits_file"
+METRICS_MAX_USERS_KEY = "metrics_max_users"
+LIMITS_FILE_FLAG = "--output-rate-limits-file"
+METRICS_MAX_USERS_FLAG = "--output-rate-metrics-max-users"
+#: Per-user metric series beyond the configured users (the rest: ``__other__``).
+DEFAULT_METRICS_MAX_USERS = 100
+OTHER_USERS = "__other__"
+_SECTION_KEYS = {DEFAULT_KEY, OVERRIDES_KEY, LIMITS_FILE_KEY, METRICS_MAX_USERS_KEY}
+
 
 class OutputRateConfigError(ValueError):
     """A rate-limit setting is invalid; the message names the setting."""
@@ -44,14 +56,30 @@ class InvalidUserError(ValueError):
 
 @dataclass(frozen=True)
 class OutputRateSettings:
-    """Validated per-user output rates (tokens per second)."""
+    """Validated per-user output rates (tokens per second).
+
+    ``limits_file``: when set, the rates were read from this file (it wins
+    over the flags) and the engine re-reads it when it changes.
+    ``metrics_max_users``: per-user metric series for users without a
+    configured rate (the others are summed under ``__other__``).
+    """
 
     default_rate: float
     user_rates: Mapping[str, float] = field(default_factory=dict)
+    limits_file: str | None = None
+    metrics_max_users: int = DEFAULT_METRICS_MAX_USERS
 
     def to_config(self) -> dict[str, Any]:
         """The ``additional_config["output_rate"]`` form of these settings."""
-        return {DEFAULT_KEY: self.default_rate, OVERRIDES_KEY: dict(self.user_rates)}
+        config: dict[str, Any] = {
+            DEFAULT_KEY: self.default_rate,
+            OVERRIDES_KEY: dict(self.user_rates),
+        }
+        if self.limits_file is not None:
+            config[LIMITS_FILE_KEY] = self.limits_file
+        if self.metrics_max_users != DEFAULT_METRICS_MAX_USERS:
+            config[METRICS_MAX_USERS_KEY] = self.metrics_max_users
+        return config
 
     @classmethod
     def from_additional_config(
@@ -68,9 +96,27 @@ class OutputRateSettings:
             raise OutputRateConfigError(
                 f"{where} must be an object, got {type(section).__name__}"
             )
-        unknown = sorted(set(section) - {DEFAULT_KEY, OVERRIDES_KEY}, key=repr)
+        unknown = sorted(set(section) - _SECTION_KEYS, key=repr)
         if unknown:
             raise OutputRateConfigError(f"{where}: unknown keys {unknown}")
+        max_users = validate_max_users(
+            section.get(METRICS_MAX_USERS_KEY, DEFAULT_METRICS_MAX_USERS),
+            f"{where}[{METRICS_MAX_USERS_KEY!r}]",
+        )
+        limits_file = section.get(LIMITS_FILE_KEY)
+        if limits_file is not None:
+            # The file wins over rates given next to it (flags or keys).
+            if not isinstance(limits_file, str) or not limits_file:
+                raise OutputRateConfigError(
+                    f"{where}[{LIMITS_FILE_KEY!r}]: must be a file path"
+                )
+            rates = load_limits_file(limits_file)
+            return cls(
+                default_rate=rates.default_rate,
+                user_rates=rates.user_rates,
+                limits_file=limits_file,
+                metrics_max_users=max_users,
+            )
         default = section.get(DEFAULT_KEY)
         overrides = section.get(OVERRIDES_KEY)
         if default is None:
@@ -82,7 +128,11 @@ class OutputRateSettings:
         return cls(
             default_rate=validate_rate(default, f"{where}[{DEFAULT_KEY!r}]"),
             user_rates=validate_overrides(overrides or {}, f"{where}[{OVERRIDES_KEY!r}]"),
+            metrics_max_users=max_users,
         )
+
+    def rate_of(self, user: str) -> float:
+        return self.user_rates.get(user, self.default_rate)
 
 
 def validate_rate(value: Any, what: str) -> float:
@@ -174,3 +224,126 @@ def resolve_user(extra_args: Mapping[str, Any] | None) -> str:
             f"vllm_xargs.{USER_ARG} must be at most {MAX_USER_LEN} characters"
         )
     return user
+
+
+def validate_max_users(value: Any, what: str) -> int:
+    """A non-negative integer count of per-user metric series."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise OutputRateConfigError(f"{what}: must be a non-negative integer, got {value!r}")
+    return value
+
+
+# -- files (limits, API keys) --------------------------------------------------------
+
+
+def read_mapping_file(path: str, what: str) -> Mapping[str, Any]:
+    """A JSON or YAML file holding one object; OutputRateConfigError otherwise.
+
+    ``.json`` files are read as JSON; anything else as YAML (a superset of
+    JSON), so either format works under any name.
+    """
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+    except OSError as exc:
+        raise OutputRateConfigError(f"{what} {path!r}: cannot read ({exc.strerror})") from None
+    try:
+        if path.endswith(".json"):
+            data = json.loads(text, parse_constant=_reject_json_constant)
+        else:
+            import yaml
+
+            data = yaml.safe_load(text)
+    except Exception as exc:  # JSON and YAML parse errors have no common base
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise OutputRateConfigError(f"{what} {path!r}: cannot parse ({first})") from None
+    if not isinstance(data, Mapping):
+        raise OutputRateConfigError(
+            f"{what} {path!r}: must hold an object, got {type(data).__name__}"
+        )
+    return data
+
+
+def load_limits_file(path: str) -> OutputRateSettings:
+    """Rates from a limits file, validated as a whole.
+
+    The file holds the same two keys as ``additional_config["output_rate"]``::
+
+        default_user_output_tokens_per_second: 100
+        user_output_tokens_per_second: {user-a: 20, user-b: 500}
+
+    The default is required (the file alone turns the feature on).
+    """
+    what = f"{LIMITS_FILE_FLAG}"
+    data = read_mapping_file(path, what)
+    unknown = sorted(set(data) - {DEFAULT_KEY, OVERRIDES_KEY}, key=repr)
+    if unknown:
+        raise OutputRateConfigError(f"{what} {path!r}: unknown keys {unknown}")
+    if data.get(DEFAULT_KEY) is None:
+        raise OutputRateConfigError(f"{what} {path!r}: {DEFAULT_KEY!r} is required")
+    default = data[DEFAULT_KEY]
+    if isinstance(default, str):
+        raise OutputRateConfigError(
+            f"{what} {path!r}[{DEFAULT_KEY!r}]: must be a number, got {default!r}"
+        )
+    return OutputRateSettings(
+        default_rate=validate_rate(default, f"{what} {path!r}[{DEFAULT_KEY!r}]"),
+        user_rates=validate_overrides(
+            data.get(OVERRIDES_KEY) or {}, f"{what} {path!r}[{OVERRIDES_KEY!r}]"
+        ),
+    )
+
+
+def file_signature(path: str) -> tuple[int, int, int] | None:
+    """What changes when a file is rewritten or replaced (None: missing)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+
+#: Prefix marking a stored key as the hex SHA-256 of the real key.
+SHA256_PREFIX = "sha256:"
+
+
+def hash_api_key(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8")).digest()
+
+
+def load_api_keys(path: str, what: str = "--output-rate-api-keys") -> dict[bytes, str]:
+    """API keys file -> {sha256 digest of the key: user}.
+
+    The file maps each key to its user; a key written ``sha256:<64 hex>``
+    is stored as the SHA-256 of the real key, so the file need not hold
+    secrets.  Keys are kept only as digests (compared in constant time by
+    the caller).
+    """
+    data = read_mapping_file(path, what)
+    if not data:
+        raise OutputRateConfigError(f"{what} {path!r}: no keys")
+    keys: dict[bytes, str] = {}
+    for key, user in data.items():
+        if not isinstance(key, str) or not key:
+            raise OutputRateConfigError(f"{what} {path!r}: keys must be non-empty strings")
+        if not isinstance(user, str) or not user or len(user) > MAX_USER_LEN:
+            raise OutputRateConfigError(
+                f"{what} {path!r}: the user of each key must be a non-empty string "
+                f"of at most {MAX_USER_LEN} characters"
+            )
+        if key.startswith(SHA256_PREFIX):
+            hexdigest = key[len(SHA256_PREFIX):]
+            try:
+                digest = bytes.fromhex(hexdigest)
+            except ValueError:
+                digest = b""
+            if len(digest) != 32:
+                raise OutputRateConfigError(
+                    f"{what} {path!r}: {SHA256_PREFIX}... must be followed by 64 hex digits"
+                )
+        else:
+            digest = hash_api_key(key)
+        if digest in keys:
+            raise OutputRateConfigError(f"{what} {path!r}: the same key is listed twice")
+        keys[digest] = user
+    return keys

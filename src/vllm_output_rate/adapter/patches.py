@@ -153,6 +153,9 @@ def add_output_rate_args(parser: argparse.ArgumentParser) -> None:
         help='Per-user overrides as a JSON object, e.g. \'{"user-a": 20, '
         f'"user-b": 500}}\' (tokens/s). Requires {DEFAULT_FLAG}.',
     )
+    from vllm_output_rate.adapter.options import add_operate_args
+
+    add_operate_args(parser)
 
 
 def _patch_engine_args_cli() -> None:
@@ -183,6 +186,9 @@ def merge_cli_into_engine_args(engine_args: Any, args: argparse.Namespace) -> No
     default = getattr(args, "default_user_output_tokens_per_second", None)
     overrides = getattr(args, "user_output_tokens_per_second", None)
     section = parse_cli(None if default is None else str(default), overrides)
+    from vllm_output_rate.adapter.options import merge_operate_args
+
+    section = merge_operate_args(args, section)
     if section is None:
         return
     additional = dict(engine_args.additional_config or {})
@@ -401,6 +407,13 @@ def _patch_beam_search() -> None:
     _install(BeamSearchOfflineMixin, "beam_search", make_offline)
 
 
+def _operate(module: str) -> Any:
+    """Engineer C's operate modules (identity, metrics, admin), imported on use."""
+    import importlib
+
+    return importlib.import_module(f"vllm_output_rate.adapter.{module}")
+
+
 PATCHES: dict[str, Callable[[], None]] = {
     "engine_args.cli": _patch_engine_args_cli,
     "engine_args.config": _patch_create_engine_config,
@@ -408,6 +421,9 @@ PATCHES: dict[str, Callable[[], None]] = {
     "sampling_params.identity": _patch_identity_validation,
     "beam_search": _patch_beam_search,
     "worker.idle_spin": patch_worker_idle,
+    "metrics.scheduler_stats": lambda: _operate("metrics").patch_scheduler_stats(),
+    "metrics.prometheus": lambda: _operate("metrics").patch_prometheus_logger(),
+    "engine_core.admin_utility": lambda: _operate("admin").patch_engine_core_utility(),
 }
 
 

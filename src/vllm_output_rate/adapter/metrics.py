@@ -1,0 +1,172 @@
+"""Per-user series on vLLM's own ``/metrics``, through vLLM's scheduler-stats path.
+
+The engine core attaches a per-user report (:mod:`..monitor`) to the
+``SchedulerStats`` it sends to the API server after a step (see
+:mod:`.operate`).  Two patches carry it to Prometheus:
+
+``metrics.scheduler_stats``
+    ``SchedulerStats`` gains one optional field, ``output_rate`` (a plain
+    dict, ``None`` by default), so vLLM's msgpack encoder/decoder carry it
+    between processes.  Installed by the plugin entry point in every process
+    before the first stats message is encoded or decoded.
+``metrics.prometheus``
+    ``PrometheusStatLogger.record`` also feeds the report into the series
+    below (in the same registry, so ``/metrics`` shows them, also with
+    ``--api-server-count`` > 1, where vLLM uses Prometheus' multiprocess mode).
+
+Series (labels ``model_name``, ``user``):
+
+* ``vllm:output_rate_output_tokens_charged_total`` -- output tokens charged
+  to the user's quota (net of refunds);
+* ``vllm:output_rate_throttled_seconds_total`` -- time the user had runnable
+  requests and no quota;
+* ``vllm:output_rate_requests{state="active|throttled|waiting"}``;
+* ``vllm:output_rate_limit_tokens_per_second``;
+
+and engine-wide ``vllm:output_rate_throttled_requests`` (resident but held
+for quota), ``vllm:output_rate_idle_steps_total`` (steps that ran nothing
+because everything was throttled), ``vllm:output_rate_limit_reloads_total``,
+``vllm:output_rate_limit_reload_failures_total``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from vllm_output_rate.monitor import ACTIVE, CHARGED, LIMIT, THROTTLED, THROTTLED_S, WAITING
+
+PREFIX = "vllm:output_rate_"
+STATS_FIELD = "output_rate"
+STATES = ("active", "throttled", "waiting")
+
+
+def patch_scheduler_stats() -> None:
+    """Add the optional ``output_rate`` field to vLLM's ``SchedulerStats`` (once)."""
+    from vllm.v1.metrics.stats import SchedulerStats
+
+    if STATS_FIELD in SchedulerStats.__dataclass_fields__:
+        return
+    annotation = dict[str, Any] | None
+    spec = dataclasses.field(default=None)
+    spec.name = STATS_FIELD
+    spec.type = annotation
+    spec._field_type = dataclasses._FIELD  # what @dataclass sets on its own fields
+    SchedulerStats.__dataclass_fields__[STATS_FIELD] = spec
+    SchedulerStats.__annotations__[STATS_FIELD] = annotation
+    setattr(SchedulerStats, STATS_FIELD, None)  # instances made by vLLM read the default
+
+
+class OutputRateExporter:
+    """Prometheus series fed from per-user reports."""
+
+    def __init__(self, model_name: str, registry: Any = None) -> None:
+        from prometheus_client import REGISTRY, Counter, Gauge
+
+        registry = REGISTRY if registry is None else registry
+        labels = ["model_name", "user"]
+        self._model = str(model_name)
+        self.charged = Counter(
+            f"{PREFIX}output_tokens_charged",
+            "Output tokens charged to the user's quota (net of refunds).",
+            labels, registry=registry,
+        )
+        self.throttled_seconds = Counter(
+            f"{PREFIX}throttled_seconds",
+            "Seconds during which the user had runnable requests and no quota.",
+            labels, registry=registry,
+        )
+        self.requests = Gauge(
+            f"{PREFIX}requests",
+            "The user's requests: active (ran in the last step), throttled (resident, "
+            "held for quota), waiting (not yet admitted).",
+            [*labels, "state"], registry=registry, multiprocess_mode="mostrecent",
+        )
+        self.limit = Gauge(
+            f"{PREFIX}limit_tokens_per_second",
+            "The user's configured output-token rate.",
+            labels, registry=registry, multiprocess_mode="mostrecent",
+        )
+        self.throttled_requests = Gauge(
+            f"{PREFIX}throttled_requests",
+            "Requests resident in the engine but held for their user's quota "
+            "(vllm:num_requests_running counts them as running).",
+            ["model_name"], registry=registry, multiprocess_mode="mostrecent",
+        )
+        self.idle_steps = Counter(
+            f"{PREFIX}idle_steps",
+            "Engine steps that ran nothing because every runnable request was throttled.",
+            ["model_name"], registry=registry,
+        )
+        self.reloads = Counter(
+            f"{PREFIX}limit_reloads",
+            "Limits-file reloads applied.", ["model_name"], registry=registry,
+        )
+        self.reload_failures = Counter(
+            f"{PREFIX}limit_reload_failures",
+            "Limits-file versions rejected (old limits stayed).", ["model_name"], registry=registry,
+        )
+
+    def observe(self, report: dict) -> None:
+        model = self._model
+        for user in report.get("removed", ()):
+            for metric in (self.charged, self.throttled_seconds, self.limit):
+                _remove(metric, model, user)
+            for state in STATES:
+                _remove(self.requests, model, user, state)
+        for user, row in report.get("users", {}).items():
+            if row[CHARGED]:
+                self.charged.labels(model, user).inc(row[CHARGED])
+            else:
+                self.charged.labels(model, user)  # the series exists from the start
+            if row[THROTTLED_S]:
+                self.throttled_seconds.labels(model, user).inc(row[THROTTLED_S])
+            else:
+                self.throttled_seconds.labels(model, user)
+            self.requests.labels(model, user, "active").set(row[ACTIVE])
+            self.requests.labels(model, user, "throttled").set(row[THROTTLED])
+            self.requests.labels(model, user, "waiting").set(row[WAITING])
+            if row[LIMIT] is not None:
+                self.limit.labels(model, user).set(row[LIMIT])
+        engine = report.get("engine", {})
+        self.throttled_requests.labels(model).set(engine.get("throttled_requests", 0))
+        for metric, key in (
+            (self.idle_steps, "idle_steps_total"),
+            (self.reloads, "reloads_total"),
+            (self.reload_failures, "reload_failures_total"),
+        ):
+            child = metric.labels(model)
+            if engine.get(key):
+                child.inc(engine[key])
+
+
+def _remove(metric: Any, *labels: str) -> None:
+    try:
+        metric.remove(*labels)
+    except KeyError:
+        pass
+
+
+def patch_prometheus_logger() -> None:
+    """``PrometheusStatLogger.record`` also exports the per-user report (once)."""
+    from vllm.v1.metrics.loggers import PrometheusStatLogger
+
+    original = PrometheusStatLogger.__dict__["record"]
+    if getattr(original, "_vllm_output_rate_patch", False):
+        return
+
+    def record(self, scheduler_stats, *args, **kwargs):
+        original(self, scheduler_stats, *args, **kwargs)
+        report = getattr(scheduler_stats, STATS_FIELD, None)
+        if report is not None:
+            exporter = self.__dict__.get("_output_rate_exporter")
+            if exporter is None:
+                # One exporter per vLLM logger: a new PrometheusStatLogger
+                # unregisters every "vllm:" collector, ours included.
+                exporter = OutputRateExporter(self.vllm_config.model_config.served_model_name)
+                self._output_rate_exporter = exporter
+            exporter.observe(report)
+
+    record.__wrapped__ = original
+    record._vllm_output_rate_patch = True
+    PrometheusStatLogger.record = record

@@ -1,0 +1,252 @@
+"""Scheduler-side operation: live limit reloads, per-user stats, admin snapshot.
+
+:class:`OperateSchedulerMixin` comes first in the bases of the plugin's
+scheduler classes.  Per step it costs one attribute test (is a reload
+pending?) and one clock comparison; everything per user happens about once a
+second:
+
+* **Reload.**  With ``--output-rate-limits-file``, a daemon thread checks the
+  file every half second.  A changed file is parsed and validated whole
+  (:func:`~vllm_output_rate.settings.load_limits_file`); a good one is handed
+  to the next ``schedule()`` call, which applies it with
+  ``OutputRateLimiter.update_rates`` before planning the step (users whose
+  rate did not change keep their quota state exactly).  A bad one is logged
+  and counted; the old limits stay.
+* **Stats.**  ``make_stats()`` (vLLM calls it after every step) attaches a
+  per-user report (:class:`~vllm_output_rate.monitor.UserMonitor`) to
+  ``SchedulerStats.output_rate`` at most once a second, and at once when the
+  engine has just become empty (so gauges fall back to 0).
+* **Admin.**  :meth:`output_rate_users` answers ``GET /v1/output_rate/users``
+  (reached as an engine-core utility, see :mod:`.admin`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from typing import Any, Callable
+
+from vllm_output_rate.monitor import ChargeHistory, UserMonitor
+from vllm_output_rate.settings import (
+    OutputRateConfigError,
+    OutputRateSettings,
+    file_signature,
+    load_limits_file,
+)
+
+logger = logging.getLogger(__name__)
+
+NS_PER_S = 1_000_000_000
+#: Period of per-user reports and of the charge history (ns).
+REPORT_PERIOD_NS = NS_PER_S
+#: How often the limits file is checked for changes (s).
+FILE_CHECK_S = 0.5
+
+
+class LimitsFileWatcher:
+    """Checks a limits file for changes; validated new settings go to ``on_good``."""
+
+    def __init__(
+        self,
+        path: str,
+        on_good: Callable[[OutputRateSettings], None],
+        on_bad: Callable[[str], None],
+        interval_s: float = FILE_CHECK_S,
+    ) -> None:
+        self.path = path
+        self._on_good = on_good
+        self._on_bad = on_bad
+        self._interval_s = interval_s
+        self._signature = file_signature(path)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def check(self) -> bool:
+        """Look at the file once; True when it changed (applied or rejected)."""
+        signature = file_signature(self.path)
+        if signature == self._signature:
+            return False
+        self._signature = signature
+        try:
+            settings = load_limits_file(self.path)
+        except OutputRateConfigError as exc:
+            self._on_bad(str(exc))
+        else:
+            self._on_good(settings)
+        return True
+
+    def start(self) -> None:
+        self._thread = threading.Thread(
+            target=self._run, name="vllm-output-rate-limits", daemon=True
+        )
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            try:
+                self.check()
+            except Exception:  # never let the watcher die silently
+                logger.exception("vllm-output-rate: checking %s failed", self.path)
+
+
+class OperateSchedulerMixin:
+    """Reload, stats and admin snapshot; list it before ``OutputRateSchedulerMixin``."""
+
+    #: Wall-free monotonic clock for reports (ns); tests replace it.
+    output_rate_operate_clock: Callable[[], int] = staticmethod(time.monotonic_ns)
+    _output_rate_pending: OutputRateSettings | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        settings: OutputRateSettings = self.output_rate_settings
+        self.output_rate_reloads = 0
+        self.output_rate_reload_failures = 0
+        self._output_rate_monitor = UserMonitor(settings.metrics_max_users)
+        self._output_rate_history = ChargeHistory()
+        self._output_rate_pending = None
+        self._output_rate_next_tick = 0
+        self._output_rate_next_report = 0
+        self._output_rate_reported_busy = False
+        self._output_rate_watcher: LimitsFileWatcher | None = None
+        if settings.limits_file:
+            self._output_rate_watcher = LimitsFileWatcher(
+                settings.limits_file, self._limits_changed, self._limits_rejected
+            )
+            self._output_rate_watcher.start()
+
+    # -- reload ----------------------------------------------------------------
+
+    def _limits_changed(self, new: OutputRateSettings) -> None:
+        # Called on the watcher thread: only hand over; the engine thread applies.
+        self._output_rate_pending = new
+
+    def _limits_rejected(self, reason: str) -> None:
+        self.output_rate_reload_failures += 1
+        logger.error("vllm-output-rate: limits file rejected, old limits stay in force: %s", reason)
+
+    def apply_output_rate_limits(self, new: OutputRateSettings) -> None:
+        """Switch to ``new`` rates now (engine thread, between steps)."""
+        changed = self.output_rate_limiter.update_rates(new.default_rate, new.user_rates)
+        self.output_rate_settings = dataclasses.replace(
+            self.output_rate_settings, default_rate=new.default_rate, user_rates=dict(new.user_rates)
+        )
+        self.output_rate_reloads += 1
+        logger.info(
+            "vllm-output-rate: limits reloaded (default %s tok/s, %d override(s); "
+            "%d active user(s) changed rate)",
+            new.default_rate, len(new.user_rates), len(changed),
+        )
+
+    def schedule(self, *args: Any, **kwargs: Any):
+        pending = self._output_rate_pending
+        if pending is not None:
+            self._output_rate_pending = None
+            self.apply_output_rate_limits(pending)
+        now = self.output_rate_operate_clock()
+        if now >= self._output_rate_next_tick:
+            self._output_rate_next_tick = now + REPORT_PERIOD_NS
+            self._output_rate_history.record(now, self._output_rate_charged())
+        return super().schedule(*args, **kwargs)
+
+    def shutdown(self) -> None:
+        if self._output_rate_watcher is not None:
+            self._output_rate_watcher.stop()
+        super().shutdown()
+
+    # -- stats -------------------------------------------------------------------
+
+    def make_stats(self, *args: Any, **kwargs: Any):
+        stats = super().make_stats(*args, **kwargs)
+        if stats is None:
+            return None
+        now = self.output_rate_operate_clock()
+        busy = bool(self.running) or bool(self.waiting)
+        due = now >= self._output_rate_next_report
+        if due or (self._output_rate_reported_busy and not busy):
+            self._output_rate_next_report = now + REPORT_PERIOD_NS
+            self._output_rate_reported_busy = busy
+            stats.output_rate = self.output_rate_report(now)
+        return stats
+
+    def _output_rate_charged(self) -> dict[str, int]:
+        return getattr(self.output_rate_gate, "charged_tokens", None) or {}
+
+    def output_rate_counts(self) -> dict[str, tuple[int, int, int]]:
+        """user -> (active, throttled, waiting) requests now."""
+        gate = self.output_rate_gate
+        counts: dict[str, list[int]] = {}
+        last_step_users = getattr(gate, "last_step_users", None)
+        if last_step_users is not None:
+            for user, (ran, held) in last_step_users().items():
+                counts[user] = [ran, held, 0]
+        else:  # gate without per-step counts: every resident request counts as active
+            for request in self.running:
+                counts.setdefault(gate.user_of(request), [0, 0, 0])[0] += 1
+        for request in self.waiting:
+            try:
+                user = gate.user_of(request)
+            except KeyError:
+                continue
+            counts.setdefault(user, [0, 0, 0])[2] += 1
+        return {user: tuple(c) for user, c in counts.items()}
+
+    def output_rate_report(self, now_ns: int) -> dict:
+        gate = self.output_rate_gate
+        settings = self.output_rate_settings
+        counts = self.output_rate_counts()
+        return self._output_rate_monitor.report(
+            now_ns,
+            charged=self._output_rate_charged(),
+            throttled_ns=getattr(gate, "throttled_ns", None) or {},
+            counts=counts,
+            configured=settings.user_rates,
+            rate_of=settings.rate_of,
+            engine={
+                "throttled_requests": sum(c[1] for c in counts.values()),
+                "idle_steps_total": getattr(gate, "idle_steps", 0),
+                "reloads_total": self.output_rate_reloads,
+                "reload_failures_total": self.output_rate_reload_failures,
+            },
+        )
+
+    # -- admin (engine-core utility) ----------------------------------------------
+
+    def output_rate_users(self) -> dict:
+        """Per-user state for ``GET /v1/output_rate/users``."""
+        now = self.output_rate_operate_clock()
+        settings = self.output_rate_settings
+        limiter = self.output_rate_limiter
+        counts = self.output_rate_counts()
+        charged = self._output_rate_charged()
+        users = set(counts) | set(settings.user_rates)
+        users.update(u for u, n in self._output_rate_history.tokens_in_window(now, charged, charged).items() if n)
+        recent = self._output_rate_history.tokens_in_window(now, charged, users)
+        throttled_ns = getattr(self.output_rate_gate, "throttled_ns", None) or {}
+        limiter_now = self.output_rate_clock()
+        rows = {}
+        for user in sorted(users):
+            active, throttled, waiting = counts.get(user, (0, 0, 0))
+            ready_ns = limiter.ready_at_ns(user, limiter_now)
+            rows[user] = {
+                "rate": settings.rate_of(user),
+                "configured": user in settings.user_rates,
+                "tokens_last_10s": recent.get(user, 0),
+                "tokens_charged_total": charged.get(user, 0),
+                "throttled_seconds_total": throttled_ns.get(user, 0) / NS_PER_S,
+                "active": active,
+                "throttled": throttled,
+                "waiting": waiting,
+                "ready_in_s": max(0, ready_ns - limiter_now) / NS_PER_S,
+            }
+        return {
+            "default_rate": settings.default_rate,
+            "limits_file": settings.limits_file,
+            "reloads": self.output_rate_reloads,
+            "reload_failures": self.output_rate_reload_failures,
+            "users": rows,
+        }

@@ -1,0 +1,143 @@
+"""``vllm serve`` flags for operating the feature in a shared cluster.
+
+Identity (front end), the limits file (engine, re-read on change), the
+per-user metrics bound (engine) and the admin key (front end).  Added in their
+own group by :func:`..patches.add_output_rate_args`; merged by
+:func:`..patches.merge_cli_into_engine_args` through :func:`merge_operate_args`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from typing import Any
+
+from vllm_output_rate.settings import (
+    DEFAULT_FLAG,
+    DEFAULT_METRICS_MAX_USERS,
+    LIMITS_FILE_FLAG,
+    LIMITS_FILE_KEY,
+    METRICS_MAX_USERS_FLAG,
+    METRICS_MAX_USERS_KEY,
+    OutputRateConfigError,
+    load_limits_file,
+)
+
+from .identity import (
+    API_KEYS_FLAG,
+    DEFAULT_USER_HEADER,
+    IDENTITY_FLAG,
+    MODES,
+    UNKNOWN_USER_POLICIES,
+    UNKNOWN_USERS_FLAG,
+    USER_HEADER_FLAG,
+    install_middleware,
+)
+
+logger = logging.getLogger(__name__)
+
+ADMIN_KEY_FLAG = "--output-rate-admin-key"
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text!r}")
+    return value
+
+
+def add_operate_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        title="OutputRate operation",
+        description="Identity, live limits, metrics and admin route of the "
+        "vllm-output-rate plugin (see its README).",
+    )
+    group.add_argument(
+        LIMITS_FILE_FLAG,
+        dest="output_rate_limits_file",
+        default=None,
+        metavar="FILE",
+        help="JSON or YAML file with default_user_output_tokens_per_second and "
+        "user_output_tokens_per_second. Turns the feature on by itself, wins over "
+        "the rate flags, and is re-read within about a second when it changes "
+        "(a file that fails validation is rejected whole; the old limits stay).",
+    )
+    group.add_argument(
+        IDENTITY_FLAG,
+        dest="output_rate_identity",
+        choices=MODES,
+        default="body",
+        help="Where the rate-limit user comes from: body (vllm_xargs.output_rate_user, "
+        "not authenticated), header (an HTTP header set by a trusted gateway), "
+        f"api-key (Authorization: Bearer KEY looked up in {API_KEYS_FLAG}).",
+    )
+    group.add_argument(
+        USER_HEADER_FLAG,
+        dest="output_rate_user_header",
+        default=DEFAULT_USER_HEADER,
+        metavar="NAME",
+        help="Header holding the user in header mode.",
+    )
+    group.add_argument(
+        API_KEYS_FLAG,
+        dest="output_rate_api_keys",
+        default=None,
+        metavar="FILE",
+        help="JSON or YAML object key -> user for api-key mode; a key may be "
+        "written sha256:<hex digest of the key>.",
+    )
+    group.add_argument(
+        UNKNOWN_USERS_FLAG,
+        dest="output_rate_unknown_users",
+        choices=UNKNOWN_USER_POLICIES,
+        default="default",
+        help="reject: in header / api-key mode, refuse (403) users without their "
+        "own entry in the limits, and refuse (401) requests without the header.",
+    )
+    group.add_argument(
+        METRICS_MAX_USERS_FLAG,
+        dest="output_rate_metrics_max_users",
+        type=_non_negative_int,
+        default=None,
+        metavar="K",
+        help="Per-user metric series for users without a configured limit "
+        f"(default {DEFAULT_METRICS_MAX_USERS}); the rest are summed as user=\"__other__\".",
+    )
+    group.add_argument(
+        ADMIN_KEY_FLAG,
+        dest="output_rate_admin_key",
+        default=None,
+        metavar="KEY",
+        help="Bearer key required by GET /v1/output_rate/users (endpoint plugin).",
+    )
+
+
+def merge_operate_args(args: argparse.Namespace, section: dict | None) -> dict | None:
+    """Fold the operating flags into the ``output_rate`` section (None: feature off)."""
+    limits_file = getattr(args, "output_rate_limits_file", None)
+    if limits_file:
+        load_limits_file(limits_file)  # a bad file stops startup with its one-line error
+        if section is not None:
+            logger.warning(
+                "vllm-output-rate: %s given: its rates win over %s and "
+                "--user-output-tokens-per-second", LIMITS_FILE_FLAG, DEFAULT_FLAG,
+            )
+        section = dict(section or {})
+        section[LIMITS_FILE_KEY] = os.path.abspath(limits_file)
+    max_users = getattr(args, "output_rate_metrics_max_users", None)
+    identity = getattr(args, "output_rate_identity", None) or "body"
+    if section is None:
+        if identity != "body" or max_users is not None:
+            raise OutputRateConfigError(
+                f"{IDENTITY_FLAG} / {METRICS_MAX_USERS_FLAG} need the feature on "
+                f"({DEFAULT_FLAG} or {LIMITS_FILE_FLAG})"
+            )
+        return None
+    if max_users is not None:
+        section[METRICS_MAX_USERS_KEY] = max_users
+    install_middleware(args)
+    return section

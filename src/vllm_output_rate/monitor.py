@@ -1,0 +1,176 @@
+"""Per-user accounting for metrics and the admin route, with bounded cardinality.
+
+Plain Python, no vLLM import.  The scheduler hands over the gate's
+cumulative per-user numbers about once a second; :class:`UserMonitor` turns
+them into a *report*: per-user counter increments since the last report and
+current gauges, for a bounded set of users:
+
+* every user with a configured rate has its own series;
+* up to ``max_users`` other users get their own series, first come (the
+  busiest of the candidates of one report first), kept while they are active
+  and dropped after ``idle_evict_s`` without activity (the report lists
+  them under ``removed`` so the exporter can drop their series);
+* everything else is summed under the user ``__other__``.
+
+Counters are sent as increments, not totals, because vLLM delivers each
+scheduler-stats message to exactly one API-server process: summing
+increments over processes gives the right total, totals would not.
+
+:class:`ChargeHistory` keeps a few seconds of cumulative charges to answer
+"tokens in the last 10 s" for the admin route.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Callable, Iterable, Mapping
+
+from vllm_output_rate.settings import OTHER_USERS
+
+NS_PER_S = 1_000_000_000
+
+#: Report fields per user: [charged tokens (increment), throttled seconds
+#: (increment), active, throttled, waiting requests, limit tokens/s or None].
+CHARGED, THROTTLED_S, ACTIVE, THROTTLED, WAITING, LIMIT = range(6)
+
+
+class UserMonitor:
+    """Turn cumulative per-user numbers into bounded, incremental reports."""
+
+    def __init__(self, max_users: int, idle_evict_s: float = 300.0) -> None:
+        self.max_users = max_users
+        self._idle_evict_ns = int(idle_evict_s * NS_PER_S)
+        self._last_charged: dict[str, int] = {}
+        self._last_throttled: dict[str, int] = {}
+        self._labelled: dict[str, int] = {}  # non-configured user -> last active ns
+        self._configured: frozenset[str] = frozenset()
+        self._last_engine: dict[str, int] = {}
+
+    @property
+    def labelled_users(self) -> frozenset[str]:
+        """Users without a configured rate that currently have their own series."""
+        return frozenset(self._labelled)
+
+    def tracked(self) -> int:
+        """Entries held (for memory checks): bounded by the callers' dicts plus max_users."""
+        return len(self._last_charged) + len(self._last_throttled) + len(self._labelled)
+
+    def report(
+        self,
+        now_ns: int,
+        charged: Mapping[str, int],
+        throttled_ns: Mapping[str, int],
+        counts: Mapping[str, tuple[int, int, int]],
+        configured: Mapping[str, float],
+        rate_of: Callable[[str], float],
+        engine: Mapping[str, int] | None = None,
+    ) -> dict:
+        """One report; see the module doc.  ``engine`` holds engine-wide totals.
+
+        ``charged`` / ``throttled_ns`` are cumulative per user (a user may
+        disappear when its owner forgets it); ``counts`` is user ->
+        (active, throttled, waiting) requests now.
+        """
+        charged_inc = _increments(charged, self._last_charged)
+        throttled_inc = _increments(throttled_ns, self._last_throttled)
+        self._last_charged = dict(charged)
+        self._last_throttled = dict(throttled_ns)
+
+        removed: list[str] = []
+        new_configured = frozenset(configured)
+        if new_configured != self._configured:
+            for user in self._configured - new_configured:
+                removed.append(user)  # may come back below as an ordinary user
+            self._configured = new_configured
+            for user in new_configured & set(self._labelled):
+                del self._labelled[user]
+
+        active_users = set(charged_inc) | set(throttled_inc) | {
+            u for u, c in counts.items() if any(c)
+        }
+        labelled = self._labelled
+        candidates = [u for u in active_users if u not in labelled and u not in new_configured]
+        if candidates and len(labelled) < self.max_users:
+            candidates.sort(key=lambda u: (-charged_inc.get(u, 0), u))
+            for user in candidates[: self.max_users - len(labelled)]:
+                labelled[user] = now_ns
+                if user in removed:
+                    removed.remove(user)
+        for user in active_users:
+            if user in labelled:
+                labelled[user] = now_ns
+        for user, seen in list(labelled.items()):
+            if now_ns - seen >= self._idle_evict_ns:
+                del labelled[user]
+                removed.append(user)
+
+        users: dict[str, list] = {}
+        for user in new_configured.union(labelled):
+            active, throttled, waiting = counts.get(user, (0, 0, 0))
+            users[user] = [
+                charged_inc.get(user, 0),
+                throttled_inc.get(user, 0) / NS_PER_S,
+                active,
+                throttled,
+                waiting,
+                rate_of(user),
+            ]
+        other = [0, 0.0, 0, 0, 0, None]
+        for user in active_users:
+            if user in users:
+                continue
+            active, throttled, waiting = counts.get(user, (0, 0, 0))
+            other[CHARGED] += charged_inc.get(user, 0)
+            other[THROTTLED_S] += throttled_inc.get(user, 0) / NS_PER_S
+            other[ACTIVE] += active
+            other[THROTTLED] += throttled
+            other[WAITING] += waiting
+        users[OTHER_USERS] = other
+
+        engine_inc: dict[str, int] = {}
+        for name, total in (engine or {}).items():
+            if name.endswith("_total"):
+                engine_inc[name] = max(0, total - self._last_engine.get(name, 0))
+                self._last_engine[name] = total
+            else:
+                engine_inc[name] = total  # a gauge
+        return {"users": users, "removed": removed, "engine": engine_inc}
+
+
+def _increments(current: Mapping[str, int], last: Mapping[str, int]) -> dict[str, int]:
+    """Positive increments since ``last``; a user that restarted from 0 counts whole."""
+    out: dict[str, int] = {}
+    for user, total in current.items():
+        before = last.get(user, 0)
+        inc = total - before if total >= before else total
+        if inc:
+            out[user] = inc
+    return out
+
+
+class ChargeHistory:
+    """Cumulative charges sampled about once a second, for "tokens in the last W s"."""
+
+    def __init__(self, window_s: float = 10.0) -> None:
+        self._window_ns = int(window_s * NS_PER_S)
+        self._points: deque[tuple[int, dict[str, int]]] = deque()
+
+    def record(self, now_ns: int, charged: Mapping[str, int]) -> None:
+        self._points.append((now_ns, dict(charged)))
+        # Keep one point at or before the window start, drop older ones.
+        while len(self._points) >= 2 and self._points[1][0] <= now_ns - self._window_ns:
+            self._points.popleft()
+
+    def tokens_in_window(self, now_ns: int, charged: Mapping[str, int], users: Iterable[str]) -> dict[str, int]:
+        """Tokens each user was charged between ``now - window`` and now (as well as sampled)."""
+        base: Mapping[str, int] = {}  # no point that old: everything counted so far is recent
+        for t, point in self._points:
+            if t > now_ns - self._window_ns:
+                break
+            base = point
+        out = {}
+        for user in users:
+            total = charged.get(user, 0)
+            before = base.get(user, 0)
+            out[user] = total - before if total >= before else total
+        return out

@@ -1,0 +1,164 @@
+"""Per-user reports (:mod:`vllm_output_rate.monitor`) and their Prometheus export.
+
+No engine: reports are fed with the cumulative dicts the gate keeps, and
+exported into a private Prometheus registry.
+"""
+
+from __future__ import annotations
+
+import gc
+import random
+import tracemalloc
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import generate_latest
+
+from vllm_output_rate.adapter.metrics import OutputRateExporter
+from vllm_output_rate.monitor import (
+    ACTIVE, CHARGED, LIMIT, THROTTLED, THROTTLED_S, WAITING, ChargeHistory, UserMonitor,
+)
+from vllm_output_rate.settings import OTHER_USERS
+
+S = 1_000_000_000
+CONFIGURED = {"alice": 10.0, "bob": 20.0}
+
+
+def rate_of(user):
+    return CONFIGURED.get(user, 100.0)
+
+
+def series(registry, name):
+    """{labels tuple: value} of one metric family's samples."""
+    out = {}
+    for family in registry.collect():
+        for sample in family.samples:
+            if sample.name == name:
+                out[tuple(sorted(sample.labels.items()))] = sample.value
+    return out
+
+
+def test_increments_add_up_to_totals_and_others_are_summed():
+    mon = UserMonitor(max_users=1)
+    charged = {"alice": 5, "carol": 7, "dave": 3}
+    counts = {"alice": (1, 2, 0), "carol": (1, 0, 0), "dave": (0, 1, 4)}
+    rep = mon.report(S, charged, {"alice": S // 2}, counts, CONFIGURED, rate_of)
+    users = rep["users"]
+    # Configured users always; one more (the busiest: carol); dave under __other__.
+    assert set(users) == {"alice", "bob", "carol", OTHER_USERS}
+    assert users["alice"][CHARGED] == 5 and users["alice"][THROTTLED_S] == 0.5
+    assert users["alice"][ACTIVE:WAITING + 1] == [1, 2, 0]
+    assert users["alice"][LIMIT] == 10.0 and users["carol"][LIMIT] == 100.0
+    assert users["bob"][CHARGED] == 0 and users["bob"][LIMIT] == 20.0
+    assert users[OTHER_USERS][CHARGED] == 3
+    assert users[OTHER_USERS][THROTTLED] == 1 and users[OTHER_USERS][WAITING] == 4
+    assert users[OTHER_USERS][LIMIT] is None
+    rep2 = mon.report(2 * S, {"alice": 9, "carol": 7, "dave": 10}, {"alice": S}, {}, CONFIGURED, rate_of)
+    assert rep2["users"]["alice"][CHARGED] == 4
+    assert rep2["users"]["alice"][THROTTLED_S] == 0.5
+    assert rep2["users"]["carol"][CHARGED] == 0
+    assert rep2["users"][OTHER_USERS][CHARGED] == 7
+    # A user the gate forgot and saw again starts from 0: its new total counts whole.
+    rep3 = mon.report(3 * S, {"alice": 2}, {}, {}, CONFIGURED, rate_of)
+    assert rep3["users"]["alice"][CHARGED] == 2
+
+
+def test_engine_totals_become_increments_and_gauges_pass_through():
+    mon = UserMonitor(max_users=0)
+    first = mon.report(S, {}, {}, {}, {}, rate_of, {"idle_steps_total": 5, "throttled_requests": 3})
+    second = mon.report(2 * S, {}, {}, {}, {}, rate_of, {"idle_steps_total": 8, "throttled_requests": 1})
+    assert first["engine"] == {"idle_steps_total": 5, "throttled_requests": 3}
+    assert second["engine"] == {"idle_steps_total": 3, "throttled_requests": 1}
+
+
+def test_idle_labelled_users_are_dropped_and_their_slot_reused():
+    mon = UserMonitor(max_users=1, idle_evict_s=10)
+    rep = mon.report(S, {"x": 1}, {}, {}, {}, rate_of)
+    assert "x" in rep["users"]
+    rep = mon.report(5 * S, {"x": 1, "y": 4}, {}, {}, {}, rate_of)
+    assert "y" not in rep["users"] and rep["users"][OTHER_USERS][CHARGED] == 4
+    rep = mon.report(12 * S, {"x": 1, "y": 4}, {}, {}, {}, rate_of)
+    assert rep["removed"] == ["x"]
+    rep = mon.report(13 * S, {"y": 6}, {}, {}, {}, rate_of)
+    assert "y" in rep["users"] and rep["users"]["y"][CHARGED] == 2
+
+
+def test_flood_of_invented_names_keeps_series_bounded_and_memory_flat():
+    """10,000 invented names: series stay at configured + K + __other__."""
+    k = 20
+    mon = UserMonitor(max_users=k, idle_evict_s=30)
+    registry = CollectorRegistry()
+    exporter = OutputRateExporter("m", registry=registry)
+    rng = random.Random(7)
+    names = [f"invented-{i}" for i in range(10_000)]
+    per_round = 200
+    total_charged = 0
+    exported_before = None
+    sizes = []
+    for rnd in range(50):
+        # The gate forgets idle users, so each report sees only recent ones.
+        batch = names[(rnd * per_round) % len(names):][:per_round]
+        charged = {name: rng.randint(1, 30) for name in batch}
+        charged.update({"alice": 10 * (rnd + 1)})
+        total_charged += sum(v for n, v in charged.items() if n != "alice") + 10
+        counts = {name: (1, 0, 0) for name in batch[:50]}
+        report = mon.report(rnd * S, charged, {}, counts, CONFIGURED, rate_of)
+        assert len(report["users"]) <= len(CONFIGURED) + k + 1
+        exporter.observe(report)
+        if rnd == 10:
+            gc.collect()
+            tracemalloc.start()
+            exported_before = tracemalloc.take_snapshot()
+        if rnd >= 10:
+            sizes.append(mon.tracked())
+    gc.collect()
+    after = tracemalloc.take_snapshot()
+    tracemalloc.stop()
+    grown = sum(stat.size_diff for stat in after.compare_to(exported_before, "filename"))
+    charged_series = series(registry, "vllm:output_rate_output_tokens_charged_total")
+    users = {dict(labels)["user"] for labels in charged_series}
+    assert len(users) <= len(CONFIGURED) + k + 1
+    assert OTHER_USERS in users and "alice" in users and "bob" in users
+    # Nothing is lost: every charged token is in some series.
+    assert sum(charged_series.values()) >= total_charged - 30 * per_round  # removed series drop theirs
+    assert max(sizes) <= 2 * per_round + k + 2
+    # 40 rounds of 200 fresh names each: bounded state, so well under 1 MB of growth.
+    assert grown < 1_000_000, grown
+    text = generate_latest(registry).decode()
+    assert text.count('vllm:output_rate_requests{') <= 3 * (len(CONFIGURED) + k + 1)
+
+
+def test_exporter_series_and_removal():
+    registry = CollectorRegistry()
+    exporter = OutputRateExporter("tiny", registry=registry)
+    exporter.observe({
+        "users": {"alice": [5, 0.25, 1, 2, 3, 10.0], OTHER_USERS: [1, 0.0, 0, 0, 0, None]},
+        "removed": [],
+        "engine": {"throttled_requests": 2, "idle_steps_total": 4, "reloads_total": 1,
+                   "reload_failures_total": 0},
+    })
+    exporter.observe({"users": {"alice": [2, 0.0, 0, 0, 0, 10.0]}, "removed": [], "engine": {}})
+    charged = series(registry, "vllm:output_rate_output_tokens_charged_total")
+    assert charged[(("model_name", "tiny"), ("user", "alice"))] == 7
+    assert charged[(("model_name", "tiny"), ("user", OTHER_USERS))] == 1
+    req = series(registry, "vllm:output_rate_requests")
+    assert req[(("model_name", "tiny"), ("state", "throttled"), ("user", "alice"))] == 0
+    limit = series(registry, "vllm:output_rate_limit_tokens_per_second")
+    assert list(limit.values()) == [10.0]
+    assert series(registry, "vllm:output_rate_idle_steps_total") == {(("model_name", "tiny"),): 4}
+    assert series(registry, "vllm:output_rate_limit_reloads_total") == {(("model_name", "tiny"),): 1}
+    assert series(registry, "vllm:output_rate_limit_reload_failures_total") == {(("model_name", "tiny"),): 0}
+    exporter.observe({"users": {}, "removed": ["alice"], "engine": {}})
+    assert not any(dict(l)["user"] == "alice" for l in series(registry, "vllm:output_rate_output_tokens_charged_total"))
+
+
+def test_charge_history_window():
+    hist = ChargeHistory(window_s=10)
+    for t in range(0, 30):
+        hist.record(t * S, {"u": 5 * t})
+    # At t=29 s, u has 145; 10 s ago (t=19) it had 95.
+    assert hist.tokens_in_window(29 * S, {"u": 145}, ["u", "v"]) == {"u": 50, "v": 0}
+    assert len(hist._points) <= 12
+    young = ChargeHistory(window_s=10)
+    young.record(0, {"u": 0})
+    young.record(3 * S, {"u": 30})
+    assert young.tokens_in_window(4 * S, {"u": 40}, ["u"]) == {"u": 40}
