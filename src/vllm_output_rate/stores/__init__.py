@@ -1,0 +1,15 @@
+"""Shared quota stores: one user's output-token quota across several engines.
+
+The in-memory limiter (:class:`vllm_output_rate.limiter.OutputRateLimiter`
+over a plain dict) needs nothing from here.  With ``--output-rate-store
+redis://...`` every engine of a deployment spends *leases* of one shared GCRA
+quota kept in Redis:
+
+* :mod:`.lease` -- the engine side: :class:`~.lease.LeasedOutputRateLimiter`
+  (the limiter interface the scheduler calls, spending only local leases, so a
+  step never waits on the network), its background lease thread, the
+  fallback when the store is unreachable, and the guarantee across engines.
+* :mod:`.redis_store` -- the server side: one Lua script that runs GCRA on
+  Redis's clock for a batch of users per round trip, plus key naming,
+  connection handling and the limits-fingerprint check.
+"""

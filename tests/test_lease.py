@@ -1,0 +1,369 @@
+"""Lease arithmetic of :mod:`vllm_output_rate.stores.lease`, over a fake store.
+
+The fake store runs the same GCRA-with-hand-backs as the Redis script, in
+Python, on the test's fake clock; rounds are run by hand (no thread), so
+every assertion is exact.  Sharing through a real Redis server is tested in
+``test_store_redis.py``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import math
+from fractions import Fraction
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from vllm_output_rate.limiter import DEFAULT_BURST_NS, NS_PER_S, OutputRateLimiter
+from vllm_output_rate.stores.lease import (
+    CLOSED,
+    LOCAL,
+    SHARED,
+    LeaseAsk,
+    LeaseConfig,
+    LeasedOutputRateLimiter,
+    LeaseGrant,
+    interval_ns_of,
+)
+
+MS = 1_000_000
+S = NS_PER_S
+CFG = LeaseConfig()
+
+
+class Clock:
+    def __init__(self, now: int = 10 * S) -> None:
+        self.now = now
+
+    def __call__(self) -> int:
+        return self.now
+
+
+class FakeStore:
+    """GCRA per user on the shared fake clock; the Redis script's semantics."""
+
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
+        self.state: dict[str, tuple[int, int]] = {}  # user -> (time, debt ns)
+        self.down = False
+        self.calls: list[list[LeaseAsk]] = []
+        self.fingerprints: dict[str, str] = {}
+
+    def debt(self, user: str) -> int:
+        t, d = self.state.get(user, (0, 0))
+        return max(0, d - (self.clock.now - t))
+
+    def lease(self, burst_ns, asks):
+        if self.down:
+            raise ConnectionError("store down")
+        self.calls.append(list(asks))
+        out = []
+        for a in asks:
+            debt = max(0, self.debt(a.user) - a.give_back * a.interval_ns)
+            granted = 0
+            if a.want and debt <= burst_ns:
+                granted = min(a.want, (burst_ns - debt) // a.interval_ns + 1)
+                debt += granted * a.interval_ns
+            self.state[a.user] = (self.clock.now, debt)
+            out.append(LeaseGrant(granted, max(0, debt - burst_ns)))
+        return out
+
+    def publish_fingerprint(self, engine_id, fingerprint):
+        if self.down:
+            raise ConnectionError("store down")
+        self.fingerprints[engine_id] = fingerprint
+        return dict(self.fingerprints)
+
+    def describe(self):
+        return "fake://store"
+
+    def close(self):
+        pass
+
+
+def engine(store, clock, default=30, rates=None, **cfg):
+    return LeasedOutputRateLimiter(
+        default, rates or {}, store, config=LeaseConfig(**cfg), clock=clock, start=False
+    )
+
+
+def test_lease_size_and_interval():
+    assert CFG.lease_size(Fraction(30)) == 3
+    assert CFG.lease_size(Fraction(1000)) == 100
+    assert CFG.lease_size(Fraction(1, 2)) == 1
+    assert CFG.lease_size(Fraction(33)) == 4  # ceil(3.3)
+    assert interval_ns_of(Fraction(3)) == 333_333_334  # rounded up: never faster
+    assert interval_ns_of(Fraction(30)) == 33_333_334
+
+
+def test_bad_config_is_refused():
+    with pytest.raises(ValueError, match="fallback"):
+        LeaseConfig(fallback="open")
+    with pytest.raises(ValueError, match="expected engines"):
+        LeaseConfig(expected_engines=0)
+    with pytest.raises(ValueError, match="lifetime"):
+        LeaseConfig(lifetime_ns=10 * MS)
+
+
+def test_no_lease_no_token_then_a_round_brings_one():
+    clock = Clock()
+    store = FakeStore(clock)
+    lim = engine(store, clock)
+    now = clock.now
+    assert lim.take_up_to("u", now, 8) == 0
+    assert not lim.try_take("u", now)
+    assert lim.available("u", now) == 0
+    assert lim.ready_at_ns("u", now) > now  # wake-up estimate, never "now"
+    assert lim._new_users == {"u"}  # the lease thread is woken for it
+    clock.now += MS
+    assert lim.run_round(clock.now, only_new=True) == 3  # lease size at 30 tok/s
+    assert store.calls[-1] == [LeaseAsk("u", 3, 0, 33_333_334)]
+    assert lim.available("u", clock.now) == 3
+    assert lim.ready_at_ns("u", clock.now) == clock.now
+    assert lim.take_up_to("u", clock.now, 2) == 2
+    assert lim.try_take("u", clock.now)
+    assert lim.take_up_to("u", clock.now, 5) == 0
+    # The store's GCRA allowed 1 + 3 (100 ms burst at 30/s) but the lease was 3.
+    clock.now += 10 * MS
+    assert lim.run_round(clock.now) == 0  # asked 10 ms ago: not again so soon
+    assert store.calls[-1] == [] or len(store.calls) == 1
+    clock.now += 20 * MS
+    assert lim.run_round(clock.now) == 1  # 31 ms of the rate since the first grant
+    assert lim.run_round(clock.now) == 0
+
+
+def test_unspent_tokens_expire_and_go_back_to_the_store():
+    clock = Clock()
+    store = FakeStore(clock)
+    lim = engine(store, clock)
+    lim.take_up_to("u", clock.now, 1)
+    lim.run_round(clock.now, only_new=True)
+    assert lim.take_up_to("u", clock.now, 1) == 1
+    debt = store.debt("u")
+    assert debt == 3 * 33_333_334
+    clock.now += CFG.lifetime_ns  # the lease's lifetime is over
+    assert lim.available("u", clock.now) == 0
+    assert lim.take_up_to("u", clock.now, 1) == 0
+    assert lim.stats["expired"] == 2
+    lim.run_round(clock.now)
+    handed = [a for a in store.calls[-1] if a.give_back]
+    assert handed == [LeaseAsk("u", 3, 2, 33_333_334)]
+    assert lim.stats["handed_back"] == 2
+
+
+def test_refund_restores_until_the_lease_expires():
+    clock = Clock()
+    store = FakeStore(clock)
+    lim = engine(store, clock)
+    lim.available("u", clock.now)
+    lim.run_round(clock.now, only_new=True)
+    assert lim.take_up_to("u", clock.now, 3) == 3
+    lim.refund("u", clock.now, 2)
+    assert lim.available("u", clock.now) == 2
+    assert lim.take_up_to("u", clock.now, 3) == 2
+    clock.now += CFG.lifetime_ns
+    lim.refund("u", clock.now, 1)  # its lease is over: back to the store, not spendable
+    assert lim.available("u", clock.now) == 0
+    assert lim._give_back == {"u": 1}
+    lim.refund("never-seen", clock.now)  # nothing taken: nothing to do
+    assert lim.available("never-seen", clock.now) == 0
+
+
+def test_engines_share_one_quota():
+    clock = Clock()
+    store = FakeStore(clock)
+    a, b = engine(store, clock), engine(store, clock)
+    for lim in (a, b):
+        lim.available("u", clock.now)
+    assert a.run_round(clock.now, only_new=True) == 3
+    # In memory 30 tok/s with a 100 ms burst allows 4 at once; the store's
+    # interval is rounded up to whole ns (33_333_334), so 3 intervals exceed
+    # the burst by 2 ns: never faster than the rate, here one token fewer.
+    assert b.run_round(clock.now, only_new=True) == 0
+    assert b.ready_at_ns("u", clock.now) > clock.now
+    clock.now += 34 * MS
+    assert b.run_round(clock.now) == 2  # 1 + floor(134 ms * 30) = 5 in all by now
+    assert a.run_round(clock.now) == 0
+
+
+def test_rates_changes_reach_the_asks():
+    clock = Clock()
+    store = FakeStore(clock)
+    lim = engine(store, clock, default=30, rates={"v": 10})
+    assert lim.update_rates(30, {"v": 1000}) == []  # nobody tracked by the rate table
+    assert lim.exact_rate_of("v") == 1000
+    lim.available("v", clock.now)
+    lim.run_round(clock.now, only_new=True)
+    assert store.calls[-1] == [LeaseAsk("v", 100, 0, 1_000_000)]
+    assert lim.available("v", clock.now) == 100
+    assert lim.configured_rates() == (Fraction(30), {"v": Fraction(1000)})
+
+
+def test_outage_local_fallback_then_shared_again(caplog):
+    clock = Clock()
+    store = FakeStore(clock)
+    lim = engine(store, clock, default=40, expected_engines=2)
+    lim.available("u", clock.now)
+    lim.run_round(clock.now, only_new=True)
+    assert lim.available("u", clock.now) == 4
+    store.down = True
+    with caplog.at_level(logging.WARNING):
+        for _ in range(5):
+            clock.now += 50 * MS
+            lim.run_round(clock.now)
+    assert lim.mode == LOCAL
+    outage_lines = [r for r in caplog.records if "unreachable" in r.getMessage()]
+    assert len(outage_lines) == 1 and "fake://store" in outage_lines[0].getMessage()
+    # Held leases were dropped; the local limiter runs at 40 / 2 = 20 tok/s.
+    ref = OutputRateLimiter(20)
+    t = clock.now
+    for step in range(200):
+        now = t + step * 5 * MS
+        assert lim.take_up_to("u", now, 4) == ref.take_up_to("u", now, 4)
+    clock.now = t + 200 * 5 * MS
+    store.down = False
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        lim.run_round(clock.now)
+        lim.run_round(clock.now + 50 * MS)
+    assert lim.mode == SHARED
+    assert [r.getMessage() for r in caplog.records if "answers again" in r.getMessage()]
+    assert lim.stats["outages"] == 1
+
+
+def test_outage_closed_fallback_pauses_everyone():
+    clock = Clock()
+    store = FakeStore(clock)
+    lim = engine(store, clock, fallback=CLOSED)
+    store.down = True
+    lim.run_round(clock.now)  # nobody wants quota: no round trip, nothing noticed
+    assert lim.mode == SHARED and not store.calls
+    assert lim.take_up_to("u", clock.now, 3) == 0
+    lim.run_round(clock.now, only_new=True)  # asks for u, which fails
+    assert lim.mode == CLOSED
+    assert lim.take_up_to("u", clock.now, 3) == 0
+    assert not lim.try_take("u", clock.now)
+    assert lim.available("u", clock.now) == 0
+    assert lim.ready_at_ns("u", clock.now) > clock.now
+    store.down = False
+    clock.now += 50 * MS
+    assert lim.run_round(clock.now) == 3  # u is still wanted; the store answers
+    assert lim.mode == SHARED
+    assert lim.take_up_to("u", clock.now, 3) == 3
+
+
+def test_fingerprint_mismatch_is_logged_once(caplog):
+    clock = Clock()
+    store = FakeStore(clock)
+    a = engine(store, clock, default=30)
+    b = engine(store, clock, default=30)
+    c = engine(store, clock, default=31)
+    with caplog.at_level(logging.WARNING):
+        assert a.check_fingerprints(clock.now) == []
+        assert b.check_fingerprints(clock.now) == []
+        assert len(c.check_fingerprints(clock.now)) == 2
+        c.check_fingerprints(clock.now)
+    lines = [r for r in caplog.records if "limits differ" in r.getMessage()]
+    assert len(lines) == 2  # one per other engine, not per check
+    assert a.fingerprint() == b.fingerprint() != c.fingerprint()
+
+
+def test_cleanup_forgets_users_not_wanted_lately():
+    clock = Clock()
+    store = FakeStore(clock)
+    lim = engine(store, clock)
+    lim.available("u", clock.now)
+    lim.run_round(clock.now, only_new=True)
+    lim.take_up_to("u", clock.now, 3)
+    assert lim.tracked_users() == 1
+    clock.now += S
+    assert lim.cleanup_idle_users(clock.now) == 1
+    assert lim.tracked_users() == 0
+
+
+# ---------------------------------------------------------------------------
+# The bound across engines, over random demand and round timings
+# ---------------------------------------------------------------------------
+
+
+def documented_bound(window_ns: int, rate: Fraction, engines: int) -> Fraction:
+    lease = CFG.lease_size(rate)
+    return (
+        Fraction(window_ns + DEFAULT_BURST_NS + CFG.lifetime_ns, S) * rate + 1 + engines * lease
+    )
+
+
+@st.composite
+def cluster_runs(draw):
+    rate = draw(st.sampled_from([Fraction(5), Fraction(30), Fraction(100), Fraction(7, 3)]))
+    engines = draw(st.integers(1, 3))
+    steps = draw(st.integers(50, 400))
+    events = draw(
+        st.lists(
+            st.tuples(
+                st.integers(0, engines - 1),  # who acts
+                st.integers(0, 30 * MS),  # time passing before it
+                st.sampled_from(["take", "take", "round", "refund", "new"]),
+                st.integers(1, 6),  # how many
+            ),
+            min_size=steps,
+            max_size=steps,
+        )
+    )
+    return rate, engines, events
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cluster_runs())
+def test_spent_tokens_across_engines_obey_the_documented_bound(run):
+    rate, engines, events = run
+    clock = Clock()
+    store = FakeStore(clock)
+    lims = [engine(store, clock, default=rate) for _ in range(engines)]
+    spent: list[int] = []  # one entry per token, net of refunds
+    held: list[int] = [0] * engines
+    for who, gap, op, n in events:
+        clock.now += gap
+        lim = lims[who]
+        if op == "take":
+            got = lim.take_up_to("u", clock.now, n)
+            spent += [(clock.now, who)] * got
+            held[who] += got
+        elif op == "refund" and held[who]:
+            k = min(n, held[who])
+            lim.refund("u", clock.now, k)
+            for _ in range(k):  # this engine's latest tokens are given back
+                spent.remove(max(x for x in spent if x[1] == who))
+            held[who] -= k
+        elif op == "round":
+            lim.run_round(clock.now)
+        elif op == "new":
+            lim.run_round(clock.now, only_new=True)
+        if op != "refund":
+            held[who] = 0  # charges older than this event are final
+    spent = sorted(t for t, _ in spent)
+    for i, s in enumerate(spent):
+        for j in range(i, len(spent)):
+            count = j - i + 1
+            assert count <= documented_bound(spent[j] - s, rate, engines), (s, spent[j], count)
+
+
+def test_one_busy_engine_reaches_the_rate():
+    """Rounds every 50 ms, scheduler steps every 5 ms: the shared rate is reached."""
+    clock = Clock()
+    store = FakeStore(clock)
+    lim = engine(store, clock, default=30)
+    start = clock.now
+    got = 0
+    next_round = start
+    while clock.now < start + 20 * S:
+        if clock.now >= next_round:
+            lim.run_round(clock.now)
+            next_round = clock.now + CFG.round_ns
+        got += lim.take_up_to("u", clock.now, 8)
+        clock.now += 5 * MS
+    # 20 s at 30 tok/s plus the first burst: 601 + 3, minus rounding to rounds.
+    assert 0.97 * 600 <= got <= 604
