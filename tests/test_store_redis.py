@@ -1,0 +1,284 @@
+"""One user's quota shared through a REAL redis-server process.
+
+Each test that claims sharing works runs lease limiters (each with its own
+connection and lease thread, as separate engines would) against a
+redis-server started here on 127.0.0.1 and a random port, stopped by PID.
+Spend times are read in this process on one monotonic clock (no delivery
+stalls), and checked against the documented bound of
+:mod:`vllm_output_rate.stores.lease`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import threading
+import time
+from fractions import Fraction
+
+import pytest
+
+from redis_harness import RedisServer
+from vllm_output_rate.limiter import DEFAULT_BURST_NS, NS_PER_S, make_limiter
+from vllm_output_rate.settings import OutputRateSettings
+from vllm_output_rate.stores.lease import (
+    LOCAL,
+    SHARED,
+    LeaseAsk,
+    LeaseConfig,
+    LeasedOutputRateLimiter,
+)
+from vllm_output_rate.stores.redis_store import (
+    PASSWORD_ENV,
+    RedisLeaseBackend,
+    redact,
+    user_key,
+)
+
+pytest.importorskip("redis")
+
+MS = 1_000_000
+S = NS_PER_S
+CFG = LeaseConfig()
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = RedisServer().start()
+    yield srv
+    srv.stop()
+
+
+_prefixes = iter(range(10**6))
+
+
+@pytest.fixture
+def prefix():
+    return f"test{next(_prefixes)}-{time.monotonic_ns()}"
+
+
+def engines(url, prefix, n, rate, **cfg):
+    return [
+        LeasedOutputRateLimiter(
+            rate, {}, RedisLeaseBackend(url, prefix=prefix), config=LeaseConfig(**cfg)
+        )
+        for _ in range(n)
+    ]
+
+
+def run_engines(lims, user, seconds, stop_event=None, streams=8, step_s=0.004):
+    """Each engine's 'scheduler' takes up to ``streams`` tokens every step."""
+    spent: list[list[int]] = [[] for _ in lims]
+    end = time.monotonic_ns() + int(seconds * S)
+
+    def loop(i, lim):
+        while time.monotonic_ns() < end:
+            now = time.monotonic_ns()
+            got = lim.take_up_to(user, now, streams)
+            spent[i] += [now] * got
+            time.sleep(step_s)
+
+    threads = [threading.Thread(target=loop, args=(i, lim)) for i, lim in enumerate(lims)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return spent
+
+
+def max_in_window(times: list[int], window_ns: int) -> int:
+    times = sorted(times)
+    return max(
+        (bisect.bisect_right(times, t + window_ns) - i for i, t in enumerate(times)), default=0
+    )
+
+
+def bound(window_ns, rate, n_engines):
+    rate = Fraction(rate)
+    return (
+        Fraction(window_ns + DEFAULT_BURST_NS + CFG.lifetime_ns, S) * rate
+        + 1
+        + n_engines * CFG.lease_size(rate)
+    )
+
+
+def test_script_is_gcra_on_the_server_clock(server, prefix):
+    backend = RedisLeaseBackend(server.url, prefix=prefix)
+    client = server.client()
+    iv = 10 * MS  # 100 tok/s
+    # Fresh user: 1 + 100 ms of burst = 11 tokens, then the debt is 110 ms.
+    (g,) = backend.lease(100 * MS, [LeaseAsk("u", 50, 0, iv)])
+    assert g.granted == 11 and g.wait_ns == 10 * MS
+    state = client.hgetall(user_key(prefix, "u"))
+    assert int(state[b"d"]) == 110 * MS
+    assert 0 < client.pttl(user_key(prefix, "u")) <= 110 + 10_000
+    # Immediately again: nothing (debt > burst), wait <= 10 ms.
+    (g,) = backend.lease(100 * MS, [LeaseAsk("u", 50, 0, iv)])
+    assert g.granted == 0 and 0 < g.wait_ns <= 10 * MS
+    # Hand back 5 tokens: 50 ms of debt less, so 5 tokens can be granted again
+    # (more if server time passed).
+    (g,) = backend.lease(100 * MS, [LeaseAsk("u", 5, 5, iv)])
+    assert g.granted == 5
+    # Hand back everything: the key goes away (== a user never seen).
+    backend.lease(100 * MS, [LeaseAsk("u", 0, 100, iv)])
+    assert not client.exists(user_key(prefix, "u"))
+    # Batched: several users in one round trip, each its own key and slot tag.
+    grants = backend.lease(100 * MS, [LeaseAsk(f"b{i}", 3, 0, iv) for i in range(50)])
+    assert [g.granted for g in grants] == [3] * 50
+    assert backend.commands == 5
+    assert user_key(prefix, "b7") == f"{prefix}:user:{{b7}}"
+    backend.close()
+
+
+def test_three_engines_share_one_users_quota(server, prefix):
+    rate = 40
+    lims = engines(server.url, prefix, 3, rate)
+    try:
+        t0 = time.monotonic_ns()
+        spent = run_engines(lims, "heavy", 6.0)
+        elapsed = time.monotonic_ns() - t0
+    finally:
+        for lim in lims:
+            lim.close()
+    everything = sorted(t for per in spent for t in per)
+    total = len(everything)
+    # Not 3 x 40: about 40 tok/s over 6 s (the first burst included).
+    assert total <= bound(elapsed, rate, 3)
+    assert total >= 0.7 * rate * elapsed / S  # wide: the CPU is shared, (total, [len(p) for p in spent])
+    for w in (S // 2, S, 2 * S):
+        assert max_in_window(everything, w) <= bound(w, rate, 3), w
+    # Every engine got a real share (engines take turns being first).
+    assert min(len(p) for p in spent) >= 0.1 * total, [len(p) for p in spent]
+    for lim in lims:
+        assert lim.stats["outages"] == 0
+        # About one round trip per 50 ms (jittered), not one per step.
+        assert lim.stats["round_trips"] <= 6.0 * 20 * 1.5 + 10
+
+
+def test_redis_killed_then_restarted(prefix, caplog):
+    srv = RedisServer().start()
+    rate, n = 40, 2
+    lims = engines(srv.url, prefix, n, rate, expected_engines=n)
+    try:
+        with caplog.at_level(logging.WARNING, logger="vllm_output_rate.stores.lease"):
+            spent = run_engines(lims, "u", 1.5)
+            assert all(lim.mode == SHARED for lim in lims)
+            srv.stop()  # SIGKILL: an abrupt outage
+            down_at = time.monotonic_ns()
+            deadline = down_at + 2 * S
+            while time.monotonic_ns() < deadline and not all(l.mode == LOCAL for l in lims):
+                for lim in lims:
+                    lim.take_up_to("u", time.monotonic_ns(), 1)
+                time.sleep(0.01)
+            assert all(lim.mode == LOCAL for lim in lims)
+            # Local fallback: each engine enforces rate / expected engines.
+            local = run_engines(lims, "u", 3.0)
+            for per in local:
+                span = max(per) - min(per)
+                assert len(per) <= Fraction(span + DEFAULT_BURST_NS, S) * Fraction(rate, n) + 1
+                assert len(per) >= 0.7 * (rate / n) * 3.0
+            srv.start()  # same port, empty (no persistence)
+            back_at = time.monotonic_ns()
+            while time.monotonic_ns() < back_at + 2 * S and not all(
+                l.mode == SHARED for l in lims
+            ):
+                for lim in lims:
+                    lim.take_up_to("u", time.monotonic_ns(), 1)
+                time.sleep(0.01)
+            recovered_s = (time.monotonic_ns() - back_at) / S
+            assert all(lim.mode == SHARED for lim in lims), recovered_s
+            assert recovered_s < 2.0
+            after = run_engines(lims, "u", 2.0)
+            assert sum(map(len, after)) <= bound(2 * S, rate, n)
+            assert sum(map(len, after)) >= 0.6 * rate * 2.0
+        down = [r for r in caplog.records if "unreachable" in r.getMessage()]
+        up = [r for r in caplog.records if "answers again" in r.getMessage()]
+        assert len(down) == n and len(up) == n  # one line per engine per outage
+        assert spent and all(lim.stats["outages"] == 1 for lim in lims)
+    finally:
+        for lim in lims:
+            lim.close()
+        srv.stop()
+
+
+def test_engine_restart_gets_no_fresh_burst(server, prefix):
+    rate = 10  # burst 100 ms: a fresh user gets 2 tokens at once
+    (first,) = engines(server.url, prefix, 1, rate)
+    try:
+        deadline = time.monotonic_ns() + 2 * S
+        got = 0
+        while got < 2 and time.monotonic_ns() < deadline:
+            got += first.take_up_to("u", time.monotonic_ns(), 5)
+            time.sleep(0.002)
+        assert got == 2
+    finally:
+        first.close()
+    # The engine restarts: a new limiter, new connection, same store.
+    backend = RedisLeaseBackend(server.url, prefix=prefix)
+    fresh = LeasedOutputRateLimiter(rate, {}, backend, start=False)
+    now = time.monotonic_ns()
+    fresh.available("u", now)
+    assert fresh.run_round(now, only_new=True) == 0  # debt is still in Redis
+    fresh.available("someone-else", now)
+    assert fresh.run_round(time.monotonic_ns(), only_new=True) == 1  # a new user: one lease
+    # Asked directly for more than a lease: u still nothing, a new user its burst.
+    iv = 100 * MS
+    u, new = backend.lease(DEFAULT_BURST_NS, [LeaseAsk("u", 5, 0, iv), LeaseAsk("new", 5, 0, iv)])
+    assert (u.granted, new.granted) == (0, 2)
+    fresh.close()
+
+
+def test_password_from_env_is_used_and_never_shown(prefix, monkeypatch, caplog):
+    srv = RedisServer(password="s3cret-pw").start()
+    try:
+        url_without = f"redis://127.0.0.1:{srv.port}/0"
+        monkeypatch.setenv(PASSWORD_ENV, "s3cret-pw")
+        backend = RedisLeaseBackend(url_without, prefix=prefix)
+        (g,) = backend.lease(100 * MS, [LeaseAsk("u", 1, 0, 10 * MS)])
+        assert g.granted == 1
+        with_url = RedisLeaseBackend(srv.url, prefix=prefix)  # password in the URL
+        assert "s3cret" not in with_url.describe() and "s3cret" not in redact(srv.url)
+        assert with_url.describe() == f"redis://127.0.0.1:{srv.port}/0"
+        lim = LeasedOutputRateLimiter(5, {}, with_url, start=False)
+        srv.stop()
+        with caplog.at_level(logging.WARNING):
+            lim.available("u", time.monotonic_ns())
+            lim.run_round(time.monotonic_ns(), only_new=True)
+        assert lim.mode == LOCAL
+        assert caplog.records and all("s3cret" not in r.getMessage() for r in caplog.records)
+        lim.close()
+        backend.close()
+    finally:
+        srv.stop()
+
+
+def test_limits_mismatch_between_engines_is_logged(server, prefix, caplog):
+    a = LeasedOutputRateLimiter(30, {"x": 5}, RedisLeaseBackend(server.url, prefix=prefix), start=False)
+    b = LeasedOutputRateLimiter(30, {"x": 6}, RedisLeaseBackend(server.url, prefix=prefix), start=False)
+    c = LeasedOutputRateLimiter(30, {"x": 5}, RedisLeaseBackend(server.url, prefix=prefix), start=False)
+    with caplog.at_level(logging.WARNING):
+        assert a.check_fingerprints(time.monotonic_ns()) == []
+        assert c.check_fingerprints(time.monotonic_ns()) == []
+        assert len(b.check_fingerprints(time.monotonic_ns())) == 2
+    assert len([r for r in caplog.records if "limits differ" in r.getMessage()]) == 2
+    for lim in (a, b, c):
+        lim.close()
+
+
+def test_make_limiter_with_a_store_url(server, prefix):
+    settings = OutputRateSettings(default_rate=20, user_rates={"a": 5})
+    object.__setattr__(settings, "store_url", server.url)
+    object.__setattr__(settings, "store_prefix", prefix)
+    lim = make_limiter(settings)
+    try:
+        assert isinstance(lim, LeasedOutputRateLimiter)
+        assert lim.rate_of("a") == 5 and lim.rate_of("b") == 20
+        deadline = time.monotonic_ns() + 2 * S
+        got = 0
+        while not got and time.monotonic_ns() < deadline:
+            got = lim.take_up_to("a", time.monotonic_ns(), 1)
+            time.sleep(0.002)
+        assert got == 1
+        assert server.client().exists(user_key(prefix, "a"))
+    finally:
+        lim.close()
