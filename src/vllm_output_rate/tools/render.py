@@ -267,12 +267,11 @@ def plot_run(records: Sequence[RequestRecord], limits: Mapping[str, float | None
             bottom.plot([start, end], [allowance, allowance + (end - start) * limit],
                         linestyle="--", color=color, linewidth=1.2, zorder=3,
                         label=f"{plot_label(user)} bound from its first token")
-    bottom.set_yscale("log")
     bottom.set_xlabel("seconds since start")
-    bottom.set_ylabel("tokens received (cumulative, log)")
+    bottom.set_ylabel("tokens received (cumulative)")
     bottom.grid(True, which="both", alpha=0.25)
     if series:
-        bottom.legend(loc="lower right", fontsize="small")
+        bottom.legend(loc="upper left", fontsize="small")
     fig.tight_layout()
     fig.savefig(str(path))
 
