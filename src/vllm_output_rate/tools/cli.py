@@ -153,6 +153,12 @@ def cmd_demo(argv: list[str]) -> None:
     demo_main(argv)
 
 
+def cmd_top(argv: list[str]) -> None:
+    from vllm_output_rate.tools.top import main as top_main
+
+    top_main(argv)
+
+
 #: Commands whose arguments are handed, unchanged, to another parser: vLLM's
 #: own ``serve`` parser, and the bench's and demo's parsers.
 #: name -> (function taking the remaining argv, help)
@@ -161,6 +167,7 @@ PASSTHROUGH_COMMANDS = {
                          "(every argument goes to `vllm serve`)"),
     "bench": (cmd_bench, "drive many users against a server and report per-user rates"),
     "demo": (cmd_demo, "the same workload on stock vLLM and with the plugin; one figure"),
+    "top": (cmd_top, "live per-user view of a server's /metrics (like htop; q quits)"),
 }
 
 #: Commands parsed here: name -> (function taking the parsed namespace, help,

@@ -1,0 +1,74 @@
+"""``vllm-output-rate top``: parsing /metrics text and the per-user model.
+
+The terminal itself is tested against a real server in tmux
+(``test_operate_server.py::test_top_in_tmux``).
+"""
+
+from __future__ import annotations
+
+from rich.console import Console
+
+from vllm_output_rate.tools.top import TopModel, parse_metrics, render
+
+
+def exposition(charged: dict, throttled: dict, requests: dict, limits: dict, running=3) -> str:
+    lines = [
+        "# HELP vllm:num_requests_running x",
+        f'vllm:num_requests_running{{engine="0",model_name="m"}} {running}',
+        'vllm:num_requests_waiting{engine="0",model_name="m"} 1',
+        'vllm:output_rate_throttled_requests{model_name="m"} 2.0',
+        'vllm:output_rate_limit_reloads_total{model_name="m"} 1.0',
+    ]
+    for user, v in charged.items():
+        lines.append(f'vllm:output_rate_output_tokens_charged_total{{model_name="m",user="{user}"}} {v}')
+        lines.append(f'vllm:output_rate_output_tokens_charged_created{{model_name="m",user="{user}"}} 1.7e9')
+    for user, v in throttled.items():
+        lines.append(f'vllm:output_rate_throttled_seconds_total{{model_name="m",user="{user}"}} {v}')
+    for (user, state), v in requests.items():
+        lines.append(f'vllm:output_rate_requests{{model_name="m",state="{state}",user="{user}"}} {v}')
+    for user, v in limits.items():
+        lines.append(f'vllm:output_rate_limit_tokens_per_second{{model_name="m",user="{user}"}} {v}')
+    return "\n".join(lines) + "\n"
+
+
+def test_parse_metrics_reads_the_plugin_series():
+    snap = parse_metrics(exposition(
+        {"alice": 120.0, "__other__": 5.0}, {"alice": 2.5},
+        {("alice", "active"): 1, ("alice", "throttled"): 2, ("alice", "waiting"): 0},
+        {"alice": 20.0},
+    ))
+    alice = snap.users["alice"]
+    assert (alice.charged, alice.throttled_s, alice.limit) == (120.0, 2.5, 20.0)
+    assert (alice.active, alice.throttled, alice.waiting) == (1, 2, 0)
+    assert snap.users["__other__"].limit is None
+    assert snap.engine["num_requests_running"] == 3 and snap.engine["throttled_requests"] == 2
+
+
+def test_rates_sort_and_spark_line():
+    model = TopModel()
+    for t in range(0, 11):
+        model.update(float(t), parse_metrics(exposition(
+            {"slow": 20.0 * t, "fast": 300.0 * t, "idle": 7.0},
+            {"slow": 0.5 * t},
+            {("slow", "throttled"): 2, ("fast", "active"): 4},
+            {"slow": 20.0, "fast": 1000.0},
+        )))
+    rows = model.rows()
+    assert [r.user for r in rows] == ["fast", "slow", "idle"]
+    fast, slow, idle = rows
+    assert abs(fast.rate - 300) < 1e-9 and abs(slow.rate - 20) < 1e-9 and idle.rate == 0
+    assert slow.throttled_pct == 50.0 and slow.throttled == 2 and fast.active == 4
+    assert len(slow.spark) == 10 and set(slow.spark) <= set("▁▂▃▄▅▆▇█")
+    assert idle.spark.strip() == ""
+    console = Console(width=120, record=True)
+    console.print(render(model, "http://x"))
+    text = console.export_text()
+    assert "fast" in text and "300" in text and "50%" in text and "1000" in text
+
+
+def test_history_is_bounded():
+    model = TopModel(history_s=60)
+    for t in range(0, 500):
+        model.update(float(t), parse_metrics(exposition({"u": float(t)}, {}, {}, {})))
+    assert len(model._points) <= 63
+    assert len(model.per_second("u")) == 60
