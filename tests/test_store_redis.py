@@ -112,20 +112,21 @@ def test_script_is_gcra_on_the_server_clock(server, prefix):
     state = client.hgetall(user_key(prefix, "u"))
     assert int(state[b"d"]) == 110 * MS
     assert 0 < client.pttl(user_key(prefix, "u")) <= 110 + 10_000
-    # Immediately again: nothing (debt > burst), wait <= 10 ms.
-    (g,) = backend.lease(100 * MS, [LeaseAsk("u", 50, 0, iv)])
-    assert g.granted == 0 and 0 < g.wait_ns <= 10 * MS
-    # Hand back 5 tokens: 50 ms of debt less, so 5 tokens can be granted again
-    # (more if server time passed).
-    (g,) = backend.lease(100 * MS, [LeaseAsk("u", 5, 5, iv)])
-    assert g.granted == 5
+    # A slow user (1 tok/s): one token, then nothing for 0.9 s of server time.
+    (g,) = backend.lease(100 * MS, [LeaseAsk("slow", 5, 0, S)])
+    assert g.granted == 1 and g.wait_ns == 900 * MS
+    (g,) = backend.lease(100 * MS, [LeaseAsk("slow", 5, 0, S)])
+    assert g.granted == 0 and 800 * MS < g.wait_ns < 900 * MS
+    # Hand back the token: the debt is gone, so one can be granted again at once.
+    (g,) = backend.lease(100 * MS, [LeaseAsk("slow", 1, 1, S)])
+    assert g.granted == 1
     # Hand back everything: the key goes away (== a user never seen).
     backend.lease(100 * MS, [LeaseAsk("u", 0, 100, iv)])
     assert not client.exists(user_key(prefix, "u"))
     # Batched: several users in one round trip, each its own key and slot tag.
     grants = backend.lease(100 * MS, [LeaseAsk(f"b{i}", 3, 0, iv) for i in range(50)])
     assert [g.granted for g in grants] == [3] * 50
-    assert backend.commands == 5
+    assert backend.commands == 6
     assert user_key(prefix, "b7") == f"{prefix}:user:{{b7}}"
     backend.close()
 
@@ -266,13 +267,20 @@ def test_limits_mismatch_between_engines_is_logged(server, prefix, caplog):
 
 
 def test_make_limiter_with_a_store_url(server, prefix):
-    settings = OutputRateSettings(default_rate=20, user_rates={"a": 5})
-    object.__setattr__(settings, "store_url", server.url)
-    object.__setattr__(settings, "store_prefix", prefix)
+    settings = OutputRateSettings.from_additional_config(
+        {
+            "output_rate": {
+                "default_user_output_tokens_per_second": 20,
+                "user_output_tokens_per_second": {"a": 5},
+                "store": {"url": server.url, "prefix": prefix, "fallback": "closed"},
+            }
+        }
+    )
     lim = make_limiter(settings)
     try:
         assert isinstance(lim, LeasedOutputRateLimiter)
         assert lim.rate_of("a") == 5 and lim.rate_of("b") == 20
+        assert lim._config.fallback == "closed" and lim._backend.prefix == prefix
         deadline = time.monotonic_ns() + 2 * S
         got = 0
         while not got and time.monotonic_ns() < deadline:

@@ -304,15 +304,14 @@ def _scaled_rates(
 def make_limiter(settings: Any, **kwargs: Any) -> Any:
     """The limiter the scheduler uses for ``settings`` (an ``OutputRateSettings``).
 
-    Without a shared store configured (``settings.store_url`` missing or
-    empty) this is ``OutputRateLimiter(settings.default_rate,
-    settings.user_rates)``: the exact in-memory limiter.  With a store URL it
-    is a :class:`~vllm_output_rate.stores.lease.LeasedOutputRateLimiter`
-    spending leases of the shared quota (same methods); ``kwargs`` go to its
+    Without a shared store configured (``settings.store`` missing or None)
+    this is ``OutputRateLimiter(settings.default_rate, settings.user_rates)``:
+    the exact in-memory limiter.  With a store it is a
+    :class:`~vllm_output_rate.stores.lease.LeasedOutputRateLimiter` spending
+    leases of the shared quota (same methods); ``kwargs`` go to its
     constructor.  Call ``close()`` on the result, if it has one, at shutdown.
     """
-    store_url = getattr(settings, "store_url", None)
-    if not store_url:
+    if getattr(settings, "store", None) is None:
         return OutputRateLimiter(settings.default_rate, settings.user_rates)
     from vllm_output_rate.stores.lease import limiter_from_settings
 

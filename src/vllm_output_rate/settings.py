@@ -22,6 +22,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from vllm_output_rate.stores.config import StoreSettings, parse_store_section
+
 CONFIG_KEY = "output_rate"
 DEFAULT_KEY = "default_user_output_tokens_per_second"
 OVERRIDES_KEY = "user_output_tokens_per_second"
@@ -43,7 +45,9 @@ METRICS_MAX_USERS_FLAG = "--output-rate-metrics-max-users"
 #: Per-user metric series beyond the configured users (the rest: ``__other__``).
 DEFAULT_METRICS_MAX_USERS = 100
 OTHER_USERS = "__other__"
-_SECTION_KEYS = {DEFAULT_KEY, OVERRIDES_KEY, LIMITS_FILE_KEY, METRICS_MAX_USERS_KEY}
+#: Shared quota store (``vllm_output_rate.stores.config``): {"url", "fallback", ...}.
+STORE_KEY = "store"
+_SECTION_KEYS = {DEFAULT_KEY, OVERRIDES_KEY, LIMITS_FILE_KEY, METRICS_MAX_USERS_KEY, STORE_KEY}
 
 
 class OutputRateConfigError(ValueError):
@@ -68,6 +72,7 @@ class OutputRateSettings:
     user_rates: Mapping[str, float] = field(default_factory=dict)
     limits_file: str | None = None
     metrics_max_users: int = DEFAULT_METRICS_MAX_USERS
+    store: StoreSettings | None = None  # shared quota store; None: in-memory
 
     def to_config(self) -> dict[str, Any]:
         """The ``additional_config["output_rate"]`` form of these settings."""
@@ -79,6 +84,8 @@ class OutputRateSettings:
             config[LIMITS_FILE_KEY] = self.limits_file
         if self.metrics_max_users != DEFAULT_METRICS_MAX_USERS:
             config[METRICS_MAX_USERS_KEY] = self.metrics_max_users
+        if self.store is not None:
+            config[STORE_KEY] = self.store.to_config()
         return config
 
     @classmethod
@@ -103,6 +110,10 @@ class OutputRateSettings:
             section.get(METRICS_MAX_USERS_KEY, DEFAULT_METRICS_MAX_USERS),
             f"{where}[{METRICS_MAX_USERS_KEY!r}]",
         )
+        try:
+            store = parse_store_section(section.get(STORE_KEY))
+        except ValueError as exc:
+            raise OutputRateConfigError(f"{where}[{STORE_KEY!r}]: {exc}") from None
         limits_file = section.get(LIMITS_FILE_KEY)
         if limits_file is not None:
             # The file wins over rates given next to it (flags or keys).
@@ -116,6 +127,7 @@ class OutputRateSettings:
                 user_rates=rates.user_rates,
                 limits_file=limits_file,
                 metrics_max_users=max_users,
+                store=store,
             )
         default = section.get(DEFAULT_KEY)
         overrides = section.get(OVERRIDES_KEY)
@@ -129,6 +141,7 @@ class OutputRateSettings:
             default_rate=validate_rate(default, f"{where}[{DEFAULT_KEY!r}]"),
             user_rates=validate_overrides(overrides or {}, f"{where}[{OVERRIDES_KEY!r}]"),
             metrics_max_users=max_users,
+            store=store,
         )
 
     def rate_of(self, user: str) -> float:

@@ -599,16 +599,12 @@ class LeasedOutputRateLimiter:
 
 
 def limiter_from_settings(settings: Any, **kwargs: Any) -> LeasedOutputRateLimiter:
-    """A leased limiter over the Redis store named by ``settings.store_url``."""
+    """A leased limiter over the Redis store of ``settings.store`` (a StoreSettings)."""
     from vllm_output_rate.stores.redis_store import RedisLeaseBackend
 
-    backend = RedisLeaseBackend(
-        settings.store_url, prefix=getattr(settings, "store_prefix", None) or None
-    )
-    config = LeaseConfig(
-        fallback=getattr(settings, "store_fallback", None) or LOCAL,
-        expected_engines=getattr(settings, "store_expected_engines", None) or 1,
-    )
+    store = settings.store
+    backend = RedisLeaseBackend(store.url, prefix=store.prefix)
+    config = LeaseConfig(fallback=store.fallback, expected_engines=store.expected_engines)
     return LeasedOutputRateLimiter(
         settings.default_rate, settings.user_rates, backend, config=config, **kwargs
     )

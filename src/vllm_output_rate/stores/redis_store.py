@@ -39,10 +39,8 @@ import os
 from typing import Sequence
 from urllib.parse import urlsplit
 
+from vllm_output_rate.stores.config import DEFAULT_PREFIX, PASSWORD_ENV
 from vllm_output_rate.stores.lease import LeaseAsk, LeaseGrant
-
-DEFAULT_PREFIX = "vllm-output-rate"
-PASSWORD_ENV = "OUTPUT_RATE_STORE_PASSWORD"
 #: Seconds a reply may take before the engine treats the store as down.
 DEFAULT_TIMEOUT_S = 0.1
 #: Engines that have not published their fingerprint this long are ignored.
