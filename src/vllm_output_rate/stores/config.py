@@ -166,7 +166,8 @@ def merge_store_args(args: argparse.Namespace, section: dict | None) -> dict | N
     if url is None:
         if given:
             flags = {"fallback": FALLBACK_FLAG, "expected_engines": ENGINES_FLAG, "prefix": PREFIX_FLAG}
-            raise ValueError(f"{', '.join(flags[k] for k in given)} need {STORE_FLAG}")
+            verb = "needs" if len(given) == 1 else "need"
+            raise ValueError(f"{', '.join(flags[k] for k in given)} {verb} {STORE_FLAG}")
         return section
     if section is None:
         raise ValueError(f"{STORE_FLAG} needs the feature on (a default rate or a limits file)")

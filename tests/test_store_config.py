@@ -1,0 +1,108 @@
+"""Store configuration: flags, the additional_config ``store`` section, password handling."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from vllm_output_rate.settings import OutputRateConfigError, OutputRateSettings
+from vllm_output_rate.stores.config import (
+    PASSWORD_ENV,
+    StoreSettings,
+    add_store_args,
+    merge_store_args,
+    parse_store_section,
+)
+
+ON = {"default_user_output_tokens_per_second": 30}
+
+
+def parser():
+    p = argparse.ArgumentParser(exit_on_error=False)
+    add_store_args(p)
+    return p
+
+
+def test_flags_fold_into_the_store_section(monkeypatch):
+    monkeypatch.delenv(PASSWORD_ENV, raising=False)
+    args = parser().parse_args(
+        ["--output-rate-store", "redis://:pw-1@127.0.0.1:6390/2",
+         "--output-rate-store-fallback", "closed",
+         "--output-rate-expected-engines", "3",
+         "--output-rate-store-prefix", "llama-70b"]
+    )
+    # The password left the URL at parse time (so vLLM's args log never sees it).
+    assert args.output_rate_store == "redis://127.0.0.1:6390/2"
+    import os
+
+    assert os.environ[PASSWORD_ENV] == "pw-1"
+    section = merge_store_args(args, dict(ON))
+    assert section["store"] == {
+        "url": "redis://127.0.0.1:6390/2", "fallback": "closed",
+        "expected_engines": 3, "prefix": "llama-70b",
+    }
+    settings = OutputRateSettings.from_additional_config({"output_rate": section})
+    assert settings.store == StoreSettings("redis://127.0.0.1:6390/2", "closed", 3, "llama-70b")
+    # Round trip through to_config.
+    again = OutputRateSettings.from_additional_config({"output_rate": settings.to_config()})
+    assert again == settings
+
+
+def test_without_the_store_flag_nothing_changes():
+    args = parser().parse_args([])
+    assert merge_store_args(args, dict(ON)) == ON
+    assert merge_store_args(args, None) is None
+    assert OutputRateSettings.from_additional_config({"output_rate": ON}).store is None
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--output-rate-store-prefix", "p"], "--output-rate-store-prefix needs --output-rate-store"),
+        (["--output-rate-expected-engines", "2", "--output-rate-store-fallback", "local"],
+         "need --output-rate-store"),
+    ],
+)
+def test_store_options_without_a_store_are_refused(argv, message):
+    with pytest.raises(ValueError, match=message):
+        merge_store_args(parser().parse_args(argv), dict(ON))
+
+
+def test_store_without_the_feature_is_refused():
+    args = parser().parse_args(["--output-rate-store", "redis://127.0.0.1:1/0"])
+    with pytest.raises(ValueError, match="needs the feature on"):
+        merge_store_args(args, None)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--output-rate-store", "http://127.0.0.1:1/"],
+        ["--output-rate-store-fallback", "open"],
+        ["--output-rate-expected-engines", "0"],
+        ["--output-rate-expected-engines", "two"],
+    ],
+)
+def test_bad_flag_values_are_refused_by_the_parser(argv):
+    with pytest.raises((argparse.ArgumentError, SystemExit)):
+        parser().parse_args(argv)
+
+
+@pytest.mark.parametrize(
+    "store, message",
+    [
+        ("redis://x", "must be an object"),
+        ({"url": "memcached://x"}, "url must be"),
+        ({"url": "redis://x", "fallback": "open"}, "fallback"),
+        ({"url": "redis://x", "expected_engines": 0}, "expected_engines"),
+        ({"url": "redis://x", "expected_engines": True}, "expected_engines"),
+        ({"url": "redis://x", "prefix": ""}, "prefix"),
+        ({"url": "redis://x", "colour": 1}, "unknown keys"),
+    ],
+)
+def test_bad_store_sections_name_the_problem(store, message):
+    with pytest.raises(ValueError, match=message):
+        parse_store_section(store)
+    with pytest.raises(OutputRateConfigError, match=r"\['store'\].*" + message):
+        OutputRateSettings.from_additional_config({"output_rate": {**ON, "store": store}})
