@@ -156,6 +156,9 @@ def add_output_rate_args(parser: argparse.ArgumentParser) -> None:
     from vllm_output_rate.adapter.options import add_operate_args
 
     add_operate_args(parser)
+    from vllm_output_rate.stores.config import add_store_args
+
+    add_store_args(parser)
 
 
 def _patch_engine_args_cli() -> None:
@@ -189,6 +192,14 @@ def merge_cli_into_engine_args(engine_args: Any, args: argparse.Namespace) -> No
     from vllm_output_rate.adapter.options import merge_operate_args
 
     section = merge_operate_args(args, section)
+    from vllm_output_rate.stores.config import merge_store_args
+
+    try:
+        section = merge_store_args(args, section)
+    except OutputRateConfigError:
+        raise
+    except ValueError as exc:  # store flags: one-line message naming the flag
+        raise OutputRateConfigError(str(exc)) from None
     if section is None:
         return
     additional = dict(engine_args.additional_config or {})
