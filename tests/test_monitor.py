@@ -162,3 +162,24 @@ def test_charge_history_window():
     young.record(0, {"u": 0})
     young.record(3 * S, {"u": 30})
     assert young.tokens_in_window(4 * S, {"u": 40}, ["u"]) == {"u": 40}
+
+
+def test_dashboard_queries_use_exported_series():
+    """Every series the Grafana dashboard queries is one vLLM or the exporter defines."""
+    import json
+    import re
+    from pathlib import Path
+
+    registry = CollectorRegistry()
+    exporter = OutputRateExporter("m", registry=registry)
+    exporter.observe({"users": {"u": [1, 1.0, 1, 1, 1, 5.0]}, "removed": [],
+                      "engine": {"throttled_requests": 1, "idle_steps_total": 1,
+                                 "reloads_total": 1, "reload_failures_total": 1}})
+    exported = {s.name for family in registry.collect() for s in family.samples}
+    dashboard = json.loads((Path(__file__).parents[1] / "dashboards" / "vllm-output-rate.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    exprs += [v["query"] for v in dashboard["templating"]["list"] if v["type"] == "query"]
+    used = {name for e in exprs for name in re.findall(r"vllm:[a-z_]+", e)}
+    ours = {n for n in used if n.startswith("vllm:output_rate_")}
+    assert ours and ours <= exported, ours - exported
+    assert used - ours <= {"vllm:num_requests_running", "vllm:num_requests_waiting"}

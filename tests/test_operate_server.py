@@ -1,0 +1,363 @@
+"""Operating features on real ``vllm-output-rate serve`` processes (tiny model).
+
+Two servers, started side by side once for the module:
+
+* ``keyed``: ``--output-rate-identity api-key --output-rate-unknown-users
+  reject``, limits from a file (re-read live), the admin route
+  (``VLLM_PLUGINS``) behind an admin key, and ``--api-server-count 2``;
+* ``headed``: ``--output-rate-identity header`` (default unknown-user policy).
+
+Rates are judged on the engine's own charge counter read through the admin
+route over >= 5 s, never on short windows of client receive times.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import json
+import os
+import re
+import threading
+import time
+
+import httpx
+import pytest
+
+from server_harness import running_server
+
+pytestmark = pytest.mark.server
+
+ADMIN_KEY = "admin-secret"
+KEYS = {"sk-alice": "alice", "sk-bob": "bob", "sk-carol": "carol", "sk-mallory": "mallory"}
+LIMITS = {"alice": 20, "bob": 100, "carol": 1000}
+DEFAULT_RATE = 50
+COMMON = ["--enforce-eager", "--max-model-len", "512", "--max-num-seqs", "16"]
+HEADER = "x-gateway-inference-fairness-id"
+
+
+def write_limits(path, users, default=DEFAULT_RATE):
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as fh:
+        json.dump({"default_user_output_tokens_per_second": default,
+                   "user_output_tokens_per_second": users}, fh)
+    os.replace(tmp, path)  # atomic: the engine never reads half a file
+
+
+@contextlib.contextmanager
+def _env(**values):
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory, server_log_dir, tiny_model_dir):
+    work = tmp_path_factory.mktemp("operate")
+    limits = work / "limits.json"
+    write_limits(limits, LIMITS)
+    keys = work / "keys.json"
+    keys.write_text(json.dumps(KEYS))
+    keyed_args = [
+        *COMMON,
+        "--output-rate-limits-file", str(limits),
+        "--output-rate-identity", "api-key",
+        "--output-rate-api-keys", str(keys),
+        "--output-rate-unknown-users", "reject",
+        "--output-rate-admin-key", ADMIN_KEY,
+        "--api-server-count", "2",
+    ]
+    headed_args = [*COMMON, "--default-user-output-tokens-per-second", "50",
+                   "--user-output-tokens-per-second", json.dumps(LIMITS),
+                   "--output-rate-identity", "header"]
+    with contextlib.ExitStack() as stack, _env(VLLM_PLUGINS="output_rate,output_rate_admin"):
+        # Both start at once (each waits for its own health check).
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            keyed = pool.submit(stack.enter_context, running_server(keyed_args, server_log_dir, "keyed"))
+            headed = pool.submit(stack.enter_context, running_server(headed_args, server_log_dir, "headed"))
+            keyed_server, headed_server = keyed.result(), headed.result()
+        yield {"keyed": keyed_server, "headed": headed_server, "limits": limits}
+
+
+def metric(text: str, name: str, **labels) -> float | None:
+    """Value of one sample of ``name`` with at least ``labels`` (summed over matches)."""
+    total = None
+    for line in text.splitlines():
+        if not line.startswith(name + "{") and line.split(" ")[0] != name:
+            continue
+        head, _, value = line.rpartition(" ")
+        found = dict(re.findall(r'(\w+)="([^"]*)"', head))
+        if all(found.get(k) == v for k, v in labels.items()):
+            total = (total or 0.0) + float(value)
+    return total
+
+
+def completion(server, *, key=None, headers=None, max_tokens=16, xargs=None, timeout=120):
+    body = {"model": server.model, "prompt": "Hello there", "max_tokens": max_tokens,
+            "ignore_eos": True}
+    if xargs is not None:
+        body["vllm_xargs"] = xargs
+    hdrs = dict(headers or {})
+    if key is not None:
+        hdrs["Authorization"] = f"Bearer {key}"
+    return httpx.post(f"{server.base_url}/v1/completions", json=body, headers=hdrs, timeout=timeout)
+
+
+def assert_openai_error(response, status, fragment):
+    assert response.status_code == status, response.text
+    err = response.json()["error"]
+    assert err["code"] == status and fragment in err["message"], err
+    assert "\n" not in err["message"]
+
+
+def admin(server, key=ADMIN_KEY):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.get(f"{server.base_url}/v1/output_rate/users", headers=headers, timeout=30)
+
+
+def wait_engine_empty(server, timeout=30):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = server.metrics()
+        running = metric(text, "vllm:num_requests_running")
+        waiting = metric(text, "vllm:num_requests_waiting")
+        # No sample yet (multiprocess mode before the first stats): nothing ran.
+        if not running and not waiting:
+            return text
+        time.sleep(0.5)
+    raise AssertionError("engine did not empty")
+
+
+# -- identity -------------------------------------------------------------------------
+
+
+def test_api_key_refusals_on_every_api_server(servers):
+    server = servers["keyed"]
+    # Fresh connection per request: the kernel spreads them over both API servers.
+    for i in range(12):
+        assert_openai_error(completion(server, key=f"sk-wrong-{i}"), 401, "unknown API key")
+        assert_openai_error(completion(server), 401, "missing API key")
+        assert_openai_error(completion(server, key="sk-mallory"), 403, "mallory")
+        assert_openai_error(
+            completion(server, key="sk-alice", xargs={"output_rate_user": "carol"}), 403, "does not match"
+        )
+    log = open(server.log_path, errors="replace").read()
+    assert len(set(re.findall(r"\((ApiServer_\d+) pid=", log))) == 2, "expected two API-server processes"
+    text = wait_engine_empty(server)
+    # Nothing reached the engine: no refused name has any charge series.
+    for user in ("mallory", "__anonymous__"):
+        assert not metric(text, "vllm:output_rate_output_tokens_charged_total", user=user)
+    charged = {u: metric(text, "vllm:output_rate_output_tokens_charged_total", user=u) or 0 for u in LIMITS}
+    assert sum(charged.values()) == 0, charged
+
+
+def test_header_mode_on_a_real_server(servers):
+    server = servers["headed"]
+    r = completion(server, headers={HEADER: "alice"}, max_tokens=12)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 12
+    assert_openai_error(
+        completion(server, headers={HEADER: "alice"}, xargs={"output_rate_user": "carol"}), 403, "does not match"
+    )
+    # No header: the anonymous user, whatever the body says -- a claimed name is refused.
+    assert_openai_error(completion(server, xargs={"output_rate_user": "carol"}), 403, "does not match")
+    r = completion(server, max_tokens=5)
+    assert r.status_code == 200
+    time.sleep(1.5)
+    text = wait_engine_empty(server)
+    assert metric(text, "vllm:output_rate_output_tokens_charged_total", user="alice") == 12
+    assert metric(text, "vllm:output_rate_output_tokens_charged_total", user="__anonymous__") == 5
+    assert not metric(text, "vllm:output_rate_output_tokens_charged_total", user="carol")
+
+
+# -- metrics ------------------------------------------------------------------------------
+
+
+async def _post_many(server, plan):
+    """plan: list of (key, max_tokens); returns [(key, status, completion_tokens)]."""
+    async with httpx.AsyncClient(timeout=300) as client:
+        async def one(key, n):
+            body = {"model": server.model, "prompt": "Tell me a story", "max_tokens": n, "ignore_eos": True}
+            r = await client.post(f"{server.base_url}/v1/completions", json=body,
+                                  headers={"Authorization": f"Bearer {key}"})
+            tokens = r.json()["usage"]["completion_tokens"] if r.status_code == 200 else None
+            return key, r.status_code, tokens
+        return await asyncio.gather(*(one(k, n) for k, n in plan))
+
+
+def test_per_user_metrics_match_what_clients_received(servers):
+    server = servers["keyed"]
+    before = server.metrics()
+    plan = [("sk-alice", 40)] * 3 + [("sk-bob", 60)] * 2 + [("sk-carol", 80)] * 2
+    results = asyncio.run(_post_many(server, plan))
+    assert all(status == 200 for _, status, _ in results), results
+    received: dict[str, int] = {}
+    for key, _, tokens in results:
+        received[KEYS[key]] = received.get(KEYS[key], 0) + tokens
+    time.sleep(1.5)
+    text = wait_engine_empty(server)
+    for user, got in received.items():
+        charged = metric(text, "vllm:output_rate_output_tokens_charged_total", user=user) - (
+            metric(before, "vllm:output_rate_output_tokens_charged_total", user=user) or 0)
+        # Documented over-charges: at most one token per request (none here: no cancels).
+        assert got <= charged <= got + plan.count((next(k for k, u in KEYS.items() if u == user), 0)) + 3, (
+            user, got, charged)
+        assert metric(text, "vllm:output_rate_limit_tokens_per_second", user=user) == LIMITS[user]
+        for state in ("active", "throttled", "waiting"):
+            assert metric(text, "vllm:output_rate_requests", user=user, state=state) == 0
+    # alice (20 tok/s, 120 tokens) was throttled; carol (1000 tok/s) hardly.
+    assert metric(text, "vllm:output_rate_throttled_seconds_total", user="alice") > 1.0
+    for name in ("vllm:output_rate_throttled_requests", "vllm:output_rate_idle_steps_total",
+                 "vllm:output_rate_limit_reloads_total", "vllm:output_rate_limit_reload_failures_total"):
+        assert metric(text, name) is not None, name
+    assert metric(text, "vllm:output_rate_output_tokens_charged_total", user="__other__") is not None
+
+
+# -- reload and admin route ---------------------------------------------------------------
+
+
+def _stream_forever(server, key, stop, errors, counts):
+    body = {"model": server.model, "prompt": "Go on", "max_tokens": 450, "ignore_eos": True, "stream": True}
+    try:
+        with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body,
+                          headers={"Authorization": f"Bearer {key}"}, timeout=300) as r:
+            if r.status_code != 200:
+                errors.append(r.status_code)
+                return
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    counts.append(1)
+                if stop.is_set():
+                    return
+    except httpx.HTTPError as exc:
+        errors.append(repr(exc))
+
+
+def test_admin_route_needs_its_key(servers):
+    server = servers["keyed"]
+    assert_openai_error(admin(server, key=None), 401, "admin key")
+    assert_openai_error(admin(server, key="sk-alice"), 401, "admin key")
+    data = admin(server).json()
+    assert data["default_rate"] == DEFAULT_RATE
+    assert data["users"]["alice"]["rate"] == 20 and data["users"]["alice"]["configured"]
+
+
+def test_lowered_rate_mid_stream_and_broken_file(servers):
+    server, limits = servers["keyed"], servers["limits"]
+    stop, errors, counts = threading.Event(), [], []
+    threads = [threading.Thread(target=_stream_forever, args=(server, "sk-bob", stop, errors, counts))
+               for _ in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(2.5)
+        first = admin(server).json()["users"]["bob"]
+        assert first["active"] + first["throttled"] == 2
+        assert first["tokens_last_10s"] > 100  # ran at 100 tok/s so far
+        reloads_before = admin(server).json()["reloads"]
+        write_limits(limits, {**LIMITS, "bob": 10})
+        deadline = time.monotonic() + 5
+        while admin(server).json()["reloads"] == reloads_before:
+            assert time.monotonic() < deadline, "limits file not reloaded within 5 s"
+            time.sleep(0.2)
+        time.sleep(1.0)
+        t1, a = time.monotonic(), admin(server).json()
+        time.sleep(6.0)
+        t2, b = time.monotonic(), admin(server).json()
+        rate = (b["users"]["bob"]["tokens_charged_total"] - a["users"]["bob"]["tokens_charged_total"]) / (t2 - t1)
+        assert 0.9 * 10 <= rate <= 1.05 * 10, rate
+        assert b["users"]["bob"]["rate"] == 10
+        # A broken file: rejected whole, bob stays at 10, the failure is counted.
+        with open(limits, "w") as fh:
+            fh.write('{"default_user_output_tokens_per_second": 50, "user_output_tokens_per_second": {"bob": -1}}')
+        deadline = time.monotonic() + 5
+        while admin(server).json()["reload_failures"] == 0:
+            assert time.monotonic() < deadline, "broken file not noticed within 5 s"
+            time.sleep(0.2)
+        c = admin(server).json()
+        assert c["users"]["bob"]["rate"] == 10 and c["users"]["alice"]["rate"] == 20
+        time.sleep(1.2)
+        text = server.metrics()
+        assert metric(text, "vllm:output_rate_limit_reload_failures_total") >= 1
+        assert metric(text, "vllm:output_rate_limit_reloads_total") >= 1
+        assert metric(text, "vllm:output_rate_limit_tokens_per_second", user="bob") == 10
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=60)
+        write_limits(limits, LIMITS)
+    assert not errors, errors
+
+
+# -- top -------------------------------------------------------------------------------
+
+
+def _tmux(*args, check=True):
+    import subprocess
+
+    return subprocess.run(["tmux", "-L", "vllm-output-rate-test", *args],
+                          capture_output=True, text=True, check=check)
+
+
+def _table_rows(pane: str) -> dict[str, list[str]]:
+    rows = {}
+    for line in pane.splitlines():
+        cells = [c.strip() for c in line.split("│")]
+        cells = [c for c in cells if c != ""]
+        if len(cells) >= 7:
+            rows[cells[0]] = cells
+    return rows
+
+
+def test_top_in_tmux(servers):
+    import shutil
+    import sys
+
+    if shutil.which("tmux") is None:
+        pytest.skip("tmux not installed")
+    server = servers["keyed"]
+    stop, errors, counts = threading.Event(), [], []
+    load = [threading.Thread(target=_stream_forever, args=(server, key, stop, errors, counts))
+            for key in ("sk-alice", "sk-alice", "sk-carol")]
+    for t in load:
+        t.start()
+    session = "top"
+    try:
+        cmd = f"{sys.executable} -m vllm_output_rate.tools.cli top --url {server.base_url}"
+        _tmux("new-session", "-d", "-s", session, "-x", "150", "-y", "30", cmd)
+        deadline = time.monotonic() + 25
+        rows = {}
+        while time.monotonic() < deadline:
+            time.sleep(1.0)
+            pane = _tmux("capture-pane", "-p", "-t", session).stdout
+            rows = _table_rows(pane)
+            alice = rows.get("alice")
+            if alice and alice[2] not in ("0", "-") and time.monotonic() > deadline - 17:
+                break
+        assert "USER" in rows and "TOK/S" in rows["USER"], pane
+        alice, carol = rows["alice"], rows["carol"]
+        assert alice[1] == "20" and carol[1] == "1000" and rows["bob"][1] in ("100", "10")
+        # alice: two streams sharing 20 tok/s; the view's 3 s window may see one
+        # stats batch more or less.
+        assert 8 <= float(alice[2]) <= 32, alice
+        assert float(carol[2]) > float(alice[2]), (carol, alice)
+        assert int(alice[3]) + int(alice[4]) == 2, alice
+        assert "vllm-output-rate top" in pane
+        _tmux("send-keys", "-t", session, "q")
+        deadline = time.monotonic() + 5
+        while _tmux("has-session", "-t", session, check=False).returncode == 0:
+            assert time.monotonic() < deadline, "q did not quit top"
+            time.sleep(0.2)
+    finally:
+        _tmux("kill-server", check=False)
+        stop.set()
+        for t in load:
+            t.join(timeout=60)
+    assert not errors, errors
