@@ -13,10 +13,11 @@ scheduler's :meth:`~.operate.OperateSchedulerMixin.output_rate_users`.  With
 (401 otherwise).
 """
 
-from __future__ import annotations
-
 import hmac
 from typing import Any
+
+# No ``from __future__ import annotations`` here: FastAPI reads the route's
+# parameter annotation (``Request``) at runtime.
 
 from vllm_output_rate.adapter.identity import error_body
 
@@ -53,7 +54,7 @@ class OutputRateAdminPlugin:
     required_tasks = ("generate",)
 
     def attach_router(self, app: Any) -> None:
-        from fastapi import Request
+        from starlette.requests import Request
         from starlette.responses import JSONResponse
 
         async def output_rate_users(request: Request):

@@ -111,7 +111,7 @@ class OperateSchedulerMixin:
         self._output_rate_pending = None
         self._output_rate_next_tick = 0
         self._output_rate_next_report = 0
-        self._output_rate_reported_busy = False
+        self._output_rate_was_busy = False
         self._output_rate_watcher: LimitsFileWatcher | None = None
         if settings.limits_file:
             self._output_rate_watcher = LimitsFileWatcher(
@@ -166,10 +166,12 @@ class OperateSchedulerMixin:
             return None
         now = self.output_rate_operate_clock()
         busy = bool(self.running) or bool(self.waiting)
-        due = now >= self._output_rate_next_report
-        if due or (self._output_rate_reported_busy and not busy):
+        was_busy = self._output_rate_was_busy
+        self._output_rate_was_busy = busy
+        # Also report at once when the engine just emptied: gauges go back
+        # to 0 and the last charges are counted before the engine idles.
+        if now >= self._output_rate_next_report or (was_busy and not busy):
             self._output_rate_next_report = now + REPORT_PERIOD_NS
-            self._output_rate_reported_busy = busy
             stats.output_rate = self.output_rate_report(now)
         return stats
 
@@ -181,7 +183,9 @@ class OperateSchedulerMixin:
         gate = self.output_rate_gate
         counts: dict[str, list[int]] = {}
         last_step_users = getattr(gate, "last_step_users", None)
-        if last_step_users is not None:
+        if not self.running:
+            pass  # nothing resident: the last step's users have all left
+        elif last_step_users is not None:
             for user, (ran, held) in last_step_users().items():
                 counts[user] = [ran, held, 0]
         else:  # gate without per-step counts: every resident request counts as active
