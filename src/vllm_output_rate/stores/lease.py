@@ -343,17 +343,18 @@ class LeasedOutputRateLimiter:
     def ready_at_ns(self, user: str, now_ns: int) -> int:
         """When a take for ``user`` is expected to succeed (an estimate).
 
-        ``now_ns`` while tokens are held; otherwise shortly after the round
-        trip that will bring the next lease (1 ms after the next round, or
-        after the store's own "not before" for this user), never ``now_ns``.
+        ``now_ns`` while tokens are held (or for a user never asked for);
+        otherwise shortly after the round trip that will bring the next lease
+        (1 ms after the next round, or after the store's own "not before" for
+        this user).  Only a query: it does not make the engine ask for quota.
         """
         if self._mode is LOCAL:
             return self._local.ready_at_ns(user, now_ns)
         with self._lock:
-            if self._mode is SHARED and self._held(user, now_ns):
-                return now_ns
-            if self._mode is SHARED:
-                self._want(user, now_ns)
+            if self._mode is SHARED and (
+                self._held(user, now_ns) or user not in self._wanted_at
+            ):
+                return now_ns  # tokens held, or never short: a first ask brings them
             if self._in_flight or user in self._new_users:
                 return now_ns + MS
             due = max(self._next_round_ns, self._wait_until.get(user, 0))
