@@ -89,8 +89,14 @@ common.use_cpu_testbed_env()
 
 import httpx  # noqa: E402
 
-from vllm_output_rate.tools.bench import FINISHED, RequestRecord, percentile, run_request  # noqa: E402
-from vllm_output_rate.tools.serverproc import DEFAULT_MODEL_DIR, running_server  # noqa: E402
+from vllm_output_rate.tools import measure  # noqa: E402
+from vllm_output_rate.tools.churn import recompute_figures  # noqa: E402
+from vllm_output_rate.tools.measure import FINISHED, RequestRecord, percentile, run_request  # noqa: E402
+from vllm_output_rate.tools.serverproc import (  # noqa: E402
+    DEFAULT_MODEL_DIR,
+    SERVE_WITH_CHURN,
+    running_server,
+)
 
 SCHEMA = "vllm-output-rate-kv-pressure/1"
 TARGET_RATIO = 2.0
@@ -110,33 +116,15 @@ from common import fmt_load, loadavg, machine_line, start_report, table  # noqa:
 # Prometheus metrics
 # --------------------------------------------------------------------------
 
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
-
-
-def parse_metrics(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
-    out: dict[str, list[tuple[dict[str, str], float]]] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        m = _SAMPLE.match(line)
-        if not m:
-            continue
-        labels = dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', m.group(2) or ""))
-        try:
-            value = float(m.group(3))
-        except ValueError:
-            continue
-        out.setdefault(m.group(1), []).append((labels, value))
-    return out
+parse_metrics = measure.parse_metrics
 
 
 def metric(metrics: dict, name: str) -> float | None:
-    samples = metrics.get(name)
-    return sum(v for _, v in samples) if samples else None
+    return measure.metric_sum(metrics, name)
 
 
 async def get_metrics(client: httpx.AsyncClient) -> dict:
-    return parse_metrics((await client.get("/metrics", timeout=10)).text)
+    return await measure.fetch_metrics_async(client)
 
 
 def gauges(m: dict) -> dict:
@@ -259,6 +247,7 @@ async def trial(
         result["a_tokens"] = sum(len(r.token_times) for r in a_records)
         result["a_errors"] = [r.error for r in a_records if r.error and r.status != "cancelled"]
         result["a_tokens_per_s"] = round(result["a_tokens"] / (time.monotonic() - t0), 2)
+    result["finished_requests"] = (b.status == FINISHED) + sum(1 for r in a_records if r.status == FINISHED)
     result["drained"] = await wait_drained(client, 30)
     result["load_end"] = loadavg()
     return result
@@ -277,7 +266,8 @@ async def run_all(server, args, info: dict) -> list[dict]:
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
         # One untimed warm-up request (first-request overheads).
         await run_b(client, model, random_prompt(rng, args.b_prompt_tokens, info["vocab"]), args, time.monotonic())
-        info["preemptions_at_start"] = gauges(await get_metrics(client))["preemptions"]
+        info["metrics_at_start"] = await get_metrics(client)
+        info["preemptions_at_start"] = gauges(info["metrics_at_start"])["preemptions"]
         await wait_drained(client, 30)
         for rep in range(args.reps):
             order = (ALONE, PRESSURE) if rep % 2 == 0 else (PRESSURE, ALONE)
@@ -329,6 +319,31 @@ def analyse(trials: list[dict]) -> dict:
     out["target_ratio"] = TARGET_RATIO
     out["meets_target"] = None if ratio is None else ratio <= TARGET_RATIO
     return out
+
+
+def churn_summary(churn: dict, trials: list[dict]) -> dict:
+    """What preemptions cost over all trials: per finished request and per output token."""
+    out = dict(churn)
+    finished = sum(t.get("finished_requests", 0) for t in trials)
+    out["finished_requests"] = finished
+    out["preemptions_per_finished_request"] = (
+        round(churn["preemptions"] / finished, 3) if finished and churn["preemptions"] is not None else None)
+    output = churn.get("generation_tokens")
+    out["recomputed_tokens_per_output_token"] = (
+        round(churn["recomputed_tokens"] / output, 3)
+        if output and churn.get("recomputed_tokens") is not None else None)
+    return out
+
+
+def churn_line(c: dict) -> str:
+    line = (f"churn over all trials: {c['preemptions']:.0f} preemptions for {c['finished_requests']} "
+            f"finished requests = {c['preemptions_per_finished_request']} per finished request")
+    if c.get("recomputed_tokens") is None:
+        return line + "; recomputed tokens unknown (no churn counters)"
+    return line + (
+        f"; {c['readmissions']:.0f} re-admissions recomputed {c['recomputed_tokens']:.0f} tokens "
+        f"({c['readmitted_cached_tokens']:.0f} of {c['readmitted_tokens']:.0f} from the prefix cache) "
+        f"= {c['recomputed_tokens_per_output_token']} per output token")
 
 
 def ms(x) -> str:
@@ -398,6 +413,8 @@ def report(doc: dict) -> str:
                      f"({verdict} target <= {TARGET_RATIO:g})"
                      + (f"; median B latency (all {doc['config']['b_max_tokens']} tokens) ratio "
                         f"{a['ratio_median_b_latency']:.2f}" if a.get("ratio_median_b_latency") else ""))
+    if doc.get("churn"):
+        parts.append(churn_line(doc["churn"]))
     parts.append(machine_line(doc))
     return "\n\n".join(parts)
 
@@ -474,7 +491,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"starting server: {shlex.join(server_args)}", flush=True)
     # INFO logs: the engine logs the KV cache size it allocated (cross-check).
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO")
-    with running_server(server_args, log_dir, name="kv-pressure", model=args.model) as server:
+    with running_server(server_args, log_dir, name="kv-pressure", model=args.model,
+                        command=SERVE_WITH_CHURN) as server:
         doc["startup_s"] = time.monotonic() - t_begin
         doc["server_log"] = str(server.log_path)
         log_text = server.log_path.read_text(errors="replace")
@@ -507,8 +525,10 @@ def main(argv: list[str] | None = None) -> int:
         doc["kv"] = info
         print(f"server up in {doc['startup_s']:.0f} s; KV {info}", flush=True)
         doc["trials"] = asyncio.run(run_all(server, args, info))
-        with httpx.Client(base_url=server.base_url, trust_env=False) as c:
-            doc["kv"]["preemptions_at_end"] = gauges(parse_metrics(c.get("/metrics", timeout=10).text))["preemptions"]
+        metrics_end = parse_metrics(server.metrics())
+        doc["kv"]["preemptions_at_end"] = gauges(metrics_end)["preemptions"]
+        doc["churn"] = churn_summary(recompute_figures(info.pop("metrics_at_start"), metrics_end),
+                                     doc["trials"] + [info["diagnostic"]])
         doc["server_log_tail"] = server.log_tail(40)
     doc["load_after"] = loadavg()
     doc["wall_s"] = time.monotonic() - t_begin

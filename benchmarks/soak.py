@@ -26,6 +26,15 @@ checks:
     Under CPU contention tokens reach the client in bunches, so this one
     needs the allowance; the strict (no allowance) excess is reported too.
 
+Churn (preemption cost) is reported from the server's ``/metrics``:
+preemptions per finished request (``vllm:num_preemptions_total``) and
+recomputed tokens per output token, where recomputed = tokens of re-admitted
+preempted requests (prompt + output so far) minus those found in the prefix
+cache, exported by the churn stat logger the own server is started with
+(``vllm_output_rate.tools.churn``; an external ``--url`` server has no such
+counters and gets preemptions only).  Output tokens are vLLM's
+``vllm:generation_tokens_total`` over the run.
+
 By default it starts its own server (``vllm-output-rate serve`` on the tiny
 model, 127.0.0.1 only, stopped by PID at the end) with random per-user limits;
 ``--url`` targets an existing server instead, whose limits must then be given
@@ -48,7 +57,6 @@ import json
 import math
 import os
 import random
-import sys
 import tempfile
 import time
 from contextlib import ExitStack
@@ -56,6 +64,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
+
+from vllm_output_rate.tools import measure
+from vllm_output_rate.tools.churn import recompute_figures
+from vllm_output_rate.tools.measure import max_in_window
 
 REPO = Path(__file__).resolve().parents[1]
 BURST_S = 0.1
@@ -176,12 +188,11 @@ def prompt_for(p: Planned):
 # -- client --------------------------------------------------------------------
 
 
-async def run_one(client: httpx.AsyncClient, base_url: str, model: str, p: Planned) -> Outcome:
+async def run_one(client, model: str, p: Planned) -> Outcome:
     out = Outcome(idx=p.idx, user=p.user)
     body: dict = {
         "model": model,
         "max_tokens": p.max_tokens,
-        "stream": True,
         "stream_options": {"include_usage": True},
         "return_token_ids": True,
     }
@@ -192,63 +203,36 @@ async def run_one(client: httpx.AsyncClient, base_url: str, model: str, p: Plann
     prompt = prompt_for(p)
     if p.endpoint == "chat":
         body["messages"] = [{"role": "user", "content": prompt}]
-        url = f"{base_url}/v1/chat/completions"
     else:
         body["prompt"] = prompt
-        url = f"{base_url}/v1/completions"
-
-    async def consume():
-        async with client.stream("POST", url, json=body) as resp:
-            out.status = resp.status_code
-            if resp.status_code != 200:
-                out.error = (await resp.aread()).decode(errors="replace")[:500]
-                return
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[6:]
-                if data == "[DONE]":
-                    break
-                event = json.loads(data)
-                now = time.monotonic()
-                if event.get("usage"):
-                    out.completion_tokens = event["usage"].get("completion_tokens")
-                metrics = event.get("metrics") or {}
-                if metrics.get("generation_time_ms") is not None:
-                    out.generation_time_s = metrics["generation_time_ms"] / 1000
-                for choice in event.get("choices") or []:
-                    ids = choice.get("token_ids") or []
-                    out.times.extend([now] * len(ids))
-                    out.n_tokens += len(ids)
-                    if choice.get("finish_reason"):
-                        out.finish_reason = choice["finish_reason"]
-                if p.cancel_after and out.n_tokens >= p.cancel_after:
-                    out.cancelled = True
-                    return  # leaving the context closes the connection
-
-    out.t_sent = time.monotonic()
-    try:
-        if p.cancel_after == 0:
-            try:
-                await asyncio.wait_for(consume(), timeout=p.cancel_delay_s)
-            except asyncio.TimeoutError:
-                out.cancelled = True
-        else:
-            await consume()
-    except Exception as exc:  # noqa: BLE001 - every failure is reported
-        out.error = f"{type(exc).__name__}: {exc}"
-    out.t_done = time.monotonic()
+    record = measure.RequestRecord(user=p.user)
+    request = measure.stream_completion(client, body, record, 0.0, endpoint=p.endpoint,
+                                        cancel_after=p.cancel_after or None)
+    if p.cancel_after == 0:
+        try:
+            await asyncio.wait_for(request, timeout=p.cancel_delay_s)
+        except asyncio.TimeoutError:
+            record.status = measure.CANCELLED
+    else:
+        await request
+    out.status = record.http_status or 0
+    out.cancelled = record.status == measure.CANCELLED
+    if record.status in measure.ERROR_STATUSES:
+        out.error = record.error or record.status
+    out.t_sent, out.t_done = record.start, record.end or record.start
+    out.times = list(record.token_times)
+    out.n_tokens = record.n_tokens
+    reasons = list(record.finish_reasons.values())
+    out.finish_reason = reasons[0] if reasons else None
+    out.completion_tokens = record.completion_tokens
+    out.generation_time_s = record.server_generation_s
     return out
 
 
 def read_gauges(base_url: str) -> dict[str, float]:
-    text = httpx.get(f"{base_url}/metrics", timeout=10).text
-    out = {}
-    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:num_preemptions_total"):
-        out[name] = sum(
-            float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{")
-        )
-    return out
+    samples = measure.fetch_metrics(base_url)
+    return {**measure.gauges(samples),
+            measure.PREEMPTIONS: measure.metric_sum(samples, measure.PREEMPTIONS) or 0.0}
 
 
 # -- checks --------------------------------------------------------------------
@@ -296,16 +280,6 @@ def envelope_excess(outs: list, rate: float) -> tuple[float, float, int]:
             excess = count - ((b - a) + BURST_S) * rate - 1
             if excess > best[0]:
                 best = (excess, b - a, count)
-    return best
-
-
-def max_in_window(times: list[float], width: float) -> int:
-    ts = sorted(times)
-    best, i = 0, 0
-    for j, t in enumerate(ts):
-        while t - ts[i] > width:
-            i += 1
-        best = max(best, j - i + 1)
     return best
 
 
@@ -436,17 +410,16 @@ def check(plan, outcomes, rates_of, args, gauges_end, runtime_s) -> dict:
 
 async def drive(args, base_url: str, model: str, plan: list[Planned]) -> tuple[list[Outcome], float]:
     sem = asyncio.Semaphore(args.concurrency)
-    limits = httpx.Limits(max_connections=args.concurrency + 8, max_keepalive_connections=args.concurrency)
     outcomes: list[Outcome] = []
     done = 0
     t0 = time.monotonic()
 
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600, connect=30), limits=limits) as client:
+    async with measure.openai_client(base_url, max_connections=args.concurrency + 8, timeout=600) as client:
 
         async def worker(p: Planned):
             nonlocal done
             async with sem:
-                o = await run_one(client, base_url, model, p)
+                o = await run_one(client, model, p)
             outcomes.append(o)
             done += 1
             if done % max(1, len(plan) // 10) == 0:
@@ -458,6 +431,31 @@ async def drive(args, base_url: str, model: str, plan: list[Planned]) -> tuple[l
             t.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
     return outcomes, time.monotonic() - t0
+
+
+def churn_summary(churn: dict, summary: dict) -> dict:
+    """What preemptions cost: per finished request and per output token."""
+    out = dict(churn)
+    finished = summary["finished"]
+    output = churn.get("generation_tokens") or summary["tokens_received"]
+    out["output_tokens"] = output
+    out["preemptions_per_finished_request"] = (
+        round(churn["preemptions"] / finished, 3) if finished and churn["preemptions"] is not None else None)
+    out["recomputed_tokens_per_output_token"] = (
+        round(churn["recomputed_tokens"] / output, 3)
+        if output and churn.get("recomputed_tokens") is not None else None)
+    return out
+
+
+def churn_line(c: dict) -> str:
+    line = (f"churn: {c['preemptions']:.0f} preemptions = "
+            f"{c['preemptions_per_finished_request']} per finished request")
+    if c.get("recomputed_tokens") is None:
+        return line + "; recomputed tokens unknown (server without the churn counters)"
+    return line + (
+        f"; {c['readmissions']:.0f} re-admissions recomputed {c['recomputed_tokens']:.0f} tokens "
+        f"({c['readmitted_tokens']:.0f} re-admitted, {c['readmitted_cached_tokens']:.0f} from the prefix cache) "
+        f"= {c['recomputed_tokens_per_output_token']} per output token ({c['output_tokens']:.0f} output tokens)")
 
 
 def wait_gauges_zero(base_url: str, timeout_s: float) -> dict:
@@ -546,8 +544,7 @@ def main(argv=None) -> int:
             model = httpx.get(f"{base_url}/v1/models", timeout=10).json()["data"][0]["id"]
             server = None
         else:
-            sys.path.insert(0, str(REPO / "tests"))
-            from server_harness import running_server
+            from vllm_output_rate.tools.serverproc import SERVE_WITH_CHURN, running_server
 
             log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="soak-logs-"))
             log_dir.mkdir(parents=True, exist_ok=True)
@@ -563,16 +560,20 @@ def main(argv=None) -> int:
                 *args.server_arg,
             ]
             t_start = time.monotonic()
-            server = stack.enter_context(running_server(server_args, log_dir, "soak"))
+            server = stack.enter_context(running_server(
+                server_args, log_dir, "soak", model=REPO / "models" / "tiny-llama",
+                command=SERVE_WITH_CHURN))
             base_url, model = server.base_url, server.model
             print(f"server pid {server.pid} at {base_url} up in {time.monotonic() - t_start:.0f}s; "
                   f"log {server.log_path}", flush=True)
 
-        g0 = read_gauges(base_url)
+        m0 = measure.fetch_metrics(base_url)
         outcomes, runtime = asyncio.run(drive(args, base_url, model, plan))
         gauges_end = wait_gauges_zero(base_url, 15.0)
         summary = check(plan, outcomes, rates_of, args, gauges_end, runtime)
-        summary["preemptions"] = gauges_end["vllm:num_preemptions_total"] - g0["vllm:num_preemptions_total"]
+        churn = recompute_figures(m0, measure.fetch_metrics(base_url))
+        summary["preemptions"] = churn["preemptions"] or 0.0
+        summary["churn"] = churn_summary(churn, summary)
         summary["config"] = {
             k: v for k, v in vars(args).items() if k not in ("json_path",)
         } | {"default_rate": default_rate, "user_rates": rates}
@@ -589,6 +590,7 @@ def main(argv=None) -> int:
           f"{summary['guarantee_violations']} users over the bound, "
           f"{summary['tokens_received']} tokens, {summary['preemptions']:.0f} preemptions; "
           f"gauges at end {summary['gauges_end']}")
+    print(churn_line(summary["churn"]))
     print(f"delivery jitter measured {summary['measured_delivery_jitter_s']}s; sliding-window "
           f"allowance {summary['sliding_window_allowance_s']}s.  Excess = tokens over "
           f"(W + 0.1 [+ allowance]) * N + 1 in the worst window (<= 0 is within the guarantee)")

@@ -758,3 +758,56 @@ def test_unreachable_server_exits_nonzero_with_one_line(capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1
     assert "cannot reach server" in err
+
+
+# --------------------------------------------------------------------------
+# Churn counters (benchmarks: preemptions and recomputed tokens)
+# --------------------------------------------------------------------------
+
+
+def churn_text(preemptions: float, readmitted: float | None = None, cached: float | None = None,
+               generated: float = 0.0) -> str:
+    lines = [f'vllm:num_preemptions_total{{engine="0"}} {preemptions}',
+             f'vllm:generation_tokens_total{{engine="0"}} {generated}']
+    if readmitted is not None:
+        lines += [f'vllm_output_rate:readmitted_requests_total{{engine="0"}} {preemptions}',
+                  f'vllm_output_rate:readmitted_tokens_total{{engine="0"}} {readmitted}',
+                  f'vllm_output_rate:readmitted_cached_tokens_total{{engine="0"}} {cached}']
+    return "\n".join(lines) + "\n"
+
+
+def test_recompute_figures_are_deltas_between_two_readings():
+    from vllm_output_rate.tools.churn import recompute_figures
+
+    before = parse_metrics(churn_text(3, 100, 40, generated=1000))
+    after = parse_metrics(churn_text(8, 1300, 340, generated=5000))
+    figures = recompute_figures(before, after)
+    assert figures["preemptions"] == 5 and figures["readmissions"] == 5
+    assert figures["recomputed_tokens"] == (1300 - 100) - (340 - 40)
+    assert figures["generation_tokens"] == 4000
+    # A server without the churn counters: preemptions only.
+    plain = recompute_figures(parse_metrics(churn_text(0)), parse_metrics(churn_text(2)))
+    assert plain["preemptions"] == 2 and plain["recomputed_tokens"] is None
+
+
+def test_churn_stat_logger_exports_readmissions_of_preempted_requests():
+    from types import SimpleNamespace
+
+    from prometheus_client import REGISTRY
+    from vllm.v1.metrics.stats import PrefixCacheStats
+
+    from vllm_output_rate.tools import churn
+
+    def value(name):
+        return REGISTRY.get_sample_value(name + "_total", {"engine": "7"}) or 0.0
+
+    logger = churn.stat_logger_class()(vllm_config=None, engine_index=7)
+    before = [value(n) for n in (churn.READMITTED_REQUESTS, churn.READMITTED_TOKENS, churn.READMITTED_CACHED)]
+    stats = PrefixCacheStats()
+    stats.record(num_tokens=50, num_hits=0, preempted=False)  # a new request: not churn
+    stats.record(num_tokens=300, num_hits=128, preempted=True)
+    stats.record(num_tokens=90, num_hits=0, preempted=True)
+    logger.record(SimpleNamespace(prefix_cache_stats=stats), None)
+    logger.record(None, None)  # iteration-only updates carry no scheduler stats
+    after = [value(n) for n in (churn.READMITTED_REQUESTS, churn.READMITTED_TOKENS, churn.READMITTED_CACHED)]
+    assert [b - a for a, b in zip(before, after)] == [2, 390, 128]

@@ -20,6 +20,10 @@ import httpx
 
 DEFAULT_MODEL_DIR = Path(os.environ.get("TINY_MODEL_DIR", "models/tiny-llama"))
 CLI = Path(sys.executable).with_name("vllm-output-rate")
+#: The default command: ``vllm-output-rate serve``.
+SERVE = [str(CLI), "serve"]
+#: ``vllm-output-rate serve`` plus the churn counters (see tools/churn.py).
+SERVE_WITH_CHURN = [sys.executable, "-m", "vllm_output_rate.tools.churn"]
 STARTUP_TIMEOUT_S = 300
 
 
@@ -56,7 +60,8 @@ class Server:
             return ""
 
     def metrics(self) -> str:
-        return httpx.get(f"{self.base_url}/metrics", timeout=10).text
+        """The raw ``/metrics`` text (parse it with ``measure.parse_metrics``)."""
+        return httpx.get(f"{self.base_url}/metrics", timeout=10, trust_env=False).text
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -80,13 +85,17 @@ def running_server(
     name: str = "server",
     model: str | os.PathLike = DEFAULT_MODEL_DIR,
     port: int | None = None,
+    command: list[str] | None = None,
 ) -> Iterator[Server]:
-    """Start ``vllm-output-rate serve MODEL ARGS`` and wait until healthy."""
+    """Start ``vllm-output-rate serve MODEL ARGS`` and wait until healthy.
+
+    ``command`` replaces ``vllm-output-rate serve`` (e.g. :data:`SERVE_WITH_CHURN`).
+    """
     port = port or free_port()
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}-{port}.log"
-    cmd = [str(CLI), "serve", str(model), "--host", "127.0.0.1", "--port", str(port), *args]
+    cmd = [*(command or SERVE), str(model), "--host", "127.0.0.1", "--port", str(port), *args]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             cmd,
@@ -104,7 +113,7 @@ def running_server(
                     f"server exited with {proc.returncode} during startup:\n{server.log_tail()}"
                 )
             try:
-                if httpx.get(f"{server.base_url}/health", timeout=2).status_code == 200:
+                if httpx.get(f"{server.base_url}/health", timeout=2, trust_env=False).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
