@@ -45,6 +45,7 @@ class UserMonitor:
         self._labelled: dict[str, int] = {}  # non-configured user -> last active ns
         self._configured: frozenset[str] = frozenset()
         self._last_engine: dict[str, int] = {}
+        self._idle_since: dict[str, int] = {}  # user -> first report it was seen idle
 
     @property
     def labelled_users(self) -> frozenset[str]:
@@ -53,7 +54,10 @@ class UserMonitor:
 
     def tracked(self) -> int:
         """Entries held (for memory checks): bounded by the callers' dicts plus max_users."""
-        return len(self._last_charged) + len(self._last_throttled) + len(self._labelled)
+        return (
+            len(self._last_charged) + len(self._last_throttled) + len(self._labelled)
+            + len(self._idle_since)
+        )
 
     def report(
         self,
@@ -104,6 +108,13 @@ class UserMonitor:
                 del labelled[user]
                 removed.append(user)
 
+        idle_since = self._idle_since
+        for user in charged:
+            if user in active_users:
+                idle_since.pop(user, None)
+            elif user not in idle_since:
+                idle_since[user] = now_ns
+
         users: dict[str, list] = {}
         for user in new_configured.union(labelled):
             active, throttled, waiting = counts.get(user, (0, 0, 0))
@@ -135,6 +146,22 @@ class UserMonitor:
             else:
                 engine_inc[name] = total  # a gauge
         return {"users": users, "removed": removed, "engine": engine_inc}
+
+
+    def idle_users(self, now_ns: int, idle_s: float) -> list[str]:
+        """Users idle (no charge, no request) for ``idle_s`` or more at the last reports.
+
+        Their totals may be forgotten by the owner of the cumulative dicts
+        (with :meth:`forget` here): a user seen again later counts from 0.
+        """
+        limit = now_ns - int(idle_s * NS_PER_S)
+        return [u for u, since in self._idle_since.items() if since <= limit]
+
+    def forget(self, users: Iterable[str]) -> None:
+        for user in users:
+            self._last_charged.pop(user, None)
+            self._last_throttled.pop(user, None)
+            self._idle_since.pop(user, None)
 
 
 def _increments(current: Mapping[str, int], last: Mapping[str, int]) -> dict[str, int]:

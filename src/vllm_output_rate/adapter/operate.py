@@ -41,6 +41,9 @@ logger = logging.getLogger(__name__)
 NS_PER_S = 1_000_000_000
 #: Period of per-user reports and of the charge history (ns).
 REPORT_PERIOD_NS = NS_PER_S
+#: Users idle this long are dropped from the per-user totals (s); longer
+#: than the admin route's 10 s window.
+FORGET_IDLE_S = 30.0
 #: How often the limits file is checked for changes (s).
 FILE_CHECK_S = 0.5
 
@@ -203,7 +206,8 @@ class OperateSchedulerMixin:
         gate = self.output_rate_gate
         settings = self.output_rate_settings
         counts = self.output_rate_counts()
-        return self._output_rate_monitor.report(
+        monitor = self._output_rate_monitor
+        report = monitor.report(
             now_ns,
             charged=self._output_rate_charged(),
             throttled_ns=getattr(gate, "throttled_ns", None) or {},
@@ -217,6 +221,17 @@ class OperateSchedulerMixin:
                 "reload_failures_total": self.output_rate_reload_failures,
             },
         )
+        # Users idle for a while are forgotten, so the per-user totals (and
+        # this step's work) stay bounded by the users active recently, not by
+        # every name ever seen.  Their reported counters are unaffected.
+        forgotten = monitor.idle_users(now_ns, FORGET_IDLE_S)
+        if forgotten:
+            for totals in (getattr(gate, "charged_tokens", None), getattr(gate, "throttled_ns", None)):
+                if totals is not None:
+                    for user in forgotten:
+                        totals.pop(user, None)
+            monitor.forget(forgotten)
+        return report
 
     # -- admin (engine-core utility) ----------------------------------------------
 
