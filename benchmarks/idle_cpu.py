@@ -28,20 +28,22 @@ What
     Tokens received during each throttled window are counted (exactly, from
     ``token_ids``) to show the user was being served at its limit, not stalled.
 
-Why the worker is busy while throttled (stock vLLM, not the engine loop)
+Why the worker was busy while throttled, and what the plugin changes
     vLLM's worker reads the engine's commands from a shared-memory ring buffer
     (``vllm/distributed/device_communicators/shm_broadcast.py``,
-    ``SpinCondition``).  After each message it busy-polls that buffer
-    (``sched_yield`` in a loop) for ``busy_loop_s = 1`` second before falling
-    back to a blocking zmq poll.  A user limited to 2 tok/s gets one step
-    every ~0.5 s, so the worker never reaches its idle mode and spins close to
-    a full core whenever any step runs at least once per second.  That is
-    stock vLLM behaviour (it does the same for any trickle of traffic); the
-    ``engine_core`` figure is the one the plugin controls: when a step runs
-    nothing because everything is throttled, the engine loop blocks on its
-    input queue for min(50 ms, next quota) instead of polling.  On a
-    shared 2-core machine the spinning worker mostly yields, so its figure
-    also depends on what else is running.
+    ``SpinCondition``).  Stock vLLM busy-polls that buffer (``sched_yield`` in
+    a loop) until 1 s after the last message it read before falling back to
+    a blocking zmq poll.  A user limited to 2 tok/s gets one step every
+    ~0.5 s, so a stock worker never reaches its idle mode and spins close to a
+    full core.  With the feature on, the plugin's ``worker.idle_spin`` patch
+    (``adapter/worker_idle.py``) makes the worker spin only a few ms from the
+    start of each wait and then sleep until the engine's write wakes it, and
+    the engine loop blocks on its input queue for min(50 ms, next quota) when
+    a step runs nothing.  Targets while throttled: engine core <= 5 % and the
+    whole server process tree <= 15 % of one core.
+    ``--worker-spin-ms off`` starts the server with
+    ``VLLM_OUTPUT_RATE_WORKER_SPIN_MS=off`` (vLLM's own 1 s spin) for a
+    before/after comparison.
 
 How
     Start the server, wait ``--settle`` seconds, then ``--rounds`` rounds of
@@ -68,6 +70,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import shlex
 import statistics
 import sys
@@ -86,6 +89,7 @@ from vllm_output_rate.tools.serverproc import DEFAULT_MODEL_DIR, running_server 
 
 SCHEMA = "vllm-output-rate-idle-cpu/1"
 TARGET_ENGINE_CORE_PERCENT = 5.0
+TARGET_SERVER_TOTAL_PERCENT = 15.0
 ROLES = ("engine_core", "worker", "api_server", "other")
 IDLE, THROTTLED = "idle", "throttled"
 
@@ -141,10 +145,29 @@ def describe(roles: dict[str, list[psutil.Process]]) -> dict[str, list[dict]]:
     return out
 
 
+def thread_cpu(procs: list[psutil.Process]) -> dict[tuple[int, int], tuple[str, float]]:
+    """CPU seconds per thread: (pid, tid) -> (thread name, seconds)."""
+    out = {}
+    for p in procs:
+        try:
+            threads = p.threads()
+        except psutil.NoSuchProcess:
+            continue
+        for t in threads:
+            try:
+                with open(f"/proc/{p.pid}/task/{t.id}/comm") as f:
+                    name = f.read().strip()
+            except OSError:
+                name = "?"
+            out[(p.pid, t.id)] = (name, t.user_time + t.system_time)
+    return out
+
+
 async def measure_window(roles: dict[str, list[psutil.Process]], window_s: float) -> dict:
     """CPU share per role over ``window_s`` (async so streams keep flowing)."""
     me = psutil.Process()
     load_start = loadavg()
+    worker_threads_before = thread_cpu(roles["worker"])
     before = {role: cpu_seconds(procs) for role, procs in roles.items()}
     me_before = cpu_seconds([me])
     busy_before = busy_cpu_seconds()
@@ -152,6 +175,11 @@ async def measure_window(roles: dict[str, list[psutil.Process]], window_s: float
     await asyncio.sleep(window_s)
     wall = time.monotonic() - t
     used = {role: cpu_seconds(procs) - before[role] for role, procs in roles.items()}
+    worker_threads = sorted(
+        ((name, round(100 * (sec - worker_threads_before.get(key, (name, 0.0))[1]) / wall, 2))
+         for key, (name, sec) in thread_cpu(roles["worker"]).items()),
+        key=lambda item: -item[1],
+    )
     client = cpu_seconds([me]) - me_before
     busy = busy_cpu_seconds() - busy_before
     server_total = sum(used.values())
@@ -162,6 +190,8 @@ async def measure_window(roles: dict[str, list[psutil.Process]], window_s: float
         "client_percent": round(100 * client / wall, 2),
         "foreign_percent": round(100 * max(0.0, busy - server_total - client) / wall, 2),
         "machine_busy_percent": round(100 * busy / wall, 2),
+        # Busiest model-worker threads (% of a core): where the worker's CPU goes.
+        "worker_threads_top": worker_threads[:4],
         "load_start": load_start,
         "load_end": loadavg(),
     }
@@ -235,7 +265,7 @@ async def run_rounds(server, model: str, args) -> list[dict]:
             print(f"  round {rnd} throttled engine_core {w['percent_of_core']['engine_core']:6.2f} %  "
                   f"worker {w['percent_of_core']['worker']:6.2f} %  api {w['percent_of_core']['api_server']:6.2f} %  "
                   f"tokens {tokens_window} ({w['tokens_per_s_in_window']:.2f}/s), in flight {in_flight}  "
-                  f"load {w['load_start']}", flush=True)
+                  f"load {w['load_start']}  worker threads {w['worker_threads_top'][:3]}", flush=True)
             await asyncio.sleep(args.settle)  # aborts processed, worker's busy-poll over
     return windows
 
@@ -265,6 +295,9 @@ def analyse(windows: list[dict]) -> dict:
     out["target_engine_core_percent"] = TARGET_ENGINE_CORE_PERCENT
     out["meets_target"] = None if thr["max"] is None else thr["mean"] <= TARGET_ENGINE_CORE_PERCENT
     out["meets_target_every_window"] = None if thr["max"] is None else thr["max"] <= TARGET_ENGINE_CORE_PERCENT
+    tot = out[THROTTLED]["server_total"]
+    out["target_server_total_percent"] = TARGET_SERVER_TOTAL_PERCENT
+    out["server_total_meets_target"] = None if tot["max"] is None else tot["mean"] <= TARGET_SERVER_TOTAL_PERCENT
     return out
 
 
@@ -295,6 +328,14 @@ def report(doc: dict) -> str:
             f"engine core while throttled: mean {thr['mean']:.2f} %, max {thr['max']:.2f} % of a core "
             f"({verdict} target <= {TARGET_ENGINE_CORE_PERCENT:g} %)"
         )
+    tot = a[THROTTLED]["server_total"]
+    if tot["mean"] is not None:
+        verdict = "meets" if a["server_total_meets_target"] else "MISSES"
+        parts.append(
+            f"whole server while throttled: mean {tot['mean']:.2f} %, max {tot['max']:.2f} % of a core "
+            f"({verdict} target <= {TARGET_SERVER_TOTAL_PERCENT:g} %); idle server "
+            f"{a[IDLE]['server_total']['mean']:.2f} %; worker spin: {doc['config'].get('worker_spin_ms') or 'plugin default'}"
+        )
     parts.append(machine_line(doc))
     return "\n\n".join(parts)
 
@@ -307,7 +348,7 @@ def plot(doc: dict, path: Path) -> None:
     fig = Figure(figsize=(8, 4.5), dpi=100)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
-    keys = ["engine_core", "worker", "api_server", "other"]
+    keys = ["engine_core", "worker", "api_server", "other", "server_total"]
     width = 0.38
     for offset, phase, color in ((-width / 2, IDLE, "C0"), (width / 2, THROTTLED, "C3")):
         means = [a[phase][k]["mean"] or 0.0 for k in keys]
@@ -321,6 +362,8 @@ def plot(doc: dict, path: Path) -> None:
                         xytext=(0, 2), textcoords="offset points")
     ax.axhline(TARGET_ENGINE_CORE_PERCENT, color="k", linestyle="--", linewidth=1,
                label=f"engine-core target {TARGET_ENGINE_CORE_PERCENT:g} %")
+    ax.axhline(TARGET_SERVER_TOTAL_PERCENT, color="k", linestyle=":", linewidth=1,
+               label=f"whole-server target {TARGET_SERVER_TOTAL_PERCENT:g} %")
     ax.set_xticks(range(len(keys)), keys)
     ax.set_ylabel("% of one core (mean, min-max)")
     ax.set_title(f"Server CPU: idle vs user '{doc['config']['user']}' throttled "
@@ -346,7 +389,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--server-arg", action="append", default=[], metavar="ARG",
                         help="extra vllm serve argument, repeatable (e.g. --server-arg=--max-num-seqs=16)")
     parser.add_argument("--log-dir", default=None, help="server log directory (default: PREFIX-logs/)")
+    parser.add_argument("--worker-spin-ms", default=None, metavar="MS|off",
+                        help="sets VLLM_OUTPUT_RATE_WORKER_SPIN_MS for the server (default: unset, "
+                             "the plugin's window; 'off': vLLM's own 1 s spin)")
     args = parser.parse_args(argv)
+    if args.worker_spin_ms is not None:
+        os.environ["VLLM_OUTPUT_RATE_WORKER_SPIN_MS"] = args.worker_spin_ms
+    else:
+        os.environ.pop("VLLM_OUTPUT_RATE_WORKER_SPIN_MS", None)
     if args.streams * args.max_tokens <= args.rate * (args.settle + args.window) * 1.5:
         parser.error("streams x max_tokens too small: the streams would finish during the phase")
 

@@ -5,7 +5,9 @@ between ``<!-- performance:start -->`` and ``<!-- performance:end -->``:
 
 * ``scheduler_step.json`` / ``.png``  (benchmarks/scheduler_step.py)
 * ``throughput_ratio.json``           (benchmarks/throughput_ratio.py)
-* ``idle_cpu.json``                   (benchmarks/idle_cpu.py)
+* ``idle_cpu.json``                   (benchmarks/idle_cpu.py; ``idle_cpu_spin_off.json``
+  from ``--worker-spin-ms off`` adds a column)
+* ``itl_single.json``                 (benchmarks/itl_single.py)
 * ``kv_pressure.json``                (benchmarks/kv_pressure.py)
 
 PNGs are copied to ``docs/`` so the README can show them.  Nothing here is
@@ -125,8 +127,10 @@ def throughput_lines(doc: dict) -> list[str]:
         "",
         f"Model `{cfg.get('model', '?')}`, {cfg.get('users', '?')} users × {cfg.get('streams', '?')} "
         f"streaming requests for {cfg.get('max_num_seqs', '?')} slots (`--max-num-seqs`), max_tokens "
-        f"{cfg.get('max_tokens', '?')}, {cfg.get('duration', '?')} s measured per run; a fresh server "
-        "per run, stock and plugin runs alternating.",
+        f"{cfg.get('max_tokens', '?')}, {cfg.get('duration', '?')} s measured per run; "
+        + ("a stock and a plugin server both up, runs alternating between them."
+           if doc.get("mode") == "live servers" else
+           "a fresh server per run, stock and plugin runs alternating."),
         "",
     ]
     stock, ours = sides.get("stock", {}), sides.get("plugin", sides.get("ours", {}))
@@ -156,6 +160,14 @@ def throughput_lines(doc: dict) -> list[str]:
             f"Output tokens per engine step: {min(steps):.1f}–{max(steps):.1f} "
             "(batches stay near full: the engine, not the front end, sets the pace)."
         )
+    foreign = [r["cpu_during_window"]["foreign_cores"] for r in doc.get("runs", [])
+               if r.get("cpu_during_window")]
+    if foreign:
+        loads = [r["load_before"][0] for r in doc["runs"] if r.get("load_before")]
+        lines.append(
+            f"Outside load during the windows: other processes {min(foreign):.2f}–{max(foreign):.2f} "
+            f"cores, load average {min(loads):.1f}–{max(loads):.1f}."
+        )
     return lines
 
 
@@ -181,29 +193,94 @@ def offline_lines(doc: dict) -> list[str]:
     ]
 
 
-def idle_lines(doc: dict) -> list[str]:
+def idle_lines(doc: dict, spin_off: dict | None = None) -> list[str]:
+    """``spin_off``: the same benchmark with the worker patch switched off, if run."""
     a = doc["analysis"]
     idle, thr = a["idle"], a["throttled"]
+    off = spin_off["analysis"]["throttled"] if spin_off else None
     cfg = doc.get("config", {})
-    return [
+
+    def cell(side: dict, key: str) -> str:
+        s = side[key]
+        return f"{s['mean']:.1f} % ({s['min']:.1f}–{s['max']:.1f})"
+
+    rows = (("engine core", "engine_core"), ("model worker", "worker"),
+            ("API server", "api_server"), ("**whole server (process tree)**", "server_total"))
+    total = thr["server_total"]["mean"]
+    target = a.get("target_server_total_percent", 15.0)
+    verdict = "met" if total <= target else f"**missed** by {total - target:.1f} points"
+    foreign = thr["foreign"]
+    lines = [
         "### Idle CPU with every user throttled (`benchmarks/idle_cpu.py`)",
         "",
         f"User `{cfg.get('user', 'slow')}` at {cfg.get('rate', '?')} tok/s with "
-        f"{cfg.get('streams', '?')} streams; % of one core, mean of {len(thr['engine_core']['values'])} windows "
-        f"of {cfg.get('window', '?')} s.",
+        f"{cfg.get('streams', '?')} streams; % of one core, mean (min–max) of "
+        f"{len(thr['engine_core']['values'])} windows of {cfg.get('window', '?')} s, idle and "
+        "throttled windows alternating on one server.",
         "",
-        "| process | idle server | every user throttled |",
-        "| --- | ---: | ---: |",
-        f"| engine core (the loop this plugin changes) | {idle['engine_core']['mean']:.1f} % | "
-        f"**{thr['engine_core']['mean']:.1f} %** |",
-        f"| model worker | {idle['worker']['mean']:.1f} % | {thr['worker']['mean']:.1f} % |",
-        f"| API server | {idle['api_server']['mean']:.1f} % | {thr['api_server']['mean']:.1f} % |",
+        "| process | idle server | every user throttled |"
+        + (" throttled, worker patch off |" if off else ""),
+        "| --- | ---: | ---: |" + (" ---: |" if off else ""),
+        *(f"| {label} | {cell(idle, key)} | {cell(thr, key)} |" + (f" {cell(off, key)} |" if off else "")
+          for label, key in rows),
         "",
-        "Target for the engine core: ≤ 5 % of a core. The model worker is vLLM's: its "
-        "shared-memory queue busy-polls for 1 s after every message, so it spins whenever "
-        "any step runs at least once a second (here: the throttled user's own tokens), with "
-        "or without this plugin.",
+        f"Target for the whole server while throttled: ≤ {target:g} % of a core ({verdict}); "
+        "engine core ≤ 5 %. "
+        "vLLM's model worker busy-polls its shared-memory queue until 1 s after the last "
+        "message, so a throttled user's steps (about two a second here) kept it spinning "
+        "(last column: `VLLM_OUTPUT_RATE_WORKER_SPIN_MS=off`). With the feature on, the "
+        "plugin's `worker.idle_spin` patch lets it spin only 5 ms from the start of each wait, "
+        "then sleep until the engine's next write wakes it; what the worker still uses is "
+        "the steps' own work. "
+        f"Other processes used {foreign['mean']:.0f} % of a core on average during the throttled "
+        "windows (the machine is shared).",
     ]
+    return lines
+
+
+def itl_lines(doc: dict) -> list[str]:
+    a = doc["analysis"]
+    cfg = doc.get("config", {})
+    blocks = doc.get("blocks", [])
+    ratio = a["ratio"]
+    target = a.get("target_ratio", 1.03)
+    verdict = "met" if ratio <= target else f"**missed** by {100 * (ratio - target):.1f} points"
+    loads = [b["load_start"][0] for b in blocks]
+    foreign = [b["foreign_percent"] for b in blocks]
+    lines = [
+        "### Single-stream inter-token latency, limits never hit vs feature off (`benchmarks/itl_single.py`)",
+        "",
+        f"Model `{cfg.get('model', '?')}`, one streaming request at a time, {cfg.get('max_tokens', '?')} "
+        f"tokens each; {a['stock']['blocks']} blocks of {cfg.get('requests', '?')} requests per side, "
+        "alternating between a stock and a plugin server that both stay up. Measured on the server: "
+        "each request's mean inter-token latency from the deltas of "
+        "`vllm:inter_token_latency_seconds` `_sum`/`_count` around it (engine-core output "
+        "timestamps, not client receive times, which stall here); the figure is the median over "
+        "requests.",
+        "",
+        "| server | requests | ITL p50 (server) | per-block p50s |",
+        "| --- | ---: | ---: | --- |",
+    ]
+    for name, key in (("stock (feature off)", "stock"), ("plugin, limits never hit", "plugin")):
+        side = a[key]
+        lines.append(
+            f"| {name} | {side['requests']} | {side['server_itl_p50_ms']:.3f} ms | "
+            + ", ".join(f"{x:.2f}" for x in side["server_itl_block_p50s_ms"]) + " |"
+        )
+    lines += [
+        "",
+        f"Ratio plugin / stock: **{ratio:.3f}** (target ≤ {target:g}, {verdict}); per block pair: "
+        + ", ".join(f"{x:.3f}" for x in a["pair_ratios"]) + ".",
+        f"Outside load during the blocks: load average {min(loads):.1f}–{max(loads):.1f}, other "
+        f"processes {min(foreign):.0f}–{max(foreign):.0f} % of a core.",
+    ]
+    spread = max(max(a[k]["server_itl_block_p50s_ms"]) - min(a[k]["server_itl_block_p50s_ms"])
+                 for k in ("stock", "plugin"))
+    diff = abs(a["plugin"]["server_itl_p50_ms"] - a["stock"]["server_itl_p50_ms"])
+    if spread > diff:
+        lines[-1] += (f" The block-to-block spread within one side ({spread:.2f} ms) is larger than "
+                      f"the difference between the sides ({diff:.2f} ms).")
+    return lines
 
 
 def kv_lines(doc: dict) -> list[str]:
@@ -242,7 +319,9 @@ def render(results: Path, docs: Path, readme: Path) -> str:
         parts.append(scheduler_step_lines(step, image))
     for name, render_fn in (("throughput_ratio.json", throughput_lines),
                             ("offline_throughput.json", offline_lines),
-                            ("idle_cpu.json", idle_lines),
+                            ("idle_cpu.json",
+                             lambda d: idle_lines(d, _load(results / "idle_cpu_spin_off.json"))),
+                            ("itl_single.json", itl_lines),
                             ("kv_pressure.json", kv_lines)):
         doc = _load(results / name)
         if doc:

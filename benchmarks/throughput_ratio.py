@@ -30,11 +30,15 @@ What
     output tokens per engine step (how full the batches were).
 
 How
-    Two servers on a 2-core machine cannot both run well at once, so each run
-    starts a server, drives it, and stops it (by PID) before the next one
-    starts.  Runs come in pairs (stock, plugin) and the order alternates from
-    pair to pair (S P, P S, S P, ...) so that drift in the machine's load hits
-    both sides alike.  In each run the workload starts, the first
+    Two servers on a 2-core machine cannot both *work* well at once, but an
+    idle one costs ~1 % of a core.  By default both servers start once and
+    stay up, and the runs alternate between them (only the measured one has
+    traffic; each run starts 1.5 s after the other's ended, when a stock
+    worker has stopped spinning); both are stopped by PID at the end.  With
+    ``--fresh-servers`` each run instead starts a server, drives it, and stops
+    it before the next one starts (slower: a startup per run).  Runs come in
+    pairs (stock, plugin) and the order alternates from pair to pair (S P,
+    P S, S P, ...) so that drift in the machine's load hits both sides alike.  In each run the workload starts, the first
     ``--warmup`` seconds are discarded, and the next ``--duration`` seconds
     are measured without stopping the streams in between (steady state); the
     streams still in flight at the end are cancelled.  The server's first
@@ -65,8 +69,9 @@ Secondary figures, to tell plugin overhead from noise:
 
 Bounded in time: ``--time-budget`` (default 900 s) is checked before each
 run; runs that would not fit are skipped (reported as such).  A server
-starts in about 45-60 s on an idle machine (more under load), so the default
-4 pairs take about 10 minutes.
+starts in about 45-60 s on an idle machine (more under load); the default 4
+pairs take about 6 minutes on live servers (about 10 with
+``--fresh-servers``).
 
 Usage::
 
@@ -82,6 +87,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -262,12 +268,20 @@ async def drive(
     return records, t_start, t_end
 
 
-def measure_run(side: str, args, server_args: list[str], log_dir: Path) -> dict:
+def measure_run(side: str, args, server_args: list[str], log_dir: Path, server=None,
+                startup_s: float | None = None) -> dict:
+    """One measured run: on ``server`` if given (live mode), else on a fresh one."""
     run: dict = {"side": side, "server_args": server_args, "load_before": loadavg()}
     started = time.monotonic()
     run["started_at"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    with running_server(server_args, log_dir, name=f"throughput-{side}", model=args.model) as server:
-        run["startup_s"] = round(time.monotonic() - started, 1)
+    with contextlib.ExitStack() as stack:
+        if server is None:
+            server = stack.enter_context(
+                running_server(server_args, log_dir, name=f"throughput-{side}", model=args.model))
+            run["startup_s"] = round(time.monotonic() - started, 1)
+        else:
+            time.sleep(1.5)  # the other live server's worker has stopped spinning
+            run["startup_s"] = startup_s
         run["server_pid"] = server.pid
         model = httpx.get(f"{server.base_url}/v1/models", timeout=10, trust_env=False).json()["data"][0]["id"]
         # The first /metrics request of a server takes seconds (seen: 4 s) and
@@ -542,10 +556,60 @@ def plot(doc: dict, path: Path) -> None:
 # --------------------------------------------------------------------------
 
 
+def run_all(args, server_args: dict, log_dir: Path, doc: dict, t_begin: float) -> bool:
+    """Run the alternating pairs into ``doc["runs"]``; True when a run failed."""
+    failed = False
+    est_run_s = None  # learned from the first run
+    index = 0
+    with contextlib.ExitStack() as stack:  # live servers are stopped (by PID) on exit
+        live: dict = {}
+        if not args.fresh_servers:
+            # Both servers start once and stay up; runs alternate between them.
+            for side in (STOCK, PLUGIN):
+                t0 = time.monotonic()
+                print(f"starting the {side} server (load {fmt_load(loadavg())})", flush=True)
+                live[side] = (stack.enter_context(running_server(
+                    server_args[side], log_dir, name=f"throughput-{side}", model=args.model)),
+                    round(time.monotonic() - t0, 1))
+                server_counters(live[side][0].base_url)  # first /metrics request is slow
+                print(f"  up in {live[side][1]:.0f} s", flush=True)
+        for pair in range(args.pairs):
+            order = (STOCK, PLUGIN) if pair % 2 == 0 else (PLUGIN, STOCK)
+            for side in order:
+                index += 1
+                elapsed = time.monotonic() - t_begin
+                guess = est_run_s if est_run_s is not None else (
+                    90 if args.fresh_servers else 5) + args.warmup + args.duration
+                if elapsed + guess > args.time_budget:
+                    print(f"[{elapsed:5.0f}s] run {index} ({side}) skipped: time budget", flush=True)
+                    doc["runs"].append({"index": index, "pair": pair, "side": side, "skipped": "time budget"})
+                    continue
+                print(f"[{elapsed:5.0f}s] run {index} pair {pair} {side}: "
+                      f"{'starting server' if args.fresh_servers else 'measuring'} "
+                      f"(load {fmt_load(loadavg())})", flush=True)
+                try:
+                    run = measure_run(side, args, server_args[side], log_dir, *live.get(side, ()))
+                except Exception as exc:  # keep going: report what was measured
+                    failed = True
+                    print(f"  run {index} failed: {type(exc).__name__}: {str(exc)[-2000:]}", flush=True)
+                    doc["runs"].append({"index": index, "pair": pair, "side": side,
+                                        "error": f"{type(exc).__name__}: {exc}"[-4000:]})
+                    continue
+                run.update({"index": index, "pair": pair})
+                doc["runs"].append(run)
+                est_run_s = max(est_run_s or 0.0, run["wall_s"] + 5)
+                if run["errors"] or run["usage_mismatches"] or run["finished_wrong_length"]:
+                    failed = True
+                print(f"  {side}: {run['tokens_per_s']:.1f} tok/s ({run['tokens_in_window']} tokens in "
+                      f"{run['window_s']:.1f} s), startup {run['startup_s']:.0f} s, errors {run['errors']}, "
+                      f"foreign CPU {run['cpu_during_window']['foreign_cores']:.2f} cores", flush=True)
+    return failed
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description="Throughput with limits configured but never hit vs the feature off "
-        "(alternating server restarts).",
+        "(runs alternating between a stock and a plugin server).",
     )
     parser.add_argument("--out", required=True, metavar="PREFIX", help="writes PREFIX.json and PREFIX.png")
     parser.add_argument("--model", default=str(BENCH_MODEL_DIR),
@@ -564,6 +628,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--time-budget", type=float, default=900.0,
                         help="seconds; a run is skipped when it would not fit (default 900)")
     parser.add_argument("--log-dir", default=None, help="server logs (default: PREFIX-logs/)")
+    parser.add_argument("--fresh-servers", action="store_true",
+                        help="start a fresh server for every run (default: start both once and "
+                             "alternate runs between the two live servers)")
     args = parser.parse_args(argv)
     if not Path(args.model, "config.json").is_file():
         parser.error(f"no model at {args.model}; `make bench-model` writes the default one")
@@ -579,37 +646,8 @@ def main(argv: list[str] | None = None) -> int:
     t_begin = time.monotonic()
     doc = start_report(SCHEMA, args, server_args)
     doc["runs"] = []
-    failed = False
-    est_run_s = None  # learned from the first run
-    index = 0
-    for pair in range(args.pairs):
-        order = (STOCK, PLUGIN) if pair % 2 == 0 else (PLUGIN, STOCK)
-        for side in order:
-            index += 1
-            elapsed = time.monotonic() - t_begin
-            guess = est_run_s if est_run_s is not None else 90 + args.warmup + args.duration
-            if elapsed + guess > args.time_budget:
-                print(f"[{elapsed:5.0f}s] run {index} ({side}) skipped: time budget", flush=True)
-                doc["runs"].append({"index": index, "pair": pair, "side": side, "skipped": "time budget"})
-                continue
-            print(f"[{elapsed:5.0f}s] run {index} pair {pair} {side}: starting server "
-                  f"(load {fmt_load(loadavg())})", flush=True)
-            try:
-                run = measure_run(side, args, server_args[side], log_dir)
-            except Exception as exc:  # keep going: report what was measured
-                failed = True
-                print(f"  run {index} failed: {type(exc).__name__}: {str(exc)[-2000:]}", flush=True)
-                doc["runs"].append({"index": index, "pair": pair, "side": side,
-                                    "error": f"{type(exc).__name__}: {exc}"[-4000:]})
-                continue
-            run.update({"index": index, "pair": pair})
-            doc["runs"].append(run)
-            est_run_s = max(est_run_s or 0.0, run["wall_s"] + 5)
-            if run["errors"] or run["usage_mismatches"] or run["finished_wrong_length"]:
-                failed = True
-            print(f"  {side}: {run['tokens_per_s']:.1f} tok/s ({run['tokens_in_window']} tokens in "
-                  f"{run['window_s']:.1f} s), startup {run['startup_s']:.0f} s, errors {run['errors']}, "
-                  f"foreign CPU {run['cpu_during_window']['foreign_cores']:.2f} cores", flush=True)
+    doc["mode"] = "fresh servers" if args.fresh_servers else "live servers"
+    failed = run_all(args, server_args, log_dir, doc, t_begin)
     doc["load_after"] = loadavg()
     doc["wall_s"] = time.monotonic() - t_begin
     doc["analysis"] = analyse(doc["runs"])

@@ -236,14 +236,22 @@ def configs(tiny_model_dir):
     }
 
 
-@pytest.mark.parametrize("state", ["on", "off"])
-def test_worker_input_queue_follows_the_feature(configs, state):
+@pytest.mark.parametrize(
+    "feature, override, shortened",
+    [("on", None, True), ("off", None, False), ("on", "off", False)],
+    ids=["feature-on", "feature-off", "feature-on-override-off"],
+)
+def test_worker_input_queue_follows_the_feature(configs, monkeypatch, feature, override, shortened):
+    if override is None:
+        monkeypatch.delenv(SPIN_WINDOW_ENV, raising=False)
+    else:
+        monkeypatch.setenv(SPIN_WINDOW_ENV, override)
     writer = MessageQueue(1, 1, max_chunk_bytes=1 << 16, max_chunks=4)
     proc = WorkerProc.__new__(WorkerProc)
     proc.worker = SimpleNamespace(rank=0)
-    WorkerProc._init_message_queues(proc, writer.export_handle(), configs[state])
+    WorkerProc._init_message_queues(proc, writer.export_handle(), configs[feature])
     cond = proc.rpc_broadcast_mq._spin_condition
-    if state == "on":
+    if shortened:
         assert cond.busy_loop_s == SPIN_WINDOW_S
         assert getattr(cond, "_vllm_output_rate_short_spin", False)
     else:
@@ -278,6 +286,8 @@ def test_window_override(monkeypatch):
     assert spin_window_s() == 0.002
     monkeypatch.setenv(SPIN_WINDOW_ENV, "0")
     assert spin_window_s() == 0.0
+    monkeypatch.setenv(SPIN_WINDOW_ENV, "off")
+    assert spin_window_s() is None
     for bad in ("abc", "-1", "nan", "inf"):
         monkeypatch.setenv(SPIN_WINDOW_ENV, bad)
         with pytest.raises(ValueError, match=SPIN_WINDOW_ENV):

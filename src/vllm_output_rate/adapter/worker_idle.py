@@ -33,8 +33,9 @@ so a server without ``--default-user-output-tokens-per-second`` keeps vLLM's
 1 s spin untouched.  The executor's own response queue (read by the engine
 core while the worker computes) is not changed.
 
-``VLLM_OUTPUT_RATE_WORKER_SPIN_MS`` overrides the window (milliseconds, for
-measurements; ``0`` parks right after every message).
+``VLLM_OUTPUT_RATE_WORKER_SPIN_MS`` overrides the window (milliseconds;
+``0`` parks right after every message; ``off`` keeps vLLM's own 1 s spin,
+for A/B measurements).
 """
 
 from __future__ import annotations
@@ -54,11 +55,14 @@ SPIN_WINDOW_ENV = "VLLM_OUTPUT_RATE_WORKER_SPIN_MS"
 _SHORT_SPIN_MARK = "_vllm_output_rate_short_spin"
 
 
-def spin_window_s() -> float:
-    """The busy window in seconds (:data:`SPIN_WINDOW_S` unless overridden)."""
+def spin_window_s() -> float | None:
+    """The busy window in seconds (:data:`SPIN_WINDOW_S` unless overridden);
+    None when the override is ``off``."""
     text = os.environ.get(SPIN_WINDOW_ENV)
     if text is None or text.strip() == "":
         return SPIN_WINDOW_S
+    if text.strip().lower() == "off":
+        return None
     try:
         value = float(text) / 1000.0
     except ValueError:
@@ -120,7 +124,7 @@ def patch_worker_idle() -> None:
             result = original(self, input_shm_handle, vllm_config, *args, **kwargs)
             if feature_on(vllm_config):
                 window = spin_window_s()
-                if shorten_spin(getattr(self, "rpc_broadcast_mq", None), window):
+                if window is not None and shorten_spin(getattr(self, "rpc_broadcast_mq", None), window):
                     logger.info(
                         "vllm-output-rate: model worker spins %.1f ms per wait for the "
                         "next step (vLLM default: 1 s after each read), then sleeps "
