@@ -77,8 +77,10 @@ bench-step: setup model
 # Real-server benchmarks (each starts and stops its own servers; ~20 min in all).
 bench-server: setup model bench-model
 	$(BIN)/python benchmarks/idle_cpu.py --out results/idle_cpu
+	$(BIN)/python benchmarks/idle_cpu.py --worker-spin-ms off --out results/idle_cpu_spin_off
 	$(BIN)/python benchmarks/kv_pressure.py --out results/kv_pressure
 	$(BIN)/python benchmarks/throughput_ratio.py --model $(BENCH_MODEL_DIR) --out results/throughput_ratio
+	$(BIN)/python benchmarks/itl_single.py --out results/itl_single
 
 readme-performance:
 	$(BIN)/python benchmarks/render_performance.py --results results --readme README.md
