@@ -211,8 +211,15 @@ def test_outage_local_fallback_then_shared_again(caplog):
     assert lim.available("u", clock.now) == 4
     store.down = True
     with caplog.at_level(logging.WARNING):
+        for _ in range(5):  # 250 ms without an answer: slow, not yet an outage
+            clock.now += 50 * MS
+            lim.take_up_to("u", clock.now, 4)  # u keeps wanting quota
+            lim.run_round(clock.now)
+            assert lim.mode == SHARED
+        assert lim.stats["failed_rounds"] == 5
         for _ in range(5):
             clock.now += 50 * MS
+            lim.available("u", clock.now)  # still wanted (and no take in local mode)
             lim.run_round(clock.now)
     assert lim.mode == LOCAL
     outage_lines = [r for r in caplog.records if "unreachable" in r.getMessage()]
@@ -243,6 +250,10 @@ def test_outage_closed_fallback_pauses_everyone():
     assert lim.mode == SHARED and not store.calls
     assert lim.take_up_to("u", clock.now, 3) == 0
     lim.run_round(clock.now, only_new=True)  # asks for u, which fails
+    assert lim.mode == SHARED  # one failed round trip is not an outage yet
+    clock.now += CFG.outage_after_ns
+    assert lim.take_up_to("u", clock.now, 3) == 0
+    lim.run_round(clock.now)
     assert lim.mode == CLOSED
     assert lim.take_up_to("u", clock.now, 3) == 0
     assert not lim.try_take("u", clock.now)

@@ -46,8 +46,10 @@ seconds, summed over all engines::
 With the defaults: ``(W + 0.25) * N + 1 + E * (ceil(0.1 * N))``; for N = 30
 tok/s and E = 2, a 1 s window allows at most 44.5 tokens, 20 s at most 614.5.
 
-Store unreachable or too slow (any error, or no answer within the backend's
-timeout): the engine keeps serving without it.  ``fallback="local"``: each
+Store unreachable or too slow (no answer -- any error, or nothing within
+the backend's timeout, 0.25 s for Redis -- for ``outage_after_ns``, 0.3 s; a
+single failed round trip only delays that round's leases): the engine keeps
+serving without it.  ``fallback="local"``: each
 engine enforces ``N / expected_engines`` with its own in-memory limiter (over
 E engines the bound is then ``(W + B) * N + E``); ``fallback="closed"``: every
 user is throttled (requests pause, nothing fails) until the store answers.
@@ -133,6 +135,7 @@ class LeaseConfig:
     lifetime_ns: int = 150 * MS  # a lease is spendable this long after its request
     active_ns: int = 200 * MS  # a user is asked for while wanted this recently
     min_round_gap_ns: int = 5 * MS  # extra rounds (new users) at most this often
+    outage_after_ns: int = 300 * MS  # no answer for this long: fall back
     fallback: str = LOCAL
     expected_engines: int = 1
     fingerprint_every_ns: int = 5 * NS_PER_S
@@ -214,6 +217,7 @@ class LeasedOutputRateLimiter:
         self._next_round_ns = clock()
         self._next_fingerprint_ns = self._next_round_ns
         self._outage_started_ns: int | None = None
+        self._last_answer_ns = self._next_round_ns  # the store counts as up at start
         self._warned_mismatch: set[tuple[str, str]] = set()
         self.stats = {
             "round_trips": 0,
@@ -222,6 +226,7 @@ class LeasedOutputRateLimiter:
             "handed_back": 0,
             "expired": 0,
             "outages": 0,
+            "failed_rounds": 0,
         }
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -474,11 +479,16 @@ class LeasedOutputRateLimiter:
         except Exception as exc:  # unreachable, timeout, error reply: all the same
             with self._lock:
                 self._in_flight = False
-                self._enter_outage(now_ns, exc)
+                self.stats["failed_rounds"] += 1
+                # One slow or lost answer on a loaded machine is not an outage;
+                # no answer for outage_after_ns is.  Leases held stay valid.
+                if now_ns - self._last_answer_ns >= cfg.outage_after_ns:
+                    self._enter_outage(now_ns, exc)
             return 0
         received = self._clock()
         with self._lock:
             self._in_flight = False
+            self._last_answer_ns = received
             if self._mode is not SHARED:
                 self._end_outage(received)
             self.stats["round_trips"] += 1

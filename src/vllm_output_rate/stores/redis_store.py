@@ -42,7 +42,7 @@ from urllib.parse import urlsplit
 from vllm_output_rate.stores.config import DEFAULT_PREFIX, PASSWORD_ENV
 from vllm_output_rate.stores.lease import LeaseAsk, LeaseGrant
 #: Seconds a reply may take before the engine treats the store as down.
-DEFAULT_TIMEOUT_S = 0.1
+DEFAULT_TIMEOUT_S = 0.25
 #: Engines that have not published their fingerprint this long are ignored.
 ENGINE_LIVE_S = 30
 #: Keys outlive their debt by this margin (ms).
