@@ -27,6 +27,7 @@ from server_harness import CLI, free_port, run_cli, server_env
 from vllm_output_rate.adapter import compat
 from vllm_output_rate.adapter import patches as patches_module  # no vLLM import at load
 from vllm_output_rate.adapter.compat import UnsupportedVllmVersion, require_supported_vllm
+from vllm_output_rate.adapter.series import SERIES
 from vllm_output_rate.settings import (
     DEFAULT_FLAG,
     DEFAULT_KEY,
@@ -230,17 +231,19 @@ def test_serve_help_lists_output_rate_group(plugin, capsys):
     CLI, without paying another vLLM import); the CLI itself is covered by
     the ``--help=OutputRate`` test below.
     """
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    parser = make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
+    # vLLM's serve parser lives in a series-dependent module (moved in 0.33).
+    parser = compat.installed_series().make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
     with pytest.raises(SystemExit) as info:
         parser.parse_args(["--help"])
     assert info.value.code in (0, None)
     text = capsys.readouterr().out
-    group_lines = [line for line in text.splitlines() if line.strip().startswith("OutputRate ")]
+    group_lines = [
+        line for line in text.splitlines()
+        if line.strip().startswith("OutputRate ") and "Per-user output-token rate limits" in line
+    ]
     assert len(group_lines) == 1, text
-    assert "Per-user output-token rate limits" in group_lines[0]
 
 
 def test_serve_help_output_rate_group_shows_flags(tiny_model_dir):
@@ -380,6 +383,7 @@ REFUSED_ENGINE_ARGS = [
         "KV connectors",
     ),
     ("kv-offloading", {"kv_offloading_size": 1.0}, "KV offloading"),
+    ("lora", {"enable_lora": True, "max_loras": 1, "max_lora_rank": 8}, "LoRA adapters"),
 ]
 
 
@@ -391,6 +395,76 @@ def test_unsupported_mode_is_refused_in_process(plugin, tiny_model_dir, kwargs, 
         _engine_args(tiny_model_dir, additional_config=_on(5), **kwargs).create_engine_config()
     assert mode in str(info.value)
     assert plugin.frontend_active() is False
+
+
+def test_lora_is_left_alone_with_the_feature_off(plugin, tiny_model_dir):
+    config = _engine_args(
+        tiny_model_dir, enable_lora=True, max_loras=1, max_lora_rank=8
+    ).create_engine_config()
+    assert config.lora_config is not None and config.lora_config.max_loras == 1
+    assert config.scheduler_config.scheduler_cls is None
+
+
+def _fake_vllm_config(**changes):
+    """A resolved config with every refused mode off (attribute names as vLLM's)."""
+    from types import SimpleNamespace
+
+    model = SimpleNamespace(
+        runner_type="generate", is_encoder_decoder=False, is_multimodal_model=False,
+        is_hybrid=False, is_attention_free=False, is_diffusion=False,
+    )
+    config = SimpleNamespace(
+        model_config=model,
+        parallel_config=SimpleNamespace(data_parallel_size=1, pipeline_parallel_size=1),
+        speculative_config=None, kv_transfer_config=None, ec_transfer_config=None,
+        lora_config=None,
+    )
+    for path, value in changes.items():
+        target = config
+        *parents, leaf = path.split(".")
+        for parent in parents:
+            target = getattr(target, parent)
+        setattr(target, leaf, value)
+    return config
+
+
+RESOLVED_REFUSALS = [
+    ("model_config.runner_type", "pooling", "pooling models"),
+    ("model_config.is_encoder_decoder", True, "encoder-decoder models"),
+    ("model_config.is_multimodal_model", True, "multimodal models"),
+    ("model_config.is_hybrid", True, "hybrid (attention + state-space) models"),
+    ("model_config.is_attention_free", True, "attention-free models"),
+    ("model_config.is_diffusion", True, "diffusion models"),
+    ("speculative_config", object(), "speculative decoding"),
+    ("kv_transfer_config", object(), "KV connectors"),
+    ("ec_transfer_config", object(), "EC connectors"),
+    ("lora_config", object(), "LoRA adapters"),
+    ("parallel_config.data_parallel_size", 2, "data_parallel_size > 1"),
+    ("parallel_config.pipeline_parallel_size", 2, "pipeline_parallel_size > 1"),
+]
+
+
+@pytest.mark.parametrize(
+    "path,value,mode", [pytest.param(p, v, m, id=m) for p, v, m in RESOLVED_REFUSALS]
+)
+def test_resolved_config_refusals(path, value, mode):
+    """The checks on the built config, one refused mode at a time (one message format)."""
+    patches_module.check_vllm_config(_fake_vllm_config())  # all off: accepted
+    with pytest.raises(OutputRateConfigError) as info:
+        patches_module.check_vllm_config(_fake_vllm_config(**{path: value}))
+    message = str(info.value)
+    assert message.startswith(f"per-user output rate limiting does not support {mode}: ")
+    assert "\n" not in message
+
+
+def test_every_refusal_has_one_message_format_and_a_check():
+    modes = [r.mode for r in patches_module.REFUSALS]
+    assert len(modes) == len(set(modes))
+    for refusal in patches_module.REFUSALS:
+        assert refusal.on_args is not None or refusal.on_config is not None, refusal.mode
+        assert str(refusal.error()) == (
+            f"per-user output rate limiting does not support {refusal.mode}: {refusal.why}"
+        )
 
 
 # -- in-process: CLI parsing into additional_config -----------------------------------
@@ -485,25 +559,41 @@ def test_parser_rejects_bad_values(cli_parser, tiny_model_dir, capsys, argv, exp
 
 # -- version guard -----------------------------------------------------------------
 
+SERIES_NAMES = [s.name for s in SERIES.values()]
 
-@pytest.mark.parametrize("version", ["0.31.2", "0.33.0", "1.0.0", "0.3.2", "garbage", "0"])
+
+def test_supported_series_are_0_32_and_0_33():
+    assert SERIES_NAMES == ["0.32", "0.33"]
+    assert compat.supported_text() == "0.32.x or 0.33.x"
+
+
+@pytest.mark.parametrize(
+    "version", ["0.31.2", "0.34.0", "0.34.1+cpu", "1.0.0", "0.3.2", "0.320.0", "garbage", "0", ""]
+)
 def test_unsupported_versions_raise(version):
     with pytest.raises(UnsupportedVllmVersion) as info:
         require_supported_vllm(version)
     message = str(info.value)
-    assert "0.32.x" in message and version in message
+    assert version in message
+    for name in SERIES_NAMES:
+        assert f"{name}.x" in message
     assert "\n" not in message
 
 
-@pytest.mark.parametrize("version", ["0.32.0", "0.32.3+cpu", "0.32.1rc1"])
-def test_supported_versions_pass(version):
+@pytest.mark.parametrize("series", SERIES_NAMES)
+@pytest.mark.parametrize("patch", [".0", ".3+cpu", ".1rc1", ".0.post1"])
+def test_supported_versions_pass(series, patch):
+    version = series + patch
     assert require_supported_vllm(version) == version
+    assert compat.series_of(version).name == series
 
 
 def test_installed_version_is_supported():
     version = compat.installed_vllm_version()
-    assert version is not None and version.startswith("0.32.")
+    assert version is not None
     assert require_supported_vllm() == version
+    assert compat.installed_series().name in SERIES_NAMES
+    assert version.startswith(compat.installed_series().name + ".")
 
 
 def test_missing_vllm_raises(monkeypatch):
@@ -512,14 +602,15 @@ def test_missing_vllm_raises(monkeypatch):
         require_supported_vllm()
 
 
-def test_register_refuses_unsupported_vllm(monkeypatch):
+@pytest.mark.parametrize("version", ["0.31.0", "0.34.0"])
+def test_register_refuses_unsupported_vllm(monkeypatch, version):
     import vllm_output_rate
     from vllm_output_rate.adapter import patches
 
     applied = []
-    monkeypatch.setattr(compat, "installed_vllm_version", lambda: "0.31.0")
+    monkeypatch.setattr(compat, "installed_vllm_version", lambda: version)
     monkeypatch.setattr(patches, "apply_all", lambda: applied.append(True))
-    with pytest.raises(UnsupportedVllmVersion, match="0.31.0"):
+    with pytest.raises(UnsupportedVllmVersion, match=version):
         vllm_output_rate.register()
     assert applied == [], "patches must not be installed on an unsupported vLLM"
 
@@ -537,7 +628,7 @@ def no_real_vllm_serve(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "version,expected", [("0.31.0", "0.31.0"), ("0.33.1", "0.33.1"), (None, "not installed")]
+    "version,expected", [("0.31.0", "0.31.0"), ("0.34.1", "0.34.1"), (None, "not installed")]
 )
 def test_cmd_serve_refuses_unsupported_vllm(
     monkeypatch, capsys, tiny_model_dir, no_real_vllm_serve, version, expected

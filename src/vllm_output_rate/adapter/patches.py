@@ -7,19 +7,23 @@ patches early enough everywhere.  Each patch is small, named, idempotent, and
 keeps the original callable as ``__wrapped__``.  With the feature off, every
 patched callable does exactly what the original does.
 
-Touch-points (vLLM 0.32):
+Touch-points (vLLM 0.32 and 0.33; every vLLM member they use is listed, with
+its expected kind and signature per series, in :mod:`.touchpoints`):
 
 ``engine_args.cli``
     ``EngineArgs.add_cli_args`` gains the two ``--*-output-tokens-per-second``
     flags in their own group; ``EngineArgs.from_cli_args`` turns them into
     ``additional_config["output_rate"]``.
 ``engine_args.config``
-    ``EngineArgs.create_engine_config`` refuses unsupported modes and selects
+    ``EngineArgs.create_engine_config`` refuses unsupported modes (the
+    :data:`REFUSALS` table) and selects
     our scheduler subclass when the feature is on (stock class otherwise).
 ``engine_core.idle_wait``
     ``EngineCoreProc._process_engine_step``: after a step that ran no model
     because everything was throttled, wait on the input queue (a new request
-    or abort wakes it at once) instead of polling every millisecond.
+    or abort wakes it at once) instead of polling every millisecond.  On
+    series with an engine watchdog the wait runs with it disabled, as vLLM's
+    own idle wait does (:meth:`.series.VllmSeries.idle_wait_guard`).
 ``sampling_params.identity``
     ``SamplingParams._verify_extra_args`` rejects malformed
     ``output_rate_user`` values with a validation error (HTTP 400) while the
@@ -39,10 +43,12 @@ Touch-points (vLLM 0.32):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import logging
 import os
 import queue
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from vllm_output_rate.settings import (
@@ -215,73 +221,115 @@ def merge_cli_into_engine_args(engine_args: Any, args: argparse.Namespace) -> No
 # -- engine_args.config ----------------------------------------------------------
 
 
-def check_engine_args(engine_args: Any) -> None:
-    """Refuse modes that break per-user accounting, before vLLM builds them."""
-    def reject(mode: str, why: str) -> None:
-        raise OutputRateConfigError(
-            f"per-user output rate limiting does not support {mode}: {why}"
+_MODEL_KIND_WHY = "it is built for text-only attention decoder models"
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """One mode the limiter does not support, and how to recognise it.
+
+    ``on_args`` looks at ``EngineArgs`` before vLLM builds its config (a
+    quick, precise error, and the only place where a user-chosen
+    ``scheduler_cls`` is still visible); ``on_config`` looks at the built
+    ``VllmConfig`` (model kinds, and modes vLLM derives or enables itself).
+    """
+
+    mode: str
+    why: str
+    on_args: Callable[[Any], Any] | None = None
+    on_config: Callable[[Any], Any] | None = None
+
+    def error(self) -> OutputRateConfigError:
+        return OutputRateConfigError(
+            f"per-user output rate limiting does not support {self.mode}: {self.why}"
         )
 
-    if (engine_args.data_parallel_size or 1) > 1:
-        reject(
-            "data_parallel_size > 1",
-            "each data-parallel rank has its own scheduler, so every user would "
-            "get one quota per rank",
-        )
-    if (engine_args.pipeline_parallel_size or 1) > 1:
-        reject(
-            "pipeline_parallel_size > 1",
-            "several micro-batches in flight are not covered by the skip/refund logic",
-        )
-    if engine_args.speculative_config:
-        reject(
-            "speculative decoding",
-            "one step can emit several tokens per request but is charged once",
-        )
-    if engine_args.kv_transfer_config is not None:
-        reject("KV connectors", "they change the KV lifecycle the scheduler relies on")
-    if getattr(engine_args, "ec_transfer_config", None) is not None:
-        reject("EC connectors", "they change the encoder-cache lifecycle")
-    if getattr(engine_args, "kv_offloading_size", None):
-        reject("KV offloading", "it runs through a KV connector")
-    if engine_args.scheduler_cls is not None:
-        reject(
-            f"a custom scheduler_cls ({engine_args.scheduler_cls!r})",
-            "the rate limit is implemented by its own scheduler class",
-        )
+
+#: Every refused mode, in the order they are checked.  One message format:
+#: "per-user output rate limiting does not support MODE: WHY".
+REFUSALS: tuple[Refusal, ...] = (
+    Refusal(
+        "data_parallel_size > 1",
+        "each data-parallel rank has its own scheduler, so every user would "
+        "get one quota per rank",
+        on_args=lambda a: (a.data_parallel_size or 1) > 1,
+        on_config=lambda c: c.parallel_config.data_parallel_size > 1,
+    ),
+    Refusal(
+        "pipeline_parallel_size > 1",
+        "several micro-batches in flight are not covered by the skip/refund logic",
+        on_args=lambda a: (a.pipeline_parallel_size or 1) > 1,
+        on_config=lambda c: c.parallel_config.pipeline_parallel_size > 1,
+    ),
+    Refusal(
+        "speculative decoding",
+        "one step can emit several tokens per request but is charged once",
+        on_args=lambda a: a.speculative_config,
+        on_config=lambda c: c.speculative_config is not None,
+    ),
+    Refusal(
+        "KV connectors",
+        "they change the KV lifecycle the scheduler relies on",
+        on_args=lambda a: a.kv_transfer_config is not None,
+        on_config=lambda c: c.kv_transfer_config is not None,
+    ),
+    Refusal(
+        "EC connectors",
+        "they change the encoder-cache lifecycle",
+        on_args=lambda a: getattr(a, "ec_transfer_config", None) is not None,
+        on_config=lambda c: getattr(c, "ec_transfer_config", None) is not None,
+    ),
+    Refusal(
+        "KV offloading",
+        "it runs through a KV connector",
+        on_args=lambda a: getattr(a, "kv_offloading_size", None),
+    ),
+    Refusal(
+        "LoRA adapters",
+        "requests out of quota leave vLLM's running list during a step, so "
+        "vLLM's max_loras check does not count their adapters (the engine "
+        "then fails its own assertion)",
+        on_args=lambda a: a.enable_lora,
+        on_config=lambda c: c.lora_config is not None,
+    ),
+    Refusal(
+        "a custom scheduler_cls",
+        "the rate limit is implemented by its own scheduler class",
+        on_args=lambda a: a.scheduler_cls is not None,
+    ),
+    Refusal("pooling models", _MODEL_KIND_WHY, on_config=lambda c: c.model_config.runner_type == "pooling"),
+    Refusal("encoder-decoder models", _MODEL_KIND_WHY, on_config=lambda c: c.model_config.is_encoder_decoder),
+    Refusal("multimodal models", _MODEL_KIND_WHY, on_config=lambda c: c.model_config.is_multimodal_model),
+    Refusal(
+        "hybrid (attention + state-space) models",
+        _MODEL_KIND_WHY,
+        on_config=lambda c: c.model_config.is_hybrid,
+    ),
+    Refusal("attention-free models", _MODEL_KIND_WHY, on_config=lambda c: c.model_config.is_attention_free),
+    Refusal(
+        "diffusion models",
+        _MODEL_KIND_WHY,
+        on_config=lambda c: getattr(c.model_config, "is_diffusion", False),
+    ),
+)
+
+
+def check_engine_args(engine_args: Any) -> None:
+    """Refuse modes that break per-user accounting, before vLLM builds them."""
+    for refusal in REFUSALS:
+        if refusal.on_args is not None and refusal.on_args(engine_args):
+            if refusal.mode == "a custom scheduler_cls":
+                raise dataclasses.replace(
+                    refusal, mode=f"a custom scheduler_cls ({engine_args.scheduler_cls!r})"
+                ).error()
+            raise refusal.error()
 
 
 def check_vllm_config(vllm_config: Any) -> None:
     """Refuse model kinds and resolved modes the limiter was not built for."""
-    def reject(mode: str) -> None:
-        raise OutputRateConfigError(
-            f"per-user output rate limiting does not support {mode}; it is built "
-            "for text-only attention decoder models"
-        )
-
-    model = vllm_config.model_config
-    if model.runner_type == "pooling":
-        reject("pooling models")
-    if model.is_encoder_decoder:
-        reject("encoder-decoder models")
-    if model.is_multimodal_model:
-        reject("multimodal models")
-    if model.is_hybrid:
-        reject("hybrid (attention + state-space) models")
-    if model.is_attention_free:
-        reject("attention-free models")
-    if getattr(model, "is_diffusion", False):
-        reject("diffusion models")
-    if vllm_config.speculative_config is not None:
-        reject("speculative decoding")
-    if vllm_config.kv_transfer_config is not None:
-        reject("KV connectors or KV offloading")
-    if getattr(vllm_config, "ec_transfer_config", None) is not None:
-        reject("EC connectors")
-    if vllm_config.parallel_config.data_parallel_size > 1:
-        reject("data_parallel_size > 1")
-    if vllm_config.parallel_config.pipeline_parallel_size > 1:
-        reject("pipeline_parallel_size > 1")
+    for refusal in REFUSALS:
+        if refusal.on_config is not None and refusal.on_config(vllm_config):
+            raise refusal.error()
 
 
 def _patch_create_engine_config() -> None:
@@ -321,6 +369,13 @@ def _patch_create_engine_config() -> None:
 def _patch_engine_idle_wait() -> None:
     from vllm.v1.engine.core import EngineCoreProc
 
+    from vllm_output_rate.adapter.compat import installed_series
+
+    # vLLM 0.33+ feeds a stack-dump watchdog at the start of each step and
+    # switches it off around its own blocking input-queue wait; ours gets
+    # the same treatment, so a throttled-only engine never looks stuck.
+    idle_wait_guard = installed_series().idle_wait_guard
+
     def make(original):
         def _process_engine_step(self):
             model_executed = original(self)
@@ -328,7 +383,8 @@ def _patch_engine_idle_wait() -> None:
                 wait_s = getattr(self.scheduler, "output_rate_idle_wait_s", None)
                 if wait_s:
                     try:
-                        request = self.input_queue.get(timeout=wait_s)
+                        with idle_wait_guard():
+                            request = self.input_queue.get(timeout=wait_s)
                     except queue.Empty:
                         pass
                     else:
