@@ -175,7 +175,11 @@ class OperateSchedulerMixin:
         # to 0 and the last charges are counted before the engine idles.
         if now >= self._output_rate_next_report or (was_busy and not busy):
             self._output_rate_next_report = now + REPORT_PERIOD_NS
-            stats.output_rate = self.output_rate_report(now)
+            try:
+                stats.output_rate = self.output_rate_report(now)
+            except Exception:  # metrics must never take the engine down
+                logger.exception("vllm-output-rate: per-user report failed; reports are off")
+                self._output_rate_next_report = float("inf")
         return stats
 
     def _output_rate_charged(self) -> dict[str, int]:
