@@ -287,6 +287,30 @@ def test_envelope_catches_a_sustained_overrun_whatever_the_stall():
     assert s.guarantee == "FAIL"
 
 
+def test_envelope_worst_matches_brute_force_on_random_requests():
+    import random
+
+    for seed in range(30):
+        rng = random.Random(seed)
+        reqs = []
+        for _ in range(rng.randint(1, 12)):
+            start = round(rng.uniform(0, 10), 2)
+            reqs.append((start, round(start + rng.uniform(0, 3), 2), rng.randint(0, 40)))
+        rate, burst = rng.choice([2.0, 5.0, 20.0]), 0.1
+        brute = None
+        for a in {s for s, _, n in reqs if n}:
+            for b in {e for _, e, n in reqs if n}:
+                count = sum(n for s, e, n in reqs if s >= a and e <= b)
+                if count:
+                    excess = count - (max(b - a, 0.0) + burst) * rate - 1
+                    brute = excess if brute is None else max(brute, excess)
+        worst = envelope_worst(reqs, rate, burst)
+        if brute is None:
+            assert worst is None
+        else:
+            assert worst[0] == pytest.approx(brute), (seed, reqs)
+
+
 def test_envelope_worst_picks_the_densest_request_set():
     requests = [(0.0, 10.0, 5), (2.0, 3.0, 20), (2.5, 3.2, 20), (8.0, 9.0, 1)]
     excess, width, count = envelope_worst(requests, rate=10.0, burst_s=0.1)

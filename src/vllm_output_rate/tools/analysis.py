@@ -38,6 +38,7 @@ received minus send), inter-token gaps within a request (0 inside a chunk),
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import asdict, dataclass
 from typing import Any, Iterable, Mapping, Sequence
@@ -113,6 +114,7 @@ def envelope_worst(
     or after ``a`` and ended by ``b``, for a among the send times and b among
     the end times.  Returns ``(excess, b - a, count)`` of the worst set
     (excess <= 0 means within the bound), or None without tokens.
+    O(R^2) for R requests.
     """
     reqs = sorted((s, e, n) for s, e, n in requests if n > 0)
     if not reqs:
@@ -124,9 +126,8 @@ def envelope_worst(
     i = 0
     for a in starts:
         while i < len(pending) and pending[i][0] >= a:
-            inside.append((pending[i][1], pending[i][2]))
+            bisect.insort(inside, (pending[i][1], pending[i][2]))
             i += 1
-        inside.sort()
         count = 0
         for end, tokens in inside:
             count += tokens
