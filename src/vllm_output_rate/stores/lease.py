@@ -180,7 +180,8 @@ class LeasedOutputRateLimiter:
     now, ``ready_at_ns`` is when the next lease is expected (an estimate,
     never "now" while nothing is held).  Thread-safe: the scheduler thread and
     the lease thread share one lock, held only for dict work, never across a
-    round trip.
+    round trip; a take covered by the oldest lease takes no lock at all (see
+    :meth:`_take_from_oldest`).
     """
 
     def __init__(
@@ -205,7 +206,6 @@ class LeasedOutputRateLimiter:
         self._mode = SHARED
         # Leases held: user -> deque of [expiry_ns, tokens], oldest first.
         self._leases: dict[str, deque] = {}
-        self._balance: dict[str, int] = {}
         self._last_expiry: dict[str, int] = {}  # expiry of the lease last spent from
         self._wanted_at: dict[str, int] = {}  # last time the scheduler wanted tokens
         self._asked_at: dict[str, int] = {}  # last round that asked for the user
@@ -283,7 +283,8 @@ class LeasedOutputRateLimiter:
 
     def tracked_users(self) -> int:
         with self._lock:
-            return len(set(self._balance) | set(self._wanted_at)) + self._local.tracked_users()
+            holding = {u for u, leases in self._leases.items() if leases}
+            return len(holding | set(self._wanted_at)) + self._local.tracked_users()
 
     def available(self, user: str, now_ns: int) -> int:
         if self._mode is not SHARED:
@@ -299,8 +300,9 @@ class LeasedOutputRateLimiter:
             return True
         if self._mode is not SHARED:
             return self._local.try_take(user, now_ns, count) if self._mode is LOCAL else False
+        if self._take_from_oldest(user, now_ns, count):
+            return True
         with self._lock:
-            self._wanted_at[user] = now_ns
             if self._held(user, now_ns) < count:
                 self._want(user, now_ns)
                 return False
@@ -312,8 +314,9 @@ class LeasedOutputRateLimiter:
             return 0
         if self._mode is not SHARED:
             return self._local.take_up_to(user, now_ns, count) if self._mode is LOCAL else 0
+        if self._take_from_oldest(user, now_ns, count):
+            return count
         with self._lock:
-            self._wanted_at[user] = now_ns
             have = self._held(user, now_ns)
             if have < count:
                 self._want(user, now_ns)
@@ -322,6 +325,25 @@ class LeasedOutputRateLimiter:
                 count = have
             self._spend(user, count)
             return count
+
+    def _take_from_oldest(self, user: str, now_ns: int, count: int) -> bool:
+        """The common case without the lock: the oldest lease is valid and covers ``count``.
+
+        Safe without the lock because only the scheduler thread changes a
+        held lease's count or removes leases; the lease thread only appends
+        new leases (``deque.append`` is atomic) or, when an outage starts,
+        swaps in an empty table (spending from a dropped lease is spending
+        granted tokens, within the bound).
+        """
+        self._wanted_at[user] = now_ns
+        leases = self._leases.get(user)
+        if leases:
+            oldest = leases[0]
+            if oldest[0] > now_ns and oldest[1] > count:
+                oldest[1] -= count
+                self._last_expiry[user] = oldest[0]
+                return True
+        return False
 
     def refund(self, user: str, now_ns: int, count: int = 1) -> None:
         """Give back tokens taken earlier: spendable again until their lease expires."""
@@ -343,7 +365,6 @@ class LeasedOutputRateLimiter:
                 leases[0][1] += count
             else:
                 leases.appendleft([expiry, count])  # the oldest lease held
-            self._balance[user] = self._balance.get(user, 0) + count
 
     def ready_at_ns(self, user: str, now_ns: int) -> int:
         """When a take for ``user`` is expected to succeed (an estimate).
@@ -371,9 +392,10 @@ class LeasedOutputRateLimiter:
         with self._lock:
             stale = now_ns - self._config.active_ns
             for user in list(self._leases):
-                self._held(user, now_ns)
+                if not self._held(user, now_ns) and self._wanted_at.get(user, stale) <= stale:
+                    del self._leases[user]
             for user in list(self._wanted_at):
-                if self._wanted_at[user] < stale and not self._balance.get(user):
+                if self._wanted_at[user] < stale and user not in self._leases:
                     del self._wanted_at[user]
                     self._asked_at.pop(user, None)
                     self._wait_until.pop(user, None)
@@ -381,34 +403,23 @@ class LeasedOutputRateLimiter:
                     dropped += 1
         return dropped
 
-    # -- local lease bookkeeping (lock held) --------------------------------
+    # -- local lease bookkeeping (scheduler thread, lock held) -------------
 
     def _held(self, user: str, now_ns: int) -> int:
         """Tokens held for ``user`` now; expired leases move to the hand-back pile."""
-        balance = self._balance.get(user)
-        if not balance:
+        leases = self._leases.get(user)
+        if not leases:
             return 0
-        leases = self._leases[user]
         while leases and leases[0][0] <= now_ns:
             _, tokens = leases.popleft()
-            balance -= tokens
-            self._give_back[user] = self._give_back.get(user, 0) + tokens
-            self.stats["expired"] += tokens
-        if balance:
-            self._balance[user] = balance
-        else:
-            del self._balance[user]
-            del self._leases[user]
-        return balance
+            if tokens:
+                self._give_back[user] = self._give_back.get(user, 0) + tokens
+                self.stats["expired"] += tokens
+        return sum(lease[1] for lease in leases)
 
     def _spend(self, user: str, count: int) -> None:
         """Spend ``count`` held tokens (the caller checked they are held), oldest first."""
         leases = self._leases[user]
-        left = self._balance[user] - count
-        if left:
-            self._balance[user] = left
-        else:
-            del self._balance[user]
         while count:
             lease = leases[0]
             self._last_expiry[user] = lease[0]
@@ -417,8 +428,6 @@ class LeasedOutputRateLimiter:
                 return
             count -= lease[1]
             leases.popleft()
-        if not leases:
-            del self._leases[user]
 
     def _want(self, user: str, now_ns: int) -> None:
         """Note that ``user`` is short; ask at once if it was not asked lately."""
@@ -497,7 +506,6 @@ class LeasedOutputRateLimiter:
                 if grant.granted > 0:
                     leases = self._leases.setdefault(ask.user, deque())
                     leases.append([now_ns + cfg.lifetime_ns, grant.granted])
-                    self._balance[ask.user] = self._balance.get(ask.user, 0) + grant.granted
                     granted_total += grant.granted
                 if ask.want:
                     self._wait_until[ask.user] = received + grant.wait_ns
@@ -523,7 +531,10 @@ class LeasedOutputRateLimiter:
                     and self._asked_at.get(user, -(10**18)) <= asked_before
                 )
             ):
-                want = max(0, cfg.lease_size(rate) - self._held(user, now_ns))
+                # Read only (the scheduler thread owns held leases): a copy of
+                # the user's leases, expired ones not counted.
+                held = sum(c for e, c in list(self._leases.get(user, ())) if e > now_ns)
+                want = max(0, cfg.lease_size(rate) - held)
             back = self._give_back.pop(user, 0)
             if want or back:
                 if want:
@@ -549,8 +560,7 @@ class LeasedOutputRateLimiter:
             )
         self._mode = LOCAL if self._config.fallback == LOCAL else CLOSED
         # Leases held are dropped, never spent: the store keeps them charged.
-        self._leases.clear()
-        self._balance.clear()
+        self._leases = {}  # a new table: the scheduler's lock-free path may hold the old one
         self._give_back.clear()
         self._last_expiry.clear()
         self._wait_until.clear()
