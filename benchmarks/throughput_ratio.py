@@ -426,11 +426,26 @@ def analyse(runs: list[dict]) -> dict:
                           if r["side"] == side and r.get("engine_core_cpu_ms_per_100_tokens")])
         for side in (STOCK, PLUGIN)
     }
+    # Output tokens per CPU-second of the server's process tree: what a token
+    # costs, independent of how much CPU share the shared machine left us.
+    per_cpu = {
+        side: side_stats([r["tokens_per_s"] / r["cpu_during_window"]["server_cores"] for r in ok
+                          if r["side"] == side and r["cpu_during_window"]["server_cores"] > 0])
+        for side in (STOCK, PLUGIN)
+    }
+    cores = {
+        side: side_stats([r["cpu_during_window"]["server_cores"] for r in ok if r["side"] == side])
+        for side in (STOCK, PLUGIN)
+    }
     server_ratio = None
     if server_side[STOCK].get("n") and server_side[PLUGIN].get("n"):
         server_ratio = server_side[PLUGIN]["mean"] / server_side[STOCK]["mean"]
     return {
         "per_side_server_metric": server_side,
+        "tokens_per_server_cpu_s": per_cpu,
+        "tokens_per_server_cpu_s_ratio": (per_cpu[PLUGIN]["mean"] / per_cpu[STOCK]["mean"]
+                                          if per_cpu[STOCK].get("n") and per_cpu[PLUGIN].get("n") else None),
+        "server_cores": cores,
         "engine_core_cpu_ms_per_100_tokens": engine_cost,
         "server_metric_ratio_of_means": server_ratio,
         "pair_ratio_median": statistics.median(pair_ratios) if pair_ratios else None,
@@ -503,6 +518,14 @@ def report(doc: dict) -> str:
             f"stock {ec[STOCK]['mean']:.2f} ({ec[STOCK]['min']:.2f}-{ec[STOCK]['max']:.2f}), "
             f"plugin {ec[PLUGIN]['mean']:.2f} ({ec[PLUGIN]['min']:.2f}-{ec[PLUGIN]['max']:.2f}), "
             f"plugin/stock {ec[PLUGIN]['mean'] / ec[STOCK]['mean']:.3f}"
+        )
+    if a.get("tokens_per_server_cpu_s_ratio") is not None:
+        pc, sc = a["tokens_per_server_cpu_s"], a["server_cores"]
+        parts.append(
+            "output tokens per CPU-second of the server process tree: "
+            f"stock {pc[STOCK]['mean']:.0f}, plugin {pc[PLUGIN]['mean']:.0f}, "
+            f"ratio {a['tokens_per_server_cpu_s_ratio']:.3f}; CPU the server got (cores): "
+            f"stock {sc[STOCK]['mean']:.2f}, plugin {sc[PLUGIN]['mean']:.2f}"
         )
     if a.get("server_metric_ratio_of_means") is not None:
         ss = a["per_side_server_metric"]

@@ -1,7 +1,8 @@
 """The model worker's short busy window (adapter/worker_idle.py).
 
-With the feature on, the worker's input queue spins a few ms from the moment
-it starts waiting, then sleeps in vLLM's poll until the engine writes.  These
+With the feature on, while steps come far apart the worker's input queue
+spins a few ms from the moment it starts waiting, then sleeps in vLLM's poll
+until the engine writes; while they come back to back it spins as vLLM does.  These
 tests drive vLLM's real shared-memory ``MessageQueue``: the wait decisions on
 a fake clock, every message delivered between two threads (also after idle
 gaps, woken by the writer's notification rather than vLLM's 5 s re-check),
@@ -113,39 +114,58 @@ def decisions(cond, clock: Clock, yields: list[float], steps) -> list[str]:
     return out
 
 
+# The engine sends steps back to back, then only every 0.5 s (a throttled
+# user), then back to back again.
 STEPS = [
-    ("read", 0.0),
-    ("wait", 0.100),    # a 100 ms forward pass later: the window starts now
-    ("wait", 0.104),
-    ("wait", 0.106),    # 6 ms into the wait: past the 5 ms window
-    ("wait", 0.500),
-    ("read", 0.600),
-    ("wait", 1.700),    # 1.1 s after the read, but the first wait after it
-    ("wait", 1.7049),
-    ("wait", 1.7051),
+    ("read", 0.000),
+    ("wait", 0.001),    # busy engine: not armed, vLLM's 1 s window
+    ("read", 0.002),
+    ("wait", 0.100),    # a 98 ms forward pass later: the window starts now
+    ("wait", 0.120),    # 20 ms into the wait: still spinning (not armed)
+    ("wait", 1.050),    # 0.95 s in: still within vLLM's 1 s
+    ("wait", 1.101),    # 1.001 s in: vLLM's own poll
+    ("read", 1.500),    # that wait was long (1.4 s): armed until 2.5
+    ("wait", 1.600),
+    ("wait", 1.6049),
+    ("wait", 1.6051),   # 5.1 ms in: armed, so poll
+    ("read", 2.100),    # another long wait (0.5 s): armed until 3.1
+    ("wait", 2.101),
+    ("read", 2.102),    # short wait (back to back again)
+    ("wait", 2.110),
+    ("wait", 2.120),    # 10 ms in, still armed: poll
+    ("read", 2.121),
+    ("wait", 3.200),    # 1.1 s after the last long wait ended: disarmed
+    ("wait", 3.220),    # 20 ms in: spinning, as vLLM does
 ]
 
 
-def test_short_window_counts_from_the_first_wait_after_a_read(fake_clock):
+def test_short_window_only_after_long_waits(fake_clock):
     clock, yields = fake_clock
     writer, reader, cond = spied_reader(shorten=True)
-    assert cond.busy_loop_s == WINDOW
     assert decisions(cond, clock, yields, STEPS) == [
-        "yield", "yield", "poll", "poll",
+        "yield",
+        "yield", "yield", "yield", "poll",
         "yield", "yield", "poll",
+        "yield",
+        "yield", "poll",
+        "yield", "yield",
     ]
     # The timeout handed to vLLM's poll is unchanged (its own 5 s re-check).
-    assert cond.poller.polls == [5000, 5000, 5000]
+    assert set(cond.poller.polls) == {5000}
 
 
 def test_stock_reader_spins_for_a_second_after_each_read(fake_clock):
-    """The behaviour the patch replaces, on the same steps (feature off)."""
+    """The behaviour the patch keeps for a busy engine (feature off here)."""
     clock, yields = fake_clock
     writer, reader, cond = spied_reader(shorten=False)
     assert cond.busy_loop_s == 1
     assert decisions(cond, clock, yields, STEPS) == [
-        "yield", "yield", "yield", "yield",
-        "poll", "poll", "poll",
+        "yield",
+        "yield", "yield", "poll", "poll",   # 1 s after the read at 0.002
+        "yield", "yield", "yield",
+        "yield",
+        "yield", "yield",
+        "poll", "poll",                     # > 1 s after the read at 2.121
     ]
 
 
@@ -157,7 +177,7 @@ def test_shorten_spin_is_idempotent_and_only_for_shm_readers():
     wait = reader._spin_condition.wait
     assert shorten_spin(reader, 0.002)
     assert reader._spin_condition.wait is wait   # not wrapped twice
-    assert reader._spin_condition.busy_loop_s == 0.002
+    assert reader._spin_condition._vllm_output_rate_short_spin["window"] == 0.002
 
 
 # -- real queue between two threads ------------------------------------------------
@@ -203,8 +223,9 @@ def test_every_message_arrives_in_bursts_and_after_idle_gaps():
     # Woken by the writer's notification, not by vLLM's 5 s re-check.
     latencies = [recv_at[i] - sent_at[i] for i in sent_at]
     assert max(latencies) < 1.0, latencies
-    # Between the spaced messages the reader slept: its thread used a small
-    # part of the ~1.25 s it waited (spinning would use most of it).
+    # From the first spaced message on (the 0.25 s wait before it armed the
+    # short window) the reader slept between messages: its thread used a
+    # small part of the ~1.25 s it waited (spinning would use most of it).
     idle_cpu = cpu_at[total - 1] - cpu_at[burst]
     idle_wall = recv_at[total - 1] - recv_at[burst]
     assert idle_wall > 1.0
@@ -252,12 +273,12 @@ def test_worker_input_queue_follows_the_feature(configs, monkeypatch, feature, o
     WorkerProc._init_message_queues(proc, writer.export_handle(), configs[feature])
     cond = proc.rpc_broadcast_mq._spin_condition
     if shortened:
-        assert cond.busy_loop_s == SPIN_WINDOW_S
-        assert getattr(cond, "_vllm_output_rate_short_spin", False)
+        assert cond._vllm_output_rate_short_spin["window"] == SPIN_WINDOW_S
+        assert "wait" in vars(cond)
     else:
-        assert cond.busy_loop_s == 1
-        assert not getattr(cond, "_vllm_output_rate_short_spin", False)
+        assert not hasattr(cond, "_vllm_output_rate_short_spin")
         assert "wait" not in vars(cond)
+    assert cond.busy_loop_s == 1  # vLLM's window until a long wait arms the short one
     # The response queue (read by the engine core) is never touched.
     assert proc.worker_response_mq._spin_condition.is_reader is False
     proc.rpc_broadcast_mq.shutdown()

@@ -9,15 +9,22 @@ to a few tokens per second still makes the engine run a step more often than
 once a second, so with stock vLLM the worker process never parks and burns a
 core while every user is out of quota.
 
-With the feature on, :func:`shorten_spin` changes two things on the worker's
-*input* queue only:
+With the feature on, :func:`shorten_spin` changes this on the worker's
+*input* queue only, and only while the engine is trickling:
 
 * the busy window starts when the worker starts *waiting* for the next step
   (the first ``wait`` after a read), not when it read the previous one: a
-  long forward pass no longer uses the window up, so under load the worker
-  still catches the next step while spinning, exactly as before;
-* the window is :data:`SPIN_WINDOW_S` (a few ms, longer than the engine's
-  turnaround between two steps under load) instead of 1 s.
+  long forward pass no longer uses the window up;
+* the window is :data:`SPIN_WINDOW_S` (a few ms) instead of vLLM's 1 s, but
+  only while the worker has recently (within :data:`ARMED_S`) waited at
+  least :data:`LONG_GAP_S` for a step -- as it does between the steps of
+  throttled users (the engine's idle wait is up to 50 ms, a 2 tok/s user
+  gets a step every 0.5 s).  An engine that sends steps back to back never
+  arms it, and its worker spins exactly as in stock vLLM.  Measured on the
+  shared 2-core testbed, a worker that slept whenever the engine's turnaround
+  took more than 5 ms lost CPU share to other processes and with it
+  throughput (plugin/stock 0.65 with only this difference, under outside
+  load); the busy-engine case therefore keeps vLLM's spin.
 
 After the window the worker waits in vLLM's own poll, which every write
 wakes (``MessageQueue.enqueue`` notifies after each write, and a stale
@@ -49,6 +56,8 @@ from vllm_output_rate.settings import OutputRateSettings
 logger = logging.getLogger(__name__)
 
 SPIN_WINDOW_S = 0.005
+LONG_GAP_S = 0.05  # a wait this long means the engine had nothing to run
+ARMED_S = 1.0  # how long after such a wait the short window applies
 SPIN_WINDOW_ENV = "VLLM_OUTPUT_RATE_WORKER_SPIN_MS"
 
 # Marks a SpinCondition whose wait/record_read were replaced.
@@ -72,8 +81,11 @@ def spin_window_s() -> float | None:
     return value
 
 
-def shorten_spin(message_queue: Any, window_s: float) -> bool:
-    """Make a local reader of ``message_queue`` spin ``window_s`` per wait.
+def shorten_spin(message_queue: Any, window_s: float, long_gap_s: float = LONG_GAP_S,
+                 armed_s: float = ARMED_S) -> bool:
+    """Make a local reader of ``message_queue`` spin ``window_s`` per wait
+    while it is armed (a wait of at least ``long_gap_s`` ended less than
+    ``armed_s`` ago); otherwise it keeps vLLM's own window.
 
     The window counts from the first ``wait`` after each read.  Returns
     False (and changes nothing) when ``message_queue`` is not a
@@ -82,29 +94,37 @@ def shorten_spin(message_queue: Any, window_s: float) -> bool:
     cond = getattr(message_queue, "_spin_condition", None)
     if cond is None or not getattr(cond, "is_reader", False):
         return False
-    cond.busy_loop_s = window_s
-    if getattr(cond, _SHORT_SPIN_MARK, False):
+    settings = getattr(cond, _SHORT_SPIN_MARK, None)
+    if settings is not None:
+        settings.update(window=window_s, long_gap=long_gap_s, armed=armed_s)
         return True
 
+    settings = {"window": window_s, "long_gap": long_gap_s, "armed": armed_s}
+    vllm_window = cond.busy_loop_s
     vllm_wait = cond.wait
     vllm_record_read = cond.record_read
-    read_since_wait = [True]
+    waiting_since: list[float | None] = [None]  # start of the current wait, if any
+    last_long_wait = [float("-inf")]  # when the last wait >= long_gap ended
 
     def record_read() -> None:
-        vllm_record_read()
-        read_since_wait[0] = True
+        vllm_record_read()  # stamps cond.last_read with vLLM's clock
+        since = waiting_since[0]
+        if since is not None and cond.last_read - since >= settings["long_gap"]:
+            last_long_wait[0] = cond.last_read
+        waiting_since[0] = None
 
     def wait(timeout_ms: int | None = None) -> None:
-        if read_since_wait[0]:
-            # First wait after a read: the busy window starts now (vLLM's
-            # record_read stamps last_read with vLLM's own clock).
-            read_since_wait[0] = False
+        if waiting_since[0] is None:
+            # First wait after a read: the busy window starts now.
             vllm_record_read()
+            waiting_since[0] = cond.last_read
+            armed = cond.last_read - last_long_wait[0] <= settings["armed"]
+            cond.busy_loop_s = settings["window"] if armed else vllm_window
         vllm_wait(timeout_ms)
 
     cond.record_read = record_read
     cond.wait = wait
-    setattr(cond, _SHORT_SPIN_MARK, True)
+    setattr(cond, _SHORT_SPIN_MARK, settings)
     return True
 
 
@@ -127,9 +147,9 @@ def patch_worker_idle() -> None:
                 if window is not None and shorten_spin(getattr(self, "rpc_broadcast_mq", None), window):
                     logger.info(
                         "vllm-output-rate: model worker spins %.1f ms per wait for the "
-                        "next step (vLLM default: 1 s after each read), then sleeps "
-                        "until the engine writes",
-                        window * 1000.0,
+                        "next step while steps come >= %.0f ms apart (vLLM: 1 s after "
+                        "each read), then sleeps until the engine writes",
+                        window * 1000.0, LONG_GAP_S * 1000.0,
                     )
             return result
 
@@ -138,5 +158,5 @@ def patch_worker_idle() -> None:
     _install(WorkerProc, "_init_message_queues", make)
 
 
-__all__ = ["SPIN_WINDOW_S", "SPIN_WINDOW_ENV", "feature_on", "patch_worker_idle",
+__all__ = ["ARMED_S", "LONG_GAP_S", "SPIN_WINDOW_S", "SPIN_WINDOW_ENV", "feature_on", "patch_worker_idle",
            "shorten_spin", "spin_window_s"]
