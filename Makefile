@@ -24,8 +24,21 @@ export HF_HUB_OFFLINE ?= 1
 
 STAMP := $(VENV)/.vllm-output-rate-setup
 
-.PHONY: setup model bench-model serve test demo readme-measured bench-step bench-server readme-performance clean-model
+# Second supported series: vLLM 0.33 has no CPU build, so its GPU wheel goes
+# into its own venv next to the CPU torch (tools/vllm-series-venv.sh), and
+# the suites that need no model run there too.
+VLLM_033_VERSION ?= 0.33.0
+VENV_033 ?= .venv-vllm0.33
+STAMP_033 := $(VENV_033)/.vllm-output-rate-setup
+SERIES_TESTS ?= tests/test_limiter.py tests/test_gate.py tests/test_settings.py \
+	tests/test_scheduler.py tests/test_touchpoints.py tests/test_engine_step.py tests/test_lora.py \
+	tests/test_series.py tests/test_cli_config.py
+# vllm serve subprocesses cannot start on the GPU wheel (no CPU kernels).
+SERIES_TEST_ARGS ?= -k 'not refused_by_serve and not group_shows_flags'
+
+.PHONY: setup setup-033 test-033 model bench-model serve test demo readme-measured bench-step bench-server readme-performance clean-model
 setup: $(STAMP)
+setup-033: $(STAMP_033)
 
 # pip (not uv) finds the local CPU torch wheel. PyPI's torchvision/torchaudio/
 # torchcodec do not match the CPU torch and break `transformers` imports.
@@ -43,6 +56,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -c 'import vllm_output_rate, hypothesis, pytest' || { echo "package install failed" >&2; exit 1; }
 	touch $@
 
+$(STAMP_033): $(STAMP) tools/vllm-series-venv.sh
+	bash tools/vllm-series-venv.sh $(VLLM_033_VERSION) $(VENV_033) $(VENV)
+
 model: $(TINY_MODEL_DIR)/config.json
 $(TINY_MODEL_DIR)/config.json: | $(STAMP)
 	$(BIN)/vllm-output-rate tiny-model $(TINY_MODEL_DIR)
@@ -54,8 +70,13 @@ $(BENCH_MODEL_DIR)/config.json: | $(STAMP)
 serve: setup model
 	$(BIN)/vllm-output-rate serve $(MODEL) --host $(HOST) --port $(PORT) $(LIMITS) $(ARGS)
 
-test: setup model
+test: setup setup-033 model
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(MAKE) --no-print-directory test-033
+
+# The model-free suites on vLLM 0.33 (the whole suite runs on 0.32 above).
+test-033: setup-033 model
+	$(VENV_033)/bin/python -m pytest -q -p no:cacheprovider $(SERIES_TEST_ARGS) $(SERIES_TESTS)
 
 # The same workload (a heavy user with 12 streams beside a light one) on stock
 # vLLM and with the plugin: two servers, 30 s of bench each, ~3-4 min in all.
