@@ -160,6 +160,14 @@ def throughput_lines(doc: dict) -> list[str]:
             f"Output tokens per engine step: {min(steps):.1f}–{max(steps):.1f} "
             "(batches stay near full: the engine, not the front end, sets the pace)."
         )
+    per_cpu = a.get("tokens_per_server_cpu_s_ratio")
+    if per_cpu is not None:
+        pc, sc = a["tokens_per_server_cpu_s"], a["server_cores"]
+        lines.append(
+            f"Output tokens per CPU-second of the server's processes: stock {pc['stock']['mean']:.0f}, "
+            f"plugin {pc['plugin']['mean']:.0f} (ratio {per_cpu:.3f}); CPU the server got: stock "
+            f"{sc['stock']['mean']:.2f}, plugin {sc['plugin']['mean']:.2f} cores on average."
+        )
     foreign = [r["cpu_during_window"]["foreign_cores"] for r in doc.get("runs", [])
                if r.get("cpu_during_window")]
     if foreign:
@@ -229,9 +237,9 @@ def idle_lines(doc: dict, spin_off: dict | None = None) -> list[str]:
         "vLLM's model worker busy-polls its shared-memory queue until 1 s after the last "
         "message, so a throttled user's steps (about two a second here) kept it spinning "
         "(last column: `VLLM_OUTPUT_RATE_WORKER_SPIN_MS=off`). With the feature on, the "
-        "plugin's `worker.idle_spin` patch lets it spin only 5 ms from the start of each wait, "
-        "then sleep until the engine's next write wakes it; what the worker still uses is "
-        "the steps' own work. "
+        "plugin's `worker.idle_spin` patch lets it spin only 5 ms from the start of each wait "
+        "while steps come at least 50 ms apart, then sleep until the engine's next write "
+        "wakes it; what the worker still uses is mostly the steps' own work. "
         f"Other processes used {foreign['mean']:.0f} % of a core on average during the throttled "
         "windows (the machine is shared).",
     ]
