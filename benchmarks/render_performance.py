@@ -239,7 +239,8 @@ def idle_lines(doc: dict, spin_off: dict | None = None) -> list[str]:
         "(last column: `VLLM_OUTPUT_RATE_WORKER_SPIN_MS=off`). With the feature on, the "
         "plugin's `worker.idle_spin` patch lets it spin only 5 ms from the start of each wait "
         "while steps come at least 50 ms apart, then sleep until the engine's next write "
-        "wakes it; what the worker still uses is mostly the steps' own work. "
+        "wakes it; what the worker still uses is those spins (each step is two messages, "
+        "execute and sample; the second is followed by the 5 ms spin) plus the steps' own work. "
         f"Other processes used {foreign['mean']:.0f} % of a core on average during the throttled "
         "windows (the machine is shared).",
     ]
