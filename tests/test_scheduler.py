@@ -167,15 +167,20 @@ def test_other_user_admitted_while_user_is_throttled():
 
 
 def test_throttled_user_filling_every_slot_gives_one_up_for_another_user():
-    h = Harness(limits(1000, a=5), max_num_seqs=6, max_num_active_seqs=3)
-    a_reqs = _exhaust(h, "a", streams=6, steps=6)
+    # a still has quota for one token every step (100 tok/s, 10 ms steps):
+    # a is served in the very step b arrives.
+    h = Harness(limits(1000, a=100), max_num_seqs=6, max_num_active_seqs=3)
+    a_reqs = _exhaust(h, "a", streams=6, steps=12)
     assert len(h.sched.running) == 6  # every model-runner slot is a's
     b = h.add("b", prompt_len=8, max_tokens=3)
     h.step(10 * MS)
     out = h.step_outputs[-1]
     assert b.request_id in out.num_scheduled_tokens
+    assert any(h.records[rid].user == "a" for rid in h.sampled_log[-1])
     assert len(out.preempted_req_ids) == 1
     assert out.preempted_req_ids <= {r.request_id for r in a_reqs}
+    (victim,) = out.preempted_req_ids
+    assert h.sched.requests[victim].status == RequestStatus.PREEMPTED
     assert len(h.sched.running) <= 6
     h.check_resident_consistent()
     h.check_limiter_exact()
@@ -534,3 +539,76 @@ def test_gate_counts_charged_tokens_throttled_time_and_idle_steps(async_):
     assert 2 * S < gate.throttled_ns["slow"] <= 4 * S
     assert "fast" not in gate.throttled_ns
     assert gate.idle_steps > 0
+
+
+# -- slot hand-over without thrash ---------------------------------------------------
+
+
+@pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_slot_hand_over_takes_exactly_one_preemption(policy, async_):
+    """a (100 tok/s, quota every step) holds all 16 slots with 16 streams;
+    b's request takes one slot in the step it arrives, with one preemption,
+    and the victim is not re-admitted in that step."""
+    h = Harness(limits(1000, a=100), async_=async_, policy=policy,
+                max_num_seqs=16, max_num_active_seqs=4)
+    for _ in range(16):
+        h.add("a", prompt_len=8, max_tokens=2000)
+    for _ in range(20):
+        h.step(10 * MS)
+    assert len(h.sched.running) == 16
+    b = h.add("b", prompt_len=8, max_tokens=5)
+    out = h.step(10 * MS)
+    assert b.request_id in out.num_scheduled_tokens
+    assert len(out.preempted_req_ids) == 1
+    (victim,) = out.preempted_req_ids
+    assert victim not in out.num_scheduled_tokens
+    assert h.sched.requests[victim].status == RequestStatus.PREEMPTED
+    preemptions = 0
+    for _ in range(60):
+        preemptions += len(h.step(10 * MS).preempted_req_ids)
+    assert preemptions == 0
+    assert h.records[b.request_id].finished
+    h.check_resident_consistent()
+
+
+@pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
+def test_slot_preemptions_never_exceed_admissions_of_other_users(async_):
+    """Random arrivals and rates under slot pressure (KV plentiful): every
+    preemption in a step pays for a distinct admission of a waiting request
+    of a user other than the victims'."""
+    from hypothesis import given, settings, strategies as st
+
+    @settings(max_examples=15, deadline=None, derandomize=True)
+    @given(
+        rates=st.lists(st.sampled_from([5, 20, 100, 1000]), min_size=2, max_size=4),
+        seqs=st.sampled_from([4, 8]),
+        active=st.sampled_from([2, 3, 4]),
+        arrivals=st.lists(
+            st.tuples(st.integers(0, 80), st.integers(0, 3), st.integers(1, 60)),
+            min_size=4, max_size=30,
+        ),
+    )
+    def check(rates, seqs, active, arrivals):
+        users = {f"u{i}": rate for i, rate in enumerate(rates)}
+        h = Harness(limits(1000, **users), async_=async_, max_num_seqs=seqs,
+                    max_num_active_seqs=min(active, seqs), num_blocks=4000)
+        names = list(users)
+        for step in range(120):
+            for at, who, max_tokens in arrivals:
+                if at == step:
+                    h.add(names[who % len(names)], prompt_len=8, max_tokens=max_tokens)
+            before = {r.request_id for r in h.sched.running}
+            out = h.step(10 * MS)
+            victims = out.preempted_req_ids
+            if not victims:
+                continue
+            victim_users = {h.records[rid].user for rid in victims}
+            admitted_other = [
+                rid for rid in out.num_scheduled_tokens
+                if rid not in before and h.records[rid].user not in victim_users
+            ]
+            assert len(victims) <= len(admitted_other), (step, victims, admitted_other)
+        h.check_resident_consistent()
+
+    check()

@@ -385,6 +385,12 @@ class StepGate:
         self._blocked.add(user)
         return False
 
+    def quota_now(self, user: str) -> int:
+        """Tokens ``user`` could still be charged in this step (0 once refused)."""
+        if user in self._refused:
+            return 0
+        return self.limiter.available(user, self.now_ns)
+
     def is_served_now(self, key: Key) -> bool:
         """Was the key's user offered (and paid for) a decoding stream in this step?"""
         user = self._user_of[key]

@@ -94,6 +94,7 @@ class OutputRateSchedulerMixin:
         self._refused_visible = 0
         self._preempted_in_step: list[Request] = []
         self._evicted_in_step: list[Request] = []
+        self._slot_donors: set[str] = set()  # users who gave up a slot this step
         self._held_for_other_reasons = False
         self._stock_allocate_slots = self.kv_cache_manager.allocate_slots
         # Bound once: this hook runs for every scheduled request of every step.
@@ -256,6 +257,7 @@ class OutputRateSchedulerMixin:
         self._refused_visible = 0
         self._preempted_in_step = []
         self._evicted_in_step = []
+        self._slot_donors = set()
         self._held_for_other_reasons = False
         self._prepaid = prepaid
         self._step_plan = plan
@@ -351,6 +353,11 @@ class OutputRateSchedulerMixin:
         if self._step_plan is None:
             return True
         gate = self.output_rate_gate
+        if self._slot_donors:
+            # Slots were freed in this step for requests that can run now:
+            # neither the donors' own requests nor anyone out of quota may
+            # take them instead.
+            return gate.user_of(request) not in self._slot_donors and gate.can_charge(request)
         samples_at_once = (
             not self._chunked_prefill or request.num_tokens - request.num_computed_tokens <= 1
         )
@@ -389,17 +396,31 @@ class OutputRateSchedulerMixin:
         free = self.max_num_running_reqs - occupied
         if free > 0:
             return
+        # A freed slot is only worth a preemption if the active cap leaves
+        # room to run the request it was freed for.
+        room = self._active_cap - len(plan.visible)
+        if plan.over_cap or room <= 0:
+            return
         gate = self.output_rate_gate
+        promised: dict[str, int] = {}  # user -> freed slots whose token it must pay
         for request in list(islice(self.waiting, self._active_cap)):
+            if room <= 0:
+                return
             if request.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
                 continue
-            if not gate.can_charge(request):
+            user = gate.user_of(request)
+            if gate.quota_now(user) <= promised.get(user, 0):
                 continue  # its user could not run it now either
             victim = self._throttled_victim_for(request)
             if victim is None:
                 return
-            self._preempt_request(victim, time.monotonic())
+            # Held out of the waiting queue until the step ends: re-admitted
+            # now, it would take back the slot it was freed from.
+            self._evict(victim)
+            self._slot_donors.add(gate.user_of(victim))
+            promised[user] = promised.get(user, 0) + 1
             plan.hidden -= 1
+            room -= 1
 
     # KV pressure: allocation failures evict hidden throttled requests first.
 
