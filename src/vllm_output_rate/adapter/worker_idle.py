@@ -113,10 +113,14 @@ def shorten_spin(message_queue: Any, window_s: float, long_gap_s: float = LONG_G
             last_long_wait[0] = cond.last_read
         waiting_since[0] = None
 
+    from vllm.distributed.device_communicators import shm_broadcast
+
     def wait(timeout_ms: int | None = None) -> None:
         if waiting_since[0] is None:
-            # First wait after a read: the busy window starts now.
-            vllm_record_read()
+            # First wait after a read: the busy window starts now (on vLLM's
+            # clock; not through record_read, which in vLLM 0.33 may also
+            # drain a pending write notification).
+            cond.last_read = shm_broadcast.time.monotonic()
             waiting_since[0] = cond.last_read
             armed = cond.last_read - last_long_wait[0] <= settings["armed"]
             cond.busy_loop_s = settings["window"] if armed else vllm_window
