@@ -1204,3 +1204,59 @@ def test_random_protocol_keeps_invariants(seed, cleanup_every, population, churn
             earliest = min(lim.ready_at_ns(u, now) for u in blocked)
             assert wait == min(earliest - now, MAX_IDLE_WAIT_NS)
             assert 0 <= wait <= MAX_IDLE_WAIT_NS
+
+
+# ---------------------------------------------------------------------------
+# waiting requests that take turns (no chunked prefill)
+# ---------------------------------------------------------------------------
+
+
+def test_waiting_request_takes_its_turn_between_resident_streams():
+    gate, lim = new_gate()
+    add(gate, "one", "r1")  # "one": 5 tok/s, one token per 200 ms
+    gate.track("w", "one")
+    gate.wait_in_turn("w")
+    assert list(gate.resident()) == ["r1"]
+    # r1 is first in the rotation: served.
+    plan = step(gate, 0, 4)
+    assert plan.visible == ["r1"] and plan.reserved == 0
+    # Next turn is w's: its token is kept for its admission, r1 waits.
+    plan = gate.plan(200 * MS, 4)
+    assert plan.visible == [] and plan.reserved == 1
+    assert gate.is_charged("w") and gate.can_charge("w")
+    gate.admit("w", False)
+    gate.finish({"w"})
+    assert lim.available("one", 200 * MS) == 0
+    # Both resident now, rotation continues with r1.
+    assert gate.plan(400 * MS, 4).visible == ["r1"]
+    gate.finish({"r1"})
+
+
+def test_waiting_request_not_admitted_gets_its_token_back_and_keeps_its_turn():
+    gate, lim = new_gate()
+    add(gate, "one", "r1")
+    gate.track("w", "one")
+    gate.wait_in_turn("w")
+    step(gate, 0, 4)
+    plan = gate.plan(200 * MS, 4)
+    assert plan.reserved == 1
+    assert gate.finish(set()) == 1  # w was not admitted (e.g. no KV): refunded
+    assert lim.available("one", 200 * MS) == 1
+    plan = gate.plan(200 * MS, 4)
+    assert plan.reserved == 1 and plan.visible == []
+    gate.finish(set())
+
+
+def test_waiting_request_without_room_to_get_in_does_not_hold_up_streams():
+    gate, _ = new_gate()
+    add(gate, "one", "r1", "r2")
+    gate.track("w", "one")
+    gate.wait_in_turn("w")
+    step(gate, 0, 2)  # r1 (burst allows one token)
+    # Two slots, both taken by resident requests: w cannot get in, so the
+    # rotation passes over it to r2.
+    plan = gate.plan(200 * MS, 2)
+    assert plan.visible == ["r2"] and plan.reserved == 0
+    gate.finish({"r2"})
+    gate.forget("w")
+    assert list(gate.resident()) == ["r1", "r2"]

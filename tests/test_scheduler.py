@@ -612,3 +612,28 @@ def test_slot_preemptions_never_exceed_admissions_of_other_users(async_):
         h.check_resident_consistent()
 
     check()
+
+
+# -- one quota, taken in turns, with or without chunked prefill ------------------------
+
+
+@pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("chunked", [True, False], ids=["chunked", "whole-prefill"])
+def test_new_requests_of_a_user_take_turns_with_its_streams(chunked, async_):
+    """Four requests of one user at 5 tok/s: each gets its first token within
+    a rotation of the others, not after the earlier ones finished."""
+    h = Harness(limits(1000, a=5), async_=async_, chunked=chunked, max_num_seqs=8)
+    reqs = [h.add("a", prompt_len=8, max_tokens=20) for _ in range(4)]
+    for _ in range(150):  # 1.5 s: with turns every request has started by ~0.6 s
+        h.step(10 * MS)
+    start = h.clock.now_ns - 150 * 10 * MS
+    firsts = []
+    for request in reqs:
+        times = h.records[request.request_id].sample_times
+        assert times, f"{request.request_id} got no token in 1.5 s"
+        firsts.append((times[0] - start) / S)
+    assert max(firsts) <= 1.0, firsts
+    h.run_until_done()
+    assert all(len(h.records[r.request_id].sample_times) == 20 for r in reqs)
+    h.check_limiter_exact()
+    h.check_resident_consistent()

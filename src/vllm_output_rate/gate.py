@@ -56,9 +56,13 @@ class _Lane:
 
     decoding: deque = field(default_factory=deque)  # rotation order, front first
     progressing: dict = field(default_factory=dict)  # ordered set of prefills
+    # Keys in ``decoding`` that are not resident: waiting requests that must
+    # sample to be admitted, taking turns with the user's resident streams.
+    waiting: int = 0
 
     def __len__(self) -> int:
-        return len(self.decoding) + len(self.progressing)
+        """Resident requests of the user."""
+        return len(self.decoding) - self.waiting + len(self.progressing)
 
 
 @dataclass(slots=True)
@@ -71,6 +75,7 @@ class StepPlan:
     prepaid: set  # visible decoding keys whose token is already taken
     prefills: list  # visible keys that are still prefilling
     throttled: bool  # some resident request waits for its user's quota
+    reserved: int = 0  # waiting requests whose turn came: quota kept for their admission
 
 
 class StepGate:
@@ -88,6 +93,8 @@ class StepGate:
         self._user_of: dict[Key, str] = {}
         self._known_per_user: dict[str, int] = {}  # user -> tracked requests
         self._lane_of: dict[Key, str] = {}
+        # Waiting keys that take turns in their user's rotation (see wait_in_turn).
+        self._in_turn: set = set()
         # Resident key -> admission number: vLLM's own order of `running`.
         self._admitted_at: dict[Key, int] = {}
         self._admissions = 0
@@ -127,9 +134,34 @@ class StepGate:
             self._known_per_user[user] = self._known_per_user.get(user, 0) + 1
         self._user_of[key] = user
 
+    def wait_in_turn(self, key: Key) -> None:
+        """A waiting request that must sample to be admitted (no chunked
+        prefill) takes its turn in its user's rotation, behind the streams
+        already there: it is admitted when the rotation reaches it and the
+        user can pay, instead of after every resident stream of the user."""
+        if key in self._in_turn or key in self._lane_of:
+            return
+        user = self._user_of[key]
+        lane = self._lanes.get(user)
+        if lane is None:
+            lane = self._lanes[user] = _Lane()
+        lane.decoding.append(key)
+        lane.waiting += 1
+        self._in_turn.add(key)
+        self._membership_version += 1
+
+    def _leave_turn(self, key: Key, user: str) -> _Lane:
+        self._in_turn.discard(key)
+        lane = self._lanes[user]
+        lane.waiting -= 1
+        self._membership_version += 1
+        return lane
+
     def forget(self, key: Key) -> None:
         """The request is gone for good (finished or aborted)."""
         self.release(key)
+        if key in self._in_turn:
+            self._leave_turn(key, self._user_of[key]).decoding.remove(key)
         user = self._user_of.pop(key, None)
         if user is None:
             return
@@ -161,6 +193,12 @@ class StepGate:
         self._admissions += 1
         self._admitted_at[key] = self._admissions
         self._membership_version += 1
+        if key in self._in_turn:
+            # Admitted in its turn: it keeps its place in the rotation.
+            self._leave_turn(key, user)
+            if not progressing:
+                return
+            lane.decoding.remove(key)
         if progressing:
             lane.progressing[key] = None
         else:
@@ -202,9 +240,13 @@ class StepGate:
 
     def resident(self) -> Iterator[Key]:
         """Every resident key, lane by lane."""
+        in_turn = self._in_turn
         for lane in self._lanes.values():
             yield from lane.progressing
-            yield from lane.decoding
+            if lane.waiting:
+                yield from (key for key in lane.decoding if key not in in_turn)
+            else:
+                yield from lane.decoding
 
     def service_order(self) -> list[str]:
         """Users holding a place in the service order, next to be served first."""
@@ -233,11 +275,18 @@ class StepGate:
         offers = self._offers
         room = max(slots, 0)
         over_cap = False
+        reserved = 0
         take_up_to = limiter.take_up_to
+        # Admissions the active cap leaves room for, counting every resident
+        # request: quota is kept only for waiting requests that can get in.
+        admit_room = max(0, room - len(self._lane_of))
+        reached = 0  # resident requests of the lanes reached
         for user, lane in self._lanes.items():
             if room <= 0:
-                over_cap = True  # this lane and any after it were not reached
+                # Lanes not reached: any resident request of theirs could run.
+                over_cap = over_cap or reached < len(self._lane_of)
                 break
+            reached += len(lane)
             if lane.progressing:
                 batch = list(islice(lane.progressing, room))
                 prefills.extend(batch)
@@ -247,6 +296,15 @@ class StepGate:
                     over_cap = True  # a prefill that could run was left out
             decoding = lane.decoding
             if not decoding:
+                continue
+            if lane.waiting:
+                used, admitted, lane_over_cap = self._offer_in_turn(
+                    user, lane, room, admit_room, visible, prepaid
+                )
+                room -= used
+                admit_room -= admitted
+                reserved += admitted
+                over_cap = over_cap or lane_over_cap
                 continue
             streams = len(decoding)
             wanted = streams if streams <= room else room
@@ -269,8 +327,49 @@ class StepGate:
                     over_cap = True  # quota was there, room was not
         hidden = len(self._lane_of) - len(visible)
         throttled = bool(self._throttled_lanes)
-        self._plan_was_full = not (prefills or hidden or over_cap or throttled)
-        return StepPlan(visible, hidden, over_cap, prepaid, prefills, throttled)
+        self._plan_was_full = not (prefills or hidden or over_cap or throttled or self._in_turn)
+        return StepPlan(visible, hidden, over_cap, prepaid, prefills, throttled, reserved)
+
+    def _offer_in_turn(
+        self, user: str, lane: _Lane, room: int, admit_room: int, visible: list, prepaid: set
+    ) -> tuple[int, int, bool]:
+        """Plan a lane whose rotation holds waiting requests (see wait_in_turn).
+
+        In rotation order, resident streams take visible room and waiting
+        requests take room for admission; the user pays for as many as it
+        can, in that order.  A waiting request that could not be admitted
+        this step anyway is passed over, so it never holds up the streams
+        behind it.  Returns (room used, admissions reserved, over cap).
+        """
+        in_turn = self._in_turn
+        candidates = []
+        resident_left = 0
+        for key in lane.decoding:
+            if key in in_turn:
+                if admit_room > 0:
+                    candidates.append(key)
+                    admit_room -= 1
+            elif room > 0:
+                candidates.append(key)
+                room -= 1
+            else:
+                resident_left += 1
+        offered = self.limiter.take_up_to(user, self.now_ns, len(candidates))
+        batch = candidates[:offered]
+        resident = [key for key in batch if key not in in_turn]
+        if batch:
+            visible.extend(resident)
+            prepaid.update(batch)
+            self._offers.append((user, batch))
+        over_cap = False
+        if offered < len(candidates) or (
+            resident_left and not self.limiter.available(user, self.now_ns)
+        ):
+            self._throttled_lanes.append(user)
+            self._blocked.add(user)
+        elif resident_left:
+            over_cap = True  # quota was there, room was not
+        return len(resident), len(batch) - len(resident), over_cap
 
     def _start_step(self, now_ns: int) -> None:
         self._steps += 1
@@ -308,6 +407,7 @@ class StepGate:
         """
         if (
             not self._repeatable
+            or self._in_turn
             or self._membership_version != self._plan_version
             or len(self._lane_of) > slots
         ):
@@ -438,6 +538,19 @@ class StepGate:
         ran = self._last_ran = {}
         for user, batch in self._offers:
             lane = lanes.get(user)
+            if lane is not None and lane.waiting:
+                # Its offer need not be the front of the rotation (waiting
+                # requests passed over): served keys go to the back.
+                served_set = {key for key in batch if key in sampled}
+                ran[user] = len(served_set)
+                if len(served_set) < len(batch):
+                    self.limiter.refund(user, now, len(batch) - len(served_set))
+                    refunded += len(batch) - len(served_set)
+                if served_set:
+                    rest = [key for key in lane.decoding if key not in served_set]
+                    lane.decoding = deque(rest + [k for k in lane.decoding if k in served_set])
+                    lanes.move_to_end(user)
+                continue
             if all_prepaid_sampled and lane is not None:
                 lane.decoding.rotate(-len(batch))
                 lanes.move_to_end(user)

@@ -131,6 +131,11 @@ class OutputRateSchedulerMixin:
     def add_request(self, request: Request) -> None:
         if request.request_id not in self.requests:
             self.output_rate_gate.track(request, _user_of(request))
+            if not self._chunked_prefill and not request.resumable:
+                # Its first token comes with its whole prefill: it needs
+                # quota to be admitted, so it takes turns with its user's
+                # resident streams.
+                self.output_rate_gate.wait_in_turn(request)
             if request.resumable and not self._tracks_sessions:
                 # Streaming-input sessions need bookkeeping after each step;
                 # engines that never see one skip the extra call per step.
@@ -144,6 +149,8 @@ class OutputRateSchedulerMixin:
 
     def _preempt_request(self, request: Request, *args: Any, **kwargs: Any) -> None:
         self.output_rate_gate.release(request)
+        if not self._chunked_prefill and not request.resumable:
+            self.output_rate_gate.wait_in_turn(request)  # as on arrival
         if self._step_plan is not None:
             self._preempted_in_step.append(request)
         super()._preempt_request(request, *args, **kwargs)
@@ -214,6 +221,7 @@ class OutputRateSchedulerMixin:
         # at its sampling position): a count, not a look at each request.
         undisturbed = (
             all_visible_prepaid
+            and not plan.reserved
             and not self._preempted_in_step
             and len(num_scheduled) - len(admitted) == num_visible
         )
@@ -409,7 +417,7 @@ class OutputRateSchedulerMixin:
             if request.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
                 continue
             user = gate.user_of(request)
-            if gate.quota_now(user) <= promised.get(user, 0):
+            if not gate.is_charged(request) and gate.quota_now(user) <= promised.get(user, 0):
                 continue  # its user could not run it now either
             victim = self._throttled_victim_for(request)
             if victim is None:
