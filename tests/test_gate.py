@@ -609,16 +609,18 @@ def test_throttled_victims_are_hidden_streams_of_throttled_users():
     assert plan.visible == ["t1", "t2", "t3", "o1", "l1", "l2"]
     assert plan.over_cap
     # "slow" was not reached (no room left), so it was not judged throttled.
-    assert list(gate.throttled_victims()) == ["t4", "t5", "o2"]
+    # Users whose quota comes back last go first: "one" (ready at 100 ms)
+    # before "three" (ready at 50 ms).
+    assert list(gate.throttled_victims()) == ["o2", "t4", "t5"]
     gate.finish(set())
     plan = gate.plan(0, 100)
     assert plan.visible == ["t1", "t2", "t3", "o1", "l1", "l2", "l3", "sp"]
     victims = list(gate.throttled_victims())
-    assert victims == ["t4", "t5", "o2", "s1", "s2"]
+    assert victims == ["s1", "s2", "o2", "t4", "t5"]  # "slow" is ready at 1.9 s
     assert not set(victims) & set(plan.visible)
     # Evicting victims one by one (as the adapter does) lists the rest.
     gate.release("t4")
-    assert list(gate.throttled_victims()) == ["t5", "o2", "s1", "s2"]
+    assert list(gate.throttled_victims()) == ["s1", "s2", "o2", "t5"]
     gate.finish(set())
 
 
@@ -1070,7 +1072,9 @@ def test_random_protocol_keeps_invariants(seed, cleanup_every, population, churn
         assert plan.prepaid == exp_prepaid
         assert plan.throttled == bool(exp_throttled)
         out_of_quota = [
-            u for u in exp_throttled
+            u
+            # Users whose quota comes back last first (stable sort).
+            for u in sorted(exp_throttled, key=lambda u: -gate.limiter.ready_at_ns(u, gate.now_ns))
             if avail[u] == len(model.dec[u]) - len(exp_hidden[u])  # all it could pay was offered
         ]
         assert list(gate.throttled_victims()) == [
@@ -1141,7 +1145,10 @@ def test_random_protocol_keeps_invariants(seed, cleanup_every, population, churn
                     assert key in model.dec[model.where[key]]
                 complete = [
                     k
-                    for u in exp_throttled
+                    # Users whose quota comes back last first (stable sort).
+                    for u in sorted(
+                        exp_throttled, key=lambda u: -gate.limiter.ready_at_ns(u, gate.now_ns)
+                    )
                     if u not in shifted and gate.limiter.available(u, gate.now_ns) == 0
                     for k in exp_hidden[u]
                     if model.where.get(k) == u and k not in charged_keys

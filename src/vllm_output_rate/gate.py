@@ -485,6 +485,11 @@ class StepGate:
         self._blocked.add(user)
         return False
 
+    def holds_residency(self, user: str) -> bool:
+        """Does ``user`` have a resident request?"""
+        lane = self._lanes.get(user)
+        return lane is not None and len(lane) > 0
+
     def quota_now(self, user: str) -> int:
         """Tokens ``user`` could still be charged in this step (0 once refused)."""
         if user in self._refused:
@@ -508,12 +513,16 @@ class StepGate:
         )
 
     def throttled_victims(self) -> Iterator[Key]:
-        """Hidden requests of out-of-quota users, least recently served first.
+        """Hidden requests of out-of-quota users, the user whose quota comes
+        back last first.
 
         Only requests offered nothing in this step are listed; a user's
-        least recently served hidden stream comes first.
+        least recently served hidden stream comes first.  The user ready
+        latest is the one whose request would sit idle in KV longest.
         """
-        for user in list(self._throttled_lanes):
+        now = self.now_ns
+        ready_at = self.limiter.ready_at_ns
+        for user in sorted(self._throttled_lanes, key=lambda u: -ready_at(u, now)):
             lane = self._lanes.get(user)
             if lane is None or self.limiter.available(user, self.now_ns) > 0:
                 continue  # gone, or its hidden streams wait for room, not quota

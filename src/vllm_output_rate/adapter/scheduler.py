@@ -95,6 +95,9 @@ class OutputRateSchedulerMixin:
         self._preempted_in_step: list[Request] = []
         self._evicted_in_step: list[Request] = []
         self._slot_donors: set[str] = set()  # users who gave up a slot this step
+        # Requests we preempted because their user was out of quota, until
+        # they are resident again (see _may_come_back).
+        self._evicted_for_quota: set[Request] = set()
         self._held_for_other_reasons = False
         self._stock_allocate_slots = self.kv_cache_manager.allocate_slots
         # Bound once: this hook runs for every scheduled request of every step.
@@ -145,6 +148,7 @@ class OutputRateSchedulerMixin:
 
     def _free_request(self, request: Request, *args: Any, **kwargs: Any):
         self.output_rate_gate.forget(request)
+        self._evicted_for_quota.discard(request)
         return super()._free_request(request, *args, **kwargs)
 
     def _preempt_request(self, request: Request, *args: Any, **kwargs: Any) -> None:
@@ -287,8 +291,11 @@ class OutputRateSchedulerMixin:
             admitted = [r for r in running_after if not gate.is_resident(r)]
         else:
             admitted = running_after[num_before:]
+        evicted = self._evicted_for_quota
         for request in admitted:
             gate.admit(request, _can_progress_unpaid(request))
+            if evicted:
+                evicted.discard(request)
         return admitted
 
     def _set_idle_wait(self, output) -> None:
@@ -370,12 +377,16 @@ class OutputRateSchedulerMixin:
             not self._chunked_prefill or request.num_tokens - request.num_computed_tokens <= 1
         )
         if samples_at_once:
+            if request in self._evicted_for_quota and not self._kv_room_for(request):
+                return False
             return gate.can_charge(request)
         if request.status == RequestStatus.PREEMPTED:
             # No re-admission thrash: a preempted stream comes back only while
             # its user can pay now or is being served in this step (then it
             # takes its turn in the user's rotation instead of starving).
-            return gate.can_charge(request) or gate.is_served_now(request)
+            if not (gate.can_charge(request) or gate.is_served_now(request)):
+                return False
+            return request not in self._evicted_for_quota or self._kv_room_for(request)
         return True
 
     def _ec_transfer_pending(self, request: Request, num_computed_tokens: int) -> bool:
@@ -411,12 +422,16 @@ class OutputRateSchedulerMixin:
             return
         gate = self.output_rate_gate
         promised: dict[str, int] = {}  # user -> freed slots whose token it must pay
-        for request in list(islice(self.waiting, self._active_cap)):
+        for request in list(self.waiting):
             if room <= 0:
                 return
             if request.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
                 continue
+            if request in self._evicted_for_quota:
+                continue  # comes back into a free slot and free KV only
             user = gate.user_of(request)
+            if gate.holds_residency(user):
+                continue  # served through its own resident streams: no churn
             if not gate.is_charged(request) and gate.quota_now(user) <= promised.get(user, 0):
                 continue  # its user could not run it now either
             victim = self._throttled_victim_for(request)
@@ -442,8 +457,25 @@ class OutputRateSchedulerMixin:
             blocks = self._stock_allocate_slots(request, *args, **kwargs)
         return blocks
 
+    def _kv_room_for(self, request: Request) -> bool:
+        """Could ``request`` be recomputed into free KV, leaving every request
+        that runs this step a block to grow into?
+
+        A request evicted for lack of quota comes back only then: taking KV
+        from others (or being evicted again as soon as they grow) would make
+        its recompute, and theirs, a loss.
+        """
+        needed = -(-(request.num_tokens + 1) // self.block_size) + len(self.running)
+        return self.kv_cache_manager.block_pool.get_num_free_blocks() >= needed
+
     def _throttled_victim_for(self, request: Request) -> Request | None:
         gate = self.output_rate_gate
+        if request in self._evicted_for_quota:
+            return None  # it comes back into free KV only (no eviction chains)
+        if request.status != RequestStatus.RUNNING and gate.holds_residency(gate.user_of(request)):
+            # A waiting request of a user already served through resident
+            # streams takes free KV only: evicting others for it would churn.
+            return None
         if not gate.can_charge(request):
             return None  # only a request that can run now may take KV from others
         requester = gate.user_of(request)
@@ -463,6 +495,7 @@ class OutputRateSchedulerMixin:
         return None
 
     def _evict(self, victim: Request) -> None:
+        self._evicted_for_quota.add(victim)
         self._preempt_request(victim, time.monotonic())
         # vLLM's waiting loop may be mid-iteration and about to pop the head
         # of the queue it peeked; keep the victim out until the step ends.
