@@ -26,10 +26,15 @@ How one ``schedule()`` call works (policy lives in :mod:`..gate`):
   a property that, during a step, admits waiting requests up to the active
   cap counting only requests that can run, and never beyond ``max_num_seqs``
   resident.
+* **vLLM's order.**  The visible requests are handed to vLLM in admission
+  order (its own order of ``running``), so with limits never hit every
+  decision -- token budget, preemption victims -- is stock vLLM's.
 * **KV pressure.**  When an allocation fails, hidden throttled requests are
-  preempted first (least recently served first; under the PRIORITY policy
-  only within the same or a less important priority), before vLLM's own
-  victim choice and also on behalf of waiting requests.
+  preempted first (the user whose quota comes back last first; under the
+  PRIORITY policy only within the same or a less important priority),
+  before vLLM's own victim choice and also on behalf of waiting requests of
+  users with no resident request.  A request evicted this way comes back
+  only into free KV and never evicts others (:meth:`_kv_room_for`).
 * **Refund once.**  After vLLM's ``schedule()`` returns, every charge whose
   request did not end up scheduled at a sampling position is refunded.
 
@@ -41,7 +46,6 @@ from __future__ import annotations
 
 import logging
 import time
-from itertools import islice
 from typing import Any, Callable, Container
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -96,7 +100,7 @@ class OutputRateSchedulerMixin:
         self._evicted_in_step: list[Request] = []
         self._slot_donors: set[str] = set()  # users who gave up a slot this step
         # Requests we preempted because their user was out of quota, until
-        # they are resident again (see _may_come_back).
+        # they are resident again (see _kv_room_for).
         self._evicted_for_quota: set[Request] = set()
         self._held_for_other_reasons = False
         self._stock_allocate_slots = self.kv_cache_manager.allocate_slots
@@ -145,6 +149,12 @@ class OutputRateSchedulerMixin:
                 self._tracks_sessions = True
                 self.update_from_output = self._update_from_output_with_sessions
         super().add_request(request)
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        close = getattr(self.output_rate_limiter, "close", None)
+        if close is not None:  # a shared-store limiter stops its lease thread
+            close()
 
     def _free_request(self, request: Request, *args: Any, **kwargs: Any):
         self.output_rate_gate.forget(request)
