@@ -13,7 +13,13 @@ A step goes like this:
    in rotation order, until the active cap is full.  The decoding streams it
    offers are paid for at once, one bulk take per user ("prepaid").
    Everything else stays resident but out of sight, so the step costs
-   O(active requests + users visited), not O(resident requests).
+   O(active requests + users visited), not O(resident requests).  The
+   adapter hands the chosen requests to vLLM in admission order
+   (:meth:`StepGate.in_admission_order`): the gate decides *which* requests
+   run, vLLM's own order decides everything else.  Waiting requests that
+   must sample to be admitted (no chunked prefill) sit in their user's
+   rotation too (:meth:`StepGate.wait_in_turn`): when their turn comes, the
+   user's token is kept for their admission.
 2. :meth:`StepGate.charge` is called for each request about to be given a
    sampling position; prepaid requests pass for free, any other takes one
    unit of its user's quota, at most once per request per step.  A user
