@@ -211,7 +211,9 @@ def count_child(scenario: str, resident: int, who: str, steps: int, helper: str)
     themselves (a ctypes call each) are measured separately ("calibrate",
     empty on/off pairs) so that the parent can subtract them.
     """
-    h = build(scenario, resident, who == "ours")
+    if who == "ours-plain":
+        disable_fast_paths()
+    h = build(scenario, resident, who != "stock")
     cg = ctypes.CDLL(helper)
     toggle = cg.cg_toggle
     sched = h.sched
@@ -232,6 +234,49 @@ def count_child(scenario: str, resident: int, who: str, steps: int, helper: str)
         toggle()
         h.clock.advance(10 * MS)
     cg.cg_dump(b"measured")
+
+
+def disable_fast_paths() -> None:
+    """Ours without its two fast paths, for measuring what they earn.
+
+    * the repeated step (``StepGate.steady``): every step is planned;
+    * the stock per-request hook in the running loop when every visible
+      request is prepaid: every request goes through the charging hook.
+    """
+    from vllm_output_rate.adapter.scheduler import OutputRateSchedulerMixin
+    from vllm_output_rate.gate import StepGate
+
+    StepGate.steady = lambda self, now_ns, slots: False
+    begin = OutputRateSchedulerMixin._begin_step
+
+    def _begin_step_plain(self, plan, prepaid, all_visible_prepaid):
+        begin(self, plan, prepaid, all_visible_prepaid=False)
+
+    OutputRateSchedulerMixin._begin_step = _begin_step_plain
+
+
+def measure_fast_paths(sizes: list[int]) -> dict:
+    """Instructions per step, limits never hit: stock, ours, ours without fast paths."""
+    whos = ("stock", "ours", "ours-plain")
+    cells = [("never_hit", r, who) for r in sizes for who in whos]
+    with tempfile.TemporaryDirectory(prefix="cgctl-") as tmp:
+        helper = build_callgrind_helper(Path(tmp))
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            counts = dict(zip(cells, pool.map(
+                lambda cell: count_instructions(*cell, instruction_steps(*cell), helper),
+                cells,
+            )))
+    results = {}
+    for r in sizes:
+        row = {who: counts[("never_hit", r, who)] for who in whos}
+        row["fast_path_saving"] = 1 - row["ours"] / row["ours-plain"]
+        results[r] = row
+        print(
+            f"never_hit R={r:5d}  stock {row['stock'] / 1e6:8.3f} M  ours {row['ours'] / 1e6:8.3f} M  "
+            f"plain {row['ours-plain'] / 1e6:8.3f} M  fast paths save {100 * row['fast_path_saving']:.2f} %",
+            flush=True,
+        )
+    return results
 
 
 def _dumped_instructions(out_dir: Path, trigger: str) -> int:
@@ -311,8 +356,20 @@ def main() -> None:
         help="also count instructions per step under callgrind (repeatable; "
         "needs valgrind and gcc; adds a few minutes)",
     )
+    ap.add_argument(
+        "--fast-paths", action="store_true",
+        help="only count instructions per step (never hit) for stock, ours and ours "
+        "without its fast paths; writes OUT_fast_paths.json",
+    )
     args = ap.parse_args()
     sizes = [int(x) for x in args.resident.split(",")]
+    if args.fast_paths:
+        doc = {"results": measure_fast_paths(sizes)}
+        out = Path(args.out + "_fast_paths.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(doc, indent=2) + "\n")
+        print(f"wrote {out}")
+        return
     results: dict = {"never_hit": {}, "throttled_90": {}}
     for scenario in results:
         for r in sizes:

@@ -47,7 +47,10 @@ def test_constants_are_the_documented_names():
     assert CONFIG_KEY == "output_rate"
     assert USER_ARG == "output_rate_user"
     assert ANONYMOUS_USER == "__anonymous__"
-    assert MAX_USER_LEN == 256
+    # README promises identities of up to 256 characters.
+    assert resolve_user({USER_ARG: "u" * 256}) == "u" * 256
+    with pytest.raises(InvalidUserError):
+        resolve_user({USER_ARG: "u" * 257})
     assert issubclass(OutputRateConfigError, ValueError)
     assert issubclass(InvalidUserError, ValueError)
 
