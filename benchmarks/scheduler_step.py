@@ -255,17 +255,26 @@ def disable_fast_paths() -> None:
     OutputRateSchedulerMixin._begin_step = _begin_step_plain
 
 
+def count_cells(cells: list[tuple[str, int, str]]) -> dict:
+    """Instructions per step of each (scenario, resident, who) cell.
+
+    Counts do not depend on what else the machine runs, so the children run
+    side by side, one per core.
+    """
+    with tempfile.TemporaryDirectory(prefix="cgctl-") as tmp:
+        helper = build_callgrind_helper(Path(tmp))
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            return dict(zip(cells, pool.map(
+                lambda cell: count_instructions(*cell, instruction_steps(*cell), helper),
+                cells,
+            )))
+
+
 def measure_fast_paths(sizes: list[int]) -> dict:
     """Instructions per step, limits never hit: stock, ours, ours without fast paths."""
     whos = ("stock", "ours", "ours-plain")
     cells = [("never_hit", r, who) for r in sizes for who in whos]
-    with tempfile.TemporaryDirectory(prefix="cgctl-") as tmp:
-        helper = build_callgrind_helper(Path(tmp))
-        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-            counts = dict(zip(cells, pool.map(
-                lambda cell: count_instructions(*cell, instruction_steps(*cell), helper),
-                cells,
-            )))
+    counts = count_cells(cells)
     results = {}
     for r in sizes:
         row = {who: counts[("never_hit", r, who)] for who in whos}
@@ -311,20 +320,10 @@ def count_instructions(scenario: str, resident: int, who: str, steps: int, helpe
 
 
 def measure_instructions(sizes: list[int]) -> dict:
-    """Instructions per step for every scenario, size and scheduler.
-
-    Counts do not depend on what else the machine runs, so the children run
-    side by side, one per core.
-    """
+    """Instructions per step for every scenario, size and scheduler."""
     cells = [(scenario, r, who) for scenario in ("never_hit", "throttled_90")
              for r in sizes for who in ("stock", "ours")]
-    with tempfile.TemporaryDirectory(prefix="cgctl-") as tmp:
-        helper = build_callgrind_helper(Path(tmp))
-        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-            counts = dict(zip(cells, pool.map(
-                lambda cell: count_instructions(*cell, instruction_steps(*cell), helper),
-                cells,
-            )))
+    counts = count_cells(cells)
     results: dict = {"never_hit": {}, "throttled_90": {}}
     for scenario in results:
         for r in sizes:
