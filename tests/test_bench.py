@@ -4,6 +4,7 @@ against a small fake OpenAI-compatible SSE server (no vLLM needed)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import threading
@@ -150,7 +151,7 @@ def test_anonymous_user_parsing_and_request_body():
     anonymous = bench.parse_user_spec("-:2")
     assert anonymous == UserSpec(ANONYMOUS_USER, 2, bench.DEFAULT_MAX_TOKENS)
     assert not anonymous.sends_identity
-    config = bench.BenchConfig(url="http://127.0.0.1:1", users=[anonymous], duration_s=1)
+    config = bench.BenchConfig(urls=["http://127.0.0.1:1"], users=[anonymous], duration_s=1)
     body = bench.request_body(config, "m", anonymous)
     assert "vllm_xargs" not in body
     assert body["stream"] is True and body["ignore_eos"] is True
@@ -458,9 +459,15 @@ def demo_doc():
 
 
 def test_recorded_demo_reproduces_its_summaries(demo_doc):
+    # Recorded before the several-engine fields existed: those come out at
+    # their one-engine defaults, every recorded field is reproduced exactly.
     for side in ("stock", "plugin"):
         redone = [s.to_dict() for s in bench.summarize_document(demo_doc[side])]
-        assert redone == demo_doc[side]["summary"]
+        recorded = demo_doc[side]["summary"]
+        assert [{k: s[k] for k in old} for s, old in zip(redone, recorded)] == recorded
+        for s in redone:
+            assert s["tokens_by_engine"] == {} and s["shared_store"] is False
+            assert s["server_charged_tokens"] is None
 
 
 def test_demo_table_has_one_row_per_user_and_server(demo_doc):
@@ -561,6 +568,10 @@ CHUNK_SIZES = (3, 1, 2, 4)  # tokens per SSE chunk, cycled: several per chunk
 class FakeServerState:
     tokens_sent: Counter = field(default_factory=Counter)
     bodies: list = field(default_factory=list)
+    # With ``metrics``: GET /metrics exports the plugin's charged-token counter
+    # per user, starting from ``charged_before`` (what earlier runs left there).
+    metrics: bool = False
+    charged_before: Counter = field(default_factory=Counter)
 
 
 def make_fake_app(state: FakeServerState):
@@ -607,18 +618,32 @@ def make_fake_app(state: FakeServerState):
         await response.write_eof()
         return response
 
+    async def metrics(request):
+        lines = ["# TYPE vllm:output_rate_output_tokens_charged counter"]
+        for user in sorted(set(state.charged_before) | set(state.tokens_sent)):
+            value = state.charged_before[user] + state.tokens_sent[user]
+            lines.append(f'vllm:output_rate_output_tokens_charged_total{{model_name="fake-model",user="{user}"}} {value}')
+        return web.Response(text="\n".join(lines) + "\n")
+
     app = web.Application()
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/completions", completions)
+    if state.metrics:
+        app.router.add_get("/metrics", metrics)
     return app
 
 
 @pytest.fixture
 def fake_server():
     """The fake app in its own thread and event loop, on a free 127.0.0.1 port."""
+    with running_fake_server(FakeServerState()) as served:
+        yield served
+
+
+@contextlib.contextmanager
+def running_fake_server(state: FakeServerState):
     from aiohttp import web
 
-    state = FakeServerState()
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
@@ -770,6 +795,127 @@ def test_report_draws_missing_plot_from_json(fake_server, tmp_path):
     report.main(["--bench", str(out_json), "--png", str(png), "--readme", str(readme), "--section", "bench"])
     assert png.read_bytes()[:4] == b"\x89PNG"
     assert "](../img/plot.png)" in readme.read_text()
+
+
+# --------------------------------------------------------------------------
+# Several engines: --url repeated, streams spread, tokens summed per user
+# --------------------------------------------------------------------------
+
+
+def test_streams_are_dealt_round_robin_over_the_urls_from_user_to_user():
+    users = [UserSpec("a", 4), UserSpec("b", 1), UserSpec("c", 3)]
+    placement = bench.assign_urls(users, ["u1", "u2"])
+    assert [placement[("a", i)] for i in range(4)] == ["u1", "u2", "u1", "u2"]
+    assert placement[("b", 0)] == "u1"
+    assert [placement[("c", i)] for i in range(3)] == ["u2", "u1", "u2"]
+    three = bench.assign_urls(users, ["u1", "u2", "u3"])
+    assert {three[("a", i)] for i in range(4)} == {"u1", "u2", "u3"}
+    assert list(Counter(three.values()).values()) == [3, 3, 2]  # 8 streams, balanced
+    one = bench.assign_urls(users, ["u"])
+    assert set(one.values()) == {"u"} and len(one) == 8
+
+
+def test_bound_across_engines_is_the_documented_one():
+    # stores/lease.py and README: (W + 0.25) x N + 1 + E x ceil(0.1 x N).
+    assert analysis.lease_size(30.0) == 3  # 30.0 * 0.1 > 3 in floating point
+    assert analysis.lease_size(0.5) == 1 and analysis.lease_size(101) == 11
+    assert guarantee_bound(1.0, 30.0, shared_engines=2) == pytest.approx(44.5)
+    assert guarantee_bound(20.0, 30.0, shared_engines=2) == pytest.approx(614.5)
+    assert guarantee_bound(1.0, 30.0, shared_engines=3) == pytest.approx(47.5)
+    # No shared store: one engine's own limiter.
+    assert guarantee_bound(1.0, 30.0, shared_engines=0) == guarantee_bound(1.0, 30.0) == pytest.approx(34.0)
+
+
+def served_by(url, record):
+    record.url = url
+    return record
+
+
+def test_a_users_tokens_are_summed_over_engines_for_figures_and_verdict():
+    # Each engine paces the user at its limit: fine for either alone, twice the
+    # limit summed (what engines without a shared store hand out).
+    e1 = served_by("http://e1", finished("u", ideal_pacing(10), end=10.0))
+    e2 = served_by("http://e2", finished("u", [t + 0.125 for t in ideal_pacing(10)], end=10.125))
+    (alone,) = summarize([e1], {"u": RATE}, shared_store=True)
+    assert alone.guarantee == "PASS" and alone.engines == 1
+    (both,) = summarize([e1, e2], {"u": RATE}, shared_store=True)
+    assert both.tokens == 82 and both.tokens_by_engine == {"http://e1": 41, "http://e2": 41}
+    assert both.engines == 2 and both.tokens_per_s == pytest.approx(82 / 10.125)
+    assert both.guarantee == "FAIL" and both.envelope.passed is False
+    assert all(c.passed is False for c in both.windows)
+
+
+def test_shared_store_bound_allows_each_engines_lease_and_no_more():
+    # RATE 4 tok/s: lease L = 1, lifetime 0.15 s.  Ideal pacing plus 3 tokens
+    # at t = 0: 8 tokens in [0, 1] -- over one engine's own bound (5.4), within
+    # the bound across 2 engines ((1 + 0.25) x 4 + 1 + 2 = 8), over it for 1.
+    e1 = served_by("http://e1", finished("u", [0.0, 0.0] + ideal_pacing(10), end=10.0))
+    e2 = served_by("http://e2", finished("u", [0.0], end=0.0))
+    (own,) = summarize([e1, e2], {"u": RATE})
+    assert own.guarantee == "FAIL" and not own.shared_store
+    (two,) = summarize([e1, e2], {"u": RATE}, shared_store=True)
+    one_second = next(c for c in two.windows if c.label == "1s")
+    assert (one_second.max_tokens, one_second.bound) == (8, pytest.approx(8.0))
+    assert two.guarantee == "PASS" and two.envelope.passed
+    e2.url = "http://e1"  # the same tokens from one engine: only one lease of slack
+    (one,) = summarize([e1, e2], {"u": RATE}, shared_store=True)
+    assert one.engines == 1 and one.guarantee == "FAIL"
+
+
+def test_charged_delta_per_engine_skips_engines_it_cannot_read():
+    before = {"a": {"heavy": 1000.0}, "b": {}, "c": None, "d": {"x": 1.0}}
+    after = {"a": {"heavy": 1040.0, "light": 7.0}, "b": {"heavy": 12.0}, "c": {"heavy": 5.0},
+             "d": None, "e": {}}
+    assert bench.charged_delta(before, after) == {
+        "a": {"heavy": 40.0, "light": 7.0}, "b": {"heavy": 12.0}}
+
+
+def test_bench_spreads_streams_over_engines_and_sums_each_user(tmp_path, capsys):
+    # Engine 1 already counted 1000 tokens of heavy (an earlier run): only the
+    # growth during this run is charged to it.
+    states = [FakeServerState(metrics=True, charged_before=Counter({"heavy": 1000})),
+              FakeServerState(metrics=True)]
+    out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
+    with running_fake_server(states[0]) as (url1, _), running_fake_server(states[1]) as (url2, _):
+        document = bench.main([
+            "--url", url1, "--url", url2, "--user", "heavy:4:10", "--user", "light:1:5",
+            "--duration", "0.5", "--grace", "10", "--limit", "heavy=1000", "--default-limit", "1000",
+            "--json", str(out_json), "--plot", str(out_png), "--no-progress",
+        ])
+    printed = capsys.readouterr().out
+    assert document["config"]["urls"] == [url1, url2] and document["config"]["shared_store"]
+    sent = [state.tokens_sent for state in states]
+    by_user = {s["user"]: s for s in document["summary"]}
+    heavy, light = by_user["heavy"], by_user["light"]
+    # heavy's streams alternate between the engines; light's one stream is on the first.
+    placed = {(r["stream"], r["url"]) for r in document["requests"] if r["user"] == "heavy"}
+    assert placed == {(0, url1), (1, url2), (2, url1), (3, url2)}
+    assert sent[0]["heavy"] > 0 and sent[1]["heavy"] > 0 and sent[1]["light"] == 0
+    # Client side: per engine exactly what it sent, summed per user.
+    assert heavy["tokens_by_engine"] == {url1: sent[0]["heavy"], url2: sent[1]["heavy"]}
+    assert heavy["tokens"] == sent[0]["heavy"] + sent[1]["heavy"] and heavy["engines"] == 2
+    assert light["tokens_by_engine"] == {url1: sent[0]["light"]} and light["engines"] == 1
+    # Server side: each engine's counter growth, summed over engines.
+    assert heavy["server_charged_by_engine"] == {url1: sent[0]["heavy"], url2: sent[1]["heavy"]}
+    assert heavy["server_charged_tokens"] == heavy["tokens"]
+    assert light["server_charged_tokens"] == light["tokens"] > 0
+    # The verdict is judged against the bound across the engines each user used.
+    heavy_1s = next(w for w in heavy["windows"] if w["label"] == "1s")
+    light_1s = next(w for w in light["windows"] if w["label"] == "1s")
+    assert heavy_1s["bound"] == pytest.approx(guarantee_bound(1.0, 1000.0, shared_engines=2))
+    assert light_1s["bound"] == pytest.approx(guarantee_bound(1.0, 1000.0, shared_engines=1))
+    # The JSON reproduces the summary; the report has the per-engine table.
+    assert [s.to_dict() for s in bench.summarize_document(document)] == document["summary"]
+    assert "Per engine" in printed and f"heavy  {url2}" in printed
+    assert "sum over 2" in printed and "E × L" in printed
+    assert out_png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_same_url_twice_is_refused(capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--url", "http://127.0.0.1:1", "--url", "http://127.0.0.1:1/", "--user", "a:1",
+                    "--duration", "1"])
+    assert exc.value.code == 2 and "more than once" in capsys.readouterr().err
 
 
 def test_unreachable_server_exits_nonzero_with_one_line(capsys):

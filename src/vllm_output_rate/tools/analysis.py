@@ -24,7 +24,16 @@ The guarantee verdict
        between a request's first->last token interval as the server stamped
        it and as the client received it.
 
-    PASS when both hold; FAIL otherwise.  A server that really overruns
+    PASS when both hold; FAIL otherwise.
+
+    **Several engines sharing one store** (``shared_store``; the bench sets it
+    when given several ``--url``): a user's tokens are summed over every
+    engine that served it, and the bound is the one ``stores/lease.py``
+    derives for E engines leasing from one store: ``(W + burst + lease
+    lifetime) * N + 1 + E * L`` with the lease defaults (lifetime 0.15 s,
+    ``L = max(1, ceil(0.1 s * N))``) and E the engines the user's requests
+    went to.  Both checks above stay valid: every token of a request is
+    charged by its engine between send and end, whichever engine it is.  A server that really overruns
     fails both: a sustained overrun fails the envelope and the span window; a
     burst fails the short windows unless it is smaller than the stall.
     The strict receive-time figure (no stall allowance) is kept in the
@@ -40,11 +49,12 @@ from __future__ import annotations
 
 import bisect
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
-from vllm_output_rate.limiter import DEFAULT_BURST_NS, NS_PER_S
+from vllm_output_rate.limiter import DEFAULT_BURST_NS, NS_PER_S, exact_rate
 from vllm_output_rate.settings import ANONYMOUS_USER
+from vllm_output_rate.stores.lease import LeaseConfig
 from vllm_output_rate.tools.measure import (
     CANCELLED,
     ERROR_STATUSES,
@@ -68,9 +78,34 @@ NOT_CHECKED = "n/a"
 VERDICT_BASIS = "send/end envelope + receive windows widened by the measured stall"
 
 
-def guarantee_bound(window_s: float, rate: float, burst_s: float = BURST_S) -> float:
-    """Tokens a user limited to ``rate`` tok/s may get in any ``window_s``."""
-    return (window_s + burst_s) * rate + 1
+#: The lease defaults of a shared store (``stores/lease.py``): how long a lease
+#: stays spendable, which loosens the bound across engines by that much time.
+_LEASES = LeaseConfig()
+LEASE_LIFETIME_S = _LEASES.lifetime_ns / NS_PER_S
+
+
+def lease_size(rate: float) -> int:
+    """``L``: the largest lease one engine holds for a user of ``rate`` tok/s."""
+    return _LEASES.lease_size(exact_rate(rate))
+
+
+def bound_terms(rate: float, burst_s: float = BURST_S, shared_engines: int = 0) -> tuple[float, float]:
+    """``(seconds added to W, tokens added)`` of the bound.
+
+    ``shared_engines`` 0: one engine's own limiter, ``(W + burst) * N + 1``.
+    E >= 1: E engines leasing from one store, ``(W + burst + lifetime) * N + 1 + E * L``.
+    """
+    if shared_engines <= 0:
+        return burst_s, 0.0
+    return burst_s + LEASE_LIFETIME_S, float(shared_engines * lease_size(rate))
+
+
+def guarantee_bound(window_s: float, rate: float, burst_s: float = BURST_S,
+                    shared_engines: int = 0) -> float:
+    """Tokens a user limited to ``rate`` tok/s may get in any ``window_s``
+    (summed over ``shared_engines`` engines sharing a store, when > 0)."""
+    slack_s, extra = bound_terms(rate, burst_s, shared_engines)
+    return (window_s + slack_s) * rate + 1 + extra
 
 
 @dataclass
@@ -106,9 +141,10 @@ class EnvelopeCheck:
 
 
 def envelope_worst(
-    requests: Iterable[tuple[float, float, int]], rate: float, burst_s: float = BURST_S
+    requests: Iterable[tuple[float, float, int]], rate: float, burst_s: float = BURST_S,
+    shared_engines: int = 0,
 ) -> tuple[float, float, int] | None:
-    """Largest ``count - ((b - a) + burst) * rate - 1`` over request sets.
+    """Largest ``count - guarantee_bound(b - a)`` over request sets.
 
     ``requests`` are ``(sent, ended, tokens)``; a set is every request sent at
     or after ``a`` and ended by ``b``, for a among the send times and b among
@@ -119,6 +155,7 @@ def envelope_worst(
     reqs = sorted((s, e, n) for s, e, n in requests if n > 0)
     if not reqs:
         return None
+    slack_s, extra = bound_terms(rate, burst_s, shared_engines)
     best: tuple[float, float, int] | None = None
     starts = sorted({s for s, _, _ in reqs}, reverse=True)
     inside: list[tuple[float, int]] = []  # (end, tokens) of requests sent at or after a
@@ -132,24 +169,25 @@ def envelope_worst(
         for end, tokens in inside:
             count += tokens
             width = max(end - a, 0.0)
-            excess = count - (width + burst_s) * rate - 1
+            excess = count - (width + slack_s) * rate - 1 - extra
             if best is None or excess > best[0]:
                 best = (excess, width, count)
     return best
 
 
 def check_envelope(
-    records: Sequence[RequestRecord], limit: float | None, burst_s: float = BURST_S
+    records: Sequence[RequestRecord], limit: float | None, burst_s: float = BURST_S,
+    shared_engines: int = 0,
 ) -> EnvelopeCheck | None:
     reqs = [(r.start, r.end, r.n_tokens) for r in records if r.end is not None]
-    worst = envelope_worst(reqs, limit, burst_s) if limit else None
+    worst = envelope_worst(reqs, limit, burst_s, shared_engines) if limit else None
     if worst is None:
         if not limit:
             tokens = sum(n for _, _, n in reqs)
             return EnvelopeCheck(0.0, tokens, None, None) if tokens else None
         return None
     excess, width, count = worst
-    bound = guarantee_bound(width, limit, burst_s)
+    bound = guarantee_bound(width, limit, burst_s, shared_engines)
     return EnvelopeCheck(width, count, bound, excess <= 1e-9)
 
 
@@ -163,6 +201,7 @@ def check_windows(
     windows_s: Sequence[float] = DEFAULT_WINDOWS_S,
     burst_s: float = BURST_S,
     stall_s: float = 0.0,
+    shared_engines: int = 0,
 ) -> list[WindowCheck]:
     """Window maxima for each W in ``windows_s`` plus the full active span."""
     if not times:
@@ -175,7 +214,7 @@ def check_windows(
         if limit is None:
             checks.append(WindowCheck(label, window_s, most, None, None, None, None))
             continue
-        bound = guarantee_bound(window_s, limit, burst_s)
+        bound = guarantee_bound(window_s, limit, burst_s, shared_engines)
         allowance = stall_s * limit
         checks.append(WindowCheck(label, window_s, most, bound, allowance,
                                   most <= bound, most <= bound + allowance))
@@ -240,6 +279,13 @@ class UserSummary:
     gap_p99_s: float | None
     usage_mismatches: int  # finished requests whose completion_tokens != tokens received
     usage_match: bool | None  # None when no request finished
+    # Several engines (bench with several --url); defaults fit a one-engine run.
+    engines: int = 1  # engines the user's requests went to
+    tokens_by_engine: dict[str, int] = field(default_factory=dict)  # url -> tokens received
+    shared_store: bool = False  # judged against the bound across engines sharing a store
+    # From the engines' /metrics, summed over engines (None: not read / no plugin series).
+    server_charged_tokens: float | None = None
+    server_charged_by_engine: dict[str, float] = field(default_factory=dict)
 
     @property
     def anonymous(self) -> bool:
@@ -266,8 +312,15 @@ def summarize_user(
     burst_s: float = BURST_S,
     client_lag_s: float = 0.0,
     run_tokens: int | None = None,
+    shared_store: bool = False,
+    server_charged: Mapping[str, float] | None = None,
 ) -> UserSummary:
-    """Summary of one user's requests (all of them must belong to ``user``)."""
+    """Summary of one user's requests (all of them must belong to ``user``).
+
+    With ``shared_store`` the bound is the one across the engines the
+    requests went to (``RequestRecord.url``); ``server_charged`` is this
+    user's charged-token delta per engine, as read from each ``/metrics``.
+    """
     # Every received token counts toward the guarantee, including those of
     # cancelled or failed requests: the server did deliver them.
     times = sorted(t for r in records for t in r.token_times)
@@ -277,8 +330,11 @@ def summarize_user(
     gaps = [g for r in records for g in inter_token_gaps(r)]
     mismatches = sum(1 for r in finished if not usage_matches(r))
     stall = receive_stall(records, client_lag_s)
-    checks = check_windows(times, limit, windows_s, burst_s, stall)
-    envelope = check_envelope(records, limit, burst_s)
+    by_engine = tokens_by_engine(records)
+    shared_engines = max(1, len(by_engine)) if shared_store else 0
+    checks = check_windows(times, limit, windows_s, burst_s, stall, shared_engines)
+    envelope = check_envelope(records, limit, burst_s, shared_engines)
+    charged = dict(server_charged or {})
     return UserSummary(
         user=user,
         streams=streams if streams is not None else len({r.stream for r in records}),
@@ -303,7 +359,22 @@ def summarize_user(
         gap_p99_s=percentile(gaps, 99),
         usage_mismatches=mismatches,
         usage_match=(mismatches == 0) if finished else None,
+        engines=len(by_engine),
+        tokens_by_engine=by_engine,
+        shared_store=shared_store,
+        server_charged_tokens=sum(charged.values()) if charged else None,
+        server_charged_by_engine=charged,
     )
+
+
+def tokens_by_engine(records: Sequence[RequestRecord]) -> dict[str, int]:
+    """Tokens received per engine URL, for every engine a request was sent to
+    (0 when none came back); records without a URL are left out."""
+    out: dict[str, int] = {}
+    for r in records:
+        if r.url is not None:
+            out[r.url] = out.get(r.url, 0) + r.n_tokens
+    return out
 
 
 def summarize(
@@ -314,17 +385,27 @@ def summarize(
     windows_s: Sequence[float] = DEFAULT_WINDOWS_S,
     burst_s: float = BURST_S,
     client_lag_s: float = 0.0,
+    shared_store: bool = False,
+    server_charged: Mapping[str, Mapping[str, float]] | None = None,
 ) -> list[UserSummary]:
-    """One summary per user: users of ``streams`` first (in order), then the rest."""
+    """One summary per user: users of ``streams`` first (in order), then the rest.
+
+    ``server_charged``: per engine URL, per user, the charged tokens the
+    engine's ``/metrics`` counted during the run (see ``summarize_user``).
+    """
     streams = streams or {}
     by_user: dict[str, list[RequestRecord]] = {user: [] for user in streams}
     for record in records:
         by_user.setdefault(record.user, []).append(record)
     ordered = list(streams) + sorted(u for u in by_user if u not in streams)
     run_tokens = sum(r.n_tokens for r in records)
+    server_charged = server_charged or {}
     return [
         summarize_user(user, by_user[user], limit_for(user, limits, default_limit),
-                       streams.get(user), windows_s, burst_s, client_lag_s, run_tokens)
+                       streams.get(user), windows_s, burst_s, client_lag_s, run_tokens,
+                       shared_store,
+                       {url: per_user[user] for url, per_user in server_charged.items()
+                        if user in per_user})
         for user in ordered
     ]
 

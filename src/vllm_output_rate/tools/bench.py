@@ -19,6 +19,20 @@ The server does not report limits, so ``--limit NAME=RATE`` (``-`` again for
 the anonymous user) and ``--default-limit RATE`` tell the bench what to check
 against; users with no known limit are reported but not checked ("n/a").
 
+Several engines: ``--url`` may be given more than once (the engines of one
+deployment, normally sharing a quota store through ``--output-rate-store``).
+The streams are dealt out round-robin over the URLs in the order the users
+are given, continuing from user to user (``--user a:4 --user b:1`` over two
+URLs: a's streams go to URLs 1, 2, 1, 2, b's to URL 1), so a user with at
+least as many streams as there are engines loads every engine.  Every
+figure and the verdict count a user's tokens summed over all engines; the
+verdict then uses the bound across engines sharing a store (``--shared-store``
+asks for it with a single URL too; see :mod:`.analysis`).  The plugin's
+per-user counter ``vllm:output_rate_output_tokens_charged_total`` is read
+from every engine's ``/metrics`` before and after the run; the report shows
+the difference per engine and summed (server-side charged tokens) next to
+what the client received.
+
 Layers: :mod:`.measure` (streaming client, window convention, Prometheus),
 :mod:`.analysis` (per-user figures and the guarantee verdict, documented
 there), :mod:`.render` (tables and figures); this module drives the run and
@@ -27,7 +41,9 @@ is the command line.
 ``--json OUT.json`` writes one object: ``schema``, ``command``, ``started_at``
 (UTC), ``config``, ``wall_s``, ``client`` (event-loop lag of the bench
 itself), ``totals``, ``summary`` (one :class:`UserSummary` per user) and
-``requests`` (one :class:`RequestRecord` per request).
+``requests`` (one :class:`RequestRecord` per request, with the ``url`` it
+went to), and ``server`` (charged tokens per engine and user from
+``/metrics``, when the engines export them).
 :func:`summarize_document` redoes the analysis from it.
 """
 
@@ -35,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import shlex
@@ -59,6 +76,7 @@ from vllm_output_rate.tools.analysis import (  # noqa: F401  (re-exported)
 )
 from vllm_output_rate.tools.measure import (  # noqa: F401  (re-exported for benchmarks)
     CANCELLED,
+    CHARGED_TOKENS,
     ERROR,
     ERROR_STATUSES,
     FINISHED,
@@ -66,6 +84,8 @@ from vllm_output_rate.tools.measure import (  # noqa: F401  (re-exported for ben
     RUNNING,
     RequestRecord,
     openai_client,
+    parse_metrics,
+    per_label,
     percentile,
     run_request,
     stream_completion,
@@ -74,7 +94,13 @@ from vllm_output_rate.tools.measure import (  # noqa: F401  (re-exported for ben
 from vllm_output_rate.tools.render import format_report, plot_run
 
 PROG = "vllm-output-rate bench"
-SCHEMA = "vllm-output-rate-bench/2"
+SCHEMA = "vllm-output-rate-bench/3"
+DEFAULT_URL = "http://127.0.0.1:8000"
+#: After the run, /metrics is read until two readings this far apart agree
+#: (the engine reports its per-user counters about once a second, and at
+#: once when it empties), for at most METRICS_SETTLE_MAX_S.
+METRICS_SETTLE_S = 0.5
+METRICS_SETTLE_MAX_S = 4.0
 
 #: The CLI name that selects the anonymous user (no ``vllm_xargs`` sent).
 ANONYMOUS_CLI_NAME = "-"
@@ -167,7 +193,16 @@ def build_parser() -> argparse.ArgumentParser:
             f"server's {ANONYMOUS_USER!r} quota."
         ),
     )
-    parser.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
+    parser.add_argument(
+        "--url", dest="urls", action="append", metavar="URL",
+        help=f"server base URL (default {DEFAULT_URL}); repeat it for several engines: each "
+        "user's streams are spread over them round-robin",
+    )
+    parser.add_argument(
+        "--shared-store", action="store_true",
+        help="judge against the bound across engines sharing a quota store (the default "
+        "with several --url)",
+    )
     parser.add_argument(
         "--user",
         dest="users",
@@ -209,13 +244,31 @@ def build_parser() -> argparse.ArgumentParser:
 
 @dataclass
 class BenchConfig:
-    url: str
+    urls: list[str]
     users: list[UserSpec]
     duration_s: float
     grace_s: float = DEFAULT_GRACE_S
     model: str | None = None
     prompt: str = DEFAULT_PROMPT
     progress: bool = False
+    shared_store: bool = False
+
+    @property
+    def url(self) -> str:
+        """The first engine's URL."""
+        return self.urls[0]
+
+
+def assign_urls(users: Sequence[UserSpec], urls: Sequence[str]) -> dict[tuple[str, int], str]:
+    """(user, stream) -> URL: streams dealt out round-robin over ``urls``, in
+    user order, the count running on from one user to the next."""
+    out: dict[tuple[str, int], str] = {}
+    k = 0
+    for spec in users:
+        for stream in range(spec.streams):
+            out[(spec.user, stream)] = urls[k % len(urls)]
+            k += 1
+    return out
 
 
 def request_body(config: BenchConfig, model: str, spec: UserSpec) -> dict[str, Any]:
@@ -241,11 +294,13 @@ def request_body(config: BenchConfig, model: str, spec: UserSpec) -> dict[str, A
 
 
 async def stream_worker(client: Any, config: BenchConfig, model: str, spec: UserSpec, stream: int,
-                        records: list[RequestRecord], t0: float, deadline: float) -> None:
-    """Keep one request of ``spec`` in flight until the deadline."""
+                        records: list[RequestRecord], t0: float, deadline: float,
+                        url: str | None = None) -> None:
+    """Keep one request of ``spec`` in flight until the deadline (on ``client``,
+    the engine at ``url``)."""
     body = request_body(config, model, spec)
     while time.monotonic() < deadline:
-        record = RequestRecord(user=spec.user, stream=stream, start=time.monotonic() - t0)
+        record = RequestRecord(user=spec.user, stream=stream, start=time.monotonic() - t0, url=url)
         records.append(record)  # visible to the progress bar, kept even if cancelled
         await stream_completion(client, body, record, t0)
         if record.status in ERROR_STATUSES:
@@ -269,6 +324,64 @@ async def discover_model(client: Any, url: str, model: str | None) -> str:
     if not models.data:
         raise BenchError(f"GET {url}/v1/models listed no model; pass --model")
     return models.data[0].id
+
+
+async def discover_models(clients: Mapping[str, Any], model: str | None) -> str:
+    """:func:`discover_model` on every engine; they must serve the same model."""
+    found = {url: await discover_model(client, url, model) for url, client in clients.items()}
+    names = set(found.values())
+    if len(names) > 1:
+        raise BenchError("the engines serve different models: "
+                         + ", ".join(f"{url} {name}" for url, name in found.items()) + "; pass --model")
+    return names.pop()
+
+
+Charged = dict[str, dict[str, float]]  # url -> user -> charged tokens
+
+
+async def read_charged(urls: Sequence[str]) -> dict[str, dict[str, float] | None]:
+    """Each engine's per-user charged-token counter; None where ``/metrics``
+    cannot be read.  An engine without the series (plugin off, no user yet)
+    gives an empty dict."""
+    import httpx
+
+    out: dict[str, dict[str, float] | None] = {}
+    async with httpx.AsyncClient(timeout=10.0, trust_env=False) as http:
+        for url in urls:
+            try:
+                response = await http.get(url.rstrip("/") + "/metrics")
+                out[url] = (per_label(parse_metrics(response.text), CHARGED_TOKENS, "user")
+                            if response.status_code == 200 else None)
+            except Exception:  # noqa: BLE001 -- any failure: no server-side figure
+                out[url] = None
+    return out
+
+
+async def read_charged_settled(urls: Sequence[str]) -> dict[str, dict[str, float] | None]:
+    """:func:`read_charged` once the counters stopped moving (or after
+    METRICS_SETTLE_MAX_S): the engine reports them about once a second."""
+    deadline = time.monotonic() + METRICS_SETTLE_MAX_S
+    reading = await read_charged(urls)
+    while time.monotonic() < deadline and any(v for v in reading.values()):
+        await asyncio.sleep(METRICS_SETTLE_S)
+        again = await read_charged(urls)
+        if again == reading:
+            break
+        reading = again
+    return reading
+
+
+def charged_delta(before: Mapping[str, Mapping[str, float] | None],
+                  after: Mapping[str, Mapping[str, float] | None]) -> Charged:
+    """Per engine and user, what the counter grew by during the run.  Engines
+    unreadable at either end, or without the series at the end, are left out."""
+    out: Charged = {}
+    for url, now in after.items():
+        then = before.get(url)
+        if now is None or then is None or not now:
+            continue
+        out[url] = {user: value - then.get(user, 0.0) for user, value in now.items()}
+    return out
 
 
 class Progress:
@@ -306,23 +419,29 @@ class RunOutcome:
     wall_s: float  # whole run including drain
     records: list[RequestRecord]
     loop_lag_s: list[float] = field(default_factory=list)  # see measure.watch_loop_lag
+    server_charged: Charged = field(default_factory=dict)  # see charged_delta
 
 
 async def run_bench(config: BenchConfig) -> RunOutcome:
     """Drive all users for ``config.duration_s``; return what was recorded."""
-    total_streams = sum(spec.streams for spec in config.users)
-    client = openai_client(config.url, max_connections=total_streams + 4)
-    async with client:
-        model = await discover_model(client, config.url, config.model)
+    placement = assign_urls(config.users, config.urls)
+    per_url = {url: sum(1 for u in placement.values() if u == url) for url in config.urls}
+    clients = {url: openai_client(url, max_connections=per_url[url] + 4) for url in config.urls}
+    async with contextlib.AsyncExitStack() as stack:
+        for client in clients.values():
+            await stack.enter_async_context(client)
+        model = await discover_models(clients, config.model)
+        charged_before = await read_charged(config.urls)
         records: list[RequestRecord] = []
         started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
         t0 = time.monotonic()
         deadline = t0 + config.duration_s
-        workers = [
-            asyncio.create_task(stream_worker(client, config, model, spec, stream, records, t0, deadline))
-            for spec in config.users
-            for stream in range(spec.streams)
-        ]
+        workers = []
+        for spec in config.users:
+            for stream in range(spec.streams):
+                url = placement[(spec.user, stream)]
+                workers.append(asyncio.create_task(stream_worker(
+                    clients[url], config, model, spec, stream, records, t0, deadline, url)))
         loop_lag: list[float] = []
         lag_watcher = asyncio.create_task(watch_loop_lag(loop_lag))
         progress = Progress(config.progress, config.duration_s)
@@ -342,10 +461,11 @@ async def run_bench(config: BenchConfig) -> RunOutcome:
             lag_watcher.cancel()
             progress.close()
         wall_s = time.monotonic() - t0
+        charged = charged_delta(charged_before, await read_charged_settled(config.urls))
     for record in records:
         if record.status == RUNNING:  # cancelled before its request began
             record.status = CANCELLED
-    return RunOutcome(model, started_at, wall_s, records, loop_lag)
+    return RunOutcome(model, started_at, wall_s, records, loop_lag, charged)
 
 
 # --------------------------------------------------------------------------
@@ -363,6 +483,8 @@ def result_document(argv: Sequence[str], config: BenchConfig, limits: Mapping[st
         "started_at": outcome.started_at,
         "config": {
             "url": config.url,
+            "urls": list(config.urls),
+            "shared_store": config.shared_store,
             "model": outcome.model,
             "prompt": config.prompt,
             "duration_s": config.duration_s,
@@ -379,6 +501,10 @@ def result_document(argv: Sequence[str], config: BenchConfig, limits: Mapping[st
         "totals": totals(outcome.records),
         "summary": [s.to_dict() for s in summaries],
         "requests": [r.to_dict() for r in outcome.records],
+        "server": {
+            "charged_tokens": outcome.server_charged,
+            "source": f"{CHARGED_TOKENS} per engine and user: reading after the run minus before",
+        },
     }
 
 
@@ -402,6 +528,8 @@ def summarize_document(document: Mapping[str, Any]) -> list[UserSummary]:
         config.get("windows_s") or DEFAULT_WINDOWS_S,
         config.get("burst_s", BURST_S),
         (document.get("client") or {}).get("loop_lag_max_s") or 0.0,
+        bool(config.get("shared_store", False)),
+        (document.get("server") or {}).get("charged_tokens") or {},
     )
 
 
@@ -443,10 +571,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if duplicates:
         parser.error(f"user given more than once: {', '.join(duplicates)}")
     limits = dict(args.limits)
+    urls = list(dict.fromkeys(u.rstrip("/") for u in (args.urls or [DEFAULT_URL])))
+    if len(urls) < len(args.urls or [DEFAULT_URL]):
+        parser.error("the same --url given more than once")
     config = BenchConfig(
-        url=args.url, users=users, duration_s=args.duration, grace_s=args.grace,
+        urls=urls, users=users, duration_s=args.duration, grace_s=args.grace,
         model=args.model, prompt=args.prompt,
         progress=not args.no_progress and sys.stdout.isatty(),
+        shared_store=args.shared_store or len(urls) > 1,
     )
     try:
         outcome = asyncio.run(run_bench(config))
@@ -458,10 +590,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     lag = loop_lag_summary(outcome.loop_lag_s)
     streams = {spec.user: spec.streams for spec in users}
     summaries = summarize(outcome.records, limits, args.default_limit, streams, args.windows,
-                          BURST_S, lag["loop_lag_max_s"] or 0.0)
+                          BURST_S, lag["loop_lag_max_s"] or 0.0, config.shared_store,
+                          outcome.server_charged)
     count = totals(outcome.records)
     print(
-        f"{config.url}  model={outcome.model}  duration={config.duration_s:g}s  "
+        f"{' '.join(config.urls)}  model={outcome.model}  duration={config.duration_s:g}s  "
         f"wall={outcome.wall_s:.1f}s  requests={count['requests']}  "
         f"finished={count['finished']}  cancelled={count['cancelled']}  "
         f"errors={count['errors']}  tokens={count['tokens']}"

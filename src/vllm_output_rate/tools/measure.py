@@ -69,6 +69,7 @@ class RequestRecord:
     server_generation_s: float | None = None  # server's first->last output token interval
     server_first_token_s: float | None = None  # server's queue time + time to first token
     token_ids: dict[int, list[int]] = field(default_factory=dict)  # only with keep_ids
+    url: str | None = None  # the engine that served it (bench over several engines)
 
     @property
     def n_tokens(self) -> int:
@@ -98,6 +99,7 @@ class RequestRecord:
             server_generation_s=data.get("server_generation_s"),
             server_first_token_s=data.get("server_first_token_s"),
             token_ids={int(k): list(v) for k, v in (data.get("token_ids") or {}).items()},
+            url=data.get("url"),
         )
 
 
@@ -337,6 +339,19 @@ def fetch_metrics(base_url: str, timeout: float = 10.0) -> Samples:
 async def fetch_metrics_async(client: Any, timeout: float = 10.0) -> Samples:
     """``client`` is an ``httpx.AsyncClient`` with the server as base_url."""
     return parse_metrics((await client.get("/metrics", timeout=timeout)).text)
+
+
+#: The plugin's per-user counter of charged output tokens (label ``user``).
+CHARGED_TOKENS = "vllm:output_rate_output_tokens_charged_total"
+
+
+def per_label(samples: Samples, name: str, label: str) -> dict[str, float]:
+    """Samples called ``name`` summed by the value of ``label`` (other labels summed over)."""
+    out: dict[str, float] = {}
+    for labels, value in samples.get(name, []):
+        if label in labels:
+            out[labels[label]] = out.get(labels[label], 0.0) + value
+    return out
 
 
 RUNNING_GAUGE = "vllm:num_requests_running"

@@ -14,6 +14,7 @@ from typing import Mapping, Sequence
 from vllm_output_rate.settings import ANONYMOUS_USER
 from vllm_output_rate.tools.analysis import (
     BURST_S,
+    LEASE_LIFETIME_S,
     NOT_CHECKED,
     VERDICT_BASIS,
     UserSummary,
@@ -127,18 +128,43 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str
     return "\n".join(lines)
 
 
-def guarantee_note(burst_s: float = BURST_S) -> str:
+def guarantee_note(burst_s: float = BURST_S, shared_store: bool = False) -> str:
+    if shared_store:
+        bound = (f"Guarantee across engines sharing one store: at most "
+                 f"(W + {burst_s + LEASE_LIFETIME_S:g}) × limit + 1 + E × L tokens in any window "
+                 "of W s, summed over the E engines the user's requests went to "
+                 "(L = max(1, ceil(0.1 × limit)), the lease size). ")
+    else:
+        bound = f"Guarantee: at most (W + {burst_s:g}) × limit + 1 tokens in any window of W s. "
     return (
-        f"Guarantee: at most (W + {burst_s:g}) × limit + 1 tokens in any window of W s. "
-        f"Judged on the {VERDICT_BASIS}: the envelope counts whole requests sent at or "
+        bound + f"Judged on the {VERDICT_BASIS}: the envelope counts whole requests sent at or "
         "after a and ended by b against b − a (delivery stalls can only widen it); the "
         "receive-time windows (W = 1, 2, 5 s and the active span) get the user's measured "
         "receive stall (\"receive stall ms\") added to W."
     )
 
 
+ENGINE_HEADERS = ["user", "engine", "tokens received", "server charged"]
+
+
+def engine_rows(summaries: Sequence[UserSummary]) -> list[list[str]]:
+    """Per user and engine: tokens received (client) and charged (that engine's
+    ``/metrics``), then the user's sum over all engines."""
+    rows = []
+    for s in summaries:
+        urls = list(dict.fromkeys([*s.tokens_by_engine, *s.server_charged_by_engine]))
+        if not urls:
+            continue
+        for url in urls:
+            charged = s.server_charged_by_engine.get(url)
+            rows.append([s.user, url, str(s.tokens_by_engine.get(url, 0)), num(charged, 0)])
+        rows.append([s.user, f"sum over {len(urls)}", str(s.tokens), num(s.server_charged_tokens, 0)])
+    return rows
+
+
 def format_report(summaries: Sequence[UserSummary], burst_s: float = BURST_S) -> str:
-    """The plain-text report printed after a run."""
+    """The plain-text report printed after a run (with a per-engine table when
+    the run used several engines)."""
     details = []
     for s in summaries:
         env = s.envelope
@@ -156,8 +182,14 @@ def format_report(summaries: Sequence[UserSummary], burst_s: float = BURST_S) ->
                 window_result(c),
             ])
     parts = [text_table(TABLE_HEADERS, table_rows(summaries))]
+    engines = {url for s in summaries for url in s.tokens_by_engine}
+    if len(engines) > 1:
+        parts.append("Per engine (tokens received by the client; charged = the engine's "
+                     "vllm:output_rate_output_tokens_charged_total during the run):\n"
+                     + text_table(ENGINE_HEADERS, engine_rows(summaries)))
+    shared = any(s.shared_store for s in summaries)
     if details:
-        parts.append(guarantee_note(burst_s) + "\n" + text_table(
+        parts.append(guarantee_note(burst_s, shared) + "\n" + text_table(
             ["user", "check", "W s", "max tokens", "strict bound", "within strict",
              "stall +", "result"], details))
     return "\n\n".join(parts)
