@@ -1,84 +1,24 @@
 """Start and stop a real ``redis-server`` process for tests (127.0.0.1, random port).
 
-The server runs in the foreground as a child of the test process, without
-persistence, and is stopped by its PID.  ``make setup`` installs Debian's
-``redis-server`` package when the binary is missing.
+Thin test-side names over :mod:`vllm_output_rate.tools.redisproc` (shared
+with ``make demo-cluster``): the server runs in the foreground as a child of
+the test process, without persistence, and is stopped by its PID.  A test
+is skipped when no binary is installed (``make setup`` installs Debian's
+``redis-server`` package).
 """
 
 from __future__ import annotations
 
-import shutil
-import socket
-import subprocess
-import time
-
 import pytest
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from vllm_output_rate.tools.redisproc import RedisProcess, redis_binary  # noqa: F401
+from vllm_output_rate.tools.serverproc import free_port  # noqa: F401
 
 
-def redis_binary() -> str | None:
-    return shutil.which("redis-server") or shutil.which("valkey-server")
-
-
-class RedisServer:
+class RedisServer(RedisProcess):
     """One redis-server child process; ``stop()`` / ``start()`` keep the port."""
 
     def __init__(self, port: int | None = None, password: str | None = None) -> None:
-        binary = redis_binary()
-        if binary is None:
+        if redis_binary() is None:
             pytest.skip("no redis-server binary (make setup installs it)")
-        self.binary = binary
-        self.port = port or free_port()
-        self.password = password
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        auth = f":{self.password}@" if self.password else ""
-        return f"redis://{auth}127.0.0.1:{self.port}/0"
-
-    def start(self, timeout_s: float = 10.0) -> "RedisServer":
-        args = [
-            self.binary,
-            "--bind", "127.0.0.1",
-            "--port", str(self.port),
-            "--save", "",
-            "--appendonly", "no",
-            "--daemonize", "no",
-            "--loglevel", "warning",
-        ]
-        if self.password:
-            args += ["--requirepass", self.password]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"redis-server exited with {self.proc.returncode}")
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
-                    s.sendall(b"PING\r\n")
-                    reply = s.recv(64)
-                if reply.startswith((b"+PONG", b"-NOAUTH")):
-                    return self
-            except OSError:
-                pass
-            time.sleep(0.02)
-        self.stop()
-        raise RuntimeError("redis-server did not answer")
-
-    def stop(self) -> None:
-        """Kill the server by its PID (SIGKILL: an abrupt outage) and reap it."""
-        proc, self.proc = self.proc, None
-        if proc is not None and proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=10)
-
-    def client(self):
-        import redis
-
-        return redis.Redis.from_url(self.url)
+        super().__init__(port, password)
