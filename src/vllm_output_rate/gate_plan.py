@@ -1,0 +1,144 @@
+"""The per-step planner: which resident requests the scheduler may look at.
+
+One part of :class:`vllm_output_rate.gate.StepGate`.  :func:`plan_step`
+reads the lanes (:mod:`vllm_output_rate.gate_lanes`) and records what it
+paid for in the step's ledger (:mod:`vllm_output_rate.gate_ledger`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import islice
+
+from vllm_output_rate.gate_lanes import Lane, Lanes
+from vllm_output_rate.gate_ledger import Ledger
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """What :func:`plan_step` decided for one step."""
+
+    visible: list  # keys to show the scheduler, in service order
+    hidden: int  # resident requests kept out of sight
+    over_cap: bool  # some runnable request was hidden only because slots ran out
+    prepaid: set  # visible decoding keys whose token is already taken
+    prefills: list  # visible keys that are still prefilling
+    throttled: bool  # some resident request waits for its user's quota
+    reserved: int = 0  # waiting requests whose turn came: quota kept for their admission
+
+
+def plan_step(lanes: Lanes, ledger: Ledger, slots: int) -> StepPlan:
+    """Choose at most ``slots`` resident requests for the step the ledger opened.
+
+    Users are visited in service order; each shows its prefills (free) and
+    then as many decoding streams, in rotation order, as it can pay for now,
+    paid with one bulk take.  Invariants (checked by the tests):
+
+    * ``visible`` holds each key once and at most ``max(slots, 0)`` keys;
+    * of a user without in-turn waiting requests, the visible streams are
+      the front of its rotation, min(streams, quota, room left) of them;
+    * ``throttled`` iff some user reached could not pay for all its streams;
+      ``over_cap`` iff something runnable was hidden for lack of room only;
+    * at most one take from the limiter per user reached; prefills are free.
+
+    The cost is O(visible requests + users reached), not O(resident).
+    """
+    now_ns = ledger.now_ns
+    limiter = ledger.limiter
+    take_up_to = limiter.take_up_to
+    prepaid = ledger.prepaid
+    offers = ledger.offers
+    num_resident = lanes.num_resident()
+    visible: list = []
+    prefills: list = []
+    room = max(slots, 0)
+    over_cap = False
+    reserved = 0
+    # Admissions the active cap leaves room for, counting every resident
+    # request: quota is kept only for waiting requests that can get in.
+    admit_room = max(0, room - num_resident)
+    reached = 0  # resident requests of the lanes reached
+    for user, lane in lanes.order.items():
+        if room <= 0:
+            # Lanes not reached: any resident request of theirs could run.
+            over_cap = over_cap or reached < num_resident
+            break
+        reached += len(lane)
+        if lane.progressing:
+            batch = list(islice(lane.progressing, room))
+            prefills.extend(batch)
+            visible.extend(batch)
+            room -= len(batch)
+            if len(batch) < len(lane.progressing):
+                over_cap = True  # a prefill that could run was left out
+        decoding = lane.decoding
+        if not decoding:
+            continue
+        if lane.waiting:
+            used, admitted, lane_over_cap = _offer_in_turn(
+                lanes, ledger, user, lane, room, admit_room, visible
+            )
+            room -= used
+            admit_room -= admitted
+            reserved += admitted
+            over_cap = over_cap or lane_over_cap
+            continue
+        streams = len(decoding)
+        wanted = streams if streams <= room else room
+        offered = take_up_to(user, now_ns, wanted)  # one bulk take per user
+        if offered:
+            batch = list(decoding) if offered == streams else list(islice(decoding, offered))
+            visible.extend(batch)
+            prepaid.update(batch)
+            offers.append((user, batch))
+            room -= offered
+        if offered < streams:
+            # Quota the user had before this take; asked again only when
+            # room, not quota, stopped the take.
+            can = offered if offered < wanted else offered + limiter.available(user, now_ns)
+            if can < streams:
+                ledger.fall_short(user)  # some streams wait for quota
+            if offered < can:
+                over_cap = True  # quota was there, room was not
+    hidden = num_resident - len(visible)
+    return StepPlan(visible, hidden, over_cap, prepaid, prefills, bool(ledger.short), reserved)
+
+
+def _offer_in_turn(
+    lanes: Lanes, ledger: Ledger, user: str, lane: Lane, room: int, admit_room: int, visible: list
+) -> tuple[int, int, bool]:
+    """Plan a lane whose rotation holds waiting requests (see Lanes.wait_in_turn).
+
+    In rotation order, resident streams take visible room and waiting
+    requests take room for admission; the user pays for as many as it can,
+    in that order.  A waiting request that could not be admitted this step
+    anyway is passed over, so it never holds up the streams behind it.
+    Returns (room used, admissions reserved, over cap).
+    """
+    in_turn = lanes.in_turn
+    limiter = ledger.limiter
+    now_ns = ledger.now_ns
+    candidates = []
+    resident_left = 0
+    for key in lane.decoding:
+        if key in in_turn:
+            if admit_room > 0:
+                candidates.append(key)
+                admit_room -= 1
+        elif room > 0:
+            candidates.append(key)
+            room -= 1
+        else:
+            resident_left += 1
+    offered = limiter.take_up_to(user, now_ns, len(candidates))
+    batch = candidates[:offered]
+    resident = [key for key in batch if key not in in_turn]
+    if batch:
+        visible.extend(resident)
+        ledger.prepay(user, batch)
+    over_cap = False
+    if offered < len(candidates) or (resident_left and not limiter.available(user, now_ns)):
+        ledger.fall_short(user)
+    elif resident_left:
+        over_cap = True  # quota was there, room was not
+    return len(resident), len(batch) - len(resident), over_cap
