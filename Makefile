@@ -36,7 +36,7 @@ SERIES_TESTS ?= tests/test_limiter.py tests/test_gate.py tests/test_settings.py 
 # vllm serve subprocesses cannot start on the GPU wheel (no CPU kernels).
 SERIES_TEST_ARGS ?= -k 'not refused_by_serve and not group_shows_flags'
 
-.PHONY: setup setup-033 test-033 model bench-model serve test demo readme-measured bench-step bench-server readme-performance clean-model
+.PHONY: setup setup-033 test-033 model bench-model serve test demo demo-cluster readme-measured bench-step bench-server readme-performance clean-model
 setup: $(STAMP)
 setup-033: $(STAMP_033)
 
@@ -82,6 +82,11 @@ test-033: setup-033 model
 # vLLM and with the plugin: two servers, 30 s of bench each, ~3-4 min in all.
 demo: setup model
 	$(BIN)/vllm-output-rate demo --model $(MODEL) --out results/demo
+
+# One real redis-server and two engines sharing it (127.0.0.1): a heavy user
+# spread over both engines, a light user on one; 30 s of bench, ~3-4 min in all.
+demo-cluster: setup model
+	$(BIN)/vllm-output-rate demo-cluster --model $(MODEL) --out results/demo-cluster
 
 # Regenerate README's "Measured" section (figure + table) from the last demo run.
 readme-measured:

@@ -910,6 +910,19 @@ def test_bench_spreads_streams_over_engines_and_sums_each_user(tmp_path, capsys)
     assert "sum over 2" in printed and "E × L" in printed
     assert out_png.read_bytes()[:4] == b"\x89PNG"
 
+    # make demo-cluster renders the same document (table rows per user, figure).
+    from vllm_output_rate.tools import demo_cluster
+
+    document["cluster"] = {"command": "vllm-output-rate demo-cluster", "heavy_limit": 1000.0}
+    block = demo_cluster.markdown(document)
+    rows = [line for line in block.splitlines() if line.startswith("| ")][1:]
+    assert [r.split(" | ")[0] for r in rows] == ["| heavy", "| light"]
+    assert f"| {sent[0]['heavy']} (engine 1) + {sent[1]['heavy']} (engine 2) | {heavy['tokens']} |" in rows[0]
+    assert "(W + 0.25) × 1000 + 1 + 200 tokens" in block  # E x L = 2 x ceil(0.1 x 1000)
+    figure = tmp_path / "cluster.png"
+    render.plot_engines(bench.records_from_document(document), {"heavy": 1000.0}, figure)
+    assert figure.read_bytes()[:4] == b"\x89PNG"
+
 
 def test_the_same_url_twice_is_refused(capsys):
     with pytest.raises(SystemExit) as exc:

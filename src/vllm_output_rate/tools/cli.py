@@ -153,6 +153,12 @@ def cmd_demo(argv: list[str]) -> None:
     demo_main(argv)
 
 
+def cmd_demo_cluster(argv: list[str]) -> None:
+    from vllm_output_rate.tools.demo_cluster import main as demo_cluster_main
+
+    demo_cluster_main(argv)
+
+
 def cmd_top(argv: list[str]) -> None:
     from vllm_output_rate.tools.top import main as top_main
 
@@ -167,6 +173,8 @@ PASSTHROUGH_COMMANDS = {
                          "(every argument goes to `vllm serve`)"),
     "bench": (cmd_bench, "drive many users against a server and report per-user rates"),
     "demo": (cmd_demo, "the same workload on stock vLLM and with the plugin; one figure"),
+    "demo-cluster": (cmd_demo_cluster, "two engines sharing one Redis: a heavy user spread over "
+                                       "both, a light user; table and figure"),
     "top": (cmd_top, "live per-user view of a server's /metrics (like htop; q quits)"),
 }
 

@@ -348,3 +348,62 @@ def plot_comparison(stock: Sequence[RequestRecord], plugin: Sequence[RequestReco
         fig.suptitle(subtitle.replace("; ", "\n"), fontsize="medium")
     fig.tight_layout()
     fig.savefig(str(path))
+
+
+def plot_engines(records: Sequence[RequestRecord], limits: Mapping[str, float | None],
+                 path: str | Path, title: str = "Output tokens per user over several engines",
+                 burst_s: float = BURST_S, load_end_s: float | None = None) -> None:
+    """A run over several engines sharing one store.
+
+    Top: each user's output rate over time, summed over engines (limits dashed).
+    Bottom: for each limited user served by more than one engine, cumulative
+    tokens received from each engine (thin) and summed (thick), against the
+    bound across those engines from the user's first token (dashed) and
+    engines x limit, what separate limiters would allow (dotted).
+    ``load_end_s``: when the bench stopped issuing requests (a vertical line).
+    """
+    from vllm_output_rate.tools.analysis import bound_terms, tokens_by_engine
+
+    fig = _figure(9, 7.5)
+    top, bottom = fig.subplots(2, 1, sharex=True)
+    series = cumulative_series(records)
+    colors = user_colors(list(series))
+    draw_rates(top, records, limits, colors)
+    top.set_title(title)
+    if series:
+        top.legend(loc="best", fontsize="small")
+    styles = ["-", "--", ":", "-."]
+    for user, times in series.items():
+        limit = limits.get(user)
+        own = [r for r in records if r.user == user]
+        engines = list(tokens_by_engine(own))
+        if not times or not limit or len(engines) < 2:
+            continue
+        color = colors[user]
+        for i, url in enumerate(engines):
+            ts = sorted(t for r in own if r.url == url for t in r.token_times)
+            if ts:
+                bottom.step(ts, range(1, len(ts) + 1), where="post", color=color, alpha=0.55,
+                            linewidth=1.0, linestyle=styles[i % len(styles)],
+                            label=f"{plot_label(user)} from engine {i + 1}")
+        bottom.step(times, range(1, len(times) + 1), where="post", color=color, linewidth=2.2,
+                    label=f"{plot_label(user)} summed over {len(engines)} engines")
+        start, end = times[0], times[-1]
+        slack_s, extra = bound_terms(limit, burst_s, len(engines))
+        base = slack_s * limit + 1 + extra
+        bottom.plot([start, end], [base, base + (end - start) * limit], linestyle="--", color="0.2",
+                    linewidth=1.2, label=f"bound across {len(engines)} engines from the first token")
+        bottom.plot([start, end], [0, (end - start) * limit * len(engines)], linestyle=":", color="0.5",
+                    linewidth=1.2, label=f"{len(engines)} x limit (separate limiters)")
+    if load_end_s is not None:
+        for ax in (top, bottom):
+            ax.axvline(load_end_s, color="0.6", linewidth=1.0)
+        bottom.annotate("last requests issued", (load_end_s, 0), xytext=(4, 4),
+                        textcoords="offset points", fontsize="small", color="0.4")
+    bottom.set_xlabel("seconds since start")
+    bottom.set_ylabel("tokens received (cumulative)")
+    bottom.grid(True, which="both", alpha=0.25)
+    if bottom.get_legend_handles_labels()[0]:
+        bottom.legend(loc="upper left", fontsize="small")
+    fig.tight_layout()
+    fig.savefig(str(path))

@@ -1,0 +1,250 @@
+"""``vllm-output-rate demo-cluster``: one user's quota shared by two engines through Redis.
+
+Starts one real ``redis-server`` and ``--engines`` (default 2) engines on the
+tiny model, all on 127.0.0.1, every engine with ``--output-rate-store`` pointed
+at that Redis.  Then runs the bench over all engines for ``--duration``
+seconds: a heavy user (default 8 streams of 40-token answers, limited to
+30 tok/s) whose streams are dealt round-robin over the engines, so its load
+lands on every engine, beside a light user (one stream of 200-token answers,
+under a 1000 tok/s default it never reaches) on the first engine.  Everything
+is stopped by PID at the end.
+
+Prints the bench's per-user and per-engine tables and a Markdown block (the
+README's), and writes ``OUT.json`` (the bench document plus the setup) and
+``OUT.png`` (each user's rate summed over engines; the heavy user's tokens
+per engine and summed, against the bound across engines).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import shlex
+import sys
+import threading
+from pathlib import Path
+from typing import Any, Mapping
+
+from vllm_output_rate.tools import bench, serverproc
+from vllm_output_rate.tools.analysis import UserSummary, bound_terms
+from vllm_output_rate.tools.measure import RequestRecord
+from vllm_output_rate.tools.redisproc import RedisProcess
+from vllm_output_rate.tools.render import markdown_table, num, plot_engines, plot_label, tightest
+
+SCHEMA = "vllm-output-rate-demo-cluster/1"
+HEAVY, LIGHT = "heavy", "light"
+PREFIX = "demo-cluster"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="vllm-output-rate demo-cluster", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=str(serverproc.DEFAULT_MODEL_DIR))
+    p.add_argument("--engines", type=int, default=2, help="engines sharing the Redis (default 2)")
+    p.add_argument("--duration", type=float, default=30.0, help="seconds of load")
+    p.add_argument("--heavy-streams", type=int, default=8)
+    p.add_argument("--heavy-max-tokens", type=int, default=40)
+    p.add_argument("--light-max-tokens", type=int, default=200)
+    p.add_argument("--heavy-limit", type=float, default=30.0)
+    p.add_argument("--default-limit", type=float, default=1000.0,
+                   help="limit of every other user (the light user): high, so it is not throttled")
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--max-num-active-seqs", type=int, default=8)
+    p.add_argument("--out", default="results/demo-cluster", help="prefix of the .json/.png outputs (logs next to them)")
+    p.add_argument("--render-only", action="store_true",
+                   help="start nothing: redraw OUT.png and print the tables from an earlier OUT.json")
+    return p
+
+
+def render_outputs(document: Mapping[str, Any], out: Path) -> Path:
+    """Draw ``OUT.png`` from a run's document and print the Markdown block."""
+    png = out.with_name(out.name + ".png")
+    plot_engines(bench.records_from_document(document), bench.limits_from_document(document), png,
+                 title=f"One quota over {len(document['config']['urls'])} engines sharing one Redis "
+                       f"({document['config']['model']})",
+                 load_end_s=document["config"]["duration_s"])
+    print()
+    print(markdown(document))
+    return png
+
+
+def engine_args(args: argparse.Namespace, store_url: str) -> list[str]:
+    return [
+        "--max-num-seqs", str(args.max_num_seqs),
+        "--max-num-active-seqs", str(args.max_num_active_seqs),
+        "--max-model-len", "1024",
+        "--enforce-eager",  # short startup; scheduling is the same
+        "--enable-per-request-metrics",  # server-side token times: the bench's stall measure
+        "--default-user-output-tokens-per-second", f"{args.default_limit:g}",
+        "--user-output-tokens-per-second", json.dumps({HEAVY: args.heavy_limit}),
+        "--output-rate-store", store_url,
+        "--output-rate-expected-engines", str(args.engines),
+        "--output-rate-store-prefix", PREFIX,
+    ]
+
+
+@contextlib.contextmanager
+def running_engines(server_args: list[str], log_dir: Path, count: int, model: str):
+    """``count`` engines started side by side; all stopped by PID on exit."""
+    managers = [serverproc.running_server(server_args, log_dir, f"demo-cluster-engine{i + 1}", model=model)
+                for i in range(count)]
+    servers: list[Any] = [None] * count
+    errors: list[BaseException] = []
+
+    def start(i: int) -> None:
+        try:
+            servers[i] = managers[i].__enter__()
+        except BaseException as exc:  # noqa: BLE001 -- re-raised below
+            errors.append(exc)
+
+    with contextlib.ExitStack() as stack:
+        threads = [threading.Thread(target=start, args=(i,)) for i in range(count)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for i, srv in enumerate(servers):
+            if srv is not None:
+                stack.push(managers[i].__exit__)
+        if errors:
+            raise errors[0]
+        yield servers
+
+
+def bench_argv(args: argparse.Namespace, urls: list[str]) -> list[str]:
+    argv: list[str] = []
+    for url in urls:
+        argv += ["--url", url]
+    return argv + [
+        "--user", f"{HEAVY}:{args.heavy_streams}:{args.heavy_max_tokens}",
+        "--user", f"{LIGHT}:1:{args.light_max_tokens}",
+        "--duration", f"{args.duration:g}",
+        "--limit", f"{HEAVY}={args.heavy_limit:g}",
+        "--default-limit", f"{args.default_limit:g}",
+        "--no-progress",
+    ]
+
+
+def engine_names(urls: list[str]) -> dict[str, str]:
+    return {url: f"engine {i + 1}" for i, url in enumerate(urls)}
+
+
+CLUSTER_HEADERS = [
+    "user", "streams", "limit tok/s", "engines", "tokens received per engine", "tokens (sum)",
+    "charged on the engines (sum of /metrics)", "tok/s under load", "tok/s incl. drain", "share",
+    "guarantee", "tightest check",
+]
+
+
+def rate_under_load(records: list[RequestRecord], user: str, load_end_s: float) -> float | None:
+    """Tokens received from the user's first token until the bench stopped
+    issuing requests, per second of that span (all its streams in flight)."""
+    times = sorted(t for r in records if r.user == user for t in r.token_times)
+    if not times or times[0] >= load_end_s:
+        return None
+    return sum(1 for t in times if t <= load_end_s) / (load_end_s - times[0])
+
+
+def cluster_rows(summaries: list[UserSummary], urls: list[str],
+                 under_load: Mapping[str, float | None]) -> list[list[str]]:
+    names = engine_names(urls)
+    rows = []
+    for s in summaries:
+        per_engine = " + ".join(f"{s.tokens_by_engine[u]} ({names.get(u, u)})"
+                                for u in urls if u in s.tokens_by_engine)
+        rows.append([
+            plot_label(s.user), str(s.streams),
+            "-" if s.limit_tokens_per_s is None else f"{s.limit_tokens_per_s:g}",
+            str(s.engines), per_engine or "-", str(s.tokens), num(s.server_charged_tokens, 0),
+            num(under_load.get(s.user)), num(s.tokens_per_s),
+            "-" if s.share is None else f"{100 * s.share:.1f} %",
+            s.guarantee, tightest(s),
+        ])
+    return rows
+
+
+def headline(summaries: list[UserSummary], engines: int, under_load: Mapping[str, float | None]) -> str:
+    by_user = {s.user: s for s in summaries}
+    parts = []
+    heavy = by_user.get(HEAVY)
+    heavy_rate = under_load.get(HEAVY)
+    if heavy is not None and heavy_rate and heavy.limit_tokens_per_s:
+        split = " / ".join(str(n) for n in heavy.tokens_by_engine.values())
+        parts.append(
+            f"`{HEAVY}` ({heavy.streams} streams over {heavy.engines} engines) received "
+            f"{heavy_rate:.1f} tok/s summed over the engines while the load ran, under its "
+            f"{heavy.limit_tokens_per_s:g} tok/s limit (separate limiters would allow "
+            f"{engines * heavy.limit_tokens_per_s:g}); its tokens split {split} between the engines")
+    light_rate = under_load.get(LIGHT)
+    if light_rate:
+        parts.append(f"`{LIGHT}` (1 stream, engine 1) got {light_rate:.0f} tok/s")
+    return "; ".join(parts) + "."
+
+
+def markdown(document: Mapping[str, Any]) -> str:
+    """The README block: headline, figure link, table, how it was measured."""
+    summaries = [UserSummary.from_dict(s) for s in document["summary"]]
+    urls = document["config"]["urls"]
+    records = bench.records_from_document(document)
+    under_load = {s.user: rate_under_load(records, s.user, document["config"]["duration_s"])
+                  for s in summaries}
+    heavy_limit = document["cluster"]["heavy_limit"]
+    slack_s, extra = bound_terms(heavy_limit, document["config"]["burst_s"], len(urls))
+    lines = [
+        f"Command: `{document['cluster']['command']}` · {document['started_at']} · "
+        f"{document['config']['duration_s']:g} s of load · client loop lag max "
+        f"{(document['client'].get('loop_lag_max_s') or 0) * 1000:.0f} ms",
+        "",
+        headline(summaries, len(urls), under_load),
+        "",
+        markdown_table(CLUSTER_HEADERS, cluster_rows(summaries, urls, under_load)),
+        "",
+        f"Bound for `{HEAVY}` across {len(urls)} engines: (W + {slack_s:g}) × {heavy_limit:g} + 1 + "
+        f"{extra:g} tokens in any window of W s.",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    if args.engines < 1:
+        raise SystemExit("vllm-output-rate demo-cluster: error: --engines must be >= 1")
+    out = Path(args.out)
+    if args.render_only:
+        document = json.loads(out.with_name(out.name + ".json").read_text())
+        print(f"wrote {render_outputs(document, out)}")
+        return document
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with RedisProcess() as redis_srv:
+        print(f"redis-server on 127.0.0.1:{redis_srv.port} (pid {redis_srv.pid})", flush=True)
+        server_args = engine_args(args, redis_srv.url)
+        print(f"starting {args.engines} engines: vllm-output-rate serve {args.model} "
+              f"{shlex.join(server_args)}", flush=True)
+        with running_engines(server_args, out.parent, args.engines, args.model) as servers:
+            urls = [srv.base_url for srv in servers]
+            print("engines ready: " + ", ".join(f"{srv.base_url} (pid {srv.pid})" for srv in servers)
+                  + f"; bench for {args.duration:g} s", flush=True)
+            document = bench.main(bench_argv(args, urls))
+            outages = {srv.base_url: srv.log_path.read_text(errors="replace").count("unreachable")
+                       for srv in servers}
+        print("engines stopped", flush=True)
+    print("redis-server stopped", flush=True)
+    document = dict(document)
+    document["schema_cluster"] = SCHEMA
+    document["cluster"] = {
+        "command": shlex.join(["vllm-output-rate", "demo-cluster", *argv]),
+        "engines": args.engines,
+        "engine_args": server_args,
+        "heavy_user": HEAVY, "light_user": LIGHT, "heavy_limit": args.heavy_limit,
+        "store_outages_logged": outages,
+    }
+    path = out.with_name(out.name + ".json")
+    path.write_text(json.dumps(document, indent=1) + "\n")
+    png = render_outputs(document, out)
+    print(f"\nwrote {path} and {png}")
+    return document
+
+
+if __name__ == "__main__":
+    main()
