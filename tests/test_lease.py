@@ -261,8 +261,11 @@ def test_outage_closed_fallback_pauses_everyone():
     assert lim.ready_at_ns("u", clock.now) > clock.now
     store.down = False
     clock.now += 50 * MS
-    assert lim.run_round(clock.now) == 3  # u is still wanted; the store answers
-    assert lim.mode == SHARED
+    assert lim.run_round(clock.now) == 0  # during an outage a round is a probe
+    assert lim.mode == SHARED and store.calls[-1] == []
+    assert lim.take_up_to("u", clock.now, 3) == 0  # u is short: asked for next round
+    clock.now += 50 * MS
+    assert lim.run_round(clock.now) == 3
     assert lim.take_up_to("u", clock.now, 3) == 3
 
 

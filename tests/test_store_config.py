@@ -106,3 +106,41 @@ def test_bad_store_sections_name_the_problem(store, message):
         parse_store_section(store)
     with pytest.raises(OutputRateConfigError, match=r"\['store'\].*" + message):
         OutputRateSettings.from_additional_config({"output_rate": {**ON, "store": store}})
+
+
+def test_cluster_urls(monkeypatch):
+    from vllm_output_rate.stores.config import cluster_nodes, split_userinfo
+    from vllm_output_rate.stores.redis_store import redact
+
+    monkeypatch.delenv(PASSWORD_ENV, raising=False)
+    url = "redis+cluster://app:p%40ss@10.0.0.1:7000,10.0.0.2,[::1]:7002/0"
+    assert cluster_nodes(url) == [("10.0.0.1", 7000), ("10.0.0.2", 6379), ("::1", 7002)]
+    assert split_userinfo(url)[:2] == ("app", "p@ss")
+    assert redact(url) == "redis+cluster://10.0.0.1:7000,10.0.0.2,[::1]:7002/0"
+    # The flag takes the password out of a multi-host URL too (user name kept).
+    args = parser().parse_args(["--output-rate-store", url])
+    assert args.output_rate_store == "redis+cluster://app@10.0.0.1:7000,10.0.0.2,[::1]:7002/0"
+    import os
+
+    assert os.environ[PASSWORD_ENV] == "p@ss"
+    section = merge_store_args(args, dict(ON))
+    assert OutputRateSettings.from_additional_config({"output_rate": section}).store.url == (
+        args.output_rate_store
+    )
+    assert parse_store_section({"url": "rediss+cluster://h:1"}).url == "rediss+cluster://h:1"
+
+
+@pytest.mark.parametrize(
+    "url, message",
+    [
+        ("redis+cluster://h:1/2", "database 0 only"),
+        ("redis+cluster://h:1,:2", "without a host"),
+        ("redis+cluster://h:x", "bad port"),
+        ("redis+cluster://h:70000", "bad port"),
+    ],
+)
+def test_bad_cluster_urls_name_the_problem(url, message):
+    with pytest.raises(ValueError, match=message):
+        parse_store_section({"url": url})
+    with pytest.raises((argparse.ArgumentError, SystemExit)):
+        parser().parse_args(["--output-rate-store", url])

@@ -4,6 +4,8 @@
 ``additional_config["output_rate"]["store"]`` by :func:`merge_store_args`)::
 
     --output-rate-store redis://HOST:PORT/DB     (also rediss://, unix://)
+    --output-rate-store redis+cluster://HOST:PORT[,HOST:PORT...]
+                                                 (a Redis Cluster; rediss+cluster://)
     --output-rate-store-fallback {local,closed}  (default local)
     --output-rate-expected-engines N             (default 1)
     --output-rate-store-prefix PREFIX            (default vllm-output-rate)
@@ -19,6 +21,11 @@ A password given in the flag's URL is taken out of the URL when the flag is
 parsed and put into the environment variable ``OUTPUT_RATE_STORE_PASSWORD``
 (inherited by vLLM's engine processes), so neither vLLM's "non-default args"
 log line nor ``additional_config`` ever holds it.  No vLLM or redis import.
+
+``redis+cluster://`` (or ``rediss+cluster://`` with TLS) names a Redis
+Cluster (Redis >= 7.0 or Valkey): one or more seed nodes, comma-separated;
+the client learns the other nodes from them.  A cluster has database 0 only,
+so the path is empty, ``/`` or ``/0``.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ import argparse
 import os
 from dataclasses import dataclass
 from typing import Any, Mapping
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
 STORE_KEY = "store"
 STORE_FLAG = "--output-rate-store"
@@ -35,7 +42,8 @@ FALLBACK_FLAG = "--output-rate-store-fallback"
 ENGINES_FLAG = "--output-rate-expected-engines"
 PREFIX_FLAG = "--output-rate-store-prefix"
 PASSWORD_ENV = "OUTPUT_RATE_STORE_PASSWORD"
-SCHEMES = ("redis", "rediss", "unix")
+CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
+SCHEMES = ("redis", "rediss", "unix", *CLUSTER_SCHEMES)
 FALLBACKS = ("local", "closed")
 DEFAULT_PREFIX = "vllm-output-rate"
 
@@ -58,6 +66,61 @@ class StoreSettings:
         }
 
 
+def _schemes_text() -> str:
+    return " / ".join(s + "://" for s in SCHEMES)
+
+
+def split_userinfo(url: str) -> tuple[str | None, str | None, str]:
+    """``(user, password, url without them)``; both decoded (%xx), None when absent.
+
+    Works on every scheme here, including the comma-separated host list of a
+    cluster URL (which ``urlsplit(...).port`` refuses).
+    """
+    parts = urlsplit(url)
+    userinfo, at, hosts = parts.netloc.rpartition("@")
+    if not at:
+        return None, None, url
+    user, colon, password = userinfo.partition(":")
+    stripped = urlunsplit((parts.scheme, hosts, parts.path, parts.query, parts.fragment))
+    return (unquote(user) or None), (unquote(password) if colon and password else None), stripped
+
+
+def cluster_nodes(url: str) -> list[tuple[str, int]]:
+    """The seed nodes of a ``redis+cluster://`` URL; ValueError names the problem."""
+    parts = urlsplit(url)
+    if parts.scheme not in CLUSTER_SCHEMES:
+        raise ValueError(f"not a cluster URL ({' / '.join(s + '://' for s in CLUSTER_SCHEMES)})")
+    if parts.path not in ("", "/", "/0"):
+        raise ValueError("a Redis Cluster has database 0 only: use no path or /0")
+    hosts = parts.netloc.rpartition("@")[2]
+    nodes = []
+    for item in hosts.split(","):
+        item = item.strip()
+        if item.startswith("["):  # [IPv6]:port
+            host, _, rest = item[1:].partition("]")
+            port_text = rest[1:] if rest.startswith(":") else ""
+        else:
+            host, _, port_text = item.partition(":")
+        if not host:
+            raise ValueError(f"cluster URL names a node without a host: {item!r}")
+        try:
+            port = int(port_text) if port_text else 6379
+        except ValueError:
+            raise ValueError(f"bad port in cluster node {item!r}") from None
+        if not 0 < port < 65536:
+            raise ValueError(f"bad port in cluster node {item!r}")
+        nodes.append((host, port))
+    return nodes
+
+
+def _check_url(url: Any) -> str:
+    if not isinstance(url, str) or urlsplit(url).scheme not in SCHEMES:
+        raise ValueError(f"url must be a {_schemes_text()} URL")
+    if urlsplit(url).scheme in CLUSTER_SCHEMES:
+        cluster_nodes(url)
+    return url
+
+
 def parse_store_section(section: Any) -> StoreSettings | None:
     """The ``store`` section as :class:`StoreSettings`; ValueError names the problem."""
     if section is None:
@@ -67,9 +130,7 @@ def parse_store_section(section: Any) -> StoreSettings | None:
     unknown = sorted(set(section) - {"url", "fallback", "expected_engines", "prefix"}, key=repr)
     if unknown:
         raise ValueError(f"unknown keys {unknown}")
-    url = section.get("url")
-    if not isinstance(url, str) or urlsplit(url).scheme not in SCHEMES:
-        raise ValueError(f"url must be a {' / '.join(s + '://' for s in SCHEMES)} URL")
+    url = _check_url(section.get("url"))
     fallback = section.get("fallback", "local")
     if fallback not in FALLBACKS:
         raise ValueError(f"fallback must be one of {list(FALLBACKS)}, got {fallback!r}")
@@ -87,19 +148,20 @@ def parse_store_section(section: Any) -> StoreSettings | None:
 
 def _store_url_arg(text: str) -> str:
     """Validate the URL; move a password out of it into the environment."""
-    parts = urlsplit(text)
-    if parts.scheme not in SCHEMES:
-        raise argparse.ArgumentTypeError(
-            f"must be a {' / '.join(s + '://' for s in SCHEMES)} URL"
-        )
-    if parts.password:
-        os.environ.setdefault(PASSWORD_ENV, parts.password)
-        user = f"{parts.username}@" if parts.username else ""
-        host = parts.hostname or ""
-        if ":" in host:
-            host = f"[{host}]"
-        port = f":{parts.port}" if parts.port else ""
-        text = urlunsplit((parts.scheme, f"{user}{host}{port}", parts.path, parts.query, ""))
+    try:
+        _check_url(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    user, password, stripped = split_userinfo(text)
+    if password:
+        os.environ.setdefault(PASSWORD_ENV, password)
+        if user:  # keep the user name (ACL user), drop only the password
+            parts = urlsplit(stripped)
+            text = urlunsplit(
+                (parts.scheme, f"{quote(user, safe='')}@{parts.netloc}", parts.path, parts.query, parts.fragment)
+            )
+        else:
+            text = stripped
     return text
 
 
@@ -126,8 +188,10 @@ def add_store_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="URL",
         help="redis://HOST:PORT/DB (or rediss://, unix://) shared by every engine "
-        "of the deployment. Password in the URL or in $" + PASSWORD_ENV + "; never "
-        "logged. Without it each engine keeps its own quota.",
+        "of the deployment; redis+cluster://HOST:PORT[,HOST:PORT...] (or "
+        "rediss+cluster://) for a Redis Cluster (Redis >= 7 / Valkey; one script "
+        "call per node per round trip). Password in the URL or in $" + PASSWORD_ENV
+        + "; never logged. Without it each engine keeps its own quota.",
     )
     group.add_argument(
         FALLBACK_FLAG,

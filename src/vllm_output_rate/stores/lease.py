@@ -55,7 +55,10 @@ E engines the bound is then ``(W + B) * N + E``); ``fallback="closed"``: every
 user is throttled (requests pause, nothing fails) until the store answers.
 One log line when the outage starts, one when it ends; leases held when it
 started are dropped (never spent); the first answer switches back to the
-shared quota.  The local limiter keeps its state across outages, so a flapping
+shared quota.  During an outage a round asks for nothing: it probes the whole
+store (a PING; on a Redis Cluster, every primary must report
+``cluster_state:ok``), and the first round after a good probe asks for
+leases again.  The local limiter keeps its state across outages, so a flapping
 store gives no fresh local burst.
 
 Limits mismatch.  Every engine publishes a fingerprint of its limits (rates,
@@ -470,7 +473,14 @@ class LeasedOutputRateLimiter:
         """
         cfg = self._config
         with self._lock:
-            asks = self._collect_asks(now_ns, only_new)
+            if self._mode is SHARED:
+                asks = self._collect_asks(now_ns, only_new)
+            else:
+                # During an outage a round is only a probe of the whole store
+                # (every node of a cluster): an answer about some users'
+                # keys would end the outage while other nodes are still down.
+                asks = []
+                self._new_users.clear()
             self._in_flight = True
             self._last_round_ns = now_ns
             if not only_new:

@@ -22,11 +22,25 @@ next token could be granted).  State survives engine restarts (it lives in
 Redis); a Redis restart without persistence forgets it.
 
 Keys: ``{prefix}:user:{<user>}`` -- the ``{...}`` hash tag puts each user in
-its own Redis Cluster slot.  A batched round trip names several users' keys
-in one script call, which a standalone Redis / Valkey (or a proxy that
-allows cross-slot scripts) accepts; on a sharded Cluster use one prefix per
-shard or a proxy.  ``{prefix}:engines`` holds each live engine's limits
-fingerprint.
+its own Redis Cluster slot.  ``{prefix}:engines`` holds each live engine's
+limits fingerprint.
+
+Round trips.  A standalone Redis / Valkey (``redis://``, ``rediss://``,
+``unix://``) gets one script call per round trip, naming every user's key.
+A Redis Cluster (``redis+cluster://``) refuses a script whose keys lie in
+several hash slots (CROSSSLOT), and each user has its own slot.  So in
+cluster mode the batch is split by the node that owns each key (from the
+client's slot map), and each node gets one call of the same script marked
+``allow-cross-slot-keys`` (Redis >= 7.0 / Valkey), which may touch keys of
+several slots as long as the node serves them all: ``KEYS[1]`` routes the
+call and every user's key travels in ``ARGV``.  The calls to all nodes go
+out in one pipeline (written to every node before any reply is read), so a
+round trip still costs one network wait however many nodes there are.
+Each node's script is atomic on its own; nothing in the lease arithmetic
+needs two users to change together.  A round in which any node fails
+(down, timeout, a key that moved to another node) counts as a failed round
+(its grants on the other nodes are never spent, which only under-spends),
+and the slot map is refreshed before the next one.
 
 The password comes from the URL (``redis://:PASSWORD@host:port/db``) or, when
 the URL has none, from the environment variable ``OUTPUT_RATE_STORE_PASSWORD``;
@@ -35,12 +49,21 @@ it is never logged (:meth:`RedisLeaseBackend.describe`).
 
 from __future__ import annotations
 
+import hashlib
 import os
 from typing import Sequence
 from urllib.parse import urlsplit
 
-from vllm_output_rate.stores.config import DEFAULT_PREFIX, PASSWORD_ENV
+from vllm_output_rate.stores.config import (
+    CLUSTER_SCHEMES,
+    DEFAULT_PREFIX,
+    PASSWORD_ENV,
+    SCHEMES,
+    cluster_nodes,
+    split_userinfo,
+)
 from vllm_output_rate.stores.lease import LeaseAsk, LeaseGrant
+
 #: Seconds a reply may take before the engine treats the store as down.
 DEFAULT_TIMEOUT_S = 0.25
 #: Engines that have not published their fingerprint this long are ignored.
@@ -96,6 +119,18 @@ end
 return out
 """
 
+#: The same script for a Redis Cluster node: KEYS[1] only routes the call
+#: (the cluster checks declared keys share one slot); the users' keys follow
+#: the per-user numbers in ARGV, so ``#ARGV == 2 + 4 * n``.  The flag lets the
+#: script touch keys of several slots served by this node.
+CLUSTER_LEASE_SCRIPT = (
+    "#!lua flags=allow-cross-slot-keys\n"
+    "local n = (#ARGV - 2) / 4\n"
+    "local KEYS = {}\n"
+    "for i = 1, n do KEYS[i] = ARGV[3 * n + 2 + i] end\n"
+    + LEASE_SCRIPT
+)
+
 FINGERPRINT_SCRIPT = r"""
 -- KEYS[1]: engines hash.  ARGV: engine id, fingerprint, live seconds.
 -- Returns a flat list engine, fingerprint of engines seen within live seconds.
@@ -124,17 +159,18 @@ def user_key(prefix: str, user: str) -> str:
 
 
 def redact(url: str) -> str:
-    """``url`` without user name and password."""
-    parts = urlsplit(url)
-    host = parts.hostname or ""
-    if ":" in host:
-        host = f"[{host}]"
-    port = f":{parts.port}" if parts.port else ""
-    return f"{parts.scheme}://{host}{port}{parts.path}"
+    """``url`` without user name and password (every scheme, cluster host lists too)."""
+    _, _, stripped = split_userinfo(url)
+    parts = urlsplit(stripped)
+    return f"{parts.scheme}://{parts.netloc}{parts.path}"
+
+
+def _sha1(text: str) -> str:
+    return hashlib.sha1(text.encode()).hexdigest()
 
 
 class RedisLeaseBackend:
-    """:class:`~vllm_output_rate.stores.lease.LeaseBackend` over a Redis server."""
+    """:class:`~vllm_output_rate.stores.lease.LeaseBackend` over Redis, Valkey or a Redis Cluster."""
 
     def __init__(
         self,
@@ -148,28 +184,49 @@ class RedisLeaseBackend:
         from redis.retry import Retry
 
         parts = urlsplit(url)
-        if parts.scheme not in ("redis", "rediss", "unix"):
+        if parts.scheme not in SCHEMES:
             raise ValueError(
-                f"output-rate store must be a redis://, rediss:// or unix:// URL, got {redact(url)}"
+                "output-rate store must be a "
+                + " / ".join(s + "://" for s in SCHEMES)
+                + f" URL, got {redact(url)}"
             )
-        kwargs = {}
-        if not parts.password and os.environ.get(password_env):
-            kwargs["password"] = os.environ[password_env]
+        user, password, _ = split_userinfo(url)
+        if not password and os.environ.get(password_env):
+            password = os.environ[password_env]
         self._url = redact(url)
         self.prefix = prefix or DEFAULT_PREFIX
-        self._client = redis.Redis.from_url(
-            url,
+        self.cluster = parts.scheme in CLUSTER_SCHEMES
+        self.commands = 0  # script calls (and pings) sent; several per round trip on a cluster
+        common = dict(
             socket_timeout=timeout_s,
             socket_connect_timeout=timeout_s,
             retry=Retry(NoBackoff(), 0),
-            retry_on_timeout=False,
-            **kwargs,
         )
-        self._lease = self._client.register_script(LEASE_SCRIPT)
-        self._fingerprint = self._client.register_script(FINGERPRINT_SCRIPT)
-        self.commands = 0  # round trips sent (one script call each)
+        self._client = None
+        if self.cluster:
+            # Connecting reads the slot map, which needs a live node: done on
+            # first use, in the lease thread, so an unreachable cluster at
+            # startup is an outage like any other instead of a failed start.
+            self._cluster_seeds = cluster_nodes(url)
+            self._cluster_kwargs = dict(
+                common,
+                username=user,
+                password=password,
+                ssl=parts.scheme == "rediss+cluster",
+                require_full_coverage=True,
+            )
+            self._cluster_refresh = False
+        else:
+            kwargs = {} if split_userinfo(url)[1] or not password else {"password": password}
+            self._client = redis.Redis.from_url(url, retry_on_timeout=False, **common, **kwargs)
+            self._lease = self._client.register_script(LEASE_SCRIPT)
+            self._fingerprint = self._client.register_script(FINGERPRINT_SCRIPT)
+
+    # -- standalone --------------------------------------------------------
 
     def lease(self, burst_ns: int, asks: Sequence[LeaseAsk]) -> list[LeaseGrant]:
+        if self.cluster:
+            return self._lease_cluster(burst_ns, asks)
         self.commands += 1
         if not asks:
             self._client.ping()
@@ -183,14 +240,101 @@ class RedisLeaseBackend:
 
     def publish_fingerprint(self, engine_id: str, fingerprint: str) -> dict[str, str]:
         self.commands += 1
-        flat = self._fingerprint(
-            keys=[f"{self.prefix}:engines"], args=[engine_id, fingerprint, ENGINE_LIVE_S]
-        )
+        keys = [f"{self.prefix}:engines"]
+        args = [engine_id, fingerprint, ENGINE_LIVE_S]
+        if self.cluster:
+            client = self._cluster_client()
+            try:
+                flat = client.execute_command("EVALSHA", _sha1(FINGERPRINT_SCRIPT), 1, *keys, *args)
+            except Exception as exc:
+                if not _is_noscript(exc):
+                    raise
+                flat = client.execute_command("EVAL", FINGERPRINT_SCRIPT, 1, *keys, *args)
+        else:
+            flat = self._fingerprint(keys=keys, args=args)
         flat = [x.decode() if isinstance(x, bytes) else x for x in flat]
         return dict(zip(flat[::2], flat[1::2]))
+
+    # -- Redis Cluster -----------------------------------------------------
+
+    def _cluster_client(self):
+        from redis.cluster import ClusterNode, RedisCluster
+
+        if self._client is None:
+            nodes = [ClusterNode(host, port) for host, port in self._cluster_seeds]
+            self._client = RedisCluster(startup_nodes=nodes, **self._cluster_kwargs)
+            self._cluster_refresh = False
+        elif self._cluster_refresh:
+            self._client.nodes_manager.initialize()  # re-read the slot map
+            self._cluster_refresh = False
+        return self._client
+
+    def _lease_cluster(self, burst_ns: int, asks: Sequence[LeaseAsk]) -> list[LeaseGrant]:
+        try:
+            return self._lease_cluster_round(burst_ns, asks)
+        except Exception:
+            self._cluster_refresh = self._client is not None
+            raise
+
+    def _lease_cluster_round(self, burst_ns: int, asks: Sequence[LeaseAsk]) -> list[LeaseGrant]:
+        from redis.cluster import RedisCluster
+
+        client = self._cluster_client()
+        if not asks:
+            # Probe (during an outage): every primary must say the cluster
+            # serves.  A PING would answer while a restarted node still
+            # refuses scripts (CLUSTERDOWN), and the engine would flap.
+            self.commands += 1
+            info = client.cluster_info(target_nodes=RedisCluster.PRIMARIES)
+            per_node = info.values() if all(isinstance(v, dict) for v in info.values()) else [info]
+            bad = [i.get("cluster_state") for i in per_node if i.get("cluster_state") != "ok"]
+            if bad:
+                raise RuntimeError(f"cluster_state {bad[0]}")
+            return []
+        keys = [user_key(self.prefix, a.user) for a in asks]
+        by_node: dict[str, list[int]] = {}
+        for i, key in enumerate(keys):
+            by_node.setdefault(client.get_node_from_key(key).name, []).append(i)
+        calls: list[tuple[list[int], list]] = []
+        for members in by_node.values():
+            args: list = [burst_ns, IDLE_MARGIN_MS]
+            for i in members:
+                args += (asks[i].want, asks[i].give_back, asks[i].interval_ns)
+            args += [keys[i] for i in members]
+            calls.append((members, [keys[members[0]], *args]))
+        replies = self._pipeline(client, "EVALSHA", _sha1(CLUSTER_LEASE_SCRIPT), calls)
+        unknown = [j for j, r in enumerate(replies) if _is_noscript(r)]
+        if unknown:  # a node that has not seen the script yet (new, restarted, failed over)
+            again = self._pipeline(client, "EVAL", CLUSTER_LEASE_SCRIPT, [calls[j] for j in unknown])
+            for j, reply in zip(unknown, again):
+                replies[j] = reply
+        grants: list[LeaseGrant | None] = [None] * len(asks)
+        for (members, _), reply in zip(calls, replies):
+            if isinstance(reply, Exception):
+                raise reply
+            for i, (g, w) in zip(members, reply):
+                grants[i] = LeaseGrant(int(g), int(w))
+        return grants  # type: ignore[return-value]
+
+    def _pipeline(self, client, command: str, script: str, calls) -> list:
+        """One script call per node group, all in one pipeline; replies or exceptions."""
+        pipe = client.pipeline()
+        for _, argv in calls:
+            pipe.execute_command(command, script, 1, *argv)
+        self.commands += len(calls)
+        return pipe.execute(raise_on_error=False)
+
+    # -- both ----------------------------------------------------------------
 
     def describe(self) -> str:
         return self._url
 
     def close(self) -> None:
-        self._client.close()
+        if self._client is not None:
+            self._client.close()
+
+
+def _is_noscript(reply: object) -> bool:
+    from redis.exceptions import NoScriptError
+
+    return isinstance(reply, NoScriptError)
