@@ -297,3 +297,96 @@ def test_make_limiter_with_a_store_url(server, prefix):
         assert server.client().exists(user_key(prefix, "a"))
     finally:
         lim.close()
+
+
+def test_store_mode_and_totals_reach_prometheus_and_follow_an_outage(prefix):
+    """Real lease limiter + real Redis -> the engine's report -> the exporter's /metrics text.
+
+    The report is built by the scheduler mixin's own ``output_rate_report``
+    (on an object carrying only what that method reads; no vLLM), and fed to
+    the exporter that vLLM's patched Prometheus logger uses, with its own
+    registry.  Redis is then killed and restarted.
+    """
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from vllm_output_rate.adapter.metrics import OutputRateExporter
+    from vllm_output_rate.adapter.operate import OperateSchedulerMixin
+    from vllm_output_rate.gate import StepGate
+    from vllm_output_rate.monitor import UserMonitor
+
+    srv = RedisServer().start()
+    settings = OutputRateSettings.from_additional_config(
+        {"output_rate": {"default_user_output_tokens_per_second": 50,
+                         "store": {"url": srv.url, "prefix": prefix, "expected_engines": 2}}}
+    )
+    lim = make_limiter(settings)  # its real lease thread
+
+    class Engine(OperateSchedulerMixin):
+        pass
+
+    engine = object.__new__(Engine)  # only the report path, no scheduler behind it
+    engine.output_rate_settings = settings
+    engine.output_rate_limiter = lim
+    engine.output_rate_gate = StepGate(lim)
+    engine.running, engine.waiting = [], []
+    engine.output_rate_reloads = engine.output_rate_reload_failures = 0
+    engine._output_rate_monitor = UserMonitor(settings.metrics_max_users)
+    registry = CollectorRegistry()
+    exporter = OutputRateExporter("tiny", registry)
+
+    def scrape() -> dict:
+        exporter.observe(engine.output_rate_report(time.monotonic_ns()))
+        text = generate_latest(registry).decode()
+        return {
+            (s.name, s.labels.get("mode")): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+            if s.name.startswith("vllm:output_rate_store_") and not s.name.endswith("_created")
+        }
+
+    def spend(seconds, until=lambda: False):
+        got, end = 0, time.monotonic_ns() + int(seconds * S)
+        while time.monotonic_ns() < end and not until():
+            got += lim.take_up_to("u", time.monotonic_ns(), 2)
+            time.sleep(0.005)
+        return got
+
+    try:
+        spent = spend(0.6)
+        first = scrape()
+        assert first[("vllm:output_rate_store_mode", "shared")] == 1
+        assert first[("vllm:output_rate_store_mode", "local")] == 0
+        assert first[("vllm:output_rate_store_mode", "closed")] == 0
+        assert first[("vllm:output_rate_store_outages_total", None)] == 0
+        trips = first[("vllm:output_rate_store_round_trips_total", None)]
+        assert trips >= 3
+        assert first[("vllm:output_rate_store_commands_total", None)] >= trips
+        assert first[("vllm:output_rate_store_leased_tokens_total", None)] >= spent > 0
+        srv.stop()
+        spend(3.0, until=lambda: lim.mode == LOCAL)
+        assert lim.mode == LOCAL
+        down = scrape()
+        assert down[("vllm:output_rate_store_mode", "shared")] == 0
+        assert down[("vllm:output_rate_store_mode", "local")] == 1
+        assert down[("vllm:output_rate_store_outages_total", None)] == 1
+        assert down[("vllm:output_rate_store_failed_round_trips_total", None)] >= 1
+        assert down[("vllm:output_rate_store_round_trips_total", None)] >= trips
+        srv.start()
+        spend(3.0, until=lambda: lim.mode == SHARED)
+        spend(0.3)
+        back = scrape()
+        assert back[("vllm:output_rate_store_mode", "shared")] == 1
+        assert back[("vllm:output_rate_store_mode", "local")] == 0
+        assert back[("vllm:output_rate_store_outages_total", None)] == 1  # a counter: not reset
+        assert back[("vllm:output_rate_store_round_trips_total", None)] > down[
+            ("vllm:output_rate_store_round_trips_total", None)
+        ]
+        # Exported totals never run ahead of the limiter's own.
+        figures = lim.store_figures()
+        assert back[("vllm:output_rate_store_leased_tokens_total", None)] <= figures[
+            "store_leased_tokens_total"
+        ]
+    finally:
+        lim.close()
+        srv.stop()

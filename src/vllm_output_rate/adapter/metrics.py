@@ -27,6 +27,22 @@ and engine-wide ``vllm:output_rate_throttled_requests`` (resident but held
 for quota), ``vllm:output_rate_idle_steps_total`` (steps that ran nothing
 because everything was throttled), ``vllm:output_rate_limit_reloads_total``,
 ``vllm:output_rate_limit_reload_failures_total``.
+
+With a shared store (``--output-rate-store``), engine-wide (label
+``model_name``; figures from
+:meth:`~vllm_output_rate.stores.lease.LeasedOutputRateLimiter.store_figures`):
+
+* ``vllm:output_rate_store_mode{mode="shared|local|closed"}`` -- 1 for the
+  mode in force, 0 for the others;
+* ``vllm:output_rate_store_outages_total``,
+  ``vllm:output_rate_store_round_trips_total`` (answered),
+  ``vllm:output_rate_store_failed_round_trips_total``,
+  ``vllm:output_rate_store_commands_total`` (script calls sent: one per
+  round trip on a single Redis, one per node on a cluster),
+  ``vllm:output_rate_store_leased_tokens_total``,
+  ``vllm:output_rate_store_returned_tokens_total`` (unspent tokens handed
+  back), ``vllm:output_rate_store_expired_tokens_total`` (leased tokens
+  whose lease ran out unspent; they are handed back too).
 """
 
 from __future__ import annotations
@@ -35,10 +51,26 @@ import dataclasses
 from typing import Any
 
 from vllm_output_rate.monitor import ACTIVE, CHARGED, LIMIT, THROTTLED, THROTTLED_S, WAITING
+from vllm_output_rate.stores.lease import MODES as STORE_MODES
 
 PREFIX = "vllm:output_rate_"
 STATS_FIELD = "output_rate"
 STATES = ("active", "throttled", "waiting")
+#: Store counters: report key (an increment) -> (series name, help).
+STORE_COUNTERS = {
+    "store_outages_total": ("store_outages", "Times the shared store stopped answering "
+                            "and the engine fell back (--output-rate-store-fallback)."),
+    "store_round_trips_total": ("store_round_trips", "Lease round trips the shared store answered."),
+    "store_failed_round_trips_total": ("store_failed_round_trips",
+                                       "Lease round trips that failed or timed out."),
+    "store_commands_total": ("store_commands", "Commands sent to the shared store (script "
+                             "calls: one per round trip, one per node on a Redis Cluster)."),
+    "store_leased_tokens_total": ("store_leased_tokens", "Tokens leased from the shared store."),
+    "store_returned_tokens_total": ("store_returned_tokens",
+                                    "Unspent leased tokens handed back to the shared store."),
+    "store_expired_tokens_total": ("store_expired_tokens",
+                                   "Leased tokens whose lease ran out unspent (handed back too)."),
+}
 
 
 def patch_scheduler_stats() -> None:
@@ -106,6 +138,16 @@ class OutputRateExporter:
             f"{PREFIX}limit_reload_failures",
             "Limits-file versions rejected (old limits stayed).", ["model_name"], registry=registry,
         )
+        self.store_mode = Gauge(
+            f"{PREFIX}store_mode",
+            "Where quota comes from: 1 for the mode in force (shared: the shared store; "
+            "local / closed: its fallback while the store does not answer).",
+            ["model_name", "mode"], registry=registry, multiprocess_mode="mostrecent",
+        )
+        self.store_counters = {
+            key: Counter(f"{PREFIX}{name}", text, ["model_name"], registry=registry)
+            for key, (name, text) in STORE_COUNTERS.items()
+        }
 
     def observe(self, report: dict) -> None:
         model = self._model
@@ -138,6 +180,13 @@ class OutputRateExporter:
             child = metric.labels(model)
             if engine.get(key):
                 child.inc(engine[key])
+        if "store_mode" in engine:  # a shared store is configured
+            for code, mode in enumerate(STORE_MODES):
+                self.store_mode.labels(model, mode).set(1 if engine["store_mode"] == code else 0)
+            for key, counter in self.store_counters.items():
+                child = counter.labels(model)
+                if engine.get(key):
+                    child.inc(engine[key])
 
 
 def _remove(metric: Any, *labels: str) -> None:

@@ -223,6 +223,8 @@ class OperateSchedulerMixin:
                 "idle_steps_total": getattr(gate, "idle_steps", 0),
                 "reloads_total": self.output_rate_reloads,
                 "reload_failures_total": self.output_rate_reload_failures,
+                # Shared-store mode and totals (only with --output-rate-store).
+                **getattr(self.output_rate_limiter, "store_figures", dict)(),
             },
         )
         # Users idle for a while are forgotten, so the per-user totals (and

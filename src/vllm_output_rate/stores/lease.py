@@ -90,6 +90,8 @@ logger = logging.getLogger(__name__)
 MS = 1_000_000
 SHARED, LOCAL, CLOSED = "shared", "local", "closed"
 FALLBACKS = (LOCAL, CLOSED)
+#: Store modes in the order of their numeric code in :meth:`LeasedOutputRateLimiter.store_figures`.
+MODES = (SHARED, LOCAL, CLOSED)
 
 
 class LeaseAsk(NamedTuple):
@@ -250,6 +252,26 @@ class LeasedOutputRateLimiter:
     def mode(self) -> str:
         """``shared`` while the store answers, else the fallback in force."""
         return self._mode
+
+    def store_figures(self) -> dict[str, int]:
+        """Engine-wide store figures for the per-user report (exported to /metrics).
+
+        ``store_mode`` is the index of :attr:`mode` in :data:`MODES` (a
+        gauge); names ending in ``_total`` are running totals since start
+        (the report turns them into increments).  Read without the lock: each
+        figure is one int the lease thread replaces whole.
+        """
+        stats = self.stats
+        return {
+            "store_mode": MODES.index(self._mode),
+            "store_outages_total": stats["outages"],
+            "store_round_trips_total": stats["round_trips"],
+            "store_failed_round_trips_total": stats["failed_rounds"],
+            "store_commands_total": int(getattr(self._backend, "commands", 0)),
+            "store_leased_tokens_total": stats["leased"],
+            "store_returned_tokens_total": stats["handed_back"],
+            "store_expired_tokens_total": stats["expired"],
+        }
 
     def rate_of(self, user: str) -> float:
         return self._rates.rate_of(user)
