@@ -24,6 +24,7 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.metrics.stats import PrefixCacheStats
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
@@ -138,6 +139,12 @@ class Harness:
         self.stop_at: dict[str, int] = {}  # request id -> output index that is the stop token
         self.step_outputs: list = []
         self.shadow = None
+        # Tokens recomputed when preempted requests came back: vLLM's own
+        # prefix-cache statistics keep re-admissions apart (queries - hits).
+        self.recomputed_tokens = 0
+        manager = self.sched.kv_cache_manager
+        manager.log_stats = True
+        manager.prefix_cache_stats = PrefixCacheStats()
         if limits is not None:
             # A limiter that only ever sees the samples that really happened.
             self.shadow = OutputRateLimiter(
@@ -185,6 +192,8 @@ class Harness:
     def step(self, dt_ns: int = 10 * MS):
         """Schedule one step; feed back outputs (async: the previous step's)."""
         output = self.sched.schedule()
+        stats = self.sched.kv_cache_manager.make_prefix_cache_stats()
+        self.recomputed_tokens += stats.preempted_queries - stats.preempted_hits
         sampling = self._sampling_ids(output)
         for rid in sampling:
             user = self.records[rid].user

@@ -14,6 +14,7 @@ from vllm.v1.request import RequestStatus
 
 from sched_harness import MS, Harness, Record, max_in_window
 from vllm_output_rate.adapter.scheduler import OutputRateAsyncScheduler, OutputRateScheduler
+from vllm_output_rate.eviction import EvictionBudget
 
 S = 1_000_000_000
 
@@ -672,3 +673,101 @@ def test_binding_limits_under_kv_and_slot_pressure_do_not_churn(async_):
     for rid, arrived_at in fast_first:
         first = next(i for i, ids in enumerate(h.sampled_log) if rid in ids)
         assert first - arrived_at <= 1, (rid, first - arrived_at)  # its step or the next
+
+
+def test_users_with_equal_shares_do_not_evict_each_other():
+    """12 users at one rate hold one throttled stream each in all 12 slots.
+    A 13th user at the same rate is not worth an eviction: its request waits
+    for a slot to free up, and nobody is preempted."""
+    rates = {f"u{i}": 5 for i in range(13)}
+    h = Harness(limits(1000, **rates), max_num_seqs=12, max_num_active_seqs=6)
+    for i in range(12):
+        h.add(f"u{i}", prompt_len=8, max_tokens=12)
+    for _ in range(30):
+        h.step(10 * MS)
+    assert len(h.sched.running) == 12
+    late = h.add("u12", prompt_len=8, max_tokens=3)
+    preempted = []
+    while not h.records[late.request_id].finished:
+        preempted += h.step(10 * MS).preempted_req_ids
+        assert h.clock.now_ns < 10**13
+    assert preempted == []
+    first_finish = min(
+        r.sample_times[-1] for rid, r in h.records.items() if rid != late.request_id
+    )
+    assert h.records[late.request_id].sample_times[0] > first_finish
+
+
+@pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
+def test_a_faster_user_takes_a_slot_from_single_stream_users(async_):
+    """Same slots, but the newcomer's rate is 200 times theirs: a slot per
+    unit of rate, it is far below its share, so one of them gives way."""
+    rates = {f"u{i}": 5 for i in range(12)}
+    h = Harness(limits(1000, **rates), async_=async_, max_num_seqs=12, max_num_active_seqs=6)
+    for i in range(12):  # one arrival per step: their turns are spread out
+        h.add(f"u{i}", prompt_len=8, max_tokens=40)
+        h.step(10 * MS)
+    for _ in range(30):
+        h.step(10 * MS)
+    assert len(h.sched.running) == 12
+    fast = h.add("fast", prompt_len=8, max_tokens=3)
+    out = h.step(10 * MS)
+    assert fast.request_id in out.num_scheduled_tokens
+    assert len(out.preempted_req_ids) == 1
+
+
+@pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
+def test_spent_eviction_budget_leaves_waiting_requests_to_free_slots(async_):
+    """The slot hand-over scenario with an empty eviction budget: b is not
+    admitted by preempting a's streams but when one of them finishes."""
+    h = Harness(limits(1000, a=100), async_=async_, max_num_seqs=16, max_num_active_seqs=4)
+    h.sched.output_rate_eviction_budget = EvictionBudget(burst_tokens=0)
+    a_reqs = [h.add("a", prompt_len=8, max_tokens=20 + i) for i in range(16)]
+    for _ in range(20):
+        h.step(10 * MS)
+    b = h.add("b", prompt_len=8, max_tokens=5)
+    preempted = []
+    while not h.records[b.request_id].finished:
+        preempted += h.step(10 * MS).preempted_req_ids
+        assert h.clock.now_ns < 10**13
+    assert preempted == []
+    first_a_done = min(h.records[r.request_id].sample_times[-1] for r in a_reqs
+                       if h.records[r.request_id].finished)
+    assert h.records[b.request_id].sample_times[0] > first_a_done
+
+
+@pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
+def test_recompute_caused_by_evictions_stays_within_the_budget(async_):
+    """Soak-shaped pressure on the real scheduler: 24 users at 10-60 tok/s,
+    32 requests in flight for 12 slots (6 active), prompts up to 600 tokens,
+    KV for about 4 000 tokens.  Evictions on behalf of waiting requests spend
+    no more than the budget: burst + 0.25 x output tokens of finished
+    requests; all recompute (vLLM's own preemptions included) stays under
+    half the output; nothing starves and the quota holds."""
+    rng = random.Random(11)
+    users = [f"u{i:02d}" for i in range(24)]
+    rates = {u: rng.randint(10, 60) for u in users}
+    h = Harness(limits(1000, **rates), async_=async_, max_num_seqs=12, max_num_active_seqs=6,
+                num_blocks=250, max_num_batched_tokens=1024)
+    initial_free = h.free_blocks()
+    budget = h.sched.output_rate_eviction_budget
+    live: set = set()
+    added = 0
+    preemptions = 0
+    while added < 150 or live:
+        while added < 150 and len(live) < 32:
+            user = rng.choices(users, [rates[u] for u in users])[0]
+            short = rng.random() < 0.5
+            prompt = [rng.randrange(10, 680) for _ in range(rng.randint(1, 32 if short else 600))]
+            live.add(h.add(user, prompt=prompt, max_tokens=rng.randint(1, 60)).request_id)
+            added += 1
+        preemptions += len(h.step(15 * MS).preempted_req_ids)
+        live = {rid for rid in live if not h.records[rid].finished}
+        assert h.clock.now_ns < 10**13
+    h.run_until_done()
+    assert_all_done(h, initial_free)
+    output = sum(len(r.sample_times) for r in h.records.values())
+    assert preemptions > 0, "the scenario did not create pressure"
+    assert budget.spent_tokens <= budget.burst_tokens + budget.ratio * output
+    assert h.recomputed_tokens <= 0.5 * output, (h.recomputed_tokens, output, preemptions)
+    h.check_limiter_exact()

@@ -55,6 +55,7 @@ from vllm.v1.core.sched.utils import remove_all
 from vllm.v1.request import Request, RequestStatus
 
 from vllm_output_rate.adapter.operate import OperateSchedulerMixin
+from vllm_output_rate.eviction import EvictionBudget, evens_out
 from vllm_output_rate.gate import StepGate, StepPlan
 from vllm_output_rate.limiter import make_limiter
 from vllm_output_rate.settings import (
@@ -102,6 +103,11 @@ class OutputRateSchedulerMixin:
         # Requests we preempted because their user was out of quota, until
         # they are resident again (see _kv_room_for).
         self._evicted_for_quota: set[Request] = set()
+        # What evictions on behalf of waiting requests may make the engine
+        # recompute; the budget holds one longest request.
+        self.output_rate_eviction_budget = EvictionBudget(
+            burst_tokens=self.vllm_config.model_config.max_model_len
+        )
         self._held_for_other_reasons = False
         self._stock_allocate_slots = self.kv_cache_manager.allocate_slots
         # Bound once: this hook runs for every scheduled request of every step.
@@ -159,6 +165,7 @@ class OutputRateSchedulerMixin:
     def _free_request(self, request: Request, *args: Any, **kwargs: Any):
         self.output_rate_gate.forget(request)
         self._evicted_for_quota.discard(request)
+        self.output_rate_eviction_budget.earn(request.num_output_tokens)
         return super()._free_request(request, *args, **kwargs)
 
     def _preempt_request(self, request: Request, *args: Any, **kwargs: Any) -> None:
@@ -449,7 +456,7 @@ class OutputRateSchedulerMixin:
                 return
             # Held out of the waiting queue until the step ends: re-admitted
             # now, it would take back the slot it was freed from.
-            self._evict(victim)
+            self._evict(victim, for_waiting=True)
             self._slot_donors.add(gate.user_of(victim))
             promised[user] = promised.get(user, 0) + 1
             plan.hidden -= 1
@@ -463,7 +470,7 @@ class OutputRateSchedulerMixin:
             victim = self._throttled_victim_for(request)
             if victim is None:
                 break
-            self._evict(victim)
+            self._evict(victim, for_waiting=request.status != RequestStatus.RUNNING)
             blocks = self._stock_allocate_slots(request, *args, **kwargs)
         return blocks
 
@@ -489,6 +496,15 @@ class OutputRateSchedulerMixin:
         if not gate.can_charge(request):
             return None  # only a request that can run now may take KV from others
         requester = gate.user_of(request)
+        # A waiting request takes a resident one's place only if that evens
+        # out the users' rate-weighted shares and the eviction budget can pay
+        # for the recompute.  (A running request that needs KV would cost a
+        # preemption anyway: any throttled victim will do.)
+        for_waiting = request.status != RequestStatus.RUNNING
+        budget = self.output_rate_eviction_budget
+        rate_of = self.output_rate_limiter.rate_of
+        requester_resident = gate.resident_count(requester)
+        requester_rate = rate_of(requester)
         least_important = request.priority
         if self._priority_policy and request.status == RequestStatus.RUNNING and self.running:
             # vLLM's own victim would be the least important visible request;
@@ -497,6 +513,13 @@ class OutputRateSchedulerMixin:
         for victim in gate.throttled_victims():
             if victim is request or gate.user_of(victim) == requester:
                 continue  # never trade one stream of a user for another
+            if for_waiting:
+                victim_user = gate.user_of(victim)
+                if not evens_out(gate.resident_count(victim_user), rate_of(victim_user),
+                                 requester_resident, requester_rate):
+                    continue
+                if not budget.affords(victim.num_computed_tokens):
+                    continue  # its recompute would cost more than serving has earned
             if self._priority_policy and victim.priority < least_important:
                 continue
             if not self._request_blocks_can_be_freed(victim):
@@ -504,7 +527,9 @@ class OutputRateSchedulerMixin:
             return victim
         return None
 
-    def _evict(self, victim: Request) -> None:
+    def _evict(self, victim: Request, for_waiting: bool) -> None:
+        if for_waiting:
+            self.output_rate_eviction_budget.spend(victim.num_computed_tokens)
         self._evicted_for_quota.add(victim)
         self._preempt_request(victim, time.monotonic())
         # vLLM's waiting loop may be mid-iteration and about to pop the head
