@@ -31,6 +31,14 @@ their own cost is measured and subtracted; ``PYTHONHASHSEED=0``).
 Usage: ``python benchmarks/scheduler_step.py [--instructions] --out
 results/scheduler_step`` (writes ``.json`` and ``.png``).  Figures are
 CPU-only and machine-dependent.
+
+``--store`` measures only ours with the shared store against ours with the
+in-memory limiter (limits never hit; ``--instructions`` adds the callgrind
+counts): a real redis-server is started on 127.0.0.1 (stopped by PID), the
+scheduler builds its lease limiter from ``additional_config`` as an engine
+does, and the lease thread's work (round trips to Redis) runs between
+steps, outside the measured calls, because in an engine it runs on its own
+thread: the step itself never waits on Redis.  Writes ``OUT_store.json``.
 """
 
 from __future__ import annotations
@@ -71,14 +79,28 @@ def limits(default, **users):
     return {"default_user_output_tokens_per_second": default, "user_output_tokens_per_second": users}
 
 
-def build(scenario: str, resident: int, ours: bool) -> Harness:
+#: Environment variable naming the Redis of ``--store`` (read by callgrind children too).
+STORE_ENV = "SCHEDULER_STEP_STORE_URL"
+
+
+def pump_leases(h: Harness) -> None:
+    """The lease thread's work at the harness clock's now (shared store only)."""
+    pump = getattr(getattr(h.sched, "output_rate_limiter", None), "pump", None)
+    if pump is not None:
+        pump(h.clock())
+
+
+def build(scenario: str, resident: int, ours: bool, store_url: str | None = None) -> Harness:
     throttled = scenario == "throttled_90"
     active = 16 if (throttled and ours) else resident
     # Room for every request's whole life in the run: no preemption noise.
     blocks = resident * ((PROMPT_LEN + WARMUP_STEPS + MEASURED_TOKENS) // 16 + 2) + 64
+    config = (limits(1e9, **({} if not throttled else {f"t{i}": 1.0 for i in range(THROTTLED_USERS)}))
+              if ours else None)
+    if store_url is not None:
+        config["store"] = {"url": store_url, "prefix": f"step-bench-{os.getpid()}-{time.monotonic_ns()}"}
     h = Harness(
-        (limits(1e9, **({} if not throttled else {f"t{i}": 1.0 for i in range(THROTTLED_USERS)}))
-         if ours else None),
+        config,
         max_num_seqs=resident,
         max_num_active_seqs=active,
         num_blocks=blocks,
@@ -92,9 +114,14 @@ def build(scenario: str, resident: int, ours: bool) -> Harness:
         else:
             user = f"u{i % FREE_USERS}"
         h.add(user, prompt_len=PROMPT_LEN, max_tokens=LONG)
+    if store_url is not None:
+        # The lease limiter the scheduler built: rounds on the fake clock,
+        # run by pump_leases between steps instead of by its thread.
+        h.sched.output_rate_limiter.drive_by_hand(h.clock)
     # Admit and prefill everybody, then let throttled users spend their burst.
     for _ in range(WARMUP_STEPS):
         h.step(10 * MS)
+        pump_leases(h)
     return h
 
 
@@ -130,6 +157,7 @@ def time_steps(h: Harness, steps: int) -> list[float]:
             t3 = clock()
             samples.append((t1 - t0 + t3 - t2) / 1000)
             h.clock.advance(10 * MS)
+            pump_leases(h)  # not timed: the lease thread's work (shared store only)
     finally:
         gc.enable()
     return samples
@@ -213,7 +241,8 @@ def count_child(scenario: str, resident: int, who: str, steps: int, helper: str)
     """
     if who == "ours-plain":
         disable_fast_paths()
-    h = build(scenario, resident, who != "stock")
+    store_url = os.environ[STORE_ENV] if who == "ours-store" else None
+    h = build(scenario, resident, who != "stock", store_url)
     cg = ctypes.CDLL(helper)
     toggle = cg.cg_toggle
     sched = h.sched
@@ -233,6 +262,7 @@ def count_child(scenario: str, resident: int, who: str, steps: int, helper: str)
         sched.update_from_output(out, runner)
         toggle()
         h.clock.advance(10 * MS)
+        pump_leases(h)  # not collected (shared store only)
     cg.cg_dump(b"measured")
 
 
@@ -285,6 +315,67 @@ def measure_fast_paths(sizes: list[int]) -> dict:
             f"plain {row['ours-plain'] / 1e6:8.3f} M  fast paths save {100 * row['fast_path_saving']:.2f} %",
             flush=True,
         )
+    return results
+
+
+def measure_store(sizes: list[int], steps: int, reps: int, instructions: bool) -> dict:
+    """Ours with the shared (Redis lease) store vs ours in memory, limits never hit."""
+    from redis_harness import RedisServer
+
+    server = RedisServer().start()
+    os.environ[STORE_ENV] = server.url
+    results: dict = {}
+    try:
+        for r in sizes:
+            harnesses = {"ours": build("never_hit", r, True),
+                         "ours-store": build("never_hit", r, True, server.url)}
+            samples: dict[str, list[float]] = {who: [] for who in harnesses}
+            for rep in range(reps):
+                order = list(harnesses) if rep % 2 == 0 else list(reversed(harnesses))
+                for who in order:
+                    samples[who] += time_steps(harnesses[who], steps)
+            lim = harnesses["ours-store"].sched.output_rate_limiter
+            row = {who: {"us_per_step": statistics.median(v)} for who, v in samples.items()}
+            row["ratio"] = row["ours-store"]["us_per_step"] / row["ours"]["us_per_step"]
+            row["lease_stats"] = dict(lim.stats)
+            # Same steps, same tokens charged: the store never refused anyone.
+            for who, h in harnesses.items():
+                row[who]["tokens_charged"] = sum(h.sched.output_rate_gate.charged_tokens.values())
+            # What the lease thread does per round, timed alone (not in a step).
+            t0 = time.perf_counter_ns()
+            rounds = 20
+            for _ in range(rounds):
+                harnesses["ours-store"].clock.advance(60 * MS)
+                lim.run_round(harnesses["ours-store"].clock())
+            row["lease_round_us"] = (time.perf_counter_ns() - t0) / rounds / 1000
+            results[r] = row
+            for h in harnesses.values():
+                h.sched.shutdown()
+            print(
+                f"store never_hit R={r:5d}  in-memory {row['ours']['us_per_step']:9.1f} us  "
+                f"redis lease {row['ours-store']['us_per_step']:9.1f} us  ratio {row['ratio']:.3f}  "
+                f"(a lease round, off the step: {row['lease_round_us']:.0f} us; tokens charged "
+                f"{row['ours']['tokens_charged']} / {row['ours-store']['tokens_charged']})",
+                flush=True,
+            )
+        if instructions:
+            cells = [("never_hit", r, who) for r in sizes for who in ("ours", "ours-store")]
+            counts = count_cells(cells)
+            for r in sizes:
+                row = results[r]
+                for who in ("ours", "ours-store"):
+                    row[who]["instructions_per_step"] = counts[("never_hit", r, who)]
+                row["instructions_ratio"] = (
+                    row["ours-store"]["instructions_per_step"] / row["ours"]["instructions_per_step"]
+                )
+                print(
+                    f"store never_hit R={r:5d}  in-memory {row['ours']['instructions_per_step'] / 1e6:8.3f} M  "
+                    f"redis lease {row['ours-store']['instructions_per_step'] / 1e6:8.3f} M instructions/step  "
+                    f"ratio {row['instructions_ratio']:.4f}",
+                    flush=True,
+                )
+    finally:
+        server.stop()
     return results
 
 
@@ -360,8 +451,28 @@ def main() -> None:
         help="only count instructions per step (never hit) for stock, ours and ours "
         "without its fast paths; writes OUT_fast_paths.json",
     )
+    ap.add_argument(
+        "--store", action="store_true",
+        help="only ours with the shared Redis lease store vs ours in memory (limits never "
+        "hit; starts a redis-server); with --instructions also by callgrind; writes OUT_store.json",
+    )
     args = ap.parse_args()
     sizes = [int(x) for x in args.resident.split(",")]
+    if args.store:
+        doc = {
+            "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+            "steps": args.steps, "reps": args.reps,
+            "results": measure_store(sizes, args.steps, args.reps, args.instructions),
+        }
+        rows = doc["results"].values()
+        doc["worst_ratio"] = max(row["ratio"] for row in rows)
+        if args.instructions:
+            doc["instructions_worst_ratio"] = max(row["instructions_ratio"] for row in rows)
+        out = Path(args.out + "_store.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(doc, indent=2) + "\n")
+        print(f"wrote {out}")
+        return
     if args.fast_paths:
         doc = {"results": measure_fast_paths(sizes)}
         out = Path(args.out + "_fast_paths.json")

@@ -467,16 +467,43 @@ class LeasedOutputRateLimiter:
 
     # -- the lease thread -----------------------------------------------------
 
+    def pump(self, now_ns: int) -> bool:
+        """What the lease thread does at ``now_ns``: a regular round when due,
+        else an extra round for users that just became short; True if a round ran."""
+        regular = now_ns >= self._next_round_ns
+        extra = bool(self._new_users) and now_ns >= self._last_round_ns + self._config.min_round_gap_ns
+        if regular or extra:
+            self.run_round(now_ns, only_new=not regular)
+            return True
+        return False
+
+    def drive_by_hand(self, clock: Callable[[], int]) -> None:
+        """Stop the lease thread and read ``clock`` from now on; the caller calls
+        :meth:`pump` (benchmarks that step a scheduler on a fake clock)."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+            self._thread = None
+        with self._lock:
+            self._clock = clock
+            now = clock()
+            self._next_round_ns = self._last_answer_ns = self._next_fingerprint_ns = now
+            self._last_round_ns = -(10**18)
+            self._leases = {}
+            self._give_back.clear()
+            self._wait_until.clear()
+            self._asked_at.clear()
+            self._wanted_at.clear()
+
     def _run(self) -> None:
         while not self._stop.is_set():
             now = self._clock()
-            regular = now >= self._next_round_ns
-            extra = bool(self._new_users) and now >= self._last_round_ns + self._config.min_round_gap_ns
-            if regular or extra:
-                try:
-                    self.run_round(now, only_new=not regular)
-                except Exception:  # never let the thread die
-                    logger.exception("output-rate lease round failed")
+            try:
+                if self.pump(now):
+                    now = self._clock()
+            except Exception:  # never let the thread die
+                logger.exception("output-rate lease round failed")
                 now = self._clock()
             if now >= self._next_fingerprint_ns and self._mode is SHARED:
                 self.check_fingerprints(now)
