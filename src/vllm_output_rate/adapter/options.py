@@ -23,6 +23,7 @@ from vllm_output_rate.settings import (
     OutputRateConfigError,
     load_limits_file,
 )
+from vllm_output_rate.stores.config import int_arg
 
 from .identity import (
     API_KEYS_FLAG,
@@ -38,16 +39,6 @@ from .identity import (
 logger = logging.getLogger(__name__)
 
 ADMIN_KEY_FLAG = "--output-rate-admin-key"
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text!r}")
-    return value
 
 
 def add_operate_args(parser: argparse.ArgumentParser) -> None:
@@ -101,7 +92,7 @@ def add_operate_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         METRICS_MAX_USERS_FLAG,
         dest="output_rate_metrics_max_users",
-        type=_non_negative_int,
+        type=int_arg(0),
         default=None,
         metavar="K",
         help="Per-user metric series for users without a configured limit "

@@ -33,7 +33,7 @@ from __future__ import annotations
 import argparse
 import os
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
 STORE_KEY = "store"
@@ -165,14 +165,20 @@ def _store_url_arg(text: str) -> str:
     return text
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return value
+def int_arg(minimum: int) -> Callable[[str], int]:
+    """An argparse ``type``: an integer of at least ``minimum`` (0 or 1)."""
+    kind = "non-negative" if minimum == 0 else "positive"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = minimum - 1
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be a {kind} integer, got {text!r}")
+        return value
+
+    return parse
 
 
 def add_store_args(parser: argparse.ArgumentParser) -> None:
@@ -204,7 +210,7 @@ def add_store_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         ENGINES_FLAG,
         dest="output_rate_expected_engines",
-        type=_positive_int,
+        type=int_arg(1),
         default=None,
         metavar="E",
         help="Engines sharing the store (default 1); the local fallback divides rates by it.",
