@@ -9,9 +9,14 @@
    100 users all wanting quota all the time for ``--seconds``: script calls
    per second and Redis commands per second (from ``INFO commandstats``).
 
+3. With ``--cluster``: the same round-trip measurement against a real
+   three-node Redis Cluster (started here like ``tests/test_store_cluster.py``
+   does, stopped by PID): script calls per second summed over the nodes
+   (one per node a user of the batch lives on, per round trip).
+
 Prints a table and writes ``OUT.json``.  Usage::
 
-    python benchmarks/shared_store.py --out results/shared_store
+    python benchmarks/shared_store.py [--cluster] --out results/shared_store
 """
 
 from __future__ import annotations
@@ -92,17 +97,24 @@ def bench_calls(rounds: int) -> dict:
     }
 
 
-def bench_round_trips(seconds: float, n_users: int) -> dict:
+def bench_round_trips(seconds: float, n_users: int, cluster: bool = False) -> dict:
     from redis_harness import RedisServer
 
     from vllm_output_rate.stores.redis_store import RedisLeaseBackend
 
-    srv = RedisServer().start()
+    if cluster:
+        from test_store_cluster import RedisCluster3
+
+        srv = RedisCluster3().start()
+        clients = [srv.node(i) for i in range(len(srv.ports))]
+    else:
+        srv = RedisServer().start()
+        clients = [srv.client()]
     try:
         backend = RedisLeaseBackend(srv.url, prefix="bench")
         lim = LeasedOutputRateLimiter(50, {}, backend)
-        client = srv.client()
-        client.config_resetstat()
+        for client in clients:
+            client.config_resetstat()
         users = [f"u{i}" for i in range(n_users)]
         end = time.monotonic() + seconds
         taken = 0
@@ -113,17 +125,24 @@ def bench_round_trips(seconds: float, n_users: int) -> dict:
             time.sleep(0.005)
         stats = dict(lim.stats)
         lim.close()
-        commands = client.info("commandstats")
-        # Commands sent by the engine (script calls, pings) vs the per-user
-        # commands the script runs inside Redis.
-        sent = ("evalsha", "eval", "script|load", "script", "ping")
-        client_calls = sum(
-            v["calls"] for k, v in commands.items() if k.removeprefix("cmdstat_") in sent
-        )
-        total_calls = sum(v["calls"] for k, v in commands.items() if k != "cmdstat_config|resetstat")
+        # Commands sent by the engine (script calls, pings, cluster probes) vs
+        # the per-user commands the script runs inside Redis.
+        sent = ("evalsha", "eval", "script|load", "script", "ping", "cluster|info", "cluster|slots",
+                "cluster|shards", "cluster|nodes", "command", "command|docs", "command|info")
+        client_calls = total_calls = 0
+        for client in clients:
+            commands = client.info("commandstats")
+            client_calls += sum(
+                v["calls"] for k, v in commands.items() if k.removeprefix("cmdstat_") in sent
+            )
+            total_calls += sum(
+                v["calls"] for k, v in commands.items()
+                if k not in ("cmdstat_config|resetstat", "cmdstat_info")
+            )
     finally:
         srv.stop()
     return {
+        "store": "redis cluster, 3 primaries" if cluster else "single redis",
         "users": n_users,
         "seconds": seconds,
         "round_trips_per_s": stats["round_trips"] / seconds,
@@ -141,10 +160,14 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--users", type=int, default=100)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--cluster", action="store_true",
+                    help="also measure round trips against a real 3-node Redis Cluster")
     args = ap.parse_args()
     calls = bench_calls(args.rounds)
     trips = bench_round_trips(args.seconds, args.users)
     report = {"calls": calls, "round_trips": trips}
+    if args.cluster:
+        report["cluster_round_trips"] = bench_round_trips(args.seconds, args.users, cluster=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(report, indent=2))
@@ -157,6 +180,12 @@ def main() -> None:
           f"commands/s sent (issue's ceiling {trips['users'] * 20}; inside Redis incl. the "
           f"script's per-user commands {trips['redis_commands_incl_script_inner_per_s']:.0f}/s); "
           f"{trips['tokens_per_s']:.0f} of {trips['expected_tokens_per_s']} tok/s spent")
+    if args.cluster:
+        c = report["cluster_round_trips"]
+        print(f"{c['users']} active users, {c['seconds']:.0f} s, one engine, {c['store']}: "
+              f"{c['round_trips_per_s']:.1f} round trips/s, {c['engine_commands_per_s']:.1f} "
+              f"commands/s sent over all nodes (issue's ceiling {c['users'] * 20}); "
+              f"{c['tokens_per_s']:.0f} of {c['expected_tokens_per_s']} tok/s spent")
 
 
 if __name__ == "__main__":
