@@ -42,7 +42,8 @@ With a shared store (``--output-rate-store``), engine-wide (label
   ``vllm:output_rate_store_leased_tokens_total``,
   ``vllm:output_rate_store_returned_tokens_total`` (unspent tokens handed
   back), ``vllm:output_rate_store_expired_tokens_total`` (leased tokens
-  whose lease ran out unspent; they are handed back too).
+  whose lease ran out unspent; handed back with the next round, or dropped
+  if an outage starts first).
 """
 
 from __future__ import annotations
@@ -69,7 +70,8 @@ STORE_COUNTERS = {
     "store_returned_tokens_total": ("store_returned_tokens",
                                     "Unspent leased tokens handed back to the shared store."),
     "store_expired_tokens_total": ("store_expired_tokens",
-                                   "Leased tokens whose lease ran out unspent (handed back too)."),
+                                   "Leased tokens whose lease ran out unspent (handed back "
+                                   "with the next answered round)."),
 }
 
 

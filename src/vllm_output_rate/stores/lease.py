@@ -537,8 +537,9 @@ class LeasedOutputRateLimiter:
                 # not stay in phase, so none of them is always first in line.
                 self._next_round_ns = now_ns + int(cfg.round_ns * self._random.uniform(0.8, 1.2))
         granted_total = 0
+        called = bool(asks) or self._mode is not SHARED  # else nothing to send
         try:
-            if asks or self._mode is not SHARED:
+            if called:
                 grants = self._backend.lease(self.burst_ns, asks)
                 if len(grants) != len(asks):
                     raise RuntimeError(f"store answered {len(grants)} grants for {len(asks)} asks")
@@ -559,7 +560,8 @@ class LeasedOutputRateLimiter:
             self._last_answer_ns = received
             if self._mode is not SHARED:
                 self._end_outage(received)
-            self.stats["round_trips"] += 1
+            if called:
+                self.stats["round_trips"] += 1  # answered round trips only
             for ask, grant in zip(asks, grants):
                 self.stats["handed_back"] += ask.give_back
                 if grant.granted > 0:
