@@ -10,6 +10,7 @@ quota kept in Redis:
   step never waits on the network), its background lease thread, the
   fallback when the store is unreachable, and the guarantee across engines.
 * :mod:`.redis_store` -- the server side: one Lua script that runs GCRA on
-  Redis's clock for a batch of users per round trip, plus key naming,
-  connection handling and the limits-fingerprint check.
+  Redis's clock for a batch of users per round trip (one call per node on a
+  Redis Cluster, pipelined), plus key naming, connection handling and the
+  limits-fingerprint check.
 """

@@ -9,7 +9,8 @@ its engine holds, through the same methods as the in-memory
 no lease left is throttled exactly like a user out of quota.
 
 How a lease is granted (:meth:`LeaseBackend.lease`, one atomic server-side
-script per round trip, batched over every user the engine asks for): the store
+script per round trip -- per node on a Redis Cluster, see
+:mod:`.redis_store` -- batched over every user the engine asks for): the store
 keeps one GCRA state per user on *its own* clock (engine clocks never matter),
 and grants ``min(asked, what GCRA allows now)`` tokens -- exactly the takes
 that many single GCRA takes at the store's "now" would allow.  Unused tokens
