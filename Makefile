@@ -84,7 +84,8 @@ demo: setup model
 	$(BIN)/vllm-output-rate demo --model $(MODEL) --out results/demo
 
 # One real redis-server and two engines sharing it (127.0.0.1): a heavy user
-# spread over both engines, a light user on one; 30 s of bench, ~3-4 min in all.
+# spread over both engines, a light user on one; 30 s of bench, 2-6 min in all
+# (engine startup dominates and grows with the load of the machine).
 demo-cluster: setup model
 	$(BIN)/vllm-output-rate demo-cluster --model $(MODEL) --out results/demo-cluster
 
