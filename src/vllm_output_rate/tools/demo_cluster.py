@@ -163,21 +163,23 @@ def cluster_rows(summaries: list[UserSummary], urls: list[str],
     return rows
 
 
-def headline(summaries: list[UserSummary], engines: int, under_load: Mapping[str, float | None]) -> str:
+def headline(summaries: list[UserSummary], urls: list[str], under_load: Mapping[str, float | None]) -> str:
     by_user = {s.user: s for s in summaries}
     parts = []
     heavy = by_user.get(HEAVY)
     heavy_rate = under_load.get(HEAVY)
     if heavy is not None and heavy_rate and heavy.limit_tokens_per_s:
-        split = " / ".join(str(n) for n in heavy.tokens_by_engine.values())
+        split = " / ".join(str(heavy.tokens_by_engine[u]) for u in urls if u in heavy.tokens_by_engine)
         parts.append(
             f"`{HEAVY}` ({heavy.streams} streams over {heavy.engines} engines) received "
-            f"{heavy_rate:.1f} tok/s summed over the engines while the load ran, under its "
-            f"{heavy.limit_tokens_per_s:g} tok/s limit (separate limiters would allow "
-            f"{engines * heavy.limit_tokens_per_s:g}); its tokens split {split} between the engines")
-    light_rate = under_load.get(LIGHT)
-    if light_rate:
-        parts.append(f"`{LIGHT}` (1 stream, engine 1) got {light_rate:.0f} tok/s")
+            f"{heavy_rate:.1f} tok/s summed over the engines while the load ran (limit "
+            f"{heavy.limit_tokens_per_s:g} tok/s; separate limiters would allow "
+            f"{heavy.engines * heavy.limit_tokens_per_s:g}); its tokens split {split} between the engines")
+    light, light_rate = by_user.get(LIGHT), under_load.get(LIGHT)
+    if light is not None and light_rate:
+        names = engine_names(urls)
+        where = ", ".join(names.get(u, u) for u in light.tokens_by_engine)
+        parts.append(f"`{LIGHT}` (1 stream, {where}) got {light_rate:.0f} tok/s")
     return "; ".join(parts) + "."
 
 
@@ -195,7 +197,7 @@ def markdown(document: Mapping[str, Any]) -> str:
         f"{document['config']['duration_s']:g} s of load · client loop lag max "
         f"{(document['client'].get('loop_lag_max_s') or 0) * 1000:.0f} ms",
         "",
-        headline(summaries, len(urls), under_load),
+        headline(summaries, urls, under_load),
         "",
         markdown_table(CLUSTER_HEADERS, cluster_rows(summaries, urls, under_load)),
         "",
