@@ -433,6 +433,19 @@ async def drive(args, base_url: str, model: str, plan: list[Planned]) -> tuple[l
     return outcomes, time.monotonic() - t0
 
 
+def first_token_waits(outcomes) -> dict:
+    """Send -> first token received, per request that got one (client clock:
+    receive stalls on this machine inflate it, so read it as an upper bound)."""
+    waits = sorted(o.times[0] - o.t_sent for o in outcomes if o.times)
+    if not waits:
+        return {}
+
+    def at(q: float) -> float:
+        return round(waits[min(len(waits) - 1, int(q * len(waits)))], 3)
+
+    return {"requests": len(waits), "p50_s": at(0.5), "p90_s": at(0.9), "max_s": round(waits[-1], 3)}
+
+
 def churn_summary(churn: dict, summary: dict) -> dict:
     """What preemptions cost: per finished request and per output token."""
     out = dict(churn)
@@ -574,6 +587,7 @@ def main(argv=None) -> int:
         churn = recompute_figures(m0, measure.fetch_metrics(base_url))
         summary["preemptions"] = churn["preemptions"] or 0.0
         summary["churn"] = churn_summary(churn, summary)
+        summary["first_token_wait_client"] = first_token_waits(outcomes)
         summary["config"] = {
             k: v for k, v in vars(args).items() if k not in ("json_path",)
         } | {"default_rate": default_rate, "user_rates": rates}
@@ -591,6 +605,10 @@ def main(argv=None) -> int:
           f"{summary['tokens_received']} tokens, {summary['preemptions']:.0f} preemptions; "
           f"gauges at end {summary['gauges_end']}")
     print(churn_line(summary["churn"]))
+    ttft = summary["first_token_wait_client"]
+    if ttft:
+        print(f"first token after send (client clock, upper bound): p50 {ttft['p50_s']}s, "
+              f"p90 {ttft['p90_s']}s, max {ttft['max_s']}s over {ttft['requests']} requests")
     print(f"delivery jitter measured {summary['measured_delivery_jitter_s']}s; sliding-window "
           f"allowance {summary['sliding_window_allowance_s']}s.  Excess = tokens over "
           f"(W + 0.1 [+ allowance]) * N + 1 in the worst window (<= 0 is within the guarantee)")

@@ -347,6 +347,12 @@ BAD_ADDITIONAL = [
     ("overrides-empty-user", _on(5, {"": 1}), [f"{P}['{OVERRIDES_KEY}']", "non-empty"]),
     ("overrides-zero", _on(5, {"u": 0}), [f"{P}['{OVERRIDES_KEY}']['u']", "must be positive"]),
     ("overrides-inf", _on(5, {"u": float("inf")}), [f"{P}['{OVERRIDES_KEY}']['u']", "must be finite"]),
+    ("recompute-budget-negative", {"output_rate": {DEFAULT_KEY: 5, "recompute_budget": -0.1}},
+     [f"{P}['recompute_budget']", "non-negative number"]),
+    ("recompute-budget-string", {"output_rate": {DEFAULT_KEY: 5, "recompute_budget": "lots"}},
+     [f"{P}['recompute_budget']", "non-negative number"]),
+    ("recompute-budget-nan", {"output_rate": {DEFAULT_KEY: 5, "recompute_budget": float("nan")}},
+     [f"{P}['recompute_budget']", "non-negative number"]),
     (
         "overrides-without-default",
         {"output_rate": {OVERRIDES_KEY: {"u": 1}}},
@@ -495,6 +501,34 @@ def test_flags_land_in_additional_config(cli_parser, tiny_model_dir):
     }
     config = engine_args.create_engine_config()
     assert config.scheduler_config.scheduler_cls == SCHEDULER_CLS
+
+
+def test_recompute_budget_flag_lands_in_the_section_and_the_scheduler(cli_parser, tiny_model_dir):
+    from vllm_output_rate.settings import OutputRateSettings
+
+    engine_args = _from_cli(
+        cli_parser, ["--model", tiny_model_dir, D, "3", "--output-rate-recompute-budget", "0.1"]
+    )
+    assert engine_args.additional_config["output_rate"]["recompute_budget"] == 0.1
+    settings = OutputRateSettings.from_additional_config(engine_args.additional_config)
+    assert settings.recompute_budget == 0.1
+    assert settings.to_config()["recompute_budget"] == 0.1
+    default = OutputRateSettings.from_additional_config({"output_rate": {DEFAULT_KEY: 3}})
+    assert default.recompute_budget == 0.25 and "recompute_budget" not in default.to_config()
+
+
+@pytest.mark.parametrize("value", ["-0.5", "lots", "inf", "nan"])
+def test_recompute_budget_flag_rejects_bad_values(cli_parser, tiny_model_dir, capsys, value):
+    with pytest.raises(SystemExit):
+        cli_parser.parse_args(
+            ["--model", tiny_model_dir, D, "3", f"--output-rate-recompute-budget={value}"]
+        )
+    assert "must be a non-negative number" in capsys.readouterr().err
+
+
+def test_recompute_budget_flag_needs_the_feature_on(cli_parser, tiny_model_dir):
+    with pytest.raises(OutputRateConfigError, match="need the feature on"):
+        _from_cli(cli_parser, ["--model", tiny_model_dir, "--output-rate-recompute-budget", "0"])
 
 
 def test_default_flag_alone(cli_parser, tiny_model_dir):

@@ -16,7 +16,16 @@ def test_budget_starts_full_and_refuses_what_it_cannot_pay():
     assert budget.affords(40) and not budget.affords(41)
     budget.earn(100)  # 0.25 x 100 output tokens
     assert budget.affords(65) and not budget.affords(66)
-    assert budget.spent_tokens == 60
+    assert budget.spent_tokens == 60 and budget.earned_tokens == 25
+
+
+def test_budget_pays_into_debt_and_then_refuses_until_paid_back():
+    budget = EvictionBudget(burst_tokens=10, ratio=1.0)
+    budget.spend(30)  # an eviction for a running request: paid regardless
+    assert budget.available == -20 and budget.forced_tokens == 30
+    assert not budget.affords(0 + 1)
+    budget.earn(21)
+    assert budget.affords(1) and not budget.affords(2)
 
 
 def test_budget_never_holds_more_than_its_burst():
@@ -37,21 +46,30 @@ def test_budget_rejects_negative_settings(burst, ratio):
 @given(
     burst=st.integers(0, 2000),
     ratio=st.sampled_from([0.0, 0.1, 0.25, 1.0]),
-    events=st.lists(st.tuples(st.booleans(), st.integers(0, 800)), max_size=60),
+    events=st.lists(
+        st.tuples(st.sampled_from(["earn", "for-waiting", "for-running"]), st.integers(0, 800)),
+        max_size=60,
+    ),
 )
-def test_spent_never_exceeds_burst_plus_ratio_times_output(burst, ratio, events):
-    """The bound README states: recompute paid <= burst + ratio x output."""
+def test_evictions_for_waiting_never_exceed_burst_plus_ratio_times_scheduled(burst, ratio, events):
+    """The bound README states: what evictions for waiting requests make the
+    engine recompute <= burst + ratio x requests scheduled, whatever the
+    evictions for running requests took."""
     budget = EvictionBudget(burst_tokens=burst, ratio=ratio)
-    earned = 0
-    for is_eviction, tokens in events:
-        if is_eviction:
-            if budget.affords(tokens):
-                budget.spend(tokens)
-        else:
+    scheduled = 0
+    for_waiting = 0
+    for kind, tokens in events:
+        if kind == "earn":
             budget.earn(tokens)
-            earned += tokens
-        assert budget.available >= 0
-        assert budget.spent_tokens <= burst + ratio * earned + 1e-9
+            scheduled += tokens
+        elif kind == "for-running":
+            budget.spend(tokens)
+        elif budget.affords(tokens):
+            budget.spend(tokens)
+            for_waiting += tokens
+            assert budget.available >= 0
+        assert for_waiting <= burst + ratio * scheduled + 1e-9
+        assert budget.earned_tokens <= ratio * scheduled + 1e-9
 
 
 def test_equal_rates_need_a_difference_of_two_requests():

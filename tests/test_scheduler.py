@@ -14,7 +14,6 @@ from vllm.v1.request import RequestStatus
 
 from sched_harness import MS, Harness, Record, max_in_window
 from vllm_output_rate.adapter.scheduler import OutputRateAsyncScheduler, OutputRateScheduler
-from vllm_output_rate.eviction import EvictionBudget
 
 S = 1_000_000_000
 
@@ -718,10 +717,12 @@ def test_a_faster_user_takes_a_slot_from_single_stream_users(async_):
 
 @pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
 def test_spent_eviction_budget_leaves_waiting_requests_to_free_slots(async_):
-    """The slot hand-over scenario with an empty eviction budget: b is not
-    admitted by preempting a's streams but when one of them finishes."""
-    h = Harness(limits(1000, a=100), async_=async_, max_num_seqs=16, max_num_active_seqs=4)
-    h.sched.output_rate_eviction_budget = EvictionBudget(burst_tokens=0)
+    """The slot hand-over scenario with evictions for waiting requests turned
+    off (recompute budget 0): b is not admitted by preempting a's streams but
+    when one of them finishes."""
+    h = Harness(dict(limits(1000, a=100), recompute_budget=0), async_=async_,
+                max_num_seqs=16, max_num_active_seqs=4)
+    assert not h.sched.output_rate_eviction_budget.affords(1)
     a_reqs = [h.add("a", prompt_len=8, max_tokens=20 + i) for i in range(16)]
     for _ in range(20):
         h.step(10 * MS)
@@ -741,9 +742,9 @@ def test_recompute_caused_by_evictions_stays_within_the_budget(async_):
     """Soak-shaped pressure on the real scheduler: 24 users at 10-60 tok/s,
     32 requests in flight for 12 slots (6 active), prompts up to 600 tokens,
     KV for about 4 000 tokens.  Evictions on behalf of waiting requests spend
-    no more than the budget: burst + 0.25 x output tokens of finished
-    requests; all recompute (vLLM's own preemptions included) stays under
-    half the output; nothing starves and the quota holds."""
+    no more than the budget (burst + 0.25 per request scheduled in a step);
+    all recompute, vLLM's own preemptions included, stays under half the
+    output; nothing starves and the quota holds."""
     rng = random.Random(11)
     users = [f"u{i:02d}" for i in range(24)]
     rates = {u: rng.randint(10, 60) for u in users}
@@ -768,6 +769,6 @@ def test_recompute_caused_by_evictions_stays_within_the_budget(async_):
     assert_all_done(h, initial_free)
     output = sum(len(r.sample_times) for r in h.records.values())
     assert preemptions > 0, "the scenario did not create pressure"
-    assert budget.spent_tokens <= budget.burst_tokens + budget.ratio * output
+    assert budget.spent_tokens - budget.forced_tokens <= budget.burst_tokens + budget.earned_tokens
     assert h.recomputed_tokens <= 0.5 * output, (h.recomputed_tokens, output, preemptions)
     h.check_limiter_exact()

@@ -1,17 +1,21 @@
 """What evicting a resident request for a waiting one may cost.
 
-An eviction frees a throttled request's slot and KV for a waiting request of
-another user, and its price is paid later: when the evicted request comes
-back, vLLM computes its prompt and every token generated so far again.  Under
-sustained pressure that price can exceed the work the engine is there for, so
-evictions on behalf of waiting requests draw on a budget earned by serving:
-each output token of a finished request earns ``ratio`` tokens of recompute,
-and the budget holds at most ``burst_tokens``.  An eviction costs the tokens
-the victim holds (all of them, as if the prefix cache kept none).
+An eviction frees a throttled request's slot and KV for another request, and
+its price is paid later: when the evicted request comes back, vLLM computes
+its prompt and every token generated so far again.  Under sustained pressure
+that price can exceed the work the engine is there for, so evictions draw on
+a budget earned by serving: each request scheduled in a step (an output
+token, or rarely an intermediate prefill chunk) earns ``ratio`` tokens of
+recompute, and the budget holds at most ``burst_tokens``.  An eviction costs
+the tokens the victim holds (all of them, as if the prefix cache kept none).
 
-Bound: recomputed tokens caused by such evictions <= burst_tokens + ratio x
-(output tokens of finished requests).  When the budget is spent, waiting
-requests take slots and KV as they free up, the way stock vLLM admits them.
+Evictions for a waiting request happen only when the budget can pay.  An
+eviction for a running request that needs KV is paid even into debt (vLLM
+would preempt somebody then anyway); waiting requests then wait until the
+debt is paid back.  Bound: tokens recomputed because of the plugin's
+evictions for waiting requests <= burst_tokens + ratio x (requests scheduled,
+summed over steps).  While the budget cannot pay, waiting requests take
+slots and KV as they free up, the way stock vLLM admits them.
 
 Which waiting request may displace whom is decided by
 :func:`evens_out`: resident requests are shared between users in proportion
@@ -30,7 +34,8 @@ DEFAULT_RECOMPUTE_RATIO = 0.25
 class EvictionBudget:
     """Tokens of recompute that evictions for waiting requests may still cause."""
 
-    __slots__ = ("ratio", "burst_tokens", "_available", "spent_tokens")
+    __slots__ = ("ratio", "burst_tokens", "_available", "earned_tokens", "spent_tokens",
+                 "forced_tokens")
 
     def __init__(self, burst_tokens: int, ratio: float = DEFAULT_RECOMPUTE_RATIO) -> None:
         if burst_tokens < 0 or ratio < 0:
@@ -38,22 +43,27 @@ class EvictionBudget:
         self.ratio = ratio
         self.burst_tokens = burst_tokens
         self._available = float(burst_tokens)  # starts full: the first eviction is never late
-        #: Recompute tokens spent so far (cumulative; for metrics and tests).
+        # Cumulative, for metrics and tests: recompute credited (before the
+        # cap), spent by every eviction, and spent by those paid into debt.
+        self.earned_tokens = 0.0
         self.spent_tokens = 0
+        self.forced_tokens = 0
 
     def earn(self, output_tokens: int) -> None:
-        """Credit the output tokens of a request that left the engine."""
+        """Credit the tokens of one step."""
         if output_tokens > 0:
-            self._available = min(
-                self._available + self.ratio * output_tokens, float(self.burst_tokens)
-            )
+            credit = self.ratio * output_tokens
+            self.earned_tokens += credit
+            self._available = min(self._available + credit, float(self.burst_tokens))
 
     def affords(self, cost_tokens: int) -> bool:
         """Could an eviction that costs ``cost_tokens`` of recompute be paid now?"""
         return cost_tokens <= self._available
 
     def spend(self, cost_tokens: int) -> None:
-        """Pay for one eviction (the caller checked :meth:`affords`)."""
+        """Pay for one eviction (into debt if it could not be afforded)."""
+        if cost_tokens > self._available:
+            self.forced_tokens += cost_tokens
         self._available -= cost_tokens
         self.spent_tokens += cost_tokens
 

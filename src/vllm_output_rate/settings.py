@@ -22,6 +22,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from vllm_output_rate.eviction import DEFAULT_RECOMPUTE_RATIO
 from vllm_output_rate.stores.config import StoreSettings, parse_store_section
 
 CONFIG_KEY = "output_rate"
@@ -47,7 +48,14 @@ DEFAULT_METRICS_MAX_USERS = 100
 OTHER_USERS = "__other__"
 #: Shared quota store (``vllm_output_rate.stores.config``): {"url", "fallback", ...}.
 STORE_KEY = "store"
-_SECTION_KEYS = {DEFAULT_KEY, OVERRIDES_KEY, LIMITS_FILE_KEY, METRICS_MAX_USERS_KEY, STORE_KEY}
+#: Recomputed tokens per output token that evictions for waiting requests may
+#: cost (``vllm_output_rate.eviction``).
+RECOMPUTE_BUDGET_KEY = "recompute_budget"
+RECOMPUTE_BUDGET_FLAG = "--output-rate-recompute-budget"
+_SECTION_KEYS = {
+    DEFAULT_KEY, OVERRIDES_KEY, LIMITS_FILE_KEY, METRICS_MAX_USERS_KEY, STORE_KEY,
+    RECOMPUTE_BUDGET_KEY,
+}
 
 
 class OutputRateConfigError(ValueError):
@@ -66,6 +74,8 @@ class OutputRateSettings:
     over the flags) and the engine re-reads it when it changes.
     ``metrics_max_users``: per-user metric series for users without a
     configured rate (the others are summed under ``__other__``).
+    ``recompute_budget``: recomputed tokens per output token that evicting
+    throttled requests for waiting ones may cost (0: never).
     """
 
     default_rate: float
@@ -73,6 +83,7 @@ class OutputRateSettings:
     limits_file: str | None = None
     metrics_max_users: int = DEFAULT_METRICS_MAX_USERS
     store: StoreSettings | None = None  # shared quota store; None: in-memory
+    recompute_budget: float = DEFAULT_RECOMPUTE_RATIO
 
     def to_config(self) -> dict[str, Any]:
         """The ``additional_config["output_rate"]`` form of these settings."""
@@ -86,6 +97,8 @@ class OutputRateSettings:
             config[METRICS_MAX_USERS_KEY] = self.metrics_max_users
         if self.store is not None:
             config[STORE_KEY] = self.store.to_config()
+        if self.recompute_budget != DEFAULT_RECOMPUTE_RATIO:
+            config[RECOMPUTE_BUDGET_KEY] = self.recompute_budget
         return config
 
     @classmethod
@@ -110,6 +123,10 @@ class OutputRateSettings:
             section.get(METRICS_MAX_USERS_KEY, DEFAULT_METRICS_MAX_USERS),
             f"{where}[{METRICS_MAX_USERS_KEY!r}]",
         )
+        recompute_budget = validate_recompute_budget(
+            section.get(RECOMPUTE_BUDGET_KEY, DEFAULT_RECOMPUTE_RATIO),
+            f"{where}[{RECOMPUTE_BUDGET_KEY!r}]",
+        )
         try:
             store = parse_store_section(section.get(STORE_KEY))
         except ValueError as exc:
@@ -128,6 +145,7 @@ class OutputRateSettings:
                 limits_file=limits_file,
                 metrics_max_users=max_users,
                 store=store,
+                recompute_budget=recompute_budget,
             )
         default = section.get(DEFAULT_KEY)
         overrides = section.get(OVERRIDES_KEY)
@@ -142,6 +160,7 @@ class OutputRateSettings:
             user_rates=validate_overrides(overrides or {}, f"{where}[{OVERRIDES_KEY!r}]"),
             metrics_max_users=max_users,
             store=store,
+            recompute_budget=recompute_budget,
         )
 
     def rate_of(self, user: str) -> float:
@@ -244,6 +263,15 @@ def validate_max_users(value: Any, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise OutputRateConfigError(f"{what}: must be a non-negative integer, got {value!r}")
     return value
+
+
+def validate_recompute_budget(value: Any, what: str) -> float:
+    """A finite, non-negative number of recomputed tokens per output token."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+        0 <= value < float("inf")
+    ):
+        raise OutputRateConfigError(f"{what}: must be a non-negative number, got {value!r}")
+    return float(value)
 
 
 # -- files (limits, API keys) --------------------------------------------------------

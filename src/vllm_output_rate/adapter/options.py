@@ -20,9 +20,12 @@ from vllm_output_rate.settings import (
     LIMITS_FILE_KEY,
     METRICS_MAX_USERS_FLAG,
     METRICS_MAX_USERS_KEY,
+    RECOMPUTE_BUDGET_FLAG,
+    RECOMPUTE_BUDGET_KEY,
     OutputRateConfigError,
     load_limits_file,
 )
+from vllm_output_rate.eviction import DEFAULT_RECOMPUTE_RATIO
 from vllm_output_rate.stores.config import int_arg
 
 from .identity import (
@@ -39,6 +42,16 @@ from .identity import (
 logger = logging.getLogger(__name__)
 
 ADMIN_KEY_FLAG = "--output-rate-admin-key"
+
+
+def _non_negative_number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a non-negative number, got {text!r}")
+    return value
 
 
 def add_operate_args(parser: argparse.ArgumentParser) -> None:
@@ -99,6 +112,16 @@ def add_operate_args(parser: argparse.ArgumentParser) -> None:
         f"(default {DEFAULT_METRICS_MAX_USERS}); the rest are summed as user=\"__other__\".",
     )
     group.add_argument(
+        RECOMPUTE_BUDGET_FLAG,
+        dest="output_rate_recompute_budget",
+        type=_non_negative_number,
+        default=None,
+        metavar="RATIO",
+        help="Recomputed tokens per output token that evicting throttled requests "
+        "to make room for other users' waiting requests may cost "
+        f"(default {DEFAULT_RECOMPUTE_RATIO}); 0 never evicts for a waiting request.",
+    )
+    group.add_argument(
         ADMIN_KEY_FLAG,
         dest="output_rate_admin_key",
         default=None,
@@ -120,15 +143,18 @@ def merge_operate_args(args: argparse.Namespace, section: dict | None) -> dict |
         section = dict(section or {})
         section[LIMITS_FILE_KEY] = os.path.abspath(limits_file)
     max_users = getattr(args, "output_rate_metrics_max_users", None)
+    recompute_budget = getattr(args, "output_rate_recompute_budget", None)
     identity = getattr(args, "output_rate_identity", None) or "body"
     if section is None:
-        if identity != "body" or max_users is not None:
+        if identity != "body" or max_users is not None or recompute_budget is not None:
             raise OutputRateConfigError(
-                f"{IDENTITY_FLAG} / {METRICS_MAX_USERS_FLAG} need the feature on "
-                f"({DEFAULT_FLAG} or {LIMITS_FILE_FLAG})"
+                f"{IDENTITY_FLAG} / {METRICS_MAX_USERS_FLAG} / {RECOMPUTE_BUDGET_FLAG} need "
+                f"the feature on ({DEFAULT_FLAG} or {LIMITS_FILE_FLAG})"
             )
         return None
     if max_users is not None:
         section[METRICS_MAX_USERS_KEY] = max_users
+    if recompute_budget is not None:
+        section[RECOMPUTE_BUDGET_KEY] = recompute_budget
     install_middleware(args)
     return section

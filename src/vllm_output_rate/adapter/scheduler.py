@@ -104,9 +104,11 @@ class OutputRateSchedulerMixin:
         # they are resident again (see _kv_room_for).
         self._evicted_for_quota: set[Request] = set()
         # What evictions on behalf of waiting requests may make the engine
-        # recompute; the budget holds one longest request.
+        # recompute; the budget holds one longest request (none at ratio 0).
+        ratio = settings.recompute_budget
         self.output_rate_eviction_budget = EvictionBudget(
-            burst_tokens=self.vllm_config.model_config.max_model_len
+            burst_tokens=self.vllm_config.model_config.max_model_len if ratio > 0 else 0,
+            ratio=ratio,
         )
         self._held_for_other_reasons = False
         self._stock_allocate_slots = self.kv_cache_manager.allocate_slots
@@ -165,7 +167,6 @@ class OutputRateSchedulerMixin:
     def _free_request(self, request: Request, *args: Any, **kwargs: Any):
         self.output_rate_gate.forget(request)
         self._evicted_for_quota.discard(request)
-        self.output_rate_eviction_budget.earn(request.num_output_tokens)
         return super()._free_request(request, *args, **kwargs)
 
     def _preempt_request(self, request: Request, *args: Any, **kwargs: Any) -> None:
@@ -247,6 +248,7 @@ class OutputRateSchedulerMixin:
             and len(num_scheduled) - len(admitted) == num_visible
         )
         gate.finish(_SampledView(num_scheduled), all_prepaid_sampled=undisturbed)
+        self.output_rate_eviction_budget.earn(len(num_scheduled))
         self._set_idle_wait(output)
         return output
 
@@ -278,6 +280,7 @@ class OutputRateSchedulerMixin:
             and len(num_scheduled) - len(admitted) == num_resident
         )
         gate.finish_steady(resident, _SampledView(num_scheduled), all_sampled)
+        self.output_rate_eviction_budget.earn(len(num_scheduled))
         self._set_idle_wait(output)
         return output
 
@@ -456,7 +459,7 @@ class OutputRateSchedulerMixin:
                 return
             # Held out of the waiting queue until the step ends: re-admitted
             # now, it would take back the slot it was freed from.
-            self._evict(victim, for_waiting=True)
+            self._evict(victim)
             self._slot_donors.add(gate.user_of(victim))
             promised[user] = promised.get(user, 0) + 1
             plan.hidden -= 1
@@ -470,7 +473,7 @@ class OutputRateSchedulerMixin:
             victim = self._throttled_victim_for(request)
             if victim is None:
                 break
-            self._evict(victim, for_waiting=request.status != RequestStatus.RUNNING)
+            self._evict(victim)
             blocks = self._stock_allocate_slots(request, *args, **kwargs)
         return blocks
 
@@ -527,9 +530,11 @@ class OutputRateSchedulerMixin:
             return victim
         return None
 
-    def _evict(self, victim: Request, for_waiting: bool) -> None:
-        if for_waiting:
-            self.output_rate_eviction_budget.spend(victim.num_computed_tokens)
+    def _evict(self, victim: Request) -> None:
+        # Every eviction is paid for, also those for a running request that
+        # needs KV (vLLM would preempt someone then anyway): the budget then
+        # runs into debt, and waiting requests wait until it is paid back.
+        self.output_rate_eviction_budget.spend(victim.num_computed_tokens)
         self._evicted_for_quota.add(victim)
         self._preempt_request(victim, time.monotonic())
         # vLLM's waiting loop may be mid-iteration and about to pop the head
