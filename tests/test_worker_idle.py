@@ -150,8 +150,10 @@ def test_short_window_only_after_long_waits(fake_clock):
         "yield", "poll",
         "yield", "yield",
     ]
-    # The timeout handed to vLLM's poll is unchanged (its own 5 s re-check).
-    assert set(cond.poller.polls) == {5000}
+    # While the short window applies, vLLM's poll re-checks the ring every
+    # 50 ms instead of its own 5 s: a missed wake-up cannot hold a step for
+    # seconds.  Not armed (the wait at 1.101), the timeout is vLLM's own.
+    assert cond.poller.polls == [5000, 50, 50]
 
 
 def test_stock_reader_spins_for_a_second_after_each_read(fake_clock):
