@@ -171,6 +171,29 @@ def test_stock_reader_spins_for_a_second_after_each_read(fake_clock):
     ]
 
 
+def test_a_stream_after_a_pause_disarms_within_a_few_reads(fake_clock):
+    """One client's stream: a long wait (the pause before the request), then
+    reads back to back.  The short window holds for the first reads only;
+    from BUSY_RUN short reads on, a slow turnaround (10 ms here) spins as in
+    stock vLLM instead of parking mid-stream.  The next long wait re-arms."""
+    clock, yields = fake_clock
+    writer, reader, cond = spied_reader(shorten=True)
+    steps = [("wait", 0.0), ("read", 0.2)]  # the pause: a 200 ms wait
+    t = 0.2
+    for _ in range(worker_idle.BUSY_RUN + 2):
+        steps += [("wait", t + 0.0001), ("wait", t + 0.0101), ("read", t + 0.0102)]
+        t += 0.0102
+    steps += [("wait", t + 0.001), ("wait", t + 0.3), ("read", t + 0.3)]  # a long wait again
+    steps += [("wait", t + 0.3001), ("wait", t + 0.3101)]
+    got = decisions(cond, clock, yields, steps)
+    assert got[0] == "yield"  # vLLM's window before the first long wait
+    per_read = [got[1 + 2 * i: 3 + 2 * i] for i in range(worker_idle.BUSY_RUN + 2)]
+    # The reads after the long one: read k waits with k short reads behind it.
+    assert per_read[: worker_idle.BUSY_RUN] == [["yield", "poll"]] * worker_idle.BUSY_RUN
+    assert per_read[worker_idle.BUSY_RUN:] == [["yield", "yield"]] * 2
+    assert got[-4:] == ["yield", "yield", "yield", "poll"]  # re-armed by the long wait
+
+
 def test_shorten_spin_is_idempotent_and_only_for_shm_readers():
     writer, reader = small_queue_pair()
     assert not shorten_spin(writer, WINDOW)      # the writer does not wait
