@@ -134,7 +134,8 @@ def test_exporter_series_and_removal():
         "users": {"alice": [5, 0.25, 1, 2, 3, 10.0], OTHER_USERS: [1, 0.0, 0, 0, 0, None]},
         "removed": [],
         "engine": {"throttled_requests": 2, "idle_steps_total": 4, "reloads_total": 1,
-                   "reload_failures_total": 0},
+                   "reload_failures_total": 0, "evictions_total": 3,
+                   "eviction_recompute_tokens_total": 120},
     })
     exporter.observe({"users": {"alice": [2, 0.0, 0, 0, 0, 10.0]}, "removed": [], "engine": {}})
     charged = series(registry, "vllm:output_rate_output_tokens_charged_total")
@@ -147,6 +148,9 @@ def test_exporter_series_and_removal():
     assert series(registry, "vllm:output_rate_idle_steps_total") == {(("model_name", "tiny"),): 4}
     assert series(registry, "vllm:output_rate_limit_reloads_total") == {(("model_name", "tiny"),): 1}
     assert series(registry, "vllm:output_rate_limit_reload_failures_total") == {(("model_name", "tiny"),): 0}
+    assert series(registry, "vllm:output_rate_evictions_total") == {(("model_name", "tiny"),): 3}
+    assert series(registry, "vllm:output_rate_eviction_recompute_tokens_total") == {
+        (("model_name", "tiny"),): 120}
     exporter.observe({"users": {}, "removed": ["alice"], "engine": {}})
     assert not any(dict(l)["user"] == "alice" for l in series(registry, "vllm:output_rate_output_tokens_charged_total"))
 

@@ -564,6 +564,12 @@ def test_slot_hand_over_takes_exactly_one_preemption(policy, async_):
     (victim,) = out.preempted_req_ids
     assert victim not in out.num_scheduled_tokens
     assert h.sched.requests[victim].status == RequestStatus.PREEMPTED
+    # The eviction shows on /metrics (through the engine's report): one, and
+    # the tokens the victim held (its 8-token prompt and what it generated).
+    engine = h.sched.output_rate_report(h.clock.now_ns)["engine"]
+    held = 8 + len(h.records[victim].sample_times)
+    assert engine["evictions_total"] == 1
+    assert engine["eviction_recompute_tokens_total"] in (held - 1, held)
     preemptions = 0
     for _ in range(60):
         preemptions += len(h.step(10 * MS).preempted_req_ids)

@@ -35,7 +35,7 @@ class EvictionBudget:
     """Tokens of recompute that evictions for waiting requests may still cause."""
 
     __slots__ = ("ratio", "burst_tokens", "_available", "earned_tokens", "spent_tokens",
-                 "forced_tokens")
+                 "forced_tokens", "evictions")
 
     def __init__(self, burst_tokens: int, ratio: float = DEFAULT_RECOMPUTE_RATIO) -> None:
         if burst_tokens < 0 or ratio < 0:
@@ -48,6 +48,7 @@ class EvictionBudget:
         self.earned_tokens = 0.0
         self.spent_tokens = 0
         self.forced_tokens = 0
+        self.evictions = 0
 
     def earn(self, output_tokens: int) -> None:
         """Credit the tokens of one step."""
@@ -66,6 +67,7 @@ class EvictionBudget:
             self.forced_tokens += cost_tokens
         self._available -= cost_tokens
         self.spent_tokens += cost_tokens
+        self.evictions += 1
 
     @property
     def available(self) -> float:

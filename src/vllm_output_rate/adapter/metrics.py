@@ -26,7 +26,10 @@ Series (labels ``model_name``, ``user``):
 and engine-wide ``vllm:output_rate_throttled_requests`` (resident but held
 for quota), ``vllm:output_rate_idle_steps_total`` (steps that ran nothing
 because everything was throttled), ``vllm:output_rate_limit_reloads_total``,
-``vllm:output_rate_limit_reload_failures_total``.
+``vllm:output_rate_limit_reload_failures_total``,
+``vllm:output_rate_evictions_total`` (throttled requests preempted to make room
+for other requests) and ``vllm:output_rate_eviction_recompute_tokens_total``
+(the tokens they held: what their return recomputes at most).
 
 With a shared store (``--output-rate-store``), engine-wide (label
 ``model_name``; figures from
@@ -140,6 +143,17 @@ class OutputRateExporter:
             f"{PREFIX}limit_reload_failures",
             "Limits-file versions rejected (old limits stayed).", ["model_name"], registry=registry,
         )
+        self.evictions = Counter(
+            f"{PREFIX}evictions",
+            "Throttled requests preempted to make room (KV or a slot) for other requests.",
+            ["model_name"], registry=registry,
+        )
+        self.eviction_recompute_tokens = Counter(
+            f"{PREFIX}eviction_recompute_tokens",
+            "Tokens held by evicted requests: at most what their return recomputes "
+            "(paid from --output-rate-recompute-budget).",
+            ["model_name"], registry=registry,
+        )
         self.store_mode = Gauge(
             f"{PREFIX}store_mode",
             "Where quota comes from: 1 for the mode in force (shared: the shared store; "
@@ -178,6 +192,8 @@ class OutputRateExporter:
             (self.idle_steps, "idle_steps_total"),
             (self.reloads, "reloads_total"),
             (self.reload_failures, "reload_failures_total"),
+            (self.evictions, "evictions_total"),
+            (self.eviction_recompute_tokens, "eviction_recompute_tokens_total"),
         ):
             child = metric.labels(model)
             if engine.get(key):

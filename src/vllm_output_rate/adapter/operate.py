@@ -182,6 +182,15 @@ class OperateSchedulerMixin:
                 self._output_rate_next_report = float("inf")
         return stats
 
+    def _output_rate_eviction_totals(self) -> dict[str, int]:
+        budget = getattr(self, "output_rate_eviction_budget", None)
+        if budget is None:
+            return {}
+        return {
+            "evictions_total": budget.evictions,
+            "eviction_recompute_tokens_total": budget.spent_tokens,
+        }
+
     def _output_rate_charged(self) -> dict[str, int]:
         return getattr(self.output_rate_gate, "charged_tokens", None) or {}
 
@@ -221,6 +230,7 @@ class OperateSchedulerMixin:
             engine={
                 "throttled_requests": sum(c[1] for c in counts.values()),
                 "idle_steps_total": getattr(gate, "idle_steps", 0),
+                **self._output_rate_eviction_totals(),
                 "reloads_total": self.output_rate_reloads,
                 "reload_failures_total": self.output_rate_reload_failures,
                 # Shared-store mode and totals (only with --output-rate-store).
