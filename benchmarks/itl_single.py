@@ -35,10 +35,27 @@ How
     and by other processes ("foreign"); compare them before trusting a small
     difference.  Servers are stopped by PID at the end.
 
+Engine-side instructions (``--instructions``)
+    The wall-clock figure above moves with the shared machine's load by more
+    than the 3 % it is judged against.  ``--instructions`` adds what the
+    plugin costs the engine per token of one stream, independent of load:
+    one engine per side (``vllm.LLM`` in this process's child, in-process
+    engine core and executor, ``enforce_eager``, stats on as in a server)
+    runs one request under valgrind's callgrind, and only the engine's own
+    work is collected -- every ``EngineCore.step()`` and the front end's
+    output processing (``LLMEngine.step()``), with the model's
+    ``execute_model``/``sample_tokens`` switched off -- then ``schedule()``
+    alone and ``update_from_output()`` alone.  The plugin's once-a-second
+    work (per-user report, charge history) is not counted: its clock is
+    pinned, because under valgrind a second is a few steps, not ~500 (it is
+    a few hundred thousand instructions once a second in real time).
+    Writes ``PREFIX_instructions.json``; about 10 minutes (vLLM starts under
+    valgrind), both children side by side.
+
 Usage::
 
     VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE=1 HF_HUB_OFFLINE=1 \\
-        .venv/bin/python benchmarks/itl_single.py --out results/itl_single
+        .venv/bin/python benchmarks/itl_single.py --out results/itl_single [--instructions]
 
 writes ``results/itl_single.json``; two server startups (~1-2 min each) plus
 ``--blocks`` x 2 blocks of ~10-20 s.
@@ -206,7 +223,180 @@ def report(doc: dict) -> str:
     return "\n\n".join(parts)
 
 
+# --------------------------------------------------------------------------
+# Engine-side instructions per step of one stream (callgrind)
+# --------------------------------------------------------------------------
+
+INSTRUCTION_STEPS = 40  # steps counted per phase
+PHASES = ("step", "full", "schedule", "update")
+CALIBRATION_TOGGLES = 200
+
+
+def count_child(side: str, steps: int, helper: str, model: str) -> None:
+    """Runs under callgrind (collection off until ``cg_begin``): one engine, one request.
+
+    Dumps ``calibrate`` (empty toggle pairs), then one dump per phase:
+    ``step`` (``LLMEngine.step()`` with the executor's calls excluded),
+    ``schedule`` and ``update``.  Prints the number of toggles of each phase.
+    """
+    import ctypes
+    import gc
+    import os
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core and model in this process
+    from vllm import LLM, SamplingParams
+
+    extra = {"additional_config": {"output_rate": {"default_user_output_tokens_per_second": 100000}}}
+    llm = LLM(model, max_model_len=512, max_num_seqs=16, enforce_eager=True, disable_log_stats=False,
+              **(extra if side == "plugin" else {}))
+    engine = llm.llm_engine
+    core = engine.engine_core.engine_core
+    sched = core.scheduler
+    executor = core.model_executor
+    cg = ctypes.CDLL(helper)
+    toggles = [0]
+
+    def toggle() -> None:
+        toggles[0] += 1
+        cg.cg_toggle()
+
+    collecting = [False]
+
+    def excluded(fn):  # collection off during fn while a whole step is collected
+        def call(*args, **kwargs):
+            if not collecting[0]:
+                return fn(*args, **kwargs)
+            toggle()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                toggle()
+        return call
+
+    def included(fn):  # collection on during fn only
+        def call(*args, **kwargs):
+            toggle()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                toggle()
+        return call
+
+    executor.execute_model = excluded(executor.execute_model)
+    executor.sample_tokens = excluded(executor.sample_tokens)
+
+    def params(tokens: int) -> SamplingParams:
+        return SamplingParams(max_tokens=tokens, ignore_eos=True, extra_args={"output_rate_user": "single"})
+
+    for i in range(2):  # warm-up requests
+        engine.add_request(f"warm-{i}", DEFAULT_PROMPT, params(64))
+        while engine.has_unfinished_requests():
+            engine.step()
+    engine.add_request("measured", DEFAULT_PROMPT, params(len(PHASES) * steps + 40))
+    for _ in range(10):  # prefill and the first decodes
+        engine.step()
+    if hasattr(sched, "output_rate_operate_clock"):
+        # No once-a-second work (see the module doc).  Set on the class: a new
+        # key in the instance's dict would cost every later attribute access
+        # CPython's attribute caches and inflate the count.
+        type(sched).output_rate_operate_clock = staticmethod(lambda: 0)
+        sched._output_rate_next_tick = sched._output_rate_next_report = 1
+
+    gc.collect()
+    gc.disable()
+    cg.cg_begin()
+    for _ in range(CALIBRATION_TOGGLES):
+        cg.cg_toggle()
+        cg.cg_toggle()
+    cg.cg_dump(b"calibrate")
+    counts = {}
+    toggles[0] = 0
+    for _ in range(steps):
+        collecting[0] = True
+        toggle()
+        engine.step()
+        toggle()
+        collecting[0] = False
+    cg.cg_dump(b"step")
+    counts["step"] = toggles[0]
+    toggles[0] = 0
+    for _ in range(steps):  # the same with the model: the whole work of one token
+        toggle()
+        engine.step()
+        toggle()
+    cg.cg_dump(b"full")
+    counts["full"] = toggles[0]
+    for phase, name in (("schedule", "schedule"), ("update", "update_from_output")):
+        cls = type(sched)  # wrapped on the class, for the same reason as the clock
+        own = cls.__dict__.get(name)
+        setattr(cls, name, included(getattr(cls, name)))
+        toggles[0] = 0
+        for _ in range(steps):
+            engine.step()
+        if own is None:
+            delattr(cls, name)
+        else:
+            setattr(cls, name, own)
+        cg.cg_dump(phase.encode())
+        counts[phase] = toggles[0]
+    assert engine.has_unfinished_requests()  # every counted step ran the one request
+    print("TOGGLES " + json.dumps(counts), flush=True)
+
+
+def measure_instructions(model: str, steps: int) -> dict:
+    """Instructions per step, stock and plugin side by side (one callgrind child each)."""
+    import os
+    import subprocess
+    import tempfile
+    from concurrent.futures import ThreadPoolExecutor
+
+    from scheduler_step import _dumped_instructions, build_callgrind_helper
+
+    def run(side: str, helper: Path, tmp: Path) -> dict:
+        out_dir = tmp / side
+        out_dir.mkdir()
+        cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no", "--collect-atstart=no",
+               f"--callgrind-out-file={out_dir}/cg.out", sys.executable, __file__, "--count-child",
+               side, str(steps), str(helper), model]
+        env = dict(os.environ, PYTHONHASHSEED="0", OMP_WAIT_POLICY="PASSIVE")
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        line = next((x for x in done.stdout.splitlines() if x.startswith("TOGGLES ")), None)
+        if done.returncode != 0 or line is None:
+            raise RuntimeError(f"callgrind child ({side}) failed:\n{done.stderr[-3000:]}")
+        toggles = json.loads(line.split(" ", 1)[1])
+        per_toggle = _dumped_instructions(out_dir, "calibrate") / (2 * CALIBRATION_TOGGLES)
+        return {phase: (_dumped_instructions(out_dir, phase) - toggles[phase] * per_toggle) / steps
+                for phase in PHASES}
+
+    with tempfile.TemporaryDirectory(prefix="itl-cg-") as tmp_name:
+        tmp = Path(tmp_name)
+        helper = build_callgrind_helper(tmp)
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            stock, plugin = pool.map(lambda side: run(side, helper, tmp), ("stock", "plugin"))
+    return {
+        "steps": steps,
+        "stock": stock,
+        "plugin": plugin,
+        "ratio": {phase: plugin[phase] / stock[phase] for phase in PHASES},
+        "extra_per_step": {phase: plugin[phase] - stock[phase] for phase in PHASES},
+        # The plugin's engine-side extra against all the work of one token
+        # (engine, model and output processing in one process).
+        "extra_share_of_token": (plugin["step"] - stock["step"]) / stock["full"],
+    }
+
+
+def instructions_report(doc: dict) -> str:
+    rows = [[phase, f"{doc['stock'][phase] / 1e3:.1f}", f"{doc['plugin'][phase] / 1e3:.1f}",
+             f"{doc['extra_per_step'][phase] / 1e3:+.1f}", f"{doc['ratio'][phase]:.3f}"] for phase in PHASES]
+    return (table(["counted", "stock k instr/step", "plugin k instr/step", "plugin - stock", "ratio"], rows)
+            + f"\nplugin's engine-side extra / stock's whole work per token: {100 * doc['extra_share_of_token']:.2f} %")
+
+
 def main(argv: list[str] | None = None) -> int:
+    if argv is None and len(sys.argv) > 1 and sys.argv[1] == "--count-child":
+        side, steps, helper, model = sys.argv[2:6]
+        count_child(side, int(steps), helper, model)
+        return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, metavar="PREFIX", help="writes PREFIX.json")
     parser.add_argument("--model", default=str(DEFAULT_MODEL_DIR), help="model path (default: tiny model)")
@@ -219,10 +409,21 @@ def main(argv: list[str] | None = None) -> int:
                         help="extra vllm serve argument for both sides, repeatable")
     parser.add_argument("--time-budget", type=float, default=900.0,
                         help="seconds; no new run starts after this (default 900)")
+    parser.add_argument("--instructions", action="store_true",
+                        help="only count the engine's instructions per step of one stream under "
+                        "callgrind (load-independent); writes PREFIX_instructions.json")
     args = parser.parse_args(argv)
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    if args.instructions:
+        doc = start_report(SCHEMA + "-instructions", args, PLUGIN_ARGS)
+        doc.update(measure_instructions(str(Path(args.model).resolve()), INSTRUCTION_STEPS))
+        print(instructions_report(doc))
+        path = out.with_name(out.name + "_instructions.json")
+        path.write_text(json.dumps(doc, indent=2) + "\n")
+        print(f"\nwrote {path}")
+        return 0
     log_dir = out.parent / f"{out.name}-logs"
     doc = start_report(SCHEMA, args, PLUGIN_ARGS)
     t_begin = time.monotonic()
