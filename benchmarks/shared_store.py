@@ -39,7 +39,7 @@ USERS = [f"user-{i}" for i in range(16)]
 class Plenty:
     """A store that grants everything asked (to measure the local path only)."""
 
-    def lease(self, burst_ns, asks):
+    def lease(self, burst_ns, asks, engine=""):
         return [LeaseGrant(a.want, 0) for a in asks]
 
     def publish_fingerprint(self, engine_id, fingerprint):

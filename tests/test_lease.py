@@ -28,6 +28,7 @@ from vllm_output_rate.stores.lease import (
     LeaseGrant,
     interval_ns_of,
 )
+from vllm_output_rate.stores.redis_store import ENGINE_WINDOW_MS
 
 MS = 1_000_000
 S = NS_PER_S
@@ -42,12 +43,21 @@ class Clock:
         return self.now
 
 
+def takes(room: int, interval: int) -> int:
+    """GCRA takes a headroom of ``room`` ns allows at ``interval`` ns."""
+    return 0 if room < 0 else room // interval + 1
+
+
 class FakeStore:
-    """GCRA per user on the shared fake clock; the Redis script's semantics."""
+    """GCRA per user on the shared fake clock; the Redis script's semantics,
+    fair shares between engines included (see ``redis_store.LEASE_SCRIPT``)."""
 
     def __init__(self, clock: Clock) -> None:
         self.clock = clock
         self.state: dict[str, tuple[int, int]] = {}  # user -> (time, debt ns)
+        # user -> engine -> (time of its last ask, its share debt ns then,
+        # whether that ask got less than it wanted)
+        self.shares: dict[str, dict[str, tuple[int, int, bool]]] = {}
         self.down = False
         self.calls: list[list[LeaseAsk]] = []
         self.fingerprints: dict[str, str] = {}
@@ -56,18 +66,48 @@ class FakeStore:
         t, d = self.state.get(user, (0, 0))
         return max(0, d - (self.clock.now - t))
 
-    def lease(self, burst_ns, asks):
+    def lease(self, burst_ns, asks, engine=""):
         if self.down:
             raise ConnectionError("store down")
         self.calls.append(list(asks))
+        now = self.clock.now
+        window = ENGINE_WINDOW_MS * MS
         out = []
         for a in asks:
+            shares = self.shares.setdefault(a.user, {})
+            others, keep = 0, False
+            for e, (at, d, short) in list(shares.items()):
+                if e == engine:
+                    continue
+                if now - at <= window:
+                    others += short
+                    keep = True
+                elif now - at < d:
+                    keep = True
+                else:
+                    del shares[e]  # idle and no share debt left: forgotten
+            had = engine in shares
+            at, d, short = shares.get(engine, (now, 0, False))
+            mine = max(0, d - (now - at))
+            share = a.interval_ns * (others + 1)
             debt = max(0, self.debt(a.user) - a.give_back * a.interval_ns)
+            mine = max(0, mine - a.give_back * share)
             granted = 0
-            if a.want and debt <= burst_ns:
-                granted = min(a.want, (burst_ns - debt) // a.interval_ns + 1)
+            if a.want:
+                granted = takes(burst_ns - debt, a.interval_ns)
+                if others and 4 * debt > burst_ns:
+                    granted = min(granted, takes(2 * burst_ns - mine, share))
+                granted = min(granted, a.want)
                 debt += granted * a.interval_ns
-            self.state[a.user] = (self.clock.now, debt)
+                mine += granted * share
+                short = granted < a.want
+            if debt or a.want or mine or keep:
+                self.state[a.user] = (now, debt)
+                if a.want or had:
+                    shares[engine] = (now, mine, short)
+            else:  # nothing left to remember: the key goes away
+                self.state.pop(a.user, None)
+                shares.clear()
             out.append(LeaseGrant(granted, max(0, debt - burst_ns)))
         return out
 
@@ -269,6 +309,40 @@ def test_outage_closed_fallback_pauses_everyone():
     assert lim.take_up_to("u", clock.now, 3) == 3
 
 
+def test_idle_rounds_between_failed_ones_do_not_delay_the_outage():
+    """A round with nothing to ask sends nothing, so it learns nothing about the
+    store: rounds that alternate asking (failing) and idle (the user asked a
+    moment ago) must not keep the engine from noticing the outage."""
+    clock = Clock()
+    store = FakeStore(clock)
+    lim = engine(store, clock)
+    lim.available("u", clock.now)
+    lim.run_round(clock.now, only_new=True)  # the last answer
+    answered = clock.now
+    store.down = True
+    idle = 0
+    first_failure = None
+    while lim.mode == SHARED and clock.now < answered + 2 * S:
+        clock.now += 20 * MS
+        lim.take_up_to("u", clock.now, 8)  # u keeps wanting quota
+        failed = lim.stats["failed_rounds"]
+        lim.run_round(clock.now)
+        if lim.stats["failed_rounds"] == failed:
+            idle += 1
+        elif first_failure is None:
+            first_failure = clock.now
+    # u was asked for 20 ms before: every other round sends nothing.  (Before
+    # the fix each idle round counted as an answer: never an outage here.)
+    assert idle >= 3
+    assert lim.mode == LOCAL
+    # An idle round came right after the answer (nothing known since), so the
+    # silence counts from the first failed round trip: noticed by the first
+    # failed round outage_after_ns after it (rounds fail every 40 ms here).
+    assert first_failure + CFG.outage_after_ns <= clock.now
+    assert clock.now < first_failure + CFG.outage_after_ns + 40 * MS
+    assert lim.stats["round_trips"] == 1  # idle rounds are no round trips
+
+
 def test_fingerprint_mismatch_is_logged_once(caplog):
     clock = Clock()
     store = FakeStore(clock)
@@ -381,3 +455,67 @@ def test_one_busy_engine_reaches_the_rate():
         clock.now += 5 * MS
     # 20 s at 30 tok/s plus the first burst: 601 + 3, minus rounding to rounds.
     assert 0.97 * 600 <= got <= 604
+
+
+# ---------------------------------------------------------------------------
+# Fair shares between engines (the store's arithmetic, fake clock)
+# ---------------------------------------------------------------------------
+
+
+def share_run(rounds_ms, demand, seconds=20, rate=30):
+    """Engines stepping every 5 ms, each with its own round cadence; ``demand[i]``
+    tokens/s engine i would spend (None: all it gets).  Tokens spent per engine."""
+    clock = Clock()
+    store = FakeStore(clock)
+    lims = []
+    for i, round_ms in enumerate(rounds_ms):
+        lim = engine(store, clock, default=rate, round_ns=round_ms * MS)
+        lim._random.seed(i)  # the jitter of the cadence, reproducible
+        lims.append(lim)
+    got = [0] * len(lims)
+    credit = [0.0] * len(lims)
+    end = clock.now + seconds * S
+    while clock.now < end:
+        for i, lim in enumerate(lims):
+            lim.pump(clock.now)
+            if demand[i] is None:
+                got[i] += lim.take_up_to("u", clock.now, 8)
+            else:
+                credit[i] = min(credit[i] + demand[i] * 0.005, 3)
+                if credit[i] >= 1:
+                    k = lim.take_up_to("u", clock.now, int(credit[i]))
+                    got[i] += k
+                    credit[i] -= k
+                else:
+                    lim.available("u", clock.now)
+        clock.now += 5 * MS
+    return got
+
+
+@pytest.mark.parametrize(
+    "rounds_ms, least",
+    [
+        ((50, 50), 0.48),
+        ((50, 100), 0.43),  # first come, first served gave the slower engine 22 %
+        ((50, 120), 0.38),  # (19 %)
+        ((50, 50, 50), 0.32),
+        ((50, 100, 140), 0.28),  # (13 %)
+    ],
+)
+def test_equal_demand_is_split_evenly_between_engines(rounds_ms, least):
+    got = share_run(rounds_ms, [None] * len(rounds_ms))
+    total = sum(got)
+    assert min(got) >= least * total, got
+    # Nothing lost to the fairness: 20 s at 30 tok/s (+ the first burst),
+    # less what one engine asking only every 120-140 ms leaves unused.
+    assert 0.97 * 600 <= total <= 604, got
+
+
+def test_quota_an_engine_does_not_want_goes_to_the_others():
+    # Engine 1 spends only 5 tok/s: engine 0 gets the rest, not just half.
+    got = share_run((50, 50), [None, 5])
+    assert 99 <= got[1] <= 101
+    assert got[0] >= 0.97 * 600 - got[1], got
+    got = share_run((50, 50, 50), [None, None, 4])
+    assert 79 <= got[2] <= 81
+    assert min(got[:2]) >= 0.45 * sum(got[:2]) and sum(got) >= 0.97 * 600, got

@@ -273,6 +273,23 @@ def run_engines(lims, users, seconds, streams=8, step_s=0.004):
     return spent
 
 
+def test_share_cap_through_the_cluster(cluster, prefix):
+    """The fair-share steps of test_store_fair, batched over users on every node:
+    each engine's share lives in the user's own key (same hash tag, same node)."""
+    from test_store_fair import SHARE_STEPS
+
+    backend = RedisLeaseBackend(cluster.url, prefix=prefix, engine_window_ms=60_000)
+    found = users_on_every_node(cluster, prefix, 1)
+    users = [per[0] for per in found.values()]
+    for engine, want, back, expected in SHARE_STEPS:
+        grants = backend.lease(10 * S, [LeaseAsk(u, want, back, S) for u in users], engine)
+        assert [g.granted for g in grants] == [expected] * len(users), (engine, want, back)
+    for owner, per in found.items():
+        fields = cluster.node(owner).hgetall(user_key(prefix, per[0]))
+        assert {b"e:a", b"e:b"} <= set(fields), (owner, fields)
+    backend.close()
+
+
 def test_two_engines_share_quota_through_the_cluster(cluster, prefix):
     rate, seconds = 40, 4.0
     found = users_on_every_node(cluster, prefix, 1)

@@ -14,7 +14,12 @@ script per round trip -- per node on a Redis Cluster, see
 keeps one GCRA state per user on *its own* clock (engine clocks never matter),
 and grants ``min(asked, what GCRA allows now)`` tokens -- exactly the takes
 that many single GCRA takes at the store's "now" would allow.  Unused tokens
-are handed back in a later round trip (GCRA's refund).
+are handed back in a later round trip (GCRA's refund).  Each round trip
+names its engine, and the store splits a user's quota evenly between the
+engines that asked for it lately and got less than they wanted (a second,
+per-engine GCRA at ``N / engines``; idle headroom still goes to whoever
+asks), so how often or how early an engine asks does not decide its part;
+see :mod:`.redis_store`.
 
 Rounds.  Every ``round_ns`` (50 ms on average, jittered by +-20 % so engines
 do not stay in phase and take turns being first) the thread asks, for each user the
@@ -50,7 +55,10 @@ tok/s and E = 2, a 1 s window allows at most 44.5 tokens, 20 s at most 614.5.
 Store unreachable or too slow (no answer -- any error, or nothing within
 the backend's timeout, 0.25 s for Redis -- for ``outage_after_ns``, 0.3 s; a
 single failed round trip only delays that round's leases): the engine keeps
-serving without it.  ``fallback="local"``: each
+serving without it.  The silence counts from the last answer, or, when a
+round with nothing to ask came after that answer, from the first failed
+round trip: such an idle round sends nothing (no ping: round trips cost) and
+so proves nothing, and it never counts as an answer.  ``fallback="local"``: each
 engine enforces ``N / expected_engines`` with its own in-memory limiter (over
 E engines the bound is then ``(W + B) * N + E``); ``fallback="closed"``: every
 user is throttled (requests pause, nothing fails) until the store answers.
@@ -112,10 +120,14 @@ class LeaseGrant(NamedTuple):
 class LeaseBackend(Protocol):
     """The shared side: GCRA per user on the store's clock."""
 
-    def lease(self, burst_ns: int, asks: Sequence[LeaseAsk]) -> list[LeaseGrant]:
+    def lease(
+        self, burst_ns: int, asks: Sequence[LeaseAsk], engine: str = ""
+    ) -> list[LeaseGrant]:
         """Hand back, then grant, for every ask, atomically; one round trip.
 
-        Raises on any failure (unreachable, timeout, error reply).
+        ``engine`` names the asking engine, so a user's quota is split evenly
+        between the engines asking for it (see the module docstring).  Raises
+        on any failure (unreachable, timeout, error reply).
         """
 
     def publish_fingerprint(self, engine_id: str, fingerprint: str) -> dict[str, str]:
@@ -224,6 +236,10 @@ class LeasedOutputRateLimiter:
         self._next_fingerprint_ns = self._next_round_ns
         self._outage_started_ns: int | None = None
         self._last_answer_ns = self._next_round_ns  # the store counts as up at start
+        # Start of the current run of failed round trips (None: the last one
+        # was answered); see run_round for how idle rounds count.
+        self._silent_since_ns: int | None = None
+        self._idle_since_answer = True  # no round trip since the last answer (none yet)
         self._warned_mismatch: set[tuple[str, str]] = set()
         self.stats = {
             "round_trips": 0,
@@ -490,6 +506,8 @@ class LeasedOutputRateLimiter:
             self._clock = clock
             now = clock()
             self._next_round_ns = self._last_answer_ns = self._next_fingerprint_ns = now
+            self._silent_since_ns = None
+            self._idle_since_answer = True
             self._last_round_ns = -(10**18)
             self._leases = {}
             self._give_back.clear()
@@ -541,7 +559,7 @@ class LeasedOutputRateLimiter:
         called = bool(asks) or self._mode is not SHARED  # else nothing to send
         try:
             if called:
-                grants = self._backend.lease(self.burst_ns, asks)
+                grants = self._backend.lease(self.burst_ns, asks, self._engine_id)
                 if len(grants) != len(asks):
                     raise RuntimeError(f"store answered {len(grants)} grants for {len(asks)} asks")
             else:
@@ -552,17 +570,33 @@ class LeasedOutputRateLimiter:
                 self.stats["failed_rounds"] += 1
                 # One slow or lost answer on a loaded machine is not an outage;
                 # no answer for outage_after_ns is.  Leases held stay valid.
-                if now_ns - self._last_answer_ns >= cfg.outage_after_ns:
+                # The silence starts at the last answer, or, when idle rounds
+                # (nothing sent, so nothing learnt) came after it, at this
+                # first failed round trip.
+                if self._silent_since_ns is None:
+                    self._silent_since_ns = (
+                        now_ns if self._idle_since_answer else self._last_answer_ns
+                    )
+                if now_ns - self._silent_since_ns >= cfg.outage_after_ns:
                     self._enter_outage(now_ns, exc)
+            return 0
+        if not called:
+            # Nothing to ask: no round trip, and no news about the store.  An
+            # idle round neither pings (round trips cost) nor counts as an
+            # answer, so it never delays noticing a store that stopped answering.
+            with self._lock:
+                self._in_flight = False
+                self._idle_since_answer = True
             return 0
         received = self._clock()
         with self._lock:
             self._in_flight = False
             self._last_answer_ns = received
+            self._silent_since_ns = None
+            self._idle_since_answer = False
             if self._mode is not SHARED:
                 self._end_outage(received)
-            if called:
-                self.stats["round_trips"] += 1  # answered round trips only
+            self.stats["round_trips"] += 1  # answered round trips only
             for ask, grant in zip(asks, grants):
                 self.stats["handed_back"] += ask.give_back
                 if grant.granted > 0:

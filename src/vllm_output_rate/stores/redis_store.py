@@ -12,18 +12,39 @@ than the rate.  Per user and round trip, in this order:
 1. decay: ``debt = max(0, d - elapsed)``;
 2. hand-back of unspent tokens: ``debt = max(0, debt - back * interval)``;
 3. grant: ``k = min(want, floor((burst - debt) / interval) + 1)`` tokens when
-   ``debt <= burst`` (exactly what ``k`` single GCRA takes allow), ``debt +=
-   k * interval``;
+   ``debt <= burst`` (exactly what ``k`` single GCRA takes allow), capped by
+   the asking engine's fair share (below), ``debt += k * interval``;
 4. store it with an expiry of the debt plus a margin (a key that expired had
-   no debt left, so it is the same as a user never seen); no debt -> no key.
+   no debt left, so it is the same as a user never seen); nothing left to
+   remember (no debt, no share debt, no other engine asking lately) -> no key.
 
 It returns ``granted`` and ``wait_ns`` (``max(0, debt - burst)``: when the
-next token could be granted).  State survives engine restarts (it lives in
-Redis); a Redis restart without persistence forgets it.
+next token could be granted by the user's quota).  State survives engine
+restarts (it lives in Redis); a Redis restart without persistence forgets it.
+
+Fair shares.  Every call names the asking engine (ARGV), and the user's hash
+keeps one more field per engine, ``e:<engine> = "<time us> <share debt ns>
+<hungry 0|1>"``: when it last asked for the user, the debt of its own GCRA
+at the share's interval, and whether that ask got less than it wanted.  The
+share is the user's rate over ``1 + h``, ``h`` the *other* engines that asked
+within the engine window (200 ms) and were hungry; its interval is
+``interval * (1 + h)`` and its burst twice the user's burst (an engine whose
+rounds come late still reaches its share).  While ``h > 0`` and the user's
+debt is above a quarter of the burst, a grant is also capped by the engine's
+own GCRA (``floor((2 * burst - share_debt) / share_interval) + 1``);
+otherwise anyone may take headroom the others do not want, so nothing is
+wasted when an engine needs less than its share.  Every grant is charged to
+both debts (hand-backs credit both); the user's own GCRA still caps every
+grant, so the bound across engines is the same as without shares.  An
+engine that stopped asking and has no share debt left is deleted from the
+hash by the next call.  Equal demand on engines whose rounds come at
+different times then splits the user's tokens about evenly instead of
+first come, first served (figures in the README, "Scale-out").
 
 Keys: ``{prefix}:user:{<user>}`` -- the ``{...}`` hash tag puts each user in
-its own Redis Cluster slot.  ``{prefix}:engines`` holds each live engine's
-limits fingerprint.
+its own Redis Cluster slot, and the per-engine share fields live in the same
+hash, so they are always on the user's node.  ``{prefix}:engines`` holds each
+live engine's limits fingerprint.
 
 Round trips.  A standalone Redis / Valkey (``redis://``, ``rediss://``,
 ``unix://``) gets one script call per round trip, naming every user's key.
@@ -70,47 +91,110 @@ DEFAULT_TIMEOUT_S = 0.25
 ENGINE_LIVE_S = 30
 #: Keys outlive their debt by this margin (ms).
 IDLE_MARGIN_MS = 10_000
+#: An engine that asked for a user this recently counts as sharing the user's quota (ms).
+ENGINE_WINDOW_MS = 200
 
 LEASE_SCRIPT = r"""
 -- KEYS[i]: user i's state hash.  ARGV[1]: burst (ns); ARGV[2]: idle margin (ms);
+-- ARGV[3]: engine window (us); ARGV[4]: the asking engine's id;
 -- then per user: want, give_back, interval (ns).  Returns {granted, wait_ns} per user.
 local t = redis.call('TIME')
 local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local burst = tonumber(ARGV[1])
 local margin = tonumber(ARGV[2])
+local window_ns = tonumber(ARGV[3]) * 1000
+local me = 'e:' .. ARGV[4]
+-- How many GCRA takes a headroom of room ns allows at interval iv (exact in doubles).
+local function takes(room, iv)
+  if room < 0 then return 0 end
+  local k = math.floor(room / iv)
+  if k * iv > room then k = k - 1 end
+  if (k + 1) * iv <= room then k = k + 1 end
+  return k + 1
+end
 local out = {}
 for i = 1, #KEYS do
-  local base = 3 * i
+  local base = 3 * i + 2
   local want = tonumber(ARGV[base])
   local back = tonumber(ARGV[base + 1])
   local interval = tonumber(ARGV[base + 2])
-  local state = redis.call('HMGET', KEYS[i], 't', 'd')
-  local debt = 0
-  if state[1] and state[2] then
-    local elapsed = (now_us - tonumber(state[1])) * 1000
-    if elapsed < 0 then elapsed = 0 end
-    local d = tonumber(state[2])
-    if elapsed < d then debt = d - elapsed end
+  local all = redis.call('HGETALL', KEYS[i])
+  local t_us, d_ns
+  local others = 0    -- other engines refused part of an ask for this user within the window
+  local mine = 0      -- this engine's share debt (ns), decayed
+  local had = false   -- this engine has asked for this user before
+  local short = 0     -- this ask (or, asking for nothing, its last one) got less than it wanted
+  local keep = false  -- another engine's share is still remembered
+  for j = 1, #all, 2 do
+    local f, v = all[j], all[j + 1]
+    if f == 't' then t_us = tonumber(v)
+    elseif f == 'd' then d_ns = tonumber(v)
+    elseif string.sub(f, 1, 2) == 'e:' then
+      local at, d, s = string.match(v, '^(%d+) (%d+) ([01])$')
+      local age = 0
+      if at then
+        age = (now_us - tonumber(at)) * 1000
+        if age < 0 then age = 0 end
+        d = tonumber(d)
+      else
+        d = 0
+        age = window_ns + 1
+      end
+      if f == me then
+        had = true
+        if at and s == '1' then short = 1 end
+        if age < d then mine = d - age end
+      elseif age <= window_ns then
+        if s == '1' then others = others + 1 end
+        keep = true
+      elseif age < d then
+        keep = true
+      else
+        redis.call('HDEL', KEYS[i], f)  -- idle and no share debt left: forget it
+      end
+    end
   end
+  local debt = 0
+  if t_us and d_ns then
+    local elapsed = (now_us - t_us) * 1000
+    if elapsed < 0 then elapsed = 0 end
+    if elapsed < d_ns then debt = d_ns - elapsed end
+  end
+  -- This engine's equal share: the user's rate over the engines asking now.
+  local share = interval * (others + 1)
   if back > 0 then
     debt = debt - back * interval
     if debt < 0 then debt = 0 end
+    mine = mine - back * share
+    if mine < 0 then mine = 0 end
   end
   local granted = 0
-  local headroom = burst - debt
-  if want > 0 and headroom >= 0 then
-    local k = math.floor(headroom / interval)
-    if k * interval > headroom then k = k - 1 end
-    if (k + 1) * interval <= headroom then k = k + 1 end
-    granted = k + 1
-    if granted > want then granted = want end
+  if want > 0 then
+    short = 0
+    granted = takes(burst - debt, interval)
+    -- Contended (debt above a quarter of the burst, and another engine
+    -- lately got less than it asked for): at most this engine's own share,
+    -- a GCRA at the share's rate with twice the burst (an engine that asks
+    -- less often still reaches its share); otherwise anyone may use the
+    -- headroom nobody else wants.
+    if others > 0 and 4 * debt > burst then
+      local own = takes(2 * burst - mine, share)
+      if own < granted then granted = own end
+    end
+    if granted >= want then granted = want else short = 1 end
     debt = debt + granted * interval
+    mine = mine + granted * share
   end
   local wait = debt - burst
   if wait < 0 then wait = 0 end
-  if debt > 0 then
+  if debt > 0 or want > 0 or mine > 0 or keep then
     redis.call('HSET', KEYS[i], 't', string.format('%.0f', now_us), 'd', string.format('%.0f', debt))
-    redis.call('PEXPIRE', KEYS[i], string.format('%.0f', math.ceil(debt / 1000000) + margin))
+    if want > 0 or had then
+      redis.call('HSET', KEYS[i], me, string.format('%.0f %.0f %d', now_us, mine, short))
+    end
+    local longest = debt
+    if mine > longest then longest = mine end
+    redis.call('PEXPIRE', KEYS[i], string.format('%.0f', math.ceil(longest / 1000000) + margin))
   else
     redis.call('DEL', KEYS[i])
   end
@@ -121,13 +205,13 @@ return out
 
 #: The same script for a Redis Cluster node: KEYS[1] only routes the call
 #: (the cluster checks declared keys share one slot); the users' keys follow
-#: the per-user numbers in ARGV, so ``#ARGV == 2 + 4 * n``.  The flag lets the
+#: the per-user numbers in ARGV, so ``#ARGV == 4 + 4 * n``.  The flag lets the
 #: script touch keys of several slots served by this node.
 CLUSTER_LEASE_SCRIPT = (
     "#!lua flags=allow-cross-slot-keys\n"
-    "local n = (#ARGV - 2) / 4\n"
+    "local n = (#ARGV - 4) / 4\n"
     "local KEYS = {}\n"
-    "for i = 1, n do KEYS[i] = ARGV[3 * n + 2 + i] end\n"
+    "for i = 1, n do KEYS[i] = ARGV[3 * n + 4 + i] end\n"
     + LEASE_SCRIPT
 )
 
@@ -178,6 +262,7 @@ class RedisLeaseBackend:
         prefix: str | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         password_env: str = PASSWORD_ENV,
+        engine_window_ms: int = ENGINE_WINDOW_MS,
     ) -> None:
         import redis
         from redis.backoff import NoBackoff
@@ -195,6 +280,7 @@ class RedisLeaseBackend:
             password = os.environ[password_env]
         self._url = redact(url)
         self.prefix = prefix or DEFAULT_PREFIX
+        self._window_us = engine_window_ms * 1000
         self.cluster = parts.scheme in CLUSTER_SCHEMES
         self.commands = 0  # script calls (and pings) sent; several per round trip on a cluster
         common = dict(
@@ -224,15 +310,17 @@ class RedisLeaseBackend:
 
     # -- standalone --------------------------------------------------------
 
-    def lease(self, burst_ns: int, asks: Sequence[LeaseAsk]) -> list[LeaseGrant]:
+    def lease(
+        self, burst_ns: int, asks: Sequence[LeaseAsk], engine: str = ""
+    ) -> list[LeaseGrant]:
         if self.cluster:
-            return self._lease_cluster(burst_ns, asks)
+            return self._lease_cluster(burst_ns, asks, engine)
         self.commands += 1
         if not asks:
             self._client.ping()
             return []
         keys = [user_key(self.prefix, a.user) for a in asks]
-        args: list[int] = [burst_ns, IDLE_MARGIN_MS]
+        args: list = [burst_ns, IDLE_MARGIN_MS, self._window_us, engine]
         for a in asks:
             args += (a.want, a.give_back, a.interval_ns)
         reply = self._lease(keys=keys, args=args)
@@ -269,14 +357,18 @@ class RedisLeaseBackend:
             self._cluster_refresh = False
         return self._client
 
-    def _lease_cluster(self, burst_ns: int, asks: Sequence[LeaseAsk]) -> list[LeaseGrant]:
+    def _lease_cluster(
+        self, burst_ns: int, asks: Sequence[LeaseAsk], engine: str
+    ) -> list[LeaseGrant]:
         try:
-            return self._lease_cluster_round(burst_ns, asks)
+            return self._lease_cluster_round(burst_ns, asks, engine)
         except Exception:
             self._cluster_refresh = self._client is not None
             raise
 
-    def _lease_cluster_round(self, burst_ns: int, asks: Sequence[LeaseAsk]) -> list[LeaseGrant]:
+    def _lease_cluster_round(
+        self, burst_ns: int, asks: Sequence[LeaseAsk], engine: str
+    ) -> list[LeaseGrant]:
         from redis.cluster import RedisCluster
 
         client = self._cluster_client()
@@ -297,7 +389,7 @@ class RedisLeaseBackend:
             by_node.setdefault(client.get_node_from_key(key).name, []).append(i)
         calls: list[tuple[list[int], list]] = []
         for members in by_node.values():
-            args: list = [burst_ns, IDLE_MARGIN_MS]
+            args: list = [burst_ns, IDLE_MARGIN_MS, self._window_us, engine]
             for i in members:
                 args += (asks[i].want, asks[i].give_back, asks[i].interval_ns)
             args += [keys[i] for i in members]
