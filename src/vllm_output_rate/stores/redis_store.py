@@ -188,9 +188,12 @@ for i = 1, #KEYS do
   local wait = debt - burst
   if wait < 0 then wait = 0 end
   if debt > 0 or want > 0 or mine > 0 or keep then
-    redis.call('HSET', KEYS[i], 't', string.format('%.0f', now_us), 'd', string.format('%.0f', debt))
+    local now_s, debt_s = string.format('%.0f', now_us), string.format('%.0f', debt)
     if want > 0 or had then
-      redis.call('HSET', KEYS[i], me, string.format('%.0f %.0f %d', now_us, mine, short))
+      local share_s = string.format('%.0f %.0f %d', now_us, mine, short)
+      redis.call('HSET', KEYS[i], 't', now_s, 'd', debt_s, me, share_s)
+    else
+      redis.call('HSET', KEYS[i], 't', now_s, 'd', debt_s)
     end
     local longest = debt
     if mine > longest then longest = mine end
