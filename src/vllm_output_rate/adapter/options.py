@@ -24,6 +24,7 @@ from vllm_output_rate.settings import (
     RECOMPUTE_BUDGET_KEY,
     OutputRateConfigError,
     load_limits_file,
+    validate_recompute_budget,
 )
 from vllm_output_rate.eviction import DEFAULT_RECOMPUTE_RATIO
 from vllm_output_rate.stores.config import int_arg
@@ -44,14 +45,15 @@ logger = logging.getLogger(__name__)
 ADMIN_KEY_FLAG = "--output-rate-admin-key"
 
 
-def _non_negative_number(text: str) -> float:
+def _recompute_budget_arg(text: str) -> float:
     try:
-        value = float(text)
+        value: object = float(text)
     except ValueError:
-        value = float("nan")
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a non-negative number, got {text!r}")
-    return value
+        value = text  # refused by the validator, with the text in its message
+    try:
+        return validate_recompute_budget(value, "value")
+    except OutputRateConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("value: ")) from None
 
 
 def add_operate_args(parser: argparse.ArgumentParser) -> None:
@@ -114,7 +116,7 @@ def add_operate_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         RECOMPUTE_BUDGET_FLAG,
         dest="output_rate_recompute_budget",
-        type=_non_negative_number,
+        type=_recompute_budget_arg,
         default=None,
         metavar="RATIO",
         help="Recomputed tokens per output token that evicting throttled requests "

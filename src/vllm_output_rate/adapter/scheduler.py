@@ -492,7 +492,8 @@ class OutputRateSchedulerMixin:
         gate = self.output_rate_gate
         if request in self._evicted_for_quota:
             return None  # it comes back into free KV only (no eviction chains)
-        if request.status != RequestStatus.RUNNING and gate.holds_residency(gate.user_of(request)):
+        for_waiting = request.status != RequestStatus.RUNNING
+        if for_waiting and gate.holds_residency(gate.user_of(request)):
             # A waiting request of a user already served through resident
             # streams takes free KV only: evicting others for it would churn.
             return None
@@ -503,13 +504,12 @@ class OutputRateSchedulerMixin:
         # out the users' rate-weighted shares and the eviction budget can pay
         # for the recompute.  (A running request that needs KV would cost a
         # preemption anyway: any throttled victim will do.)
-        for_waiting = request.status != RequestStatus.RUNNING
         budget = self.output_rate_eviction_budget
         rate_of = self.output_rate_limiter.rate_of
         requester_resident = gate.resident_count(requester)
         requester_rate = rate_of(requester)
         least_important = request.priority
-        if self._priority_policy and request.status == RequestStatus.RUNNING and self.running:
+        if self._priority_policy and not for_waiting and self.running:
             # vLLM's own victim would be the least important visible request;
             # a throttled one goes first only if it is not more important.
             least_important = max(least_important, max(r.priority for r in self.running))
