@@ -38,7 +38,7 @@ Why the worker was busy while throttled, and what the plugin changes
     full core.  With the feature on, the plugin's ``worker.idle_spin`` patch
     (``adapter/worker_idle.py``) makes the worker spin only a few ms from the
     start of each wait and then sleep until the engine's write wakes it, and
-    the engine loop blocks on its input queue for min(50 ms, next quota) when
+    the engine loop blocks on its input queue for min(250 ms, next quota) when
     a step runs nothing.  Targets while throttled: engine core <= 5 % and the
     whole server process tree <= 15 % of one core.
     ``--worker-spin-ms off`` starts the server with

@@ -108,7 +108,7 @@ def test_throttled_only_engine_does_not_spin_and_others_are_served_at_once(serve
           f"{fast_ttft:.3f}s after arrival (server clock; client saw "
           f"{fast.token_times[0] - fast.start:.3f}s)")
     # Stock vLLM polls every 1 ms here (a large share of a core); we wait on
-    # the input queue with at most 50 ms timeouts.
+    # the input queue with timeouts of at most 250 ms (gate.MAX_IDLE_WAIT_NS).
     assert throttled <= idle + 0.10, (idle, throttled)
     # A new request wakes the engine at once (judged on the server's own
     # timestamps: client receive times stall on this machine).

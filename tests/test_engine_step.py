@@ -8,7 +8,8 @@ per request at its sampling position, and the input queue a recording fake
 that answers at once (no test here sleeps).
 
 Checked: after a step that ran nothing because every request was throttled,
-the engine waits on its input queue with a timeout of at most 50 ms; on
+the engine waits on its input queue with a timeout of at most
+``gate.MAX_IDLE_WAIT_NS`` (250 ms); on
 series with an engine watchdog (0.33+) that wait runs with the watchdog
 disabled, exactly as vLLM's own idle wait, and the watchdog is active again
 afterwards; a request that arrives during the wait is handled at once.
@@ -26,6 +27,7 @@ from vllm.v1.outputs import ModelRunnerOutput
 
 from sched_harness import MS, TOKEN, Harness
 from vllm_output_rate.adapter import compat
+from vllm_output_rate.gate import MAX_IDLE_WAIT_NS
 
 SERIES = compat.installed_series()
 LIMITS = {
@@ -138,7 +140,7 @@ def test_throttled_step_waits_on_the_input_queue_outside_the_watchdog(watchdog):
 
     assert len(inputs.gets) == 1, "an all-throttled step must wait on the input queue"
     timeout, active_during_wait = inputs.gets[0]
-    assert timeout is not None and 0 < timeout <= 0.05
+    assert timeout is not None and 0 < timeout <= MAX_IDLE_WAIT_NS / 1e9
     if watchdog is not None:
         assert active_during_wait is False, "the idle wait ran inside the watchdog's window"
         assert watchdog.active is True, "the watchdog must be active again after the wait"

@@ -559,7 +559,7 @@ def test_idle_wait_is_capped():
     assert lim.try_take("slow", 0)
     gate.plan(0, 10)
     gate.finish(set())
-    assert gate.idle_wait_ns() == MAX_IDLE_WAIT_NS == 50 * MS
+    assert gate.idle_wait_ns() == MAX_IDLE_WAIT_NS  # 2 s away, capped
     gate2, lim2 = new_gate(max_idle_wait_ns=7 * S)
     add(gate2, "slow", "s1")
     assert lim2.try_take("slow", 0)

@@ -14,6 +14,7 @@ from vllm.v1.request import RequestStatus
 
 from sched_harness import MS, Harness, Record, max_in_window
 from vllm_output_rate.adapter.scheduler import OutputRateAsyncScheduler, OutputRateScheduler
+from vllm_output_rate.gate import MAX_IDLE_WAIT_NS
 
 S = 1_000_000_000
 
@@ -413,7 +414,7 @@ def test_idle_wait_hint_only_when_everything_is_throttled():
     out = h.step(MS)
     assert out.total_num_scheduled_tokens == 0
     wait = h.sched.output_rate_idle_wait_s
-    assert wait is not None and 0 < wait <= 0.05
+    assert wait is not None and 0 < wait <= MAX_IDLE_WAIT_NS / 1e9
     h.add("b", max_tokens=3)
     out = h.step(MS)
     assert out.total_num_scheduled_tokens > 0

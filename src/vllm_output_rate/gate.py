@@ -76,8 +76,13 @@ Key = Hashable
 
 #: Every this many steps, users with no debt are dropped from the limiter.
 CLEANUP_EVERY_STEPS = 256
-#: Longest idle wait the engine loop is told to take, in nanoseconds.
-MAX_IDLE_WAIT_NS = 50_000_000
+#: Longest idle wait the engine loop is told to take, in nanoseconds.  Every
+#: wake-up of a throttled-only engine runs an empty step, which costs the model
+#: worker two messages and a short spin: at a 50 ms cap that was most of the
+#: 20 % of a core such a server used, at 250 ms it is 8 % (benchmarks/idle_cpu.py).
+#: New requests, aborts and admin calls wake the loop at once; a reloaded limits
+#: file applies at the latest this much later.
+MAX_IDLE_WAIT_NS = 250_000_000
 
 
 class StepGate:

@@ -18,7 +18,7 @@ With the feature on, :func:`shorten_spin` changes this on the worker's
 * the window is :data:`SPIN_WINDOW_S` (a few ms) instead of vLLM's 1 s, but
   only while the worker has recently (within :data:`ARMED_S`) waited at
   least :data:`LONG_GAP_S` for a step -- as it does between the steps of
-  throttled users (the engine's idle wait is up to 50 ms, a 2 tok/s user
+  throttled users (the engine's idle wait is up to 250 ms, a 2 tok/s user
   gets a step every 0.5 s).  An engine that sends steps back to back never
   arms it, and its worker spins exactly as in stock vLLM.  Nor does a
   stream that starts after a pause keep it armed: :data:`BUSY_RUN` reads in
