@@ -49,9 +49,8 @@ def _stderr_lines(proc: subprocess.CompletedProcess) -> list[str]:
     return [line for line in proc.stderr.splitlines() if line.strip()]
 
 
-def _run_bounded(args: list[str], timeout: float) -> tuple[subprocess.CompletedProcess, float]:
-    """Run ``vllm-output-rate ARGS``; on timeout stop its whole process group by PID."""
-    start = time.monotonic()
+def _start_cli(args: list[str]) -> tuple[subprocess.Popen, float]:
+    """Start ``vllm-output-rate ARGS`` in its own process group."""
     proc = subprocess.Popen(
         [str(CLI), *args],
         stdout=subprocess.PIPE,
@@ -60,12 +59,19 @@ def _run_bounded(args: list[str], timeout: float) -> tuple[subprocess.CompletedP
         env=server_env(),
         start_new_session=True,
     )
+    return proc, time.monotonic()
+
+
+def _finish_cli(
+    proc: subprocess.Popen, start: float, timeout: float
+) -> tuple[subprocess.CompletedProcess, float]:
+    """Wait for a CLI started by :func:`_start_cli`; on timeout stop its whole group by PID."""
     try:
-        out, err = proc.communicate(timeout=timeout)
+        out, err = proc.communicate(timeout=max(1.0, start + timeout - time.monotonic()))
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate(timeout=30)
-        pytest.fail(f"{args} did not exit within {timeout}s; stderr tail:\n{err[-3000:]}")
+        pytest.fail(f"{proc.args} did not exit within {timeout}s; stderr tail:\n{err[-3000:]}")
     elapsed = time.monotonic() - start
     _assert_group_gone(proc.pid)
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), elapsed
@@ -190,21 +196,47 @@ REFUSED_MODES = [
 ]
 
 
-@pytest.mark.parametrize(
-    "args,message", [pytest.param(a, m, id=i) for i, a, m in REFUSED_MODES]
-)
-def test_unsupported_mode_is_refused_by_serve(tiny_model_dir, args, message):
-    proc, elapsed = _run_bounded(
-        [
+HELP_RUN = "help"
+
+
+@pytest.fixture(scope="module")
+def serve_runs(tiny_model_dir):
+    """Every real ``serve`` of this module, started side by side, then awaited.
+
+    Each one imports vLLM (~13 s of one core); run one after the other they
+    took ~65 s of the suite, side by side on two cores about half of that.
+    id -> (completed process, seconds from its start to its exit).
+    """
+    commands = {
+        mode: [
             "serve", tiny_model_dir,
             "--host", "127.0.0.1", "--port", str(free_port()),
             "--max-model-len", "256",
             D, "5",
             *args,
-        ],
-        timeout=SLOW_LIMIT_S + 30,
-    )
-    print(f"refusal {args[0]}: {elapsed:.1f}s")
+        ]
+        for mode, args, _ in REFUSED_MODES
+    }
+    commands[HELP_RUN] = ["serve", tiny_model_dir, "--help=OutputRate"]
+    started = {key: _start_cli(args) for key, args in commands.items()}
+    runs = {}
+    try:
+        for key, (proc, start) in started.items():
+            runs[key] = _finish_cli(proc, start, timeout=SLOW_LIMIT_S + 30)
+    finally:
+        for proc, _ in started.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=30)
+    return runs
+
+
+@pytest.mark.parametrize(
+    "mode,message", [pytest.param(i, m, id=i) for i, _, m in REFUSED_MODES]
+)
+def test_unsupported_mode_is_refused_by_serve(serve_runs, mode, message):
+    proc, elapsed = serve_runs[mode]
+    print(f"refusal {mode}: {elapsed:.1f}s")
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0, output[-3000:]
     assert "Traceback" not in output, output[-3000:]
@@ -246,8 +278,8 @@ def test_serve_help_lists_output_rate_group(plugin, capsys):
     assert len(group_lines) == 1, text
 
 
-def test_serve_help_output_rate_group_shows_flags(tiny_model_dir):
-    proc, elapsed = _run_bounded(["serve", tiny_model_dir, "--help=OutputRate"], timeout=90)
+def test_serve_help_output_rate_group_shows_flags(serve_runs):
+    proc, elapsed = serve_runs[HELP_RUN]
     print(f"serve --help=OutputRate: {elapsed:.1f}s")
     assert proc.returncode == 0, proc.stderr[-3000:]
     text = proc.stdout
