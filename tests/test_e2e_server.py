@@ -17,6 +17,8 @@ Client receive-time rates are printed for information only.
 Users (see ``SERVER_ARGS``):
 
 * ``slow`` 20 tok/s, ``mid`` 40 tok/s -- limited users used for rate checks;
+* ``crawl`` 2 tok/s -- a user whose streams are throttled nearly all the time
+  (the engine-idle check);
 * ``fast`` 100000 tok/s -- effectively unlimited;
 * everybody else (including ``__anonymous__``) the default, 50 tok/s.
 """
@@ -24,6 +26,7 @@ Users (see ``SERVER_ARGS``):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import re
@@ -31,6 +34,7 @@ import time
 from dataclasses import dataclass, field
 
 import httpx
+import psutil
 import pytest
 
 from server_harness import running_server
@@ -39,7 +43,7 @@ from vllm_output_rate.tools import measure
 pytestmark = pytest.mark.server
 
 DEFAULT_RATE = 50.0
-USER_RATES = {"slow": 20.0, "mid": 40.0, "fast": 100000.0}
+USER_RATES = {"slow": 20.0, "mid": 40.0, "crawl": 2.0, "fast": 100000.0}
 MAX_MODEL_LEN = 1024
 MAX_NUM_SEQS = 16
 MAX_ACTIVE = 8
@@ -774,6 +778,80 @@ def test_beam_search_is_http_400(server, endpoint, with_user):
     resp = httpx.post(url, json=body, timeout=30)
     assert resp.status_code == 400, resp.text
     assert re.search(r"beam search", resp.json()["error"]["message"], re.I), resp.text
+
+
+# -- a throttled-only engine idles ----------------------------------------------------
+
+
+def engine_core_processes(server_pid: int) -> list[psutil.Process]:
+    """The engine-core process: the loop this plugin changes (not the model worker,
+    whose short spins after each step belong to ``worker.idle_spin``)."""
+    procs = [
+        p for p in psutil.Process(server_pid).children(recursive=True)
+        if "EngineCore" in p.name() or "EngineCore" in " ".join(p.cmdline())
+    ]
+    assert procs, "no engine-core process found"
+    return procs
+
+
+def core_share(procs: list[psutil.Process], seconds: float) -> float:
+    """Average share of one core used by ``procs`` over ``seconds``."""
+
+    def cpu_seconds() -> float:
+        total = 0.0
+        for p in procs:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                t = p.cpu_times()
+                total += t.user + t.system
+        return total
+
+    before = cpu_seconds()
+    time.sleep(seconds)
+    return (cpu_seconds() - before) / seconds
+
+
+def test_throttled_only_engine_does_not_spin_and_others_are_served_at_once(server):
+    """When every runnable request is out of quota, the engine core waits on its
+    input queue (woken by new requests and aborts) instead of polling every
+    millisecond.  CPU is compared with the same server's idle level, with a wide
+    margin (the figure itself is benchmarks/idle_cpu.py's)."""
+    procs = engine_core_processes(server.pid)
+    idle = core_share(procs, 3.0)
+
+    async def stream(client, user: str, max_tokens: int) -> measure.RequestRecord:
+        body = {
+            "model": server.model,
+            "prompt": "hello there",
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "return_token_ids": True,
+            "vllm_xargs": {"output_rate_user": user},
+        }
+        record = measure.RequestRecord(user=user)
+        return await measure.stream_completion(client, body, record, time.monotonic())
+
+    async def scenario():
+        async with measure.openai_client(server.base_url, timeout=120) as client:
+            crawling = [asyncio.create_task(stream(client, "crawl", 40)) for _ in range(8)]
+            await asyncio.sleep(2.0)  # the burst is long spent: every stream is throttled
+            throttled = await asyncio.to_thread(core_share, procs, 3.0)
+            fast = await stream(client, "fast", 20)
+            for task in crawling:
+                task.cancel()
+            await asyncio.gather(*crawling, return_exceptions=True)
+            return throttled, fast
+
+    throttled, fast = asyncio.run(scenario())
+    assert fast.status == measure.FINISHED and fast.n_tokens == 20, fast
+    print(f"idle {idle:.3f} cores, throttled-only {throttled:.3f} cores, fast first token "
+          f"{fast.server_first_token_s:.3f}s after arrival (server clock; client saw "
+          f"{fast.token_times[0] - fast.start:.3f}s)")
+    # Stock vLLM polls every 1 ms here (a large share of a core); we wait on
+    # the input queue with timeouts of at most 250 ms (gate.MAX_IDLE_WAIT_NS).
+    assert throttled <= idle + 0.10, (idle, throttled)
+    # A new request wakes the engine at once (judged on the server's own
+    # timestamps: client receive times stall on this machine).
+    assert fast.server_first_token_s < 1.0
 
 
 def test_server_healthy_at_end(server):
