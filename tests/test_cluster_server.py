@@ -17,20 +17,20 @@ window two reads can span (last answer - first send): a stall of the loaded
 box widens it, never narrows it.  Rates over >= 20 s must lie in
 [0.5, 1.05] x N (the upper end on the widest window, the lower end on the
 narrowest); the issue's lower end of 0.9 is not asserted (see RATE_LOW).
-Three scenarios, each run once by a module fixture and checked by several
-tests:
+Two scenarios, each run once by a module fixture and checked by several
+tests (the engines start once, side by side, for the whole module):
 
-* ``shared_run``: the heavy user (N = 30 tok/s) with 9 streams over all three
-  engines for 24 s (20 s measured after a warm-up), a light user on engine 0;
-  then, without a gap, its new requests go to engines 0+1 for 10 s and to
-  engines 1+2 for 10 s.
-* ``outage_run``: Redis killed (SIGKILL by PID) for 4 s mid-run while the heavy
-  user runs on all three engines and one probe user per engine (its key in
-  Redis shows when that engine leases from the store again).
-* ``restart_run`` (last: it restarts engine 2): engine 2 is taken out of the
-  rotation, stopped by PID and started again while the heavy user keeps
-  running on engines 0+1 (the two-engine measurement); once it is healthy the
-  user's streams go to all three again.
+* ``outage_run`` (first: it needs all three engines): Redis killed (SIGKILL
+  by PID) for 4 s mid-run while the heavy user runs on all three engines and
+  one probe user per engine (its key in Redis shows when that engine leases
+  from the store again).
+* ``shared_run``: the heavy user (N = 30 tok/s) with 9 streams over all
+  three engines and a light user on engine 0 (20 s measured after a
+  warm-up); then, without a gap, the heavy user's new requests go to engines
+  0+1 while engine 2 is drained, stopped by PID and started again (the
+  two-engine measurement, 20 s, under a light load so the restart is quick);
+  once engine 2 is healthy they go to engines 1+2 (the streams moved twice,
+  and the restarted engine serves a user whose debt lives in Redis).
 """
 
 from __future__ import annotations
@@ -261,6 +261,11 @@ class Sample:
     done: float
     users: list  # per engine: {user: its row of the admin route} (None: engine down)
     label: str = ""
+    # Per engine: which start of it answered (Engine.starts; None: down), and
+    # the last rows read from each earlier start ({(engine, start): rows},
+    # shared by every sample of one Counters).
+    starts: list = field(default_factory=list)
+    finals: dict = field(default_factory=dict)
 
     def charged(self, engine: int) -> dict[str, int]:
         rows = self.users[engine] or {}
@@ -275,18 +280,29 @@ class Counters:
         self.engines = engines
         self.samples: list[Sample] = []
 
+        self.finals: dict = {}
+
     async def _one(self, engine):
         server = engine.server
         if server is None:
             return None
-        r = await self.client.get(f"{server.base_url}{ADMIN_ROUTE}", timeout=30)
-        r.raise_for_status()
+        try:
+            r = await self.client.get(f"{server.base_url}{ADMIN_ROUTE}", timeout=30)
+            r.raise_for_status()
+        except httpx.HTTPError:
+            if engine.server is not server:
+                return None  # stopped while we asked: counts as down
+            raise
         return r.json()["users"]
 
     async def sample(self, label: str = "") -> Sample:
         sent = time.monotonic()
+        starts = [e.starts if e.server is not None else None for e in self.engines]
         users = await asyncio.gather(*(self._one(e) for e in self.engines))
-        s = Sample(sent, time.monotonic(), list(users), label)
+        s = Sample(sent, time.monotonic(), list(users), label, starts, self.finals)
+        for i, rows in enumerate(users):
+            if rows is not None:
+                self.finals[(i, starts[i])] = rows
         self.samples.append(s)
         return s
 
@@ -299,17 +315,24 @@ class Counters:
 
 def per_engine(a: Sample, b: Sample, user: str, key: str = "tokens_charged_total") -> list:
     """How much each engine's counter ``key`` of ``user`` grew between two
-    samples (an engine down at ``a`` counts from zero: it was started again
-    in between)."""
+    samples.  An engine down at ``a`` counts from zero (it was started again
+    in between); an engine restarted between ``a`` and ``b`` counts its old
+    process from ``a`` to that process's last read (taken after it was
+    drained, before it was stopped) plus its new process from zero."""
+    def value(rows) -> int:
+        return 0 if rows is None else rows.get(user, {}).get(key, 0)
+
     out = []
-    for before, after in zip(a.users, b.users):
-        if after is None:
-            out.append(0)
-            continue
-        start = 0 if before is None else before.get(user, {}).get(key, 0)
-        end = after.get(user, {}).get(key, 0)
-        assert end >= start, f"{user}'s {key} went back ({start} -> {end}): engine forgot the user?"
-        out.append(end - start)
+    for i, (before, after) in enumerate(zip(a.users, b.users)):
+        grew = 0
+        if before is not None and (after is None or a.starts[i] != b.starts[i]):
+            grew = value(a.finals[(i, a.starts[i])]) - value(before)  # the process stopped since
+            before = None
+        if after is not None:
+            start, end = value(before), value(after)
+            assert end >= start, f"{user}'s {key} went back ({start} -> {end}): engine forgot the user?"
+            grew += end - start
+        out.append(grew)
     return out
 
 
@@ -353,140 +376,7 @@ def labelled(samples: list[Sample], label: str) -> Sample:
     return next(s for s in samples if s.label == label)
 
 
-# -- scenario 1: three engines, then the streams move ---------------------------------------
-
-
-WARM_S, MEASURED_S, MOVE_S = 4.0, 20.0, 10.0
-# The issue's range for a user's total rate is [0.9, 1.05] x N.  The upper
-# end is asserted as is (and, exactly, the documented bound over every
-# window).  The lower end is wide: on this 2-core box, shared with other
-# test runs, the engines' lease threads and steps are starved and the rate
-# falls short (measured 0.58 x N with a load average of 26); the test
-# prints the measured figure.
-RATE_LOW, RATE_HIGH = 0.5, 1.05
-
-
-def check_rate(a: Sample, b: Sample, what: str, user: str = "heavy") -> list[int]:
-    """The user's total rate between two reads, within [RATE_LOW, RATE_HIGH] x N.
-
-    Each end is judged on the window that favours passing it by no more than
-    the two reads' durations (at most 2 x 0.1 s in a quiet run): the upper
-    end on the widest window, the lower end on the narrowest."""
-    split = per_engine(a, b, user)
-    tokens = sum(split)
-    print(f"\n{what}: {tokens / middle(a, b):.1f} tok/s = "
-          f"{tokens / middle(a, b) / HEAVY_RATE:.2f} x N over {middle(a, b):.1f} s "
-          f"({tokens} tokens, per engine {split}; counter reads took "
-          f"{a.done - a.sent:.2f} / {b.done - b.sent:.2f} s)")
-    assert narrowest(a, b) >= MEASURED_S, narrowest(a, b)
-    assert tokens / widest(a, b) <= RATE_HIGH * HEAVY_RATE, (tokens, widest(a, b), split)
-    assert tokens / narrowest(a, b) >= RATE_LOW * HEAVY_RATE, (tokens, narrowest(a, b), split)
-    return split
-
-
-def check_light(a: Sample, b: Sample) -> None:
-    """The light user (one engine) is not held back by the heavy user's quota.
-
-    Judged on the engine's own account of the time a user had runnable
-    requests and no quota (``throttled_seconds_total``): the heavy user on
-    the same engine is throttled most of the time, the light user (limit
-    1000 tok/s) at most a quarter of the window and at most half as much as
-    the heavy user.  It is not zero: the light user's quota also comes in
-    leases, and when the loaded box stalls an engine's lease thread past a
-    lease's lifetime the user waits for the next one (measured up to 13 %
-    of the window here while the third engine was starting).  The light
-    user's token rate is the engine's speed on the loaded box (measured
-    25-118 tok/s here): printed, not asserted."""
-    tokens = per_engine(a, b, "light")
-    light = per_engine(a, b, "light", "throttled_seconds_total")[0] / narrowest(a, b)
-    heavy = per_engine(a, b, "heavy", "throttled_seconds_total")[0] / narrowest(a, b)
-    print(f"light on engine 0: {tokens[0] / narrowest(a, b):.0f} tok/s over "
-          f"{narrowest(a, b):.1f} s, throttled {light:.0%} of the time (heavy on the "
-          f"same engine: {heavy:.0%})")
-    assert tokens[1:] == [0] * (ENGINES - 1) and tokens[0] > 0, tokens
-    assert light <= 0.25 and light <= 0.5 * heavy, (light, heavy)
-
-
-@pytest.fixture(scope="module")
-def shared_run(cluster):
-    _, engines = cluster
-    load = Load(engines)
-    marks: dict[str, float] = {}
-
-    async def scenario():
-        async with client_for_engines() as client:
-            counters = Counters(client, engines)
-            t0 = time.monotonic()
-            end = t0 + WARM_S + MEASURED_S + 2 * MOVE_S
-            load.stop_at = end
-            tasks = load.users(client, {
-                "heavy": (9, HEAVY_TOKENS, [0, 1, 2]),
-                "light": (1, LIGHT_TOKENS, [0]),
-            })
-            sampler = asyncio.ensure_future(counters.every(SAMPLE_EVERY_S, end))
-            await asyncio.sleep(WARM_S)
-            warm = await counters.sample("warm")
-            await asyncio.sleep(warm.done + MEASURED_S + 0.05 - time.monotonic())
-            moved = await counters.sample("move_01")
-            marks["move_01"] = time.monotonic()
-            load.targets["heavy"] = [0, 1]
-            end = max(end, moved.done + 2 * MOVE_S + 0.1)
-            load.stop_at = end
-            await asyncio.sleep(MOVE_S)
-            await counters.sample("move_12")
-            marks["move_12"] = time.monotonic()
-            load.targets["heavy"] = [1, 2]
-            await asyncio.sleep(end - time.monotonic())
-            await counters.sample("stop")  # the clients stop sending now
-            await asyncio.gather(sampler, *tasks)
-            await counters.sample("end")  # after the last requests finished
-            return counters.samples
-
-    samples = asyncio.run(scenario())
-    return load, samples, marks
-
-
-def test_three_engines_share_one_users_quota(shared_run):
-    load, samples, marks = shared_run
-    assert not load.failures(), load.failures()[:3]
-    a, b = labelled(samples, "warm"), labelled(samples, "move_01")
-    # Not 3 x 30: one quota over three engines.
-    split = check_rate(a, b, "heavy over 3 engines")
-    # Every engine served the user (how the quota splits is not promised).
-    assert min(split) > 0, split
-    # Every window between two counter reads of the run within the documented bound.
-    excess, worst_tokens, bound, window = worst_window(samples, "heavy")
-    print(f"worst window: {worst_tokens} tokens in {window:.2f} s (bound {bound:.1f})")
-    assert excess <= 0, (worst_tokens, bound, window)
-
-
-def test_light_user_on_one_engine_is_not_held_back(shared_run):
-    _, samples, _ = shared_run
-    print()
-    check_light(labelled(samples, "warm"), labelled(samples, "move_01"))
-
-
-def test_streams_moving_between_engines_keep_one_quota(shared_run):
-    load, samples, marks = shared_run
-    a, m, b = (labelled(samples, x) for x in ("move_01", "move_12", "stop"))
-    check_rate(a, b, "heavy moving 0+1+2 -> 0+1 -> 1+2")
-    first, second = per_engine(a, m, "heavy"), per_engine(m, b, "heavy")
-    print(f"per engine {first} then {second}")
-    # The moves really happened (new requests went only to the phase's
-    # engines) and each phase's engines served the user.
-    for r in load.rows:
-        if r.user == "heavy" and r.sent >= marks["move_01"]:
-            assert r.engine in ((0, 1) if r.sent < marks["move_12"] else (1, 2)), r
-    assert min(first[:2]) > 0 and min(second[1:]) > 0, (first, second)
-    # No fresh burst when the streams land on an engine: every window of the
-    # moving part (across the moves too) within the documented bound.
-    moving = after(samples, a.sent)
-    excess, worst_tokens, bound, window = worst_window(moving, "heavy")
-    print(f"worst window: {worst_tokens} tokens in {window:.2f} s (bound {bound:.1f})")
-    assert excess <= 0, (worst_tokens, bound, window)
-
-
-# -- scenario 2: Redis outage ------------------------------------------------------------------
+# -- scenario 1: Redis outage (first: it needs all three engines, and engine 2 is restarted later)
 
 
 DOWN_AFTER_S, DOWN_FOR_S, AFTER_UP_S = 3.0, 4.0, 3.0
@@ -648,14 +538,71 @@ def test_outage_every_engine_back_on_shared_quota_within_2s(outage_run):
     assert max(back_in_store.values()) <= BACK_WITHIN_S, back_in_store
 
 
-# -- scenario 3: one engine restarted mid-run ---------------------------------------------
+# -- scenario 2: three engines, two while the third restarts, then the streams move -----------
 
 
-AFTER_RESTART_S = 6.0
+WARM_S, MEASURED_S, AFTER_RESTART_S = 3.0, 20.0, 6.0
+# The issue's range for a user's total rate is [0.9, 1.05] x N.  The upper
+# end is asserted as is (and, exactly, the documented bound over every
+# window).  The lower end is wide: on this 2-core box, shared with other
+# test runs, the engines' lease threads and steps are starved and the rate
+# falls short (measured 0.58 x N with a load average of 26); the test
+# prints the measured figure.
+RATE_LOW, RATE_HIGH = 0.5, 1.05
+
+
+def check_rate(a: Sample, b: Sample, what: str, user: str = "heavy") -> list[int]:
+    """The user's total rate between two reads, within [RATE_LOW, RATE_HIGH] x N.
+
+    Each end is judged on the window that favours passing it by no more than
+    the two reads' durations (at most 2 x 0.1 s in a quiet run): the upper
+    end on the widest window, the lower end on the narrowest."""
+    split = per_engine(a, b, user)
+    tokens = sum(split)
+    print(f"\n{what}: {tokens / middle(a, b):.1f} tok/s = "
+          f"{tokens / middle(a, b) / HEAVY_RATE:.2f} x N over {middle(a, b):.1f} s "
+          f"({tokens} tokens, per engine {split}; counter reads took "
+          f"{a.done - a.sent:.2f} / {b.done - b.sent:.2f} s)")
+    assert narrowest(a, b) >= MEASURED_S, narrowest(a, b)
+    assert tokens / widest(a, b) <= RATE_HIGH * HEAVY_RATE, (tokens, widest(a, b), split)
+    assert tokens / narrowest(a, b) >= RATE_LOW * HEAVY_RATE, (tokens, narrowest(a, b), split)
+    return split
+
+
+def check_light(a: Sample, b: Sample) -> None:
+    """The light user (one engine) is not held back by the heavy user's quota.
+
+    Judged on the engine's own account of the time a user had runnable
+    requests and no quota (``throttled_seconds_total``): the heavy user on
+    the same engine is throttled most of the time, the light user (limit
+    1000 tok/s) at most a quarter of the window and at most half as much as
+    the heavy user.  It is not zero: the light user's quota also comes in
+    leases, and when the loaded box stalls an engine's lease thread past a
+    lease's lifetime the user waits for the next one (measured up to 13 %
+    of the window here while the third engine was starting).  The light
+    user's token rate is the engine's speed on the loaded box (measured
+    25-118 tok/s here): printed, not asserted."""
+    tokens = per_engine(a, b, "light")
+    light = per_engine(a, b, "light", "throttled_seconds_total")[0] / narrowest(a, b)
+    heavy = per_engine(a, b, "heavy", "throttled_seconds_total")[0] / narrowest(a, b)
+    print(f"light on engine 0: {tokens[0] / narrowest(a, b):.0f} tok/s over "
+          f"{narrowest(a, b):.1f} s, throttled {light:.0%} of the time (heavy on the "
+          f"same engine: {heavy:.0%})")
+    assert tokens[1:] == [0] * (ENGINES - 1) and tokens[0] > 0, tokens
+    assert light <= 0.25 and light <= 0.5 * heavy, (light, heavy)
 
 
 @pytest.fixture(scope="module")
-def restart_run(cluster):
+def shared_run(cluster):
+    """The heavy user over all three engines with the light user on engine 0
+    (the three-engine measurement, 20 s after a warm-up); then engine 2 leaves
+    the rotation (the heavy user's new requests go to engines 0+1, the light
+    user stops), is drained, stopped by PID and started again, while engines
+    0+1 carry the heavy user (the two-engine measurement, 20 s; the restart
+    usually takes longer); once engine 2 is healthy the user's new requests
+    go to engines 1+2, so the restarted engine serves a user whose debt
+    lives in Redis.  The restart runs under the heavy user's 30 tok/s only:
+    a light user at full speed keeps a core busy and slows it a lot."""
     _, engines = cluster
     load = Load(engines)
     marks: dict[str, float] = {}
@@ -665,59 +612,101 @@ def restart_run(cluster):
         async with client_for_engines() as client:
             counters = Counters(client, engines)
             tasks = load.users(client, {
-                "heavy": (8, HEAVY_TOKENS, [0, 1, 2]),
+                "heavy": (9, HEAVY_TOKENS, [0, 1, 2]),
                 "light": (1, LIGHT_TOKENS, [0]),
             })
             sampler = asyncio.ensure_future(counters.every(SAMPLE_EVERY_S, float("inf")))
-            await asyncio.sleep(3.0)
-            # Out of the router's rotation, drained, stopped by PID, started again.
+            await asyncio.sleep(WARM_S)
+            warm = await counters.sample("warm")
+            await asyncio.sleep(warm.done + MEASURED_S + 0.05 - time.monotonic())
+            await counters.sample("move_01")
+            marks["move_01"] = time.monotonic()
             load.targets["heavy"] = [0, 1]
+            load.user_stop_at["light"] = marks["move_01"]
+            # Out of the router's rotation, drained, stopped by PID, started again.
             deadline = time.monotonic() + 60
             while load.in_flight[CLOSED_ENGINE] and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
             assert not load.in_flight[CLOSED_ENGINE]
+            await counters.sample("drained")  # the stopped process's last read
             await asyncio.to_thread(restarted.stop)
             marks["stopped"] = time.monotonic()
-            # The light user only for the two-engine measurement (it keeps a
-            # core busy, which slows the restart).
-            load.user_stop_at["light"] = marks["stopped"] + 2.0 + MEASURED_S + 5.0
             starting = asyncio.ensure_future(asyncio.to_thread(restarted.start))
-            await asyncio.sleep(2.0)
             two_from = await counters.sample("two_from")
             await asyncio.sleep(two_from.done + MEASURED_S + 0.05 - time.monotonic())
             await counters.sample("two_to")
             await starting
             marks["ready"] = time.monotonic()
             await counters.sample("ready")
-            load.targets["heavy"] = [0, 1, 2]
+            marks["move_12"] = time.monotonic()
+            load.targets["heavy"] = [1, 2]
             await asyncio.sleep(AFTER_RESTART_S)
+            await counters.sample("stop")  # the clients stop sending now
             load.stop_at = time.monotonic()
             await asyncio.gather(*tasks)
             sampler.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await sampler
-            await counters.sample("end")
+            await counters.sample("end")  # after the last requests finished
             return counters.samples
 
     samples = asyncio.run(scenario())
     return load, samples, marks
 
 
-def test_two_engines_share_one_users_quota(restart_run):
-    load, samples, marks = restart_run
+def test_three_engines_share_one_users_quota(shared_run):
+    load, samples, marks = shared_run
     assert not load.failures(), load.failures()[:3]
-    # While engine 2 was down: the heavy user on engines 0 + 1 only.
+    a, b = labelled(samples, "warm"), labelled(samples, "move_01")
+    # Not 3 x 30: one quota over three engines.
+    split = check_rate(a, b, "heavy over 3 engines")
+    # Every engine served the user (how the quota splits is not promised).
+    assert min(split) > 0, split
+    # Every window between two counter reads of the whole run (the later
+    # parts and the restart included) within the documented bound.
+    excess, worst_tokens, bound, window = worst_window(samples, "heavy")
+    print(f"worst window: {worst_tokens} tokens in {window:.2f} s (bound {bound:.1f})")
+    assert excess <= 0, (worst_tokens, bound, window)
+
+
+def test_light_user_on_one_engine_is_not_held_back(shared_run):
+    _, samples, _ = shared_run
+    print()
+    check_light(labelled(samples, "warm"), labelled(samples, "move_01"))
+
+
+def test_two_engines_share_one_users_quota(shared_run):
+    _, samples, marks = shared_run
+    # While engine 2 was down (or starting): the heavy user on engines 0 + 1 only.
     a, b = labelled(samples, "two_from"), labelled(samples, "two_to")
-    assert b.done <= marks["ready"], "engine 2 was back before the two-engine window ended"
-    split = check_rate(a, b, "heavy over 2 engines (the third one starting)")
+    split = check_rate(a, b, "heavy over 2 engines (the third one restarting)")
     print(f"engine 2 took {marks['ready'] - marks['stopped']:.0f} s to start again")
-    assert split[2] == 0
-    assert min(split[:2]) > 0, split
-    check_light(a, b)
+    assert split[2] == 0 and min(split[:2]) > 0, split
 
 
-def test_restarted_engine_gives_no_fresh_burst(restart_run):
-    _, samples, marks = restart_run
+def test_streams_moving_between_engines_keep_one_quota(shared_run):
+    load, samples, marks = shared_run
+    a, m, b = (labelled(samples, x) for x in ("move_01", "ready", "stop"))
+    check_rate(a, b, "heavy moving 0+1+2 -> 0+1 -> 1+2")
+    first, second = per_engine(a, m, "heavy"), per_engine(m, b, "heavy")
+    print(f"per engine {first} then {second}")
+    # The moves really happened (new requests went only to the phase's
+    # engines) and each phase's engines served the user.
+    for r in load.rows:
+        if r.user == "heavy" and r.sent >= marks["move_01"]:
+            assert r.engine in ((0, 1) if r.sent < marks["move_12"] else (1, 2)), r
+    assert min(first[:2]) > 0 and min(second[1:]) > 0, (first, second)
+    # No fresh burst when the streams land on an engine: every window of the
+    # moving part (across the moves and the restart too) within the
+    # documented bound.
+    moving = after(samples, a.sent)
+    excess, worst_tokens, bound, window = worst_window(moving, "heavy")
+    print(f"worst window: {worst_tokens} tokens in {window:.2f} s (bound {bound:.1f})")
+    assert excess <= 0, (worst_tokens, bound, window)
+
+
+def test_restarted_engine_gives_no_fresh_burst(shared_run):
+    _, samples, marks = shared_run
     ready, end = labelled(samples, "ready"), labelled(samples, "end")
     split = per_engine(ready, end, "heavy")
     w = widest(ready, end)
