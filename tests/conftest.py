@@ -1,16 +1,44 @@
-"""Shared fixtures.  The tiny model is generated once if it is missing."""
+"""Shared fixtures.  The tiny model is generated once if it is missing.
+
+Suite layout for speed (the whole suite must stay well under 8 minutes on a
+2-core machine): the servers of the modules in :data:`PRESTARTED` start in
+the background when the session begins (see ``server_harness.ServerPool``),
+and the modules in :data:`RUN_LAST` run after everything else, alone on the
+machine, since they judge rates across several engines.
+"""
 
 from __future__ import annotations
 
 import os
 
 import pytest
+from hypothesis import settings
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from server_harness import TINY_MODEL_DIR  # noqa: E402
+from server_harness import TINY_MODEL_DIR, ServerPool  # noqa: E402
+
+# Property tests judge behaviour, never speed: no per-example deadline, also
+# while servers start on the other core.
+settings.register_profile("suite", deadline=None)
+settings.load_profile("suite")
+
+#: Modules with a ``server_context(tmp_path_factory, model_dir)`` whose
+#: server(s) start when the session begins.
+PRESTARTED = ("test_e2e_server", "test_operate_server")
+#: Modules that run last, when no other server is up.
+RUN_LAST = ("test_cluster_server",)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    items.sort(key=lambda item: _module_name(item) in RUN_LAST)  # stable: order kept otherwise
+
+
+def _module_name(item) -> str:
+    module = getattr(item, "module", None)
+    return module.__name__ if module is not None else ""
 
 
 @pytest.fixture(scope="session")
@@ -25,3 +53,27 @@ def tiny_model_dir() -> str:
 @pytest.fixture(scope="module")
 def server_log_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("server-logs")
+
+
+@pytest.fixture(scope="session")
+def server_pool():
+    pool = ServerPool()
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _prestart_servers(request, server_pool, tmp_path_factory):
+    """Start the servers of every selected module in PRESTARTED, in the background."""
+    selected = {
+        item.module.__name__: item.module
+        for item in request.session.items
+        if _module_name(item) in PRESTARTED
+    }
+    if not selected:
+        return
+    model_dir = request.getfixturevalue("tiny_model_dir")
+    for name, module in selected.items():
+        server_pool.prestart(
+            name, lambda module=module: module.server_context(tmp_path_factory, model_dir)
+        )

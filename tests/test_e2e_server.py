@@ -1,6 +1,7 @@
 """End-to-end tests against one real ``vllm-output-rate serve`` process.
 
-One module-scoped server (tiny random-weight Llama on CPU) serves every test.
+One module-scoped server (tiny random-weight Llama on CPU) serves every test;
+it starts in the background when the session begins (``conftest.PRESTARTED``).
 Requests go through the shared measurement client
 (:mod:`vllm_output_rate.tools.measure`: the ``openai`` client, tokens counted
 from ``return_token_ids``).  Rates are judged only on data that delivery
@@ -287,10 +288,15 @@ def new_client(timeout: float = 120.0) -> httpx.AsyncClient:
 # -- fixtures ------------------------------------------------------------------
 
 
+def server_context(tmp_path_factory, model_dir):
+    """The module's server; conftest starts it when the session begins."""
+    return running_server(SERVER_ARGS, tmp_path_factory.mktemp("server-logs"), "e2e", model=model_dir)
+
+
 @pytest.fixture(scope="module")
-def server(tiny_model_dir, server_log_dir):
-    with running_server(SERVER_ARGS, server_log_dir, "e2e") as srv:
-        yield srv
+def server(server_pool, tmp_path_factory, tiny_model_dir):
+    yield server_pool.get(__name__, lambda: server_context(tmp_path_factory, tiny_model_dir))
+    server_pool.release(__name__)
 
 
 @pytest.fixture(autouse=True)

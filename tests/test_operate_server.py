@@ -1,6 +1,7 @@
 """Operating features on real ``vllm-output-rate serve`` processes (tiny model).
 
-Two servers, started side by side once for the module:
+Two servers, started side by side once for the module (in the background
+when the session begins, ``conftest.PRESTARTED``):
 
 * ``keyed``: ``--output-rate-identity api-key --output-rate-unknown-users
   reject``, limits from a file (re-read live), the admin route
@@ -45,23 +46,14 @@ def write_limits(path, users, default=DEFAULT_RATE):
     os.replace(tmp, path)  # atomic: the engine never reads half a file
 
 
+ADMIN_PLUGINS = {"VLLM_PLUGINS": "output_rate,output_rate_admin"}
+
+
 @contextlib.contextmanager
-def _env(**values):
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-@pytest.fixture(scope="module")
-def servers(tmp_path_factory, server_log_dir, tiny_model_dir):
+def server_context(tmp_path_factory, model_dir):
+    """Both servers (started side by side); conftest starts them when the session begins."""
     work = tmp_path_factory.mktemp("operate")
+    log_dir = tmp_path_factory.mktemp("server-logs")
     limits = work / "limits.json"
     write_limits(limits, LIMITS)
     keys = work / "keys.json"
@@ -78,13 +70,25 @@ def servers(tmp_path_factory, server_log_dir, tiny_model_dir):
     headed_args = [*COMMON, "--default-user-output-tokens-per-second", "50",
                    "--user-output-tokens-per-second", json.dumps(LIMITS),
                    "--output-rate-identity", "header"]
-    with contextlib.ExitStack() as stack, _env(VLLM_PLUGINS="output_rate,output_rate_admin"):
-        # Both start at once (each waits for its own health check).
+    with contextlib.ExitStack() as stack:
+        # The admin route is an endpoint plugin: vLLM loads it only when
+        # VLLM_PLUGINS names it.  Each waits for its own health check.
+        def start(args, name):
+            return stack.enter_context(
+                running_server(args, log_dir, name, model=model_dir, env=ADMIN_PLUGINS)
+            )
+
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            keyed = pool.submit(stack.enter_context, running_server(keyed_args, server_log_dir, "keyed"))
-            headed = pool.submit(stack.enter_context, running_server(headed_args, server_log_dir, "headed"))
+            keyed = pool.submit(start, keyed_args, "keyed")
+            headed = pool.submit(start, headed_args, "headed")
             keyed_server, headed_server = keyed.result(), headed.result()
         yield {"keyed": keyed_server, "headed": headed_server, "limits": limits}
+
+
+@pytest.fixture(scope="module")
+def servers(server_pool, tmp_path_factory, tiny_model_dir):
+    yield server_pool.get(__name__, lambda: server_context(tmp_path_factory, tiny_model_dir))
+    server_pool.release(__name__)
 
 
 def metric(text: str, name: str, **labels) -> float | None:

@@ -14,7 +14,7 @@ import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Mapping
 
 import httpx
 
@@ -86,10 +86,12 @@ def running_server(
     model: str | os.PathLike = DEFAULT_MODEL_DIR,
     port: int | None = None,
     command: list[str] | None = None,
+    env: Mapping[str, str] | None = None,
 ) -> Iterator[Server]:
     """Start ``vllm-output-rate serve MODEL ARGS`` and wait until healthy.
 
-    ``command`` replaces ``vllm-output-rate serve`` (e.g. :data:`SERVE_WITH_CHURN`).
+    ``command`` replaces ``vllm-output-rate serve`` (e.g. :data:`SERVE_WITH_CHURN`);
+    ``env`` adds to (or overrides) this process's environment for the server only.
     """
     port = port or free_port()
     log_dir = Path(log_dir)
@@ -101,7 +103,7 @@ def running_server(
             cmd,
             stdout=log,
             stderr=subprocess.STDOUT,
-            env=server_env(),
+            env={**server_env(), **(env or {})},
             start_new_session=True,  # own process group: stop it and its children by PID
         )
     server = Server(proc, f"http://127.0.0.1:{port}", log_path, str(model))
