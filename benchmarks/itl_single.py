@@ -78,9 +78,9 @@ common.use_cpu_testbed_env()
 
 import httpx  # noqa: E402
 import psutil  # noqa: E402
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from common import fmt_load, loadavg, machine_line, start_report, table  # noqa: E402
+from vllm_output_rate.tools import measure  # noqa: E402
 from vllm_output_rate.tools.bench import DEFAULT_PROMPT, RequestRecord, run_request  # noqa: E402
 from vllm_output_rate.tools.serverproc import DEFAULT_MODEL_DIR, running_server  # noqa: E402
 
@@ -92,16 +92,9 @@ PLUGIN_ARGS = ["--default-user-output-tokens-per-second", "100000"]
 
 def itl_totals(base_url: str) -> tuple[float, float]:
     """(sum seconds, count) of the server's inter-token latency histogram."""
-    text = httpx.get(f"{base_url}/metrics", timeout=30, trust_env=False).text
-    total, count = 0.0, 0.0
-    for family in text_string_to_metric_families(text):
-        if family.name != ITL_METRIC:
-            continue
-        for sample in family.samples:
-            if sample.name == ITL_METRIC + "_sum":
-                total += sample.value
-            elif sample.name == ITL_METRIC + "_count":
-                count += sample.value
+    samples = measure.fetch_metrics(base_url, timeout=30)
+    total = measure.metric_sum(samples, ITL_METRIC + "_sum") or 0.0
+    count = measure.metric_sum(samples, ITL_METRIC + "_count") or 0.0
     return total, count
 
 

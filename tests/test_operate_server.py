@@ -27,6 +27,7 @@ import httpx
 import pytest
 
 from server_harness import running_server
+from vllm_output_rate.tools import measure
 
 pytestmark = pytest.mark.server
 
@@ -93,15 +94,7 @@ def servers(server_pool, tmp_path_factory, tiny_model_dir):
 
 def metric(text: str, name: str, **labels) -> float | None:
     """Value of one sample of ``name`` with at least ``labels`` (summed over matches)."""
-    total = None
-    for line in text.splitlines():
-        if not line.startswith(name + "{") and line.split(" ")[0] != name:
-            continue
-        head, _, value = line.rpartition(" ")
-        found = dict(re.findall(r'(\w+)="([^"]*)"', head))
-        if all(found.get(k) == v for k, v in labels.items()):
-            total = (total or 0.0) + float(value)
-    return total
+    return measure.metric_sum(measure.parse_metrics(text), name, **labels)
 
 
 def completion(server, *, key=None, headers=None, max_tokens=16, xargs=None, timeout=120):

@@ -44,6 +44,18 @@ def test_parse_metrics_reads_the_plugin_series():
     assert snap.engine["num_requests_running"] == 3 and snap.engine["throttled_requests"] == 2
 
 
+def test_parse_metrics_unescapes_user_names():
+    # Prometheus escapes backslash, double quote and newline in label values;
+    # a user is shown under the name its requests carried.
+    text = (
+        'vllm:output_rate_output_tokens_charged_total{model_name="m",user="a\\"b\\\\c"} 7.0\n'
+        'vllm:output_rate_limit_tokens_per_second{model_name="m",user="a\\"b\\\\c"} 5.0\n'
+    )
+    snap = parse_metrics(text)
+    assert list(snap.users) == ['a"b\\c']
+    assert (snap.users['a"b\\c'].charged, snap.users['a"b\\c'].limit) == (7.0, 5.0)
+
+
 def test_rates_sort_and_spark_line():
     model = TopModel()
     for t in range(0, 11):

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import argparse
 import math
-import re
 import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
+
+from vllm_output_rate.tools import measure
 
 PREFIX = "vllm:output_rate_"
 SPARKS = "▁▂▃▄▅▆▇█"
@@ -25,8 +26,6 @@ HISTORY_S = 60
 #: Current rate: charged tokens over this many seconds (smooths stats batching).
 RATE_WINDOW_S = 3.0
 
-_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)')
-_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
 @dataclass
@@ -48,40 +47,35 @@ class Snapshot:
 def parse_metrics(text: str) -> Snapshot:
     """The plugin's series (summed over models / engines) from Prometheus text."""
     snap = Snapshot()
-    for line in text.splitlines():
-        if not line or line[0] == "#":
-            continue
-        m = _SAMPLE.match(line)
-        if m is None:
-            continue
-        name, labels_text, value_text = m.groups()
-        try:
-            value = float(value_text)
-        except ValueError:
-            continue
-        if name in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
-            snap.engine[name.removeprefix("vllm:")] = snap.engine.get(name.removeprefix("vllm:"), 0) + value
-            continue
-        if not name.startswith(PREFIX):
-            continue
-        key = name[len(PREFIX):]
-        labels = dict(_LABEL.findall(labels_text or ""))
-        user = labels.get("user")
-        if user is None:
-            snap.engine[key] = snap.engine.get(key, 0.0) + value
-            continue
-        row = snap.users.setdefault(user, UserSample())
-        if key == "output_tokens_charged_total":
-            row.charged += value
-        elif key == "throttled_seconds_total":
-            row.throttled_s += value
-        elif key == "limit_tokens_per_second":
-            row.limit = value
-        elif key == "requests":
-            state = labels.get("state")
-            if state in ("active", "throttled", "waiting"):
-                setattr(row, state, getattr(row, state) + int(value))
+    for name, samples in measure.parse_metrics(text).items():
+        for labels, value in samples:
+            _add_sample(snap, name, labels, value)
     return snap
+
+
+def _add_sample(snap: Snapshot, name: str, labels: dict[str, str], value: float) -> None:
+    if name in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
+        key = name.removeprefix("vllm:")
+        snap.engine[key] = snap.engine.get(key, 0.0) + value
+        return
+    if not name.startswith(PREFIX) or name.endswith("_created"):
+        return
+    key = name[len(PREFIX):]
+    user = labels.get("user")
+    if user is None:
+        snap.engine[key] = snap.engine.get(key, 0.0) + value
+        return
+    row = snap.users.setdefault(user, UserSample())
+    if key == "output_tokens_charged_total":
+        row.charged += value
+    elif key == "throttled_seconds_total":
+        row.throttled_s += value
+    elif key == "limit_tokens_per_second":
+        row.limit = value
+    elif key == "requests":
+        state = labels.get("state")
+        if state in ("active", "throttled", "waiting"):
+            setattr(row, state, getattr(row, state) + int(value))
 
 
 @dataclass
