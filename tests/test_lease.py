@@ -519,3 +519,43 @@ def test_quota_an_engine_does_not_want_goes_to_the_others():
     got = share_run((50, 50, 50), [None, None, 4])
     assert 79 <= got[2] <= 81
     assert min(got[:2]) >= 0.45 * sum(got[:2]) and sum(got) >= 0.97 * 600, got
+
+
+def slow_step_run(step_ms, seconds=10, rate=30, streams=6):
+    """Engines whose scheduler plans only every ``step_ms[i]`` (its step time;
+    an engine that got nothing idles at most until its next expected lease,
+    like the engine's idle wait); each plan takes what it holds, up to
+    ``streams``.  Tokens spent per engine."""
+    clock = Clock()
+    store = FakeStore(clock)
+    lims = []
+    for i in range(len(step_ms)):
+        lim = engine(store, clock, default=rate)
+        lim._random.seed(i)
+        lims.append(lim)
+    got = [0] * len(lims)
+    next_plan = [clock.now] * len(lims)
+    end = clock.now + seconds * S
+    while clock.now < end:
+        for i, lim in enumerate(lims):
+            lim.pump(clock.now)
+            if clock.now >= next_plan[i]:
+                k = lim.take_up_to("u", clock.now, streams)
+                got[i] += k
+                if k:
+                    next_plan[i] = clock.now + step_ms[i] * MS
+                else:
+                    ready = lim.ready_at_ns("u", clock.now)
+                    next_plan[i] = min(max(ready, clock.now + MS), clock.now + 50 * MS)
+        clock.now += MS
+    return got
+
+
+@pytest.mark.parametrize("step_ms", [(5, 5, 5), (5, 150, 150), (150, 150, 150), (180, 180, 180)])
+def test_engines_with_steps_up_to_the_lease_lifetime_get_the_whole_rate(step_ms):
+    # A lease (3 tokens at 30 tok/s) lives 150 ms, so an engine that plans
+    # only every 150-180 ms still spends its part: 10 s at 30 tok/s.
+    got = slow_step_run(step_ms)
+    assert 0.98 * 300 <= sum(got) <= 304, got
+    assert min(got) >= 0.28 * sum(got), got
+
