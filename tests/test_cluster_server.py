@@ -15,8 +15,8 @@ client receive times.  A counter read happens somewhere between sending the
 query and its answer, so the documented bound is checked against the widest
 window two reads can span (last answer - first send): a stall of the loaded
 box widens it, never narrows it.  Rates over >= 20 s must lie in
-[0.5, 1.05] x N (the upper end on the widest window, the lower end on the
-narrowest); the issue's lower end of 0.9 is not asserted (see RATE_LOW).
+[0.8, 1.05] x N, two engines in [0.9, 1.05] x N (the upper end on the widest
+window, the lower end on the narrowest; why 0.8: see RATE_LOW).
 Two scenarios, each run once by a module fixture and checked by several
 tests (the engines start once, side by side, for the whole module):
 
@@ -27,10 +27,9 @@ tests (the engines start once, side by side, for the whole module):
 * ``shared_run``: the heavy user (N = 30 tok/s) with 9 streams over all
   three engines and a light user on engine 0 (20 s measured after a
   warm-up); then, without a gap, the heavy user's new requests go to engines
-  0+1 while engine 2 is drained, stopped by PID and started again (the
-  two-engine measurement, 20 s, under a light load so the restart is quick);
-  once engine 2 is healthy they go to engines 1+2 (the streams moved twice,
-  and the restarted engine serves a user whose debt lives in Redis).
+  0+1 (the two-engine measurement, 20 s); then it pauses while engine 2 is
+  stopped by PID and started again, resumes on engines 0+1 and moves to
+  engines 1+2 (the restarted engine serves a user whose debt is in Redis).
 """
 
 from __future__ import annotations
@@ -203,6 +202,8 @@ class Load:
     in_flight: list = field(default_factory=lambda: [0] * ENGINES)
     stop_at: float = float("inf")
     user_stop_at: dict = field(default_factory=dict)  # user -> stop sending at
+    paused: set = field(default_factory=set)  # users whose streams send nothing for now
+    think_s: dict = field(default_factory=dict)  # user -> pause after each of its requests
 
     async def stream(self, client, user, stream, max_tokens):
         """One stream: requests one after another, to the stream's engine
@@ -212,6 +213,9 @@ class Load:
             now = time.monotonic()
             if now >= self.stop_at or now >= self.user_stop_at.get(user, float("inf")):
                 return
+            if user in self.paused:
+                await asyncio.sleep(0.02)
+                continue
             targets = self.targets[user]
             index = targets[stream % len(targets)]
             server = self.engines[index].server
@@ -235,6 +239,8 @@ class Load:
             finally:
                 self.in_flight[index] -= 1
             self.rows.append(Row(user, index, sent, time.monotonic(), tokens, finish, max_tokens))
+            if self.think_s.get(user):
+                await asyncio.sleep(self.think_s[user])
 
     def users(self, client, spec):
         """Tasks for ``spec``: user -> (streams, max_tokens, engine indexes)."""
@@ -379,7 +385,7 @@ def labelled(samples: list[Sample], label: str) -> Sample:
 # -- scenario 1: Redis outage (first: it needs all three engines, and engine 2 is restarted later)
 
 
-DOWN_AFTER_S, DOWN_FOR_S, AFTER_UP_S = 3.0, 4.0, 3.0
+DOWN_AFTER_S, DOWN_FOR_S, AFTER_UP_S = 2.0, 4.0, 3.0
 SETTLED_S = 0.5  # after the kill no lease is valid any more (lifetime 0.15 s)
 BACK_WITHIN_S = 2.0
 
@@ -538,26 +544,33 @@ def test_outage_every_engine_back_on_shared_quota_within_2s(outage_run):
     assert max(back_in_store.values()) <= BACK_WITHIN_S, back_in_store
 
 
-# -- scenario 2: three engines, two while the third restarts, then the streams move -----------
+# -- scenario 2: three engines, two engines, a restart, the streams moved ---------------------
 
 
-WARM_S, MEASURED_S, AFTER_RESTART_S = 3.0, 20.0, 6.0
+WARM_S, MEASURED_S, RESUMED_S, AFTER_RESTART_S = 3.0, 20.0, 2.0, 5.0
+LIGHT_THINK_S = 0.5  # the light user's pause after each request (see check_light)
 # The issue's range for a user's total rate is [0.9, 1.05] x N.  The upper
 # end is asserted as is (and, exactly, the documented bound over every
-# window).  The lower end is wide: on this 2-core box, shared with other
-# test runs, the engines' lease threads and steps are starved and the rate
-# falls short (measured 0.58 x N with a load average of 26); the test
-# prints the measured figure.
-RATE_LOW, RATE_HIGH = 0.5, 1.05
+# window).  The lower end: with the light user at full speed on engine 0 the
+# three engines got 0.53-0.95 x N (load average 12-30): on this 2-core box an
+# engine serving the heavy user keeps ~60 % of a core busy (vLLM's step
+# overhead), the light user another core, and a starved engine plans so
+# rarely that it cannot spend its leases (lease = 0.1 s of the rate, spendable
+# for 150 ms: an engine that plans only every 250 ms gets ~0.8 of its part;
+# benchmarks/cluster_shortfall.py, tests/test_lease.py::slow_step_run).
+# With the light user pausing, and without it, the same box gave 0.94-1.01.
+# The floor keeps a margin for a box shared with other test runs; the
+# two-engine part (no light user) is held to the issue's 0.9.
+RATE_LOW, RATE_LOW_TWO_ENGINES, RATE_HIGH = 0.8, 0.9, 1.05
 
 
-def check_rate(a: Sample, b: Sample, what: str, user: str = "heavy") -> list[int]:
-    """The user's total rate between two reads, within [RATE_LOW, RATE_HIGH] x N.
+def check_rate(a: Sample, b: Sample, what: str, low: float = RATE_LOW) -> list[int]:
+    """The heavy user's total rate between two reads, within [low, RATE_HIGH] x N.
 
     Each end is judged on the window that favours passing it by no more than
     the two reads' durations (at most 2 x 0.1 s in a quiet run): the upper
     end on the widest window, the lower end on the narrowest."""
-    split = per_engine(a, b, user)
+    split = per_engine(a, b, "heavy")
     tokens = sum(split)
     print(f"\n{what}: {tokens / middle(a, b):.1f} tok/s = "
           f"{tokens / middle(a, b) / HEAVY_RATE:.2f} x N over {middle(a, b):.1f} s "
@@ -565,48 +578,76 @@ def check_rate(a: Sample, b: Sample, what: str, user: str = "heavy") -> list[int
           f"{a.done - a.sent:.2f} / {b.done - b.sent:.2f} s)")
     assert narrowest(a, b) >= MEASURED_S, narrowest(a, b)
     assert tokens / widest(a, b) <= RATE_HIGH * HEAVY_RATE, (tokens, widest(a, b), split)
-    assert tokens / narrowest(a, b) >= RATE_LOW * HEAVY_RATE, (tokens, narrowest(a, b), split)
+    assert tokens / narrowest(a, b) >= low * HEAVY_RATE, (tokens, narrowest(a, b), split)
     return split
 
 
-def check_light(a: Sample, b: Sample) -> None:
+def busy_s(load: Load, user: str, start: float, end: float) -> float:
+    """How long, within [start, end], ``user`` had a request in flight
+    (client side: an upper bound on the time it had runnable requests)."""
+    spans = sorted((max(r.sent, start), min(r.done, end)) for r in load.rows if r.user == user)
+    total, reach = 0.0, start
+    for lo, hi in spans:
+        lo = max(lo, reach)
+        if hi > lo:
+            total += hi - lo
+            reach = hi
+    return total
+
+
+def check_light(load: Load, a: Sample, b: Sample) -> None:
     """The light user (one engine) is not held back by the heavy user's quota.
 
     Judged on the engine's own account of the time a user had runnable
-    requests and no quota (``throttled_seconds_total``): the heavy user on
-    the same engine is throttled most of the time, the light user (limit
-    1000 tok/s) at most a quarter of the window and at most half as much as
-    the heavy user.  It is not zero: the light user's quota also comes in
-    leases, and when the loaded box stalls an engine's lease thread past a
-    lease's lifetime the user waits for the next one (measured up to 13 %
-    of the window here while the third engine was starting).  The light
-    user's token rate is the engine's speed on the loaded box (measured
-    25-118 tok/s here): printed, not asserted."""
+    requests and no quota (``throttled_seconds_total``), against the time
+    the light user had a request in flight: the heavy user on the same
+    engine is throttled most of the time, the light user (limit 1000 tok/s)
+    at most a quarter of its busy time and at most half as much as the heavy
+    user.  It is not zero: the light user's quota also comes in leases, and
+    when the loaded box stalls an engine's lease thread past a lease's
+    lifetime the user waits for the next one (measured up to 13 % of the
+    window here while the third engine was starting).  The light user
+    pauses LIGHT_THINK_S after each request: at full speed it kept a core
+    busy and starved the other engines on this 2-core box.  Its token rate
+    is the engine's speed on the loaded box: printed, not asserted."""
     tokens = per_engine(a, b, "light")
-    light = per_engine(a, b, "light", "throttled_seconds_total")[0] / narrowest(a, b)
+    busy = busy_s(load, "light", a.done, b.sent)
+    light = per_engine(a, b, "light", "throttled_seconds_total")[0] / busy
     heavy = per_engine(a, b, "heavy", "throttled_seconds_total")[0] / narrowest(a, b)
-    print(f"light on engine 0: {tokens[0] / narrowest(a, b):.0f} tok/s over "
-          f"{narrowest(a, b):.1f} s, throttled {light:.0%} of the time (heavy on the "
-          f"same engine: {heavy:.0%})")
+    print(f"light on engine 0: {tokens[0] / busy:.0f} tok/s while busy ({busy:.1f} of "
+          f"{narrowest(a, b):.1f} s), throttled {light:.0%} of its busy time (heavy on the "
+          f"same engine: {heavy:.0%} of the window)")
+    assert busy >= 0.25 * narrowest(a, b), busy
     assert tokens[1:] == [0] * (ENGINES - 1) and tokens[0] > 0, tokens
     assert light <= 0.25 and light <= 0.5 * heavy, (light, heavy)
 
 
 @pytest.fixture(scope="module")
 def shared_run(cluster):
-    """The heavy user over all three engines with the light user on engine 0
-    (the three-engine measurement, 20 s after a warm-up); then engine 2 leaves
-    the rotation (the heavy user's new requests go to engines 0+1, the light
-    user stops), is drained, stopped by PID and started again, while engines
-    0+1 carry the heavy user (the two-engine measurement, 20 s; the restart
-    usually takes longer); once engine 2 is healthy the user's new requests
-    go to engines 1+2, so the restarted engine serves a user whose debt
-    lives in Redis.  The restart runs under the heavy user's 30 tok/s only:
-    a light user at full speed keeps a core busy and slows it a lot."""
+    """Phases, one after another without a gap:
+
+    1. the heavy user over all three engines, the light user on engine 0
+       (the three-engine measurement: 20 s after a warm-up);
+    2. engine 2 leaves the rotation: the heavy user's new requests go to
+       engines 0+1, the light user stops (the two-engine measurement: 20 s
+       once engine 2 is drained);
+    3. the heavy user pauses; engine 2 is stopped by PID and started again
+       with nothing running (a restart under load took 100-220 s on this
+       box: engines serving even 30 tok/s keep most of a core busy);
+    4. the heavy user resumes on engines 0+1 (its debt is back in Redis
+       within a fraction of a second), then its new requests go to engines
+       1+2: the restarted engine serves a user whose debt lives in Redis.
+    """
     _, engines = cluster
     load = Load(engines)
     marks: dict[str, float] = {}
     restarted = engines[CLOSED_ENGINE]
+
+    async def idle(engine_indexes, what):
+        deadline = time.monotonic() + 60
+        while any(load.in_flight[i] for i in engine_indexes) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        assert not any(load.in_flight[i] for i in engine_indexes), what
 
     async def scenario():
         async with client_for_engines() as client:
@@ -615,29 +656,36 @@ def shared_run(cluster):
                 "heavy": (9, HEAVY_TOKENS, [0, 1, 2]),
                 "light": (1, LIGHT_TOKENS, [0]),
             })
+            load.think_s["light"] = LIGHT_THINK_S
             sampler = asyncio.ensure_future(counters.every(SAMPLE_EVERY_S, float("inf")))
             await asyncio.sleep(WARM_S)
             warm = await counters.sample("warm")
+            await asyncio.sleep(warm.done + MEASURED_S / 2 - time.monotonic())
+            await counters.sample("mid3")
             await asyncio.sleep(warm.done + MEASURED_S + 0.05 - time.monotonic())
             await counters.sample("move_01")
             marks["move_01"] = time.monotonic()
             load.targets["heavy"] = [0, 1]
             load.user_stop_at["light"] = marks["move_01"]
-            # Out of the router's rotation, drained, stopped by PID, started again.
-            deadline = time.monotonic() + 60
-            while load.in_flight[CLOSED_ENGINE] and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-            assert not load.in_flight[CLOSED_ENGINE]
-            await counters.sample("drained")  # the stopped process's last read
-            await asyncio.to_thread(restarted.stop)
-            marks["stopped"] = time.monotonic()
-            starting = asyncio.ensure_future(asyncio.to_thread(restarted.start))
+            await idle([CLOSED_ENGINE], "engine 2 not drained")
             two_from = await counters.sample("two_from")
+            await asyncio.sleep(two_from.done + MEASURED_S / 2 - time.monotonic())
+            await counters.sample("mid2")
             await asyncio.sleep(two_from.done + MEASURED_S + 0.05 - time.monotonic())
             await counters.sample("two_to")
-            await starting
+            # Engine 2 has served nothing since it was drained: its last read
+            # stands for the stopped process.  Requests still running on
+            # engines 0+1 finish during the restart.
+            load.paused.add("heavy")
+            await counters.sample("paused")
+            await asyncio.to_thread(restarted.stop)
+            marks["stopped"] = time.monotonic()
+            await asyncio.to_thread(restarted.start)
             marks["ready"] = time.monotonic()
             await counters.sample("ready")
+            load.paused.discard("heavy")
+            await asyncio.sleep(RESUMED_S)
+            await counters.sample("resumed")
             marks["move_12"] = time.monotonic()
             load.targets["heavy"] = [1, 2]
             await asyncio.sleep(AFTER_RESTART_S)
@@ -670,54 +718,59 @@ def test_three_engines_share_one_users_quota(shared_run):
 
 
 def test_light_user_on_one_engine_is_not_held_back(shared_run):
-    _, samples, _ = shared_run
+    load, samples, _ = shared_run
     print()
-    check_light(labelled(samples, "warm"), labelled(samples, "move_01"))
+    check_light(load, labelled(samples, "warm"), labelled(samples, "move_01"))
 
 
 def test_two_engines_share_one_users_quota(shared_run):
-    _, samples, marks = shared_run
-    # While engine 2 was down (or starting): the heavy user on engines 0 + 1 only.
+    _, samples, _ = shared_run
+    # Engine 2 out of the rotation and drained: the heavy user on engines 0 + 1 only.
     a, b = labelled(samples, "two_from"), labelled(samples, "two_to")
-    split = check_rate(a, b, "heavy over 2 engines (the third one restarting)")
-    print(f"engine 2 took {marks['ready'] - marks['stopped']:.0f} s to start again")
+    split = check_rate(a, b, "heavy over 2 engines", low=RATE_LOW_TWO_ENGINES)
     assert split[2] == 0 and min(split[:2]) > 0, split
 
 
 def test_streams_moving_between_engines_keep_one_quota(shared_run):
     load, samples, marks = shared_run
-    a, m, b = (labelled(samples, x) for x in ("move_01", "ready", "stop"))
-    check_rate(a, b, "heavy moving 0+1+2 -> 0+1 -> 1+2")
-    first, second = per_engine(a, m, "heavy"), per_engine(m, b, "heavy")
-    print(f"per engine {first} then {second}")
+    # The rate over >= 20 s across the first move (0+1+2 -> 0+1): from the
+    # middle of the three-engine part to the middle of the two-engine part.
+    check_rate(labelled(samples, "mid3"), labelled(samples, "mid2"),
+               "heavy moving 0+1+2 -> 0+1")
+    first = per_engine(labelled(samples, "move_01"), labelled(samples, "two_to"), "heavy")
+    second = per_engine(labelled(samples, "resumed"), labelled(samples, "stop"), "heavy")
+    print(f"per engine {first} (0+1) then, after the restart, {second} (1+2)")
     # The moves really happened (new requests went only to the phase's
     # engines) and each phase's engines served the user.
     for r in load.rows:
         if r.user == "heavy" and r.sent >= marks["move_01"]:
             assert r.engine in ((0, 1) if r.sent < marks["move_12"] else (1, 2)), r
     assert min(first[:2]) > 0 and min(second[1:]) > 0, (first, second)
-    # No fresh burst when the streams land on an engine: every window of the
-    # moving part (across the moves and the restart too) within the
+    # No fresh burst when the streams land on an engine: every window from
+    # the first move on (across both moves and the restart) within the
     # documented bound.
-    moving = after(samples, a.sent)
-    excess, worst_tokens, bound, window = worst_window(moving, "heavy")
+    excess, worst_tokens, bound, window = worst_window(
+        after(samples, labelled(samples, "move_01").sent), "heavy"
+    )
     print(f"worst window: {worst_tokens} tokens in {window:.2f} s (bound {bound:.1f})")
     assert excess <= 0, (worst_tokens, bound, window)
 
 
 def test_restarted_engine_gives_no_fresh_burst(shared_run):
     _, samples, marks = shared_run
-    ready, end = labelled(samples, "ready"), labelled(samples, "end")
-    split = per_engine(ready, end, "heavy")
-    w = widest(ready, end)
-    print(f"\nafter the restart ({w:.1f} s): per engine {split}, total {sum(split)} "
+    print(f"\nengine 2 took {marks['ready'] - marks['stopped']:.0f} s to start again")
+    resumed, end = labelled(samples, "resumed"), labelled(samples, "end")
+    split = per_engine(resumed, end, "heavy")
+    w = widest(resumed, end)
+    print(f"engines 1+2 after the restart ({w:.1f} s): per engine {split}, total {sum(split)} "
           f"(bound {shared_bound(w):.1f}; a fresh quota on the restarted engine would "
           f"allow about {HEAVY_RATE * w:.0f} more)")
     # The restarted engine served the user again (from a new counter) ...
     assert split[CLOSED_ENGINE] > 0, split
     # ... out of the same quota: the user's debt lives in Redis.  Every window
-    # from the stop on -- among them those that start before the engine was
-    # back and end after it -- within the documented bound.
+    # from the stop on -- the user resumed on engines 0+1 first, so its debt
+    # was there when engine 2 took its first requests -- within the
+    # documented bound.
     excess, worst_tokens, bound, window = worst_window(after(samples, marks["stopped"]), "heavy")
     print(f"worst window since the stop: {worst_tokens} tokens in {window:.2f} s "
           f"(bound {bound:.1f})")
