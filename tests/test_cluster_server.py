@@ -631,9 +631,11 @@ def shared_run(cluster):
     2. engine 2 leaves the rotation: the heavy user's new requests go to
        engines 0+1, the light user stops (the two-engine measurement: 20 s
        once engine 2 is drained);
-    3. the heavy user pauses; engine 2 is stopped by PID and started again
-       with nothing running (a restart under load took 100-220 s on this
-       box: engines serving even 30 tok/s keep most of a core busy);
+    3. the heavy user pauses (sends nothing new; its requests still running
+       on engines 0+1 finish in the first seconds); engine 2 is stopped by
+       PID and started again (a restart under that load took 100-220 s on
+       this box, 33 s this way: engines serving even 30 tok/s keep about a
+       core busy between them);
     4. the heavy user resumes on engines 0+1 (its debt is back in Redis
        within a fraction of a second), then its new requests go to engines
        1+2: the restarted engine serves a user whose debt lives in Redis.
