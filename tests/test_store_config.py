@@ -24,8 +24,19 @@ def parser():
     return p
 
 
+def isolate_password_env(monkeypatch, value=None):
+    """Parsing the flag writes the password into os.environ; make monkeypatch
+    restore the variable afterwards (a bare delenv of an absent variable
+    records nothing, and the password leaked into later tests' servers)."""
+    monkeypatch.setenv(PASSWORD_ENV, "placeholder")
+    if value is None:
+        monkeypatch.delenv(PASSWORD_ENV)
+    else:
+        monkeypatch.setenv(PASSWORD_ENV, value)
+
+
 def test_flags_fold_into_the_store_section(monkeypatch):
-    monkeypatch.delenv(PASSWORD_ENV, raising=False)
+    isolate_password_env(monkeypatch)
     args = parser().parse_args(
         ["--output-rate-store", "redis://:pw-1@127.0.0.1:6390/2",
          "--output-rate-store-fallback", "closed",
@@ -108,11 +119,20 @@ def test_bad_store_sections_name_the_problem(store, message):
         OutputRateSettings.from_additional_config({"output_rate": {**ON, "store": store}})
 
 
+def test_password_in_the_url_wins_over_one_in_the_environment(monkeypatch):
+    isolate_password_env(monkeypatch, "inherited-pw")
+    args = parser().parse_args(["--output-rate-store", "redis://:url-pw@127.0.0.1:6390/0"])
+    assert args.output_rate_store == "redis://127.0.0.1:6390/0"
+    import os
+
+    assert os.environ[PASSWORD_ENV] == "url-pw"
+
+
 def test_cluster_urls(monkeypatch):
     from vllm_output_rate.stores.config import cluster_nodes, split_userinfo
     from vllm_output_rate.stores.redis_store import redact
 
-    monkeypatch.delenv(PASSWORD_ENV, raising=False)
+    isolate_password_env(monkeypatch)
     url = "redis+cluster://app:p%40ss@10.0.0.1:7000,10.0.0.2,[::1]:7002/0"
     assert cluster_nodes(url) == [("10.0.0.1", 7000), ("10.0.0.2", 6379), ("::1", 7002)]
     assert split_userinfo(url)[:2] == ("app", "p@ss")

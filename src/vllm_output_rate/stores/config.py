@@ -154,7 +154,9 @@ def _store_url_arg(text: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
     user, password, stripped = split_userinfo(text)
     if password:
-        os.environ.setdefault(PASSWORD_ENV, password)
+        # The URL's password wins over one already in the environment (the
+        # documented order: the URL's, else the variable's).
+        os.environ[PASSWORD_ENV] = password
         if user:  # keep the user name (ACL user), drop only the password
             parts = urlsplit(stripped)
             text = urlunsplit(
