@@ -73,6 +73,9 @@ def _prestart_servers(request, server_pool, tmp_path_factory):
     if not selected:
         return
     model_dir = request.getfixturevalue("tiny_model_dir")
+    # Create the session's base temp dir here, before any thread asks for it:
+    # two threads creating it at once made two of them (and tests saw errors).
+    tmp_path_factory.getbasetemp()
     for name, module in selected.items():
         server_pool.prestart(
             name, lambda module=module: module.server_context(tmp_path_factory, model_dir)
