@@ -14,9 +14,9 @@ Rates and windows are judged on the engines' own counters
 client receive times.  A counter read happens somewhere between sending the
 query and its answer, so the documented bound is checked against the widest
 window two reads can span (last answer - first send): a stall of the loaded
-box widens it, never narrows it.  Rates over >= 20 s must lie in
-[0.8, 1.05] x N, two engines in [0.9, 1.05] x N (the upper end on the widest
-window, the lower end on the narrowest; why 0.8: see RATE_LOW).
+box widens it, never narrows it.  Rates over >= 20 s must lie in the
+issue's [0.9, 1.05] x N (the upper end on the widest window, the lower end
+on the narrowest; see RATE_LOW for what it takes on this box).
 Two scenarios, each run once by a module fixture and checked by several
 tests (the engines start once, side by side, for the whole module):
 
@@ -558,10 +558,9 @@ LIGHT_THINK_S = 0.5  # the light user's pause after each request (see check_ligh
 # rarely that it cannot spend its leases (lease = 0.1 s of the rate, spendable
 # for 150 ms: an engine that plans only every 250 ms gets ~0.8 of its part;
 # benchmarks/cluster_shortfall.py, tests/test_lease.py::slow_step_run).
-# With the light user pausing, and without it, the same box gave 0.94-1.01.
-# The floor keeps a margin for a box shared with other test runs; the
-# two-engine part (no light user) is held to the issue's 0.9.
-RATE_LOW, RATE_LOW_TWO_ENGINES, RATE_HIGH = 0.8, 0.9, 1.05
+# With the light user pausing, and without it, the same box gave 0.94-1.01
+# (five runs at load average 1-13); the suite runs this module last, alone.
+RATE_LOW, RATE_HIGH = 0.9, 1.05
 
 
 def check_rate(a: Sample, b: Sample, what: str, low: float = RATE_LOW) -> list[int]:
@@ -729,7 +728,7 @@ def test_two_engines_share_one_users_quota(shared_run):
     _, samples, _ = shared_run
     # Engine 2 out of the rotation and drained: the heavy user on engines 0 + 1 only.
     a, b = labelled(samples, "two_from"), labelled(samples, "two_to")
-    split = check_rate(a, b, "heavy over 2 engines", low=RATE_LOW_TWO_ENGINES)
+    split = check_rate(a, b, "heavy over 2 engines")
     assert split[2] == 0 and min(split[:2]) > 0, split
 
 
