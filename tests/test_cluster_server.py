@@ -558,8 +558,9 @@ LIGHT_THINK_S = 0.5  # the light user's pause after each request (see check_ligh
 # rarely that it cannot spend its leases (lease = 0.1 s of the rate, spendable
 # for 150 ms: an engine that plans only every 250 ms gets ~0.8 of its part;
 # benchmarks/cluster_shortfall.py, tests/test_lease.py::slow_step_run).
-# With the light user pausing, and without it, the same box gave 0.94-1.01
-# (five runs at load average 1-13); the suite runs this module last, alone.
+# With the light user pausing (and in diagnostic runs without it) the same
+# box gave 0.94-1.01 x N (four runs of this module with figures printed, load
+# average 1-13); the suite runs this module last, alone.
 RATE_LOW, RATE_HIGH = 0.9, 1.05
 
 
