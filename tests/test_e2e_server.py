@@ -101,6 +101,8 @@ class Result:
     cancelled: bool = False
     #: server-side first->last output token interval (per-request metrics)
     generation_time_s: float | None = None
+    #: server-side queue time + time to first token (per-request metrics)
+    server_first_token_s: float | None = None
 
     @property
     def all_times(self) -> list[float]:
@@ -127,6 +129,7 @@ class Result:
             usage=usage,
             cancelled=record.status == measure.CANCELLED,
             generation_time_s=record.server_generation_s,
+            server_first_token_s=record.server_first_token_s,
         )
 
 
@@ -824,20 +827,12 @@ def test_throttled_only_engine_does_not_spin_and_others_are_served_at_once(serve
     procs = engine_core_processes(server.pid)
     idle = core_share(procs, 3.0)
 
-    async def stream(client, user: str, max_tokens: int) -> measure.RequestRecord:
-        body = {
-            "model": server.model,
-            "prompt": "hello there",
-            "max_tokens": max_tokens,
-            "ignore_eos": True,
-            "return_token_ids": True,
-            "vllm_xargs": {"output_rate_user": user},
-        }
-        record = measure.RequestRecord(user=user)
-        return await measure.stream_completion(client, body, record, time.monotonic())
+    def stream(client, user: str, max_tokens: int):
+        return stream_request(client, server, user=user, max_tokens=max_tokens,
+                              endpoint="completions", prompt="hello there")
 
     async def scenario():
-        async with measure.openai_client(server.base_url, timeout=120) as client:
+        async with new_client() as client:
             crawling = [asyncio.create_task(stream(client, "crawl", 40)) for _ in range(8)]
             await asyncio.sleep(2.0)  # the burst is long spent: every stream is throttled
             throttled = await asyncio.to_thread(core_share, procs, 3.0)
@@ -847,11 +842,11 @@ def test_throttled_only_engine_does_not_spin_and_others_are_served_at_once(serve
             await asyncio.gather(*crawling, return_exceptions=True)
             return throttled, fast
 
-    throttled, fast = asyncio.run(scenario())
-    assert fast.status == measure.FINISHED and fast.n_tokens == 20, fast
+    throttled, fast = run(scenario())
+    assert_complete(fast, 20)
     print(f"idle {idle:.3f} cores, throttled-only {throttled:.3f} cores, fast first token "
           f"{fast.server_first_token_s:.3f}s after arrival (server clock; client saw "
-          f"{fast.token_times[0] - fast.start:.3f}s)")
+          f"{fast.all_times[0] - fast.t_sent:.3f}s)")
     # Stock vLLM polls every 1 ms here (a large share of a core); we wait on
     # the input queue with timeouts of at most 250 ms (gate.MAX_IDLE_WAIT_NS).
     assert throttled <= idle + 0.10, (idle, throttled)
