@@ -34,13 +34,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import json
 import os
 import re
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import httpx  # noqa: E402
 
 from redis_harness import RedisServer  # noqa: E402
-from server_harness import TINY_MODEL_DIR, running_server  # noqa: E402
+from server_harness import ADMIN_ROUTE_ENV, TINY_MODEL_DIR, running_server  # noqa: E402
 
 HEAVY = 30
 LIMITS = {"heavy": HEAVY}
@@ -222,7 +222,6 @@ def main() -> None:
     unknown = [p for p in args.phases if p not in specs]
     if unknown:
         parser.error(f"unknown phases {unknown}; known: {sorted(specs)}")
-    os.environ["VLLM_PLUGINS"] = "output_rate,output_rate_admin"  # the admin route
     log_dir = Path(tempfile.mkdtemp(prefix="cluster-shortfall-"))
     redis_srv = RedisServer().start()
     flags = ["--enforce-eager", "--disable-uvicorn-access-log", "--max-num-seqs", "16",
@@ -232,27 +231,19 @@ def main() -> None:
              "--output-rate-expected-engines", str(args.engines),
              "--output-rate-store-prefix", "cluster-shortfall"]
     managers: list = []
-    servers: list = [None] * args.engines
-    errors: list = []
 
-    def start(i: int) -> None:
-        try:
-            cm = running_server(flags, log_dir, f"engine{i}", model=TINY_MODEL_DIR)
-            servers[i] = cm.__enter__()
-            managers.append(cm)
-        except BaseException as exc:  # noqa: BLE001
-            errors.append(exc)
+    def start(i: int):
+        cm = running_server(flags, log_dir, f"engine{i}", model=TINY_MODEL_DIR, env=ADMIN_ROUTE_ENV)
+        server = cm.__enter__()
+        managers.append(cm)
+        return server
 
     results = []
     try:
         began = time.monotonic()
-        threads = [threading.Thread(target=start, args=(i,)) for i in range(args.engines)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
+        # Side by side; the first failure is raised once every start is over.
+        with concurrent.futures.ThreadPoolExecutor(args.engines) as pool:
+            servers = list(pool.map(start, range(args.engines)))
         print(f"{args.engines} engines healthy after {time.monotonic() - began:.0f} s "
               f"(logs in {log_dir})", flush=True)
         for name in args.phases:

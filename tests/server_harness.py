@@ -13,7 +13,13 @@ from pathlib import Path
 from typing import Any, Callable, ContextManager
 
 from vllm_output_rate.tools import serverproc
-from vllm_output_rate.tools.serverproc import Server, free_port, run_cli, server_env  # noqa: F401
+from vllm_output_rate.tools.serverproc import (  # noqa: F401
+    ADMIN_ROUTE_ENV,
+    Server,
+    free_port,
+    run_cli,
+    server_env,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_MODEL_DIR = Path(os.environ.get("TINY_MODEL_DIR", REPO / "models" / "tiny-llama"))

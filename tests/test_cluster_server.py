@@ -35,10 +35,10 @@ tests (the engines start once, side by side, for the whole module):
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import math
-import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -47,7 +47,7 @@ import httpx
 import pytest
 
 from redis_harness import RedisServer
-from server_harness import running_server
+from server_harness import ADMIN_ROUTE_ENV, running_server
 
 pytestmark = pytest.mark.server
 
@@ -95,7 +95,8 @@ class Engine:
         self._cm = None
 
     def start(self) -> "Engine":
-        cm = running_server(self.args, self.log_dir, f"engine{self.index}-start{self.starts}")
+        cm = running_server(self.args, self.log_dir, f"engine{self.index}-start{self.starts}",
+                            env=ADMIN_ROUTE_ENV)  # the engine-side counters
         self.starts += 1
         began = time.monotonic()
         self.server = cm.__enter__()
@@ -137,37 +138,14 @@ def cluster(tiny_model_dir, server_log_dir):
         )
         for i in range(ENGINES)
     ]
-    old_plugins = os.environ.get("VLLM_PLUGINS")
-    # The admin route (engine-side counters) is an endpoint plugin: vLLM loads
-    # it only when VLLM_PLUGINS names it.  Kept for the module (engine 2 is
-    # started again later); tests in one pytest process run one at a time.
-    os.environ["VLLM_PLUGINS"] = "output_rate,output_rate_admin"
-    errors: list = []
-
-    def start(engine):
-        try:
-            engine.start()
-        except BaseException as exc:  # noqa: BLE001
-            errors.append(exc)
-
-    try:
-        with contextlib.ExitStack() as stack:
-            stack.callback(redis_srv.stop)
-            for engine in engines:
-                stack.callback(engine.stop)
-            threads = [threading.Thread(target=start, args=(e,)) for e in engines]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            if errors:
-                raise errors[0]
-            yield redis_srv, engines
-    finally:
-        if old_plugins is None:
-            os.environ.pop("VLLM_PLUGINS", None)
-        else:
-            os.environ["VLLM_PLUGINS"] = old_plugins
+    with contextlib.ExitStack() as stack:
+        stack.callback(redis_srv.stop)
+        for engine in engines:
+            stack.callback(engine.stop)
+        # Side by side; the first failure is raised once every start is over.
+        with concurrent.futures.ThreadPoolExecutor(len(engines)) as pool:
+            list(pool.map(Engine.start, engines))
+        yield redis_srv, engines
 
 
 # -- load --------------------------------------------------------------------------------

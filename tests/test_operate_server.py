@@ -26,7 +26,7 @@ import time
 import httpx
 import pytest
 
-from server_harness import running_server
+from server_harness import ADMIN_ROUTE_ENV, running_server
 from vllm_output_rate.tools import measure
 
 pytestmark = pytest.mark.server
@@ -45,9 +45,6 @@ def write_limits(path, users, default=DEFAULT_RATE):
         json.dump({"default_user_output_tokens_per_second": default,
                    "user_output_tokens_per_second": users}, fh)
     os.replace(tmp, path)  # atomic: the engine never reads half a file
-
-
-ADMIN_PLUGINS = {"VLLM_PLUGINS": "output_rate,output_rate_admin"}
 
 
 @contextlib.contextmanager
@@ -72,11 +69,10 @@ def server_context(tmp_path_factory, model_dir):
                    "--user-output-tokens-per-second", json.dumps(LIMITS),
                    "--output-rate-identity", "header"]
     with contextlib.ExitStack() as stack:
-        # The admin route is an endpoint plugin: vLLM loads it only when
-        # VLLM_PLUGINS names it.  Each waits for its own health check.
+        # With the admin route; each waits for its own health check.
         def start(args, name):
             return stack.enter_context(
-                running_server(args, log_dir, name, model=model_dir, env=ADMIN_PLUGINS)
+                running_server(args, log_dir, name, model=model_dir, env=ADMIN_ROUTE_ENV)
             )
 
         with concurrent.futures.ThreadPoolExecutor(2) as pool:

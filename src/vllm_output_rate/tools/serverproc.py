@@ -25,6 +25,10 @@ SERVE = [str(CLI), "serve"]
 #: ``vllm-output-rate serve`` plus the churn counters (see tools/churn.py).
 SERVE_WITH_CHURN = [sys.executable, "-m", "vllm_output_rate.tools.churn"]
 STARTUP_TIMEOUT_S = 300
+#: ``env`` for :func:`running_server` that also loads the admin route
+#: (``GET /v1/output_rate/users``): vLLM loads an endpoint plugin only when
+#: ``VLLM_PLUGINS`` names it.
+ADMIN_ROUTE_ENV = {"VLLM_PLUGINS": "output_rate,output_rate_admin"}
 
 
 def free_port() -> int:
