@@ -255,25 +255,26 @@ def count_child(side: str, steps: int, helper: str, model: str) -> None:
 
     collecting = [False]
 
-    def excluded(fn):  # collection off during fn while a whole step is collected
+    def toggled(fn, only_while_collecting: bool):
+        """``fn`` with collection flipped around each call: on for an
+        ``included`` call, off inside a collected step for an ``excluded`` one."""
+
         def call(*args, **kwargs):
-            if not collecting[0]:
+            if only_while_collecting and not collecting[0]:
                 return fn(*args, **kwargs)
             toggle()
             try:
                 return fn(*args, **kwargs)
             finally:
                 toggle()
+
         return call
 
+    def excluded(fn):  # collection off during fn while a whole step is collected
+        return toggled(fn, only_while_collecting=True)
+
     def included(fn):  # collection on during fn only
-        def call(*args, **kwargs):
-            toggle()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                toggle()
-        return call
+        return toggled(fn, only_while_collecting=False)
 
     executor.execute_model = excluded(executor.execute_model)
     executor.sample_tokens = excluded(executor.sample_tokens)

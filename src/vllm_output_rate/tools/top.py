@@ -27,7 +27,6 @@ HISTORY_S = 60
 RATE_WINDOW_S = 3.0
 
 
-
 @dataclass
 class UserSample:
     charged: float = 0.0
