@@ -549,21 +549,24 @@ class LeasedOutputRateLimiter:
                 # keys would end the outage while other nodes are still down.
                 asks = []
                 self._new_users.clear()
-            self._in_flight = True
             self._last_round_ns = now_ns
             if not only_new:
                 # Jittered cadence (mean round_ns): engines sharing a user do
                 # not stay in phase, so none of them is always first in line.
                 self._next_round_ns = now_ns + int(cfg.round_ns * self._random.uniform(0.8, 1.2))
+            if not asks and self._mode is SHARED:
+                # Nothing to ask: no round trip, and no news about the store.
+                # An idle round neither pings (round trips cost) nor counts as
+                # an answer, so it never delays noticing a store that stopped
+                # answering.
+                self._idle_since_answer = True
+                return 0
+            self._in_flight = True
         granted_total = 0
-        called = bool(asks) or self._mode is not SHARED  # else nothing to send
         try:
-            if called:
-                grants = self._backend.lease(self.burst_ns, asks, self._engine_id)
-                if len(grants) != len(asks):
-                    raise RuntimeError(f"store answered {len(grants)} grants for {len(asks)} asks")
-            else:
-                grants = []
+            grants = self._backend.lease(self.burst_ns, asks, self._engine_id)
+            if len(grants) != len(asks):
+                raise RuntimeError(f"store answered {len(grants)} grants for {len(asks)} asks")
         except Exception as exc:  # unreachable, timeout, error reply: all the same
             with self._lock:
                 self._in_flight = False
@@ -579,14 +582,6 @@ class LeasedOutputRateLimiter:
                     )
                 if now_ns - self._silent_since_ns >= cfg.outage_after_ns:
                     self._enter_outage(now_ns, exc)
-            return 0
-        if not called:
-            # Nothing to ask: no round trip, and no news about the store.  An
-            # idle round neither pings (round trips cost) nor counts as an
-            # answer, so it never delays noticing a store that stopped answering.
-            with self._lock:
-                self._in_flight = False
-                self._idle_since_answer = True
             return 0
         received = self._clock()
         with self._lock:
