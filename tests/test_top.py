@@ -6,6 +6,8 @@ The terminal itself is tested against a real server in tmux
 
 from __future__ import annotations
 
+import time
+
 from rich.console import Console
 
 from vllm_output_rate.tools.top import TopModel, parse_metrics, render
@@ -84,3 +86,85 @@ def test_history_is_bounded():
         model.update(float(t), parse_metrics(exposition({"u": float(t)}, {}, {}, {})))
     assert len(model._points) <= 63
     assert len(model.per_second("u")) == 60
+
+
+class _SlowMetrics:
+    """A /metrics endpoint on 127.0.0.1 that answers the first read at once
+    and holds every later one for ``hold_s`` (a server too busy to answer)."""
+
+    def __init__(self, hold_s: float) -> None:
+        import http.server
+        import threading
+
+        reads = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                reads.append(self.path)
+                if len(reads) > 1:
+                    time.sleep(hold_s)
+                body = exposition({"alice": 1.0}, {}, {}, {"alice": 20.0}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.reads = reads
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_q_quits_while_a_metrics_read_hangs():
+    # The key loop must not wait for /metrics: on a loaded server a read can
+    # take seconds, and q has to quit at once anyway.
+    import os
+    import pty
+    import subprocess
+    import sys
+
+    metrics = _SlowMetrics(hold_s=30)
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vllm_output_rate.tools.cli", "top", "--url", metrics.url,
+         "--interval", "0.2"],
+        stdin=follower, stdout=follower, stderr=follower, close_fds=True,
+    )
+    os.close(follower)
+    try:
+        screen = b""
+        deadline = time.monotonic() + 60
+        while len(metrics.reads) < 2:  # the first read drew the table; the second hangs
+            assert proc.poll() is None and time.monotonic() < deadline, screen
+            screen += _drain(leader)
+        assert b"alice" in screen
+        os.write(leader, b"q")
+        quit_at = time.monotonic()
+        proc.wait(timeout=20)
+        # Before the fix q waited for the read to time out (5 s); now ~0.1 s
+        # plus the interpreter's exit, with a wide margin for a loaded box.
+        assert time.monotonic() - quit_at < 4
+        assert proc.returncode == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(leader)
+        metrics.close()
+
+
+def _drain(fd: int) -> bytes:
+    import os
+    import select
+
+    ready, _, _ = select.select([fd], [], [], 0.1)
+    return os.read(fd, 65536) if ready else b""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -25,6 +26,8 @@ SPARKS = "▁▂▃▄▅▆▇█"
 HISTORY_S = 60
 #: Current rate: charged tokens over this many seconds (smooths stats batching).
 RATE_WINDOW_S = 3.0
+#: How long the key loop waits for a key before looking for a new reading.
+KEY_WAIT_S = 0.1
 
 
 @dataclass
@@ -228,6 +231,45 @@ class _Keys:
         return None
 
 
+class _Poller:
+    """Reads ``/metrics`` every ``interval`` seconds on its own thread.
+
+    A read can take seconds on a loaded server (up to the 5 s timeout), and the
+    key loop must not wait for it: ``q`` quits at once."""
+
+    def __init__(self, url: str, interval: float) -> None:
+        import queue
+
+        self.url = url
+        self.interval = interval
+        self.results: "queue.Queue[tuple[float, Snapshot | None, str | None]]" = queue.Queue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="top-poller", daemon=True)
+
+    def read_once(self, client) -> tuple[float, Snapshot | None, str | None]:
+        import httpx
+
+        try:
+            response = client.get(f"{self.url}/metrics")
+            response.raise_for_status()
+        except httpx.HTTPError as exc:
+            return time.monotonic(), None, f"cannot read {self.url}/metrics: {exc}"
+        return time.monotonic(), parse_metrics(response.text), None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()  # the thread is a daemon: a read in flight is not waited for
+
+    def _loop(self) -> None:
+        import httpx
+
+        with httpx.Client(timeout=5) as client:
+            while not self._stop.wait(self.interval):
+                self.results.put(self.read_once(client))
+
+
 def run(url: str, interval: float = 1.0, once: bool = False) -> None:
     import httpx
     from rich.console import Console
@@ -236,30 +278,37 @@ def run(url: str, interval: float = 1.0, once: bool = False) -> None:
     url = url.rstrip("/")
     model = TopModel()
     console = Console()
-    with httpx.Client(timeout=5) as client, _Keys() as keys:
-        def poll() -> str | None:
-            try:
-                response = client.get(f"{url}/metrics")
-                response.raise_for_status()
-            except httpx.HTTPError as exc:
-                return f"cannot read {url}/metrics: {exc}"
-            model.update(time.monotonic(), parse_metrics(response.text))
-            return None
+    poller = _Poller(url, interval)
 
-        error = poll()
-        if once:
-            console.print(render(model, url, error))
-            return
-        with Live(render(model, url, error), console=console, screen=True, auto_refresh=False) as live:
-            next_poll = time.monotonic() + interval
+    def apply(result: tuple[float, Snapshot | None, str | None]) -> str | None:
+        t, snap, error = result
+        if snap is not None:
+            model.update(t, snap)
+        return error
+
+    with httpx.Client(timeout=5) as client:
+        error = apply(poller.read_once(client))
+    if once:
+        console.print(render(model, url, error))
+        return
+    import queue
+
+    poller.start()
+    try:
+        with _Keys() as keys, Live(
+            render(model, url, error), console=console, screen=True, auto_refresh=False
+        ) as live:
             while True:
-                key = keys.read(max(0.0, next_poll - time.monotonic()))
-                if key in ("q", "Q", "\x03"):
+                if keys.read(KEY_WAIT_S) in ("q", "Q", "\x03"):
                     return
-                if time.monotonic() >= next_poll:
-                    next_poll += interval
-                    error = poll()
-                    live.update(render(model, url, error), refresh=True)
+                try:
+                    result = poller.results.get_nowait()
+                except queue.Empty:
+                    continue
+                error = apply(result)
+                live.update(render(model, url, error), refresh=True)
+    finally:
+        poller.stop()
 
 
 def main(argv: list[str] | None = None) -> None:
