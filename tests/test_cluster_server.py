@@ -55,7 +55,7 @@ HEAVY_RATE = 30
 PROBE_RATE = 20
 DEFAULT_RATE = 1000
 LIMITS = {"heavy": HEAVY_RATE, "probe0": PROBE_RATE, "probe1": PROBE_RATE, "probe2": PROBE_RATE}
-BURST_S, LIFETIME_S, LEASE_S = 0.1, 0.15, 0.1
+BURST_S, LIFETIME_S, LEASE_S = 0.1, 0.3, 0.1
 ENGINES = 3
 CLOSED_ENGINE = 2  # the one engine started with --output-rate-store-fallback closed
 PREFIX = "cluster-test"
@@ -364,7 +364,7 @@ def labelled(samples: list[Sample], label: str) -> Sample:
 
 
 DOWN_AFTER_S, DOWN_FOR_S, AFTER_UP_S = 2.0, 4.0, 3.0
-SETTLED_S = 0.5  # after the kill no lease is valid any more (lifetime 0.15 s)
+SETTLED_S = 0.5  # after the kill no lease is valid any more (lifetime 0.3 s)
 BACK_WITHIN_S = 2.0
 
 
@@ -533,12 +533,13 @@ LIGHT_THINK_S = 0.5  # the light user's pause after each request (see check_ligh
 # three engines got 0.53-0.95 x N (load average 12-30): on this 2-core box an
 # engine serving the heavy user keeps ~60 % of a core busy (vLLM's step
 # overhead), the light user another core, and a starved engine plans so
-# rarely that it cannot spend its leases (lease = 0.1 s of the rate, spendable
-# for 150 ms: an engine that plans only every 250 ms gets ~0.8 of its part;
-# benchmarks/cluster_shortfall.py, tests/test_lease.py::slow_step_run).
-# With the light user pausing (and in diagnostic runs without it) the same
-# box gave 0.94-1.01 x N (four runs of this module with figures printed, load
-# average 1-13); the suite runs this module last, alone.
+# rarely that it cannot spend its leases (lease = 0.1 s of the rate, then
+# spendable for 150 ms: an engine that plans only every 250 ms got ~0.8 of its
+# part; benchmarks/cluster_shortfall.py, tests/test_lease.py::slow_step_run).
+# With the light user pausing the same box gave 0.94-1.01 x N (four runs, load
+# average 1-13), but a CI run on a slower box still got 0.88 x N over three
+# engines; the lifetime is now 300 ms (fake clock: 0.98 x N at 250 ms and 300
+# ms plans).  The suite runs this module last, alone.
 RATE_LOW, RATE_HIGH = 0.9, 1.05
 
 

@@ -30,7 +30,7 @@ The guarantee verdict
     when given several ``--url``): a user's tokens are summed over every
     engine that served it, and the bound is the one ``stores/lease.py``
     derives for E engines leasing from one store: ``(W + burst + lease
-    lifetime) * N + 1 + E * L`` with the lease defaults (lifetime 0.15 s,
+    lifetime) * N + 1 + E * L`` with the lease defaults (lifetime 0.3 s,
     ``L = max(1, ceil(0.1 s * N))``) and E the engines the user's requests
     went to.  Both checks above stay valid: every token of a request is
     charged by its engine between send and end, whichever engine it is.  A server that really overruns
