@@ -30,6 +30,11 @@ settings.load_profile("suite")
 PRESTARTED = ("test_e2e_server", "test_operate_server")
 #: Modules that run last, when no other server is up.
 RUN_LAST = ("test_cluster_server",)
+#: Modules with a ``server_context`` whose server(s) start in the background
+#: as soon as every PRESTARTED module is done (their servers stopped): the
+#: startup then overlaps the model-free tests that remain instead of adding
+#: to the end of the suite.
+PRESTARTED_LATE = ("test_cluster_server",)
 
 
 def pytest_collection_modifyitems(session, config, items):
@@ -76,7 +81,27 @@ def _prestart_servers(request, server_pool, tmp_path_factory):
     # Create the session's base temp dir here, before any thread asks for it:
     # two threads creating it at once made two of them (and tests saw errors).
     tmp_path_factory.getbasetemp()
-    for name, module in selected.items():
+    _prestart(server_pool, selected, tmp_path_factory, model_dir)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _prestart_late_servers(request, server_pool, tmp_path_factory):
+    """At the first module after the last PRESTARTED one, start PRESTARTED_LATE's servers."""
+    items = request.session.items
+    if not any(_module_name(item) in PRESTARTED_LATE for item in items):
+        return
+    first_here = next(i for i, item in enumerate(items) if item.module is request.module)
+    if any(_module_name(item) in PRESTARTED for item in items[first_here:]):
+        return
+    selected = {
+        item.module.__name__: item.module for item in items if _module_name(item) in PRESTARTED_LATE
+    }
+    tmp_path_factory.getbasetemp()
+    _prestart(server_pool, selected, tmp_path_factory, request.getfixturevalue("tiny_model_dir"))
+
+
+def _prestart(server_pool, modules, tmp_path_factory, model_dir) -> None:
+    for name, module in modules.items():
         server_pool.prestart(
             name, lambda module=module: module.server_context(tmp_path_factory, model_dir)
         )
