@@ -993,18 +993,3 @@ def test_churn_stat_logger_exports_readmissions_of_preempted_requests():
     logger.record(None, None)  # iteration-only updates carry no scheduler stats
     after = [value(n) for n in (churn.READMITTED_REQUESTS, churn.READMITTED_TOKENS, churn.READMITTED_CACHED)]
     assert [b - a for a, b in zip(before, after)] == [2, 390, 128]
-
-
-def test_demo_cluster_warms_up_every_engine_as_its_own_user():
-    # One short streamed request per engine, read to the end, under a user the
-    # demo's table does not count.
-    from vllm_output_rate.tools import demo_cluster
-
-    with running_fake_server(FakeServerState()) as (url1, state1), \
-            running_fake_server(FakeServerState()) as (url2, state2):
-        demo_cluster.warm_up([url1, url2])
-    for state in (state1, state2):
-        (body,) = state.bodies
-        assert body["vllm_xargs"] == {USER_ARG: demo_cluster.WARM_UP_USER} and body["stream"]
-        assert state.tokens_sent == {demo_cluster.WARM_UP_USER: body["max_tokens"]}
-    assert demo_cluster.WARM_UP_USER not in (demo_cluster.HEAVY, demo_cluster.LIGHT)

@@ -38,11 +38,6 @@ its expected kind and signature per series, in :mod:`.touchpoints`):
     ``WorkerProc._init_message_queues``: the model worker's input queue spins
     a few ms per wait instead of 1 s after each read, then sleeps until the
     engine writes (see :mod:`.worker_idle`).
-``executor.response_recheck``
-    ``MultiprocExecutor._init_executor``: while the engine core is parked
-    waiting for the worker's answer to a step, it re-checks the response
-    ring every 50 ms instead of relying on the worker's notification alone
-    (see :mod:`.worker_idle`).
 """
 
 from __future__ import annotations
@@ -68,7 +63,7 @@ from vllm_output_rate.settings import (
     resolve_user,
     validate_rate,
 )
-from vllm_output_rate.adapter.worker_idle import patch_response_recheck, patch_worker_idle
+from vllm_output_rate.adapter.worker_idle import patch_worker_idle
 
 logger = logging.getLogger(__name__)
 
@@ -493,7 +488,6 @@ PATCHES: dict[str, Callable[[], None]] = {
     "sampling_params.identity": _patch_identity_validation,
     "beam_search": _patch_beam_search,
     "worker.idle_spin": patch_worker_idle,
-    "executor.response_recheck": patch_response_recheck,
     "metrics.scheduler_stats": lambda: _operate("metrics").patch_scheduler_stats(),
     "metrics.prometheus": lambda: _operate("metrics").patch_prometheus_logger(),
     "engine_core.admin_utility": lambda: _operate("admin").patch_engine_core_utility(),

@@ -266,11 +266,6 @@ TOUCHPOINTS: tuple[TouchPoint, ...] = (
     _tp(SHM + ":SpinCondition", "busy_loop_s", "instance attribute", "written: the spin window"),
     _tp(SHM + ":SpinCondition", "wait", "method", "wrapped per instance", ["timeout_ms"]),
     _tp(SHM + ":SpinCondition", "record_read", "method", "wrapped per instance", []),
-    # -- adapter/worker_idle.py: executor.response_recheck ----------------------------
-    _tp("vllm.v1.executor.multiproc_executor:MultiprocExecutor", "_init_executor", "own method",
-        "wrapped: caps the engine core's parked poll on the response queues", []),
-    _tp("vllm.v1.executor.multiproc_executor:MultiprocExecutor", "response_mqs",
-        "instance attribute", "read: the engine core's response MessageQueues"),
     # -- adapter/metrics.py, adapter/admin.py: metrics.*, engine_core.admin_utility ---
     _tp("vllm.v1.metrics.stats:SchedulerStats", "", "class",
         "a dataclass field `output_rate` is added to it"),

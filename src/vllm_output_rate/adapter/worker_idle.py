@@ -51,20 +51,6 @@ so a server without ``--default-user-output-tokens-per-second`` keeps vLLM's
 1 s spin untouched.  The executor's own response queue (read by the engine
 core while the worker computes) is not changed.
 
-The engine core's side has the same weakness in stock code: it reads each
-step's answer from the worker's response queue, spinning for 1 s after its
-last read and parking in the poll after that -- so the first step after a
-second or more without one (an engine that was idle, or throttled, when
-load starts) waits for the worker's notification alone.  In ``make
-demo-cluster`` runs that notification was missed and the engine core sat in
-that poll with the answer already written, for ~33 s (until something else
-wrote), in two of three runs with this module's worker window off (py-spy:
-engine core in ``SpinCondition.wait`` under ``get_response``, worker waiting
-for the next step).  With the feature on, :func:`cap_parked_poll` makes the
-engine core's parked poll on each response queue re-check the ring at least
-every :data:`PARKED_RECHECK_S` (``MultiprocExecutor._init_executor``);
-spinning is unchanged.
-
 ``VLLM_OUTPUT_RATE_WORKER_SPIN_MS`` overrides the window (milliseconds;
 ``0`` parks right after every message; ``off`` keeps vLLM's own 1 s spin,
 for A/B measurements).
@@ -89,8 +75,6 @@ SPIN_WINDOW_ENV = "VLLM_OUTPUT_RATE_WORKER_SPIN_MS"
 
 # Marks a SpinCondition whose wait/record_read were replaced.
 _SHORT_SPIN_MARK = "_vllm_output_rate_short_spin"
-# Marks a SpinCondition whose parked poll is capped (cap_parked_poll).
-_PARKED_CAP_MARK = "_vllm_output_rate_parked_cap"
 
 
 def spin_window_s() -> float | None:
@@ -174,27 +158,6 @@ def shorten_spin(message_queue: Any, window_s: float, long_gap_s: float = LONG_G
     return True
 
 
-def cap_parked_poll(message_queue: Any, recheck_s: float = PARKED_RECHECK_S) -> bool:
-    """Make a local reader of ``message_queue`` re-check the ring at least every
-    ``recheck_s`` while parked (vLLM: until a notification, or its warning
-    interval).  The spin window is unchanged.  Returns False (changing
-    nothing) when ``message_queue`` is not a shared-memory reader; idempotent."""
-    cond = getattr(message_queue, "_spin_condition", None)
-    if cond is None or not getattr(cond, "is_reader", False):
-        return False
-    if getattr(cond, _PARKED_CAP_MARK, False):
-        return True
-    vllm_wait = cond.wait
-    recheck_ms = max(1, int(recheck_s * 1000))
-
-    def wait(timeout_ms: int | None = None) -> None:
-        vllm_wait(recheck_ms if timeout_ms is None else min(timeout_ms, recheck_ms))
-
-    cond.wait = wait
-    setattr(cond, _PARKED_CAP_MARK, True)
-    return True
-
-
 def feature_on(vllm_config: Any) -> bool:
     additional = getattr(vllm_config, "additional_config", None)
     return OutputRateSettings.from_additional_config(additional) is not None
@@ -225,30 +188,5 @@ def patch_worker_idle() -> None:
     _install(WorkerProc, "_init_message_queues", make)
 
 
-def patch_response_recheck() -> None:
-    """Install the wrapper of ``MultiprocExecutor._init_executor`` (see module doc)."""
-    from vllm.v1.executor.multiproc_executor import MultiprocExecutor
-
-    from vllm_output_rate.adapter.patches import _install
-
-    def make(original):
-        def _init_executor(self, *args, **kwargs):
-            result = original(self, *args, **kwargs)
-            if feature_on(self.vllm_config):
-                capped = [cap_parked_poll(mq) for mq in getattr(self, "response_mqs", None) or ()]
-                if any(capped):
-                    logger.info(
-                        "vllm-output-rate: the engine core re-checks the model worker's "
-                        "answers at least every %.0f ms while it waits for them",
-                        PARKED_RECHECK_S * 1000.0,
-                    )
-            return result
-
-        return _init_executor
-
-    _install(MultiprocExecutor, "_init_executor", make)
-
-
-__all__ = ["ARMED_S", "BUSY_RUN", "LONG_GAP_S", "PARKED_RECHECK_S", "SPIN_WINDOW_S", "SPIN_WINDOW_ENV",
-           "cap_parked_poll", "feature_on", "patch_response_recheck", "patch_worker_idle",
+__all__ = ["ARMED_S", "BUSY_RUN", "LONG_GAP_S", "PARKED_RECHECK_S", "SPIN_WINDOW_S", "SPIN_WINDOW_ENV", "feature_on", "patch_worker_idle",
            "shorten_spin", "spin_window_s"]

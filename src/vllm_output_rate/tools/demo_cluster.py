@@ -111,27 +111,6 @@ def running_engines(server_args: list[str], log_dir: Path, count: int, model: st
         yield servers
 
 
-WARM_UP_USER = "warm-up"
-
-
-def warm_up(urls: list[str], timeout_s: float = 300.0) -> None:
-    """One short streamed request per engine, as its own user, before the load.
-
-    A fresh engine's first request pays one-off costs that are not pacing: in
-    one run without this, every first request of the engine that served only
-    the heavy user waited ~5.5 s before the engine saw it."""
-    import httpx
-
-    for url in urls:
-        model = httpx.get(f"{url}/v1/models", timeout=timeout_s).json()["data"][0]["id"]
-        body = {"model": model, "prompt": "warm up", "max_tokens": 4, "stream": True,
-                "vllm_xargs": {bench.USER_ARG: WARM_UP_USER}}
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=timeout_s) as response:
-            response.raise_for_status()
-            for _ in response.iter_lines():
-                pass
-
-
 def bench_argv(args: argparse.Namespace, urls: list[str]) -> list[str]:
     argv: list[str] = []
     for url in urls:
@@ -246,9 +225,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               f"{shlex.join(server_args)}", flush=True)
         with running_engines(server_args, out.parent, args.engines, args.model) as servers:
             urls = [srv.base_url for srv in servers]
-            warm_up(urls)
-            print("engines ready and warmed up: "
-                  + ", ".join(f"{srv.base_url} (pid {srv.pid})" for srv in servers) + f"; bench for {args.duration:g} s", flush=True)
+            print("engines ready: " + ", ".join(f"{srv.base_url} (pid {srv.pid})" for srv in servers)
+                  + f"; bench for {args.duration:g} s", flush=True)
             document = bench.main(bench_argv(args, urls))
             outages = {srv.base_url: srv.log_path.read_text(errors="replace").count("unreachable")
                        for srv in servers}
