@@ -70,37 +70,32 @@ def server_pool():
 @pytest.fixture(scope="session", autouse=True)
 def _prestart_servers(request, server_pool, tmp_path_factory):
     """Start the servers of every selected module in PRESTARTED, in the background."""
-    selected = {
-        item.module.__name__: item.module
-        for item in request.session.items
-        if _module_name(item) in PRESTARTED
-    }
-    if not selected:
-        return
-    model_dir = request.getfixturevalue("tiny_model_dir")
-    # Create the session's base temp dir here, before any thread asks for it:
-    # two threads creating it at once made two of them (and tests saw errors).
-    tmp_path_factory.getbasetemp()
-    _prestart(server_pool, selected, tmp_path_factory, model_dir)
+    _prestart(request, server_pool, tmp_path_factory, PRESTARTED)
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _prestart_late_servers(request, server_pool, tmp_path_factory):
     """At the first module after the last PRESTARTED one, start PRESTARTED_LATE's servers."""
     items = request.session.items
-    if not any(_module_name(item) in PRESTARTED_LATE for item in items):
-        return
     first_here = next(i for i, item in enumerate(items) if item.module is request.module)
-    if any(_module_name(item) in PRESTARTED for item in items[first_here:]):
-        return
-    selected = {
-        item.module.__name__: item.module for item in items if _module_name(item) in PRESTARTED_LATE
+    if not any(_module_name(item) in PRESTARTED for item in items[first_here:]):
+        _prestart(request, server_pool, tmp_path_factory, PRESTARTED_LATE)
+
+
+def _prestart(request, server_pool, tmp_path_factory, names) -> None:
+    """Begin starting the servers of the selected modules named in ``names``
+    (a module already begun is left alone)."""
+    modules = {
+        item.module.__name__: item.module
+        for item in request.session.items
+        if _module_name(item) in names
     }
+    if not modules:
+        return
+    model_dir = request.getfixturevalue("tiny_model_dir")
+    # Create the session's base temp dir here, before any thread asks for it:
+    # two threads creating it at once made two of them (and tests saw errors).
     tmp_path_factory.getbasetemp()
-    _prestart(server_pool, selected, tmp_path_factory, request.getfixturevalue("tiny_model_dir"))
-
-
-def _prestart(server_pool, modules, tmp_path_factory, model_dir) -> None:
     for name, module in modules.items():
         server_pool.prestart(
             name, lambda module=module: module.server_context(tmp_path_factory, model_dir)

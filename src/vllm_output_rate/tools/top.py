@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import queue
 import sys
 import threading
 import time
@@ -238,8 +239,6 @@ class _Poller:
     key loop must not wait for it: ``q`` quits at once."""
 
     def __init__(self, url: str, interval: float) -> None:
-        import queue
-
         self.url = url
         self.interval = interval
         self.results: "queue.Queue[tuple[float, Snapshot | None, str | None]]" = queue.Queue()
@@ -291,8 +290,6 @@ def run(url: str, interval: float = 1.0, once: bool = False) -> None:
     if once:
         console.print(render(model, url, error))
         return
-    import queue
-
     poller.start()
     try:
         with _Keys() as keys, Live(
