@@ -30,9 +30,9 @@ STAMP := $(VENV)/.vllm-output-rate-setup
 VLLM_033_VERSION ?= 0.33.0
 VENV_033 ?= .venv-vllm0.33
 STAMP_033 := $(VENV_033)/.vllm-output-rate-setup
-SERIES_TESTS ?= tests/test_limiter.py tests/test_gate.py tests/test_settings.py \
-	tests/test_scheduler.py tests/test_stock_equivalence.py tests/test_touchpoints.py tests/test_engine_step.py tests/test_lora.py \
-	tests/test_series.py tests/test_cli_config.py
+SERIES_TESTS ?= tests/policy/test_limiter.py tests/policy/test_gate.py tests/config/test_settings.py \
+	tests/adapter/test_scheduler.py tests/adapter/test_stock_equivalence.py tests/adapter/test_touchpoints.py tests/adapter/test_engine_step.py tests/adapter/test_lora.py \
+	tests/adapter/test_series.py tests/tools/test_cli_config.py
 # vllm serve subprocesses cannot start on the GPU wheel (no CPU kernels).
 SERIES_TEST_ARGS ?= -k 'not refused_by_serve and not group_shows_flags'
 

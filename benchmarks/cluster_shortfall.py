@@ -2,7 +2,7 @@
 
 Starts one redis-server and ``--engines`` real ``vllm-output-rate serve``
 engines on the tiny model (side by side, 127.0.0.1, random ports, stopped by
-PID at the end), like ``tests/test_cluster_server.py``, then runs phases one
+PID at the end), like ``tests/server/test_cluster_server.py``, then runs phases one
 after another (each ``--seconds`` long after a 3 s warm-up):
 
 * ``test``: the heavy user (30 tok/s, 9 streams of 12-token requests) over

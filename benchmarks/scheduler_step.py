@@ -274,7 +274,7 @@ def disable_fast_paths() -> None:
       request is prepaid: every request goes through the charging hook.
     """
     from vllm_output_rate.adapter.scheduler import OutputRateSchedulerMixin
-    from vllm_output_rate.gate import StepGate
+    from vllm_output_rate.policy.gate import StepGate
 
     StepGate.steady = lambda self, now_ns, slots: False
     begin = OutputRateSchedulerMixin._begin_step

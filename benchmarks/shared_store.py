@@ -10,7 +10,7 @@
    per second and Redis commands per second (from ``INFO commandstats``).
 
 3. With ``--cluster``: the same round-trip measurement against a real
-   three-node Redis Cluster (started here like ``tests/test_store_cluster.py``
+   three-node Redis Cluster (started here like ``tests/stores/test_store_cluster.py``
    does, stopped by PID): script calls per second summed over the nodes
    (one per node a user of the batch lives on, per round trip).
 
@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from vllm_output_rate.limiter import OutputRateLimiter  # noqa: E402
+from vllm_output_rate.policy.limiter import OutputRateLimiter  # noqa: E402
 from vllm_output_rate.stores.lease import LeaseGrant, LeasedOutputRateLimiter  # noqa: E402
 
 USERS = [f"user-{i}" for i in range(16)]

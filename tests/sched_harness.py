@@ -30,7 +30,7 @@ from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
 import vllm_output_rate
-from vllm_output_rate.limiter import OutputRateLimiter
+from vllm_output_rate.policy.limiter import OutputRateLimiter
 from vllm_output_rate.adapter.scheduler import (
     OutputRateAsyncScheduler,
     OutputRateScheduler,

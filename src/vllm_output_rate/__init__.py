@@ -2,8 +2,8 @@
 
 Layers:
 
-* policy -- :mod:`.limiter` (GCRA), :mod:`.gate` (per-step decisions) and
-  :mod:`.settings` (configuration); plain Python, no vLLM import;
+* policy -- :mod:`.policy` (GCRA, the per-step gate, eviction, the monitor);
+  plain Python, no vLLM import;
 * adapter -- :mod:`.adapter` (scheduler subclasses, named vLLM patches);
 * tools -- :mod:`.tools` (CLI, tiny model, bench).
 

@@ -22,7 +22,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from vllm_output_rate.eviction import DEFAULT_RECOMPUTE_RATIO
+from vllm_output_rate.policy.eviction import DEFAULT_RECOMPUTE_RATIO
+from vllm_output_rate.policy.monitor import OTHER_USERS  # noqa: F401  (part of the settings vocabulary)
 from vllm_output_rate.stores.config import StoreSettings, parse_store_section
 
 CONFIG_KEY = "output_rate"
@@ -45,11 +46,10 @@ LIMITS_FILE_FLAG = "--output-rate-limits-file"
 METRICS_MAX_USERS_FLAG = "--output-rate-metrics-max-users"
 #: Per-user metric series beyond the configured users (the rest: ``__other__``).
 DEFAULT_METRICS_MAX_USERS = 100
-OTHER_USERS = "__other__"
 #: Shared quota store (``vllm_output_rate.stores.config``): {"url", "fallback", ...}.
 STORE_KEY = "store"
 #: Recomputed tokens per output token that evictions for waiting requests may
-#: cost (``vllm_output_rate.eviction``).
+#: cost (``vllm_output_rate.policy.eviction``).
 RECOMPUTE_BUDGET_KEY = "recompute_budget"
 RECOMPUTE_BUDGET_FLAG = "--output-rate-recompute-budget"
 _SECTION_KEYS = {

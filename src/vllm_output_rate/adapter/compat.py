@@ -9,7 +9,7 @@ series it was written and tested against:
   :func:`installed_series` instead of comparing versions;
 * :mod:`.touchpoints` -- the table of every vLLM private member the adapter
   reads, overrides or relies on, with its expected kind and signature per
-  series; ``tests/test_touchpoints.py`` checks it against the installed
+  series; ``tests/adapter/test_touchpoints.py`` checks it against the installed
   vLLM, so an upgrade that removes or changes one fails there, naming the
   member and the series.
 

@@ -54,7 +54,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from vllm_output_rate.monitor import ACTIVE, CHARGED, LIMIT, THROTTLED, THROTTLED_S, WAITING
+from vllm_output_rate.policy.monitor import ACTIVE, CHARGED, LIMIT, THROTTLED, THROTTLED_S, WAITING
 from vllm_output_rate.stores.lease import MODES as STORE_MODES
 
 PREFIX = "vllm:output_rate_"

@@ -13,7 +13,7 @@ second:
   rate did not change keep their quota state exactly).  A bad one is logged
   and counted; the old limits stay.
 * **Stats.**  ``make_stats()`` (vLLM calls it after every step) attaches a
-  per-user report (:class:`~vllm_output_rate.monitor.UserMonitor`) to
+  per-user report (:class:`~vllm_output_rate.policy.monitor.UserMonitor`) to
   ``SchedulerStats.output_rate`` at most once a second, and at once when the
   engine has just become empty (so gauges fall back to 0).
 * **Admin.**  :meth:`output_rate_users` answers ``GET /v1/output_rate/users``
@@ -28,7 +28,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from vllm_output_rate.monitor import ChargeHistory, UserMonitor
+from vllm_output_rate.policy.monitor import ChargeHistory, UserMonitor
 from vllm_output_rate.settings import (
     OutputRateConfigError,
     OutputRateSettings,

@@ -26,7 +26,7 @@ from vllm_output_rate.settings import (
     load_limits_file,
     validate_recompute_budget,
 )
-from vllm_output_rate.eviction import DEFAULT_RECOMPUTE_RATIO
+from vllm_output_rate.policy.eviction import DEFAULT_RECOMPUTE_RATIO
 from vllm_output_rate.stores.config import int_arg
 
 from .identity import (

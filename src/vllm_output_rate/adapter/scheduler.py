@@ -55,9 +55,9 @@ from vllm.v1.core.sched.utils import remove_all
 from vllm.v1.request import Request, RequestStatus
 
 from vllm_output_rate.adapter.operate import OperateSchedulerMixin
-from vllm_output_rate.eviction import EvictionBudget, evens_out
-from vllm_output_rate.gate import StepGate, StepPlan
-from vllm_output_rate.limiter import make_limiter
+from vllm_output_rate.policy.eviction import EvictionBudget, evens_out
+from vllm_output_rate.policy.gate import StepGate, StepPlan
+from vllm_output_rate.factory import make_limiter
 from vllm_output_rate.settings import (
     ANONYMOUS_USER,
     InvalidUserError,

@@ -5,7 +5,7 @@ vLLM does not promise to keep any of these stable: most are private
 renames, removes or re-signs one breaks the adapter, often in ways that only
 show as wrong scheduling.  :data:`TOUCHPOINTS` lists them all with the kind
 and parameter names the adapter expects, and :func:`problems` checks them
-against the installed vLLM (``tests/test_touchpoints.py`` runs it for the
+against the installed vLLM (``tests/adapter/test_touchpoints.py`` runs it for the
 installed series; each failure names the member and the series).
 
 Kinds:

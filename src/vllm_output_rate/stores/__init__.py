@@ -1,6 +1,6 @@
 """Shared quota stores: one user's output-token quota across several engines.
 
-The in-memory limiter (:class:`vllm_output_rate.limiter.OutputRateLimiter`
+The in-memory limiter (:class:`vllm_output_rate.policy.limiter.OutputRateLimiter`
 over a plain dict) needs nothing from here.  With ``--output-rate-store
 redis://...`` every engine of a deployment spends *leases* of one shared GCRA
 quota kept in Redis:

@@ -4,7 +4,7 @@ The scheduler must never wait on the network, so it never asks the shared
 store anything.  Instead a background thread of each engine *leases* small
 batches of a user's tokens from the store, and the scheduler spends only what
 its engine holds, through the same methods as the in-memory
-:class:`~vllm_output_rate.limiter.OutputRateLimiter` (``try_take``,
+:class:`~vllm_output_rate.policy.limiter.OutputRateLimiter` (``try_take``,
 ``take_up_to``, ``refund``, ``available``, ``ready_at_ns``, ...).  A user with
 no lease left is throttled exactly like a user out of quota.
 
@@ -96,7 +96,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Callable, Mapping, NamedTuple, Protocol, Sequence
 
-from vllm_output_rate.limiter import DEFAULT_BURST_NS, NS_PER_S, OutputRateLimiter
+from vllm_output_rate.policy.limiter import DEFAULT_BURST_NS, NS_PER_S, OutputRateLimiter
 
 logger = logging.getLogger(__name__)
 
@@ -197,7 +197,7 @@ class LeasedOutputRateLimiter:
     """The limiter interface over leases of a shared GCRA quota.
 
     Same public methods and meaning as
-    :class:`~vllm_output_rate.limiter.OutputRateLimiter`, except that quota
+    :class:`~vllm_output_rate.policy.limiter.OutputRateLimiter`, except that quota
     arrives from the store in leases: ``available`` is what this engine holds
     now, ``ready_at_ns`` is when the next lease is expected (an estimate,
     never "now" while nothing is held).  Thread-safe: the scheduler thread and
@@ -713,14 +713,3 @@ class LeasedOutputRateLimiter:
             self._thread.join(timeout=2)
         self._backend.close()
 
-
-def limiter_from_settings(settings: Any, **kwargs: Any) -> LeasedOutputRateLimiter:
-    """A leased limiter over the Redis store of ``settings.store`` (a StoreSettings)."""
-    from vllm_output_rate.stores.redis_store import RedisLeaseBackend
-
-    store = settings.store
-    backend = RedisLeaseBackend(store.url, prefix=store.prefix)
-    config = LeaseConfig(fallback=store.fallback, expected_engines=store.expected_engines)
-    return LeasedOutputRateLimiter(
-        settings.default_rate, settings.user_rates, backend, config=config, **kwargs
-    )

@@ -1,10 +1,10 @@
 """The charge/refund ledger: what each request paid in the current step.
 
-One part of :class:`vllm_output_rate.gate.StepGate`.  A step's payments are
+One part of :class:`vllm_output_rate.policy.gate.StepGate`.  A step's payments are
 of two kinds: *prepaid* streams (the plan paid for a user's offered streams
 with one bulk take; a repeated step paid for every resident stream) and
 *charges* (one token taken when a request reaches its sampling position).
-At the end of the step, :meth:`vllm_output_rate.gate.StepGate.finish` keeps
+At the end of the step, :meth:`vllm_output_rate.policy.gate.StepGate.finish` keeps
 the payments of requests that sampled and refunds the rest through
 :meth:`Ledger.refund`, the single refund point.
 """
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Hashable
 
-from vllm_output_rate.gate_lanes import Lanes
-from vllm_output_rate.limiter import OutputRateLimiter
+from vllm_output_rate.policy.lanes import Lanes
+from vllm_output_rate.policy.limiter import OutputRateLimiter
 
 Key = Hashable
 _NOTHING: frozenset = frozenset()
@@ -23,7 +23,7 @@ _NOTHING: frozenset = frozenset()
 class Ledger:
     """Payments, refusals and blocked users of one step, over the limiter.
 
-    Invariants (checked by ``tests/test_gate_parts.py``):
+    Invariants (checked by ``tests/policy/test_gate_parts.py``):
 
     * a key is paid for at most once per step: prepaid, or charged once;
     * a user refused once in a step is not asked again in that step, and

@@ -448,7 +448,7 @@ def test_prometheus_samples_are_summed_by_name_and_labels():
 
 
 # --------------------------------------------------------------------------
-# The demo's figure and table, on recorded data (tests/data/demo_small.json:
+# The demo's figure and table, on recorded data (tests/tools/data/demo_small.json:
 # the first seconds of a real `make demo` run, both sides)
 # --------------------------------------------------------------------------
 

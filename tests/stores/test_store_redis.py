@@ -19,7 +19,8 @@ from fractions import Fraction
 import pytest
 
 from redis_harness import RedisServer
-from vllm_output_rate.limiter import DEFAULT_BURST_NS, NS_PER_S, make_limiter
+from vllm_output_rate.factory import make_limiter
+from vllm_output_rate.policy.limiter import DEFAULT_BURST_NS, NS_PER_S
 from vllm_output_rate.settings import OutputRateSettings
 from vllm_output_rate.stores.lease import (
     LOCAL,
@@ -312,8 +313,8 @@ def test_store_mode_and_totals_reach_prometheus_and_follow_an_outage(prefix):
 
     from vllm_output_rate.adapter.metrics import OutputRateExporter
     from vllm_output_rate.adapter.operate import OperateSchedulerMixin
-    from vllm_output_rate.gate import StepGate
-    from vllm_output_rate.monitor import UserMonitor
+    from vllm_output_rate.policy.gate import StepGate
+    from vllm_output_rate.policy.monitor import UserMonitor
 
     srv = RedisServer().start()
     settings = OutputRateSettings.from_additional_config(

@@ -24,7 +24,8 @@ from fractions import Fraction
 import pytest
 
 from redis_harness import free_port, redis_binary
-from vllm_output_rate.limiter import DEFAULT_BURST_NS, NS_PER_S, make_limiter
+from vllm_output_rate.factory import make_limiter
+from vllm_output_rate.policy.limiter import DEFAULT_BURST_NS, NS_PER_S
 from vllm_output_rate.settings import OutputRateSettings
 from vllm_output_rate.stores.lease import LOCAL, SHARED, LeaseAsk, LeaseConfig, LeasedOutputRateLimiter
 from vllm_output_rate.stores.redis_store import RedisLeaseBackend, user_key

@@ -1,4 +1,4 @@
-"""Per-user reports (:mod:`vllm_output_rate.monitor`) and their Prometheus export.
+"""Per-user reports (:mod:`vllm_output_rate.policy.monitor`) and their Prometheus export.
 
 No engine: reports are fed with the cumulative dicts the gate keeps, and
 exported into a private Prometheus registry.
@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest
 
 from vllm_output_rate.adapter.metrics import OutputRateExporter
-from vllm_output_rate.monitor import (
+from vllm_output_rate.policy.monitor import (
     ACTIVE, CHARGED, LIMIT, THROTTLED, THROTTLED_S, WAITING, ChargeHistory, UserMonitor,
 )
 from vllm_output_rate.settings import OTHER_USERS
@@ -180,7 +180,7 @@ def test_dashboard_queries_use_exported_series():
                       "engine": {"throttled_requests": 1, "idle_steps_total": 1,
                                  "reloads_total": 1, "reload_failures_total": 1}})
     exported = {s.name for family in registry.collect() for s in family.samples}
-    dashboard = json.loads((Path(__file__).parents[1] / "dashboards" / "vllm-output-rate.json").read_text())
+    dashboard = json.loads((Path(__file__).parents[2] / "dashboards" / "vllm-output-rate.json").read_text())
     exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
     exprs += [v["query"] for v in dashboard["templating"]["list"] if v["type"] == "query"]
     used = {name for e in exprs for name in re.findall(r"vllm:[a-z_]+", e)}

@@ -1,6 +1,6 @@
 """Victim choice: which resident requests give way when KV or slots run out.
 
-One part of :class:`vllm_output_rate.gate.StepGate`; reads the lanes and the
+One part of :class:`vllm_output_rate.policy.gate.StepGate`; reads the lanes and the
 step's ledger, changes nothing.
 """
 
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Hashable, Iterator
 
-from vllm_output_rate.gate_lanes import Lanes
-from vllm_output_rate.gate_ledger import Ledger
+from vllm_output_rate.policy.lanes import Lanes
+from vllm_output_rate.policy.ledger import Ledger
 
 Key = Hashable
 

@@ -1,8 +1,8 @@
 """The per-step planner: which resident requests the scheduler may look at.
 
-One part of :class:`vllm_output_rate.gate.StepGate`.  :func:`plan_step`
-reads the lanes (:mod:`vllm_output_rate.gate_lanes`) and records what it
-paid for in the step's ledger (:mod:`vllm_output_rate.gate_ledger`).
+One part of :class:`vllm_output_rate.policy.gate.StepGate`.  :func:`plan_step`
+reads the lanes (:mod:`vllm_output_rate.policy.lanes`) and records what it
+paid for in the step's ledger (:mod:`vllm_output_rate.policy.ledger`).
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import islice
 
-from vllm_output_rate.gate_lanes import Lane, Lanes
-from vllm_output_rate.gate_ledger import Ledger
+from vllm_output_rate.policy.lanes import Lane, Lanes
+from vllm_output_rate.policy.ledger import Ledger
 
 
 @dataclass(slots=True)

@@ -27,7 +27,7 @@ from vllm.v1.outputs import ModelRunnerOutput
 
 from sched_harness import MS, TOKEN, Harness
 from vllm_output_rate.adapter import compat
-from vllm_output_rate.gate import MAX_IDLE_WAIT_NS
+from vllm_output_rate.policy.gate import MAX_IDLE_WAIT_NS
 
 SERIES = compat.installed_series()
 LIMITS = {

@@ -16,11 +16,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_output_rate.gate_lanes import Lane, Lanes
-from vllm_output_rate.gate_ledger import Ledger
-from vllm_output_rate.gate_plan import plan_step
-from vllm_output_rate.gate_victims import throttled_victims
-from vllm_output_rate.limiter import OutputRateLimiter
+from vllm_output_rate.policy.lanes import Lane, Lanes
+from vllm_output_rate.policy.ledger import Ledger
+from vllm_output_rate.policy.plan import plan_step
+from vllm_output_rate.policy.victims import throttled_victims
+from vllm_output_rate.policy.limiter import OutputRateLimiter
 
 MS = 1_000_000
 S = 1_000_000_000

@@ -1,4 +1,4 @@
-"""Tests of the per-step gate (:mod:`vllm_output_rate.gate`).
+"""Tests of the per-step gate (:mod:`vllm_output_rate.policy.gate`).
 
 The gate runs over a real :class:`OutputRateLimiter`; time is a plain integer
 (a fake clock) passed to :meth:`StepGate.plan`.  Keys are plain strings.
@@ -19,12 +19,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_output_rate.gate import (
+from vllm_output_rate.policy.gate import (
     CLEANUP_EVERY_STEPS,
     MAX_IDLE_WAIT_NS,
     StepGate,
 )
-from vllm_output_rate.limiter import OutputRateLimiter
+from vllm_output_rate.policy.limiter import OutputRateLimiter
 
 MS = 1_000_000
 S = 1_000_000_000

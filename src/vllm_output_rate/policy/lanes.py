@@ -1,7 +1,7 @@
 """Membership and lanes: whose each request is, which requests are resident,
 and the order in which users and their streams are served.
 
-One part of :class:`vllm_output_rate.gate.StepGate`; plain Python, no quota
+One part of :class:`vllm_output_rate.policy.gate.StepGate`; plain Python, no quota
 and no vLLM.  A *lane* holds one user's requests; :class:`Lanes` keeps the
 lanes in service order.
 """
@@ -53,7 +53,7 @@ class Lane:
 class Lanes:
     """Users' lanes in service order, least recently served first.
 
-    Invariants (checked by ``tests/test_gate_parts.py``):
+    Invariants (checked by ``tests/policy/test_gate_parts.py``):
 
     * a tracked key has one user for as long as it is tracked (``user_of``);
     * a resident key is in exactly one place: its user's lane, in

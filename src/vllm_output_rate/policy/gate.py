@@ -7,17 +7,17 @@ progress without sampling (a prefill with at least two positions left).
 
 :class:`StepGate` is a small composition of named parts, each in its own
 module with its invariants in its docstring, and each unit-tested alone
-(``tests/test_gate_parts.py``):
+(``tests/policy/test_gate_parts.py``):
 
-* **membership and lanes** -- :class:`~vllm_output_rate.gate_lanes.Lanes`:
+* **membership and lanes** -- :class:`~vllm_output_rate.policy.lanes.Lanes`:
   each request's user, which requests are resident, users in service order
   (least recently served first) and each user's streams in rotation order;
-* **the per-step planner** -- :func:`~vllm_output_rate.gate_plan.plan_step`:
+* **the per-step planner** -- :func:`~vllm_output_rate.policy.plan.plan_step`:
   which resident requests the scheduler may look at in a step;
-* **the charge/refund ledger** -- :class:`~vllm_output_rate.gate_ledger.Ledger`:
+* **the charge/refund ledger** -- :class:`~vllm_output_rate.policy.ledger.Ledger`:
   what each request paid in the step, who was refused or blocked, refunds,
   and the per-user totals read by metrics;
-* **victim choice** -- :func:`~vllm_output_rate.gate_victims.throttled_victims`:
+* **victim choice** -- :func:`~vllm_output_rate.policy.victims.throttled_victims`:
   which hidden requests give way when KV or slots run out.
 
 :class:`StepGate` itself runs the step (:meth:`~StepGate.plan`,
@@ -64,11 +64,11 @@ from __future__ import annotations
 
 from typing import Container, Hashable, Iterator
 
-from vllm_output_rate.gate_lanes import Lanes
-from vllm_output_rate.gate_ledger import Ledger
-from vllm_output_rate.gate_plan import StepPlan, plan_step
-from vllm_output_rate.gate_victims import throttled_victims
-from vllm_output_rate.limiter import OutputRateLimiter
+from vllm_output_rate.policy.lanes import Lanes
+from vllm_output_rate.policy.ledger import Ledger
+from vllm_output_rate.policy.plan import StepPlan, plan_step
+from vllm_output_rate.policy.victims import throttled_victims
+from vllm_output_rate.policy.limiter import OutputRateLimiter
 
 __all__ = ["CLEANUP_EVERY_STEPS", "MAX_IDLE_WAIT_NS", "StepGate", "StepPlan"]
 
@@ -192,7 +192,7 @@ class StepGate:
 
     def throttled_victims(self) -> Iterator[Key]:
         """Hidden requests of out-of-quota users, the user whose quota comes
-        back last first (see :func:`~vllm_output_rate.gate_victims.throttled_victims`)."""
+        back last first (see :func:`~vllm_output_rate.policy.victims.throttled_victims`)."""
         return throttled_victims(self.lanes, self.ledger)
 
     # -- one step ----------------------------------------------------------

@@ -25,9 +25,9 @@ from __future__ import annotations
 from collections import deque
 from typing import Callable, Iterable, Mapping
 
-from vllm_output_rate.settings import OTHER_USERS
-
 NS_PER_S = 1_000_000_000
+#: The one series that stands for every user beyond the metrics cap.
+OTHER_USERS = "__other__"
 
 #: Report fields per user: [charged tokens (increment), throttled seconds
 #: (increment), active, throttled, waiting requests, limit tokens/s or None].

@@ -14,7 +14,7 @@ from vllm.v1.request import RequestStatus
 
 from sched_harness import MS, Harness, Record, max_in_window
 from vllm_output_rate.adapter.scheduler import OutputRateAsyncScheduler, OutputRateScheduler
-from vllm_output_rate.gate import MAX_IDLE_WAIT_NS
+from vllm_output_rate.policy.gate import MAX_IDLE_WAIT_NS
 
 S = 1_000_000_000
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from vllm_output_rate.eviction import DEFAULT_RECOMPUTE_RATIO, EvictionBudget, evens_out
+from vllm_output_rate.policy.eviction import DEFAULT_RECOMPUTE_RATIO, EvictionBudget, evens_out
 
 
 def test_budget_starts_full_and_refuses_what_it_cannot_pay():

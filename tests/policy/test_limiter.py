@@ -1,4 +1,4 @@
-"""Tests of the exact-integer GCRA limiter (:mod:`vllm_output_rate.limiter`).
+"""Tests of the exact-integer GCRA limiter (:mod:`vllm_output_rate.policy.limiter`).
 
 Time is always passed in (integer nanoseconds); nothing here sleeps or reads a
 clock.  Expected values are computed with exact integer / Fraction arithmetic,
@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from vllm_output_rate.limiter import (
+from vllm_output_rate.policy.limiter import (
     DEFAULT_BURST_NS,
     NS_PER_S,
     OutputRateLimiter,
@@ -851,7 +851,7 @@ def test_update_rates_bound_at_new_rate_from_the_change(rates, burst, start, bef
 
 
 def test_make_limiter_without_store_is_the_in_memory_limiter():
-    from vllm_output_rate.limiter import make_limiter
+    from vllm_output_rate.factory import make_limiter
     from vllm_output_rate.settings import OutputRateSettings
 
     settings = OutputRateSettings(default_rate=2.5, user_rates={"a": 20})

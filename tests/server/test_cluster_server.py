@@ -546,7 +546,7 @@ LIGHT_THINK_S = 2.0  # the light user's pause after each request (see check_ligh
 # overhead), the light user another core, and a starved engine plans so
 # rarely that it cannot spend its leases (lease = 0.1 s of the rate, then
 # spendable for 150 ms: an engine that plans only every 250 ms got ~0.8 of its
-# part; benchmarks/cluster_shortfall.py, tests/test_lease.py::slow_step_run).
+# part; benchmarks/cluster_shortfall.py, tests/stores/test_lease.py::slow_step_run).
 # With the light user pausing the same box gave 0.94-1.01 x N (four runs, load
 # average 1-13), but a CI run on a slower box still got 0.88 x N over three
 # engines; the lifetime is now 300 ms (fake clock: 0.98 x N at 250 ms and 300

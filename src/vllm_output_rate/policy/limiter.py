@@ -34,7 +34,8 @@ path costs exactly what it did before the split.  A store shared between
 engines cannot be consulted synchronously from the scheduler step (it would
 wait on the network); that case is :mod:`vllm_output_rate.stores.lease`, which
 runs the same algorithm on the shared server and spends local leases through
-this same interface.  :func:`make_limiter` picks one from the settings.
+this same interface.  :func:`vllm_output_rate.factory.make_limiter` picks one
+from the settings.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ import math
 from dataclasses import dataclass
 from fractions import Fraction
 from numbers import Real
-from typing import Any, Mapping, MutableMapping
+from typing import Mapping, MutableMapping, Protocol
 
 NS_PER_S = 1_000_000_000
 DEFAULT_BURST_NS = 100_000_000  # 100 ms: must cover at least one engine step.
@@ -79,6 +80,43 @@ def exact_rate(value: object, what: str = "rate") -> Fraction:
     if isinstance(value, int):
         return Fraction(value)
     return Fraction(repr(as_float))
+
+
+
+class Limiter(Protocol):
+    """What the gate and the scheduler need of a per-user output-token quota.
+
+    Implemented by :class:`OutputRateLimiter` (one engine, in memory) and by
+    the store layer's leased limiter (one quota shared by several engines).
+    Every operation takes ``now_ns`` from the caller's monotonic clock.
+    """
+
+    def rate_of(self, user: str) -> float:
+        """The user's configured tokens per second."""
+
+    def available(self, user: str, now_ns: int) -> int:
+        """How many tokens the user could take in a row at ``now_ns``."""
+
+    def take_up_to(self, user: str, now_ns: int, count: int) -> int:
+        """Take as many of ``count`` tokens as the quota allows; return how many."""
+
+    def refund(self, user: str, now_ns: int, count: int = 1) -> None:
+        """Give back ``count`` tokens taken earlier and not used."""
+
+    def ready_at_ns(self, user: str, now_ns: int) -> int:
+        """The earliest time >= ``now_ns`` at which the user can take one token."""
+
+    def cleanup_idle_users(self, now_ns: int) -> int:
+        """Forget users whose quota is whole again; return how many."""
+
+    def update_rates(self, default_rate: float, user_rates: Mapping[str, float] | None = None) -> list[str]:
+        """Replace the configured rates; return the active users whose rate changed."""
+
+    def figures(self) -> dict[str, int]:
+        """Counters for the metrics endpoint (empty for a limiter without a store)."""
+
+    def close(self) -> None:
+        """Release what the limiter holds (threads, connections)."""
 
 
 @dataclass(frozen=True)
@@ -300,19 +338,3 @@ def _scaled_rates(
         overrides[user] = _ScaledRate.of(exact_rate(rate, f"rate of user {user!r}"), burst_ns)
     return default, overrides
 
-
-def make_limiter(settings: Any, **kwargs: Any) -> Any:
-    """The limiter the scheduler uses for ``settings`` (an ``OutputRateSettings``).
-
-    Without a shared store configured (``settings.store`` missing or None)
-    this is ``OutputRateLimiter(settings.default_rate, settings.user_rates)``:
-    the exact in-memory limiter.  With a store it is a
-    :class:`~vllm_output_rate.stores.lease.LeasedOutputRateLimiter` spending
-    leases of the shared quota (same methods); ``kwargs`` go to its
-    constructor.  Call ``close()`` on the result, if it has one, at shutdown.
-    """
-    if getattr(settings, "store", None) is None:
-        return OutputRateLimiter(settings.default_rate, settings.user_rates)
-    from vllm_output_rate.stores.lease import limiter_from_settings
-
-    return limiter_from_settings(settings, **kwargs)

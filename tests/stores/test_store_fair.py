@@ -25,7 +25,7 @@ from redis_harness import RedisServer
 from test_lease import Clock, FakeStore, takes
 from test_store_redis import bound, max_in_window, run_engines
 
-from vllm_output_rate.limiter import NS_PER_S
+from vllm_output_rate.policy.limiter import NS_PER_S
 from vllm_output_rate.stores.lease import LeaseAsk, LeaseConfig, LeasedOutputRateLimiter
 from vllm_output_rate.stores.redis_store import RedisLeaseBackend, user_key
 

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vllm_output_rate.limiter import DEFAULT_BURST_NS, NS_PER_S, OutputRateLimiter
+from vllm_output_rate.policy.limiter import DEFAULT_BURST_NS, NS_PER_S, OutputRateLimiter
 from vllm_output_rate.stores.lease import (
     CLOSED,
     LOCAL,
