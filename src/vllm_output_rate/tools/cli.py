@@ -11,6 +11,7 @@ through the plugin.
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.metadata
 import os
 import sys
@@ -141,28 +142,49 @@ def add_tiny_model_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def cmd_bench(argv: list[str]) -> None:
-    from vllm_output_rate.tools.bench import main as bench_main
+#: Third-party packages of the ``[tools]`` extra (and the Redis client of
+#: ``[redis]``, which demo-cluster needs): a command that misses one says which
+#: extra to install instead of showing a traceback.
+EXTRA_OF_PACKAGE = {
+    "httpx": "tools",
+    "openai": "tools",
+    "rich": "tools",
+    "matplotlib": "tools",
+    "tqdm": "tools",
+    "redis": "redis",
+}
 
-    bench_main(argv)
+
+def _run_tool(module: str, argv: list[str]) -> None:
+    """Run ``vllm_output_rate.tools.<module>.main(argv)``; when one of the
+    extras' packages is missing (at import or later, some are imported only
+    when needed), fail with one line naming the extra to install."""
+    try:
+        importlib.import_module(f"vllm_output_rate.tools.{module}").main(argv)
+    except ImportError as exc:
+        top = (exc.name or "").partition(".")[0]
+        if top not in EXTRA_OF_PACKAGE:
+            raise
+        _fail(
+            f"this command needs the '{top}' package: "
+            f"pip install 'vllm-output-rate[{EXTRA_OF_PACKAGE[top]}]'"
+        )
+
+
+def cmd_bench(argv: list[str]) -> None:
+    _run_tool("bench", argv)
 
 
 def cmd_demo(argv: list[str]) -> None:
-    from vllm_output_rate.tools.demo import main as demo_main
-
-    demo_main(argv)
+    _run_tool("demo", argv)
 
 
 def cmd_demo_cluster(argv: list[str]) -> None:
-    from vllm_output_rate.tools.demo_cluster import main as demo_cluster_main
-
-    demo_cluster_main(argv)
+    _run_tool("demo_cluster", argv)
 
 
 def cmd_top(argv: list[str]) -> None:
-    from vllm_output_rate.tools.top import main as top_main
-
-    top_main(argv)
+    _run_tool("top", argv)
 
 
 #: Commands whose arguments are handed, unchanged, to another parser: vLLM's
