@@ -28,7 +28,7 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
-from sched_harness import BLOCK_SIZE, MS, TOKEN, FakeClock
+from vllm_output_rate.tools.scheduler_sim import BLOCK_SIZE, MS, TOKEN, FakeClock
 from server_harness import TINY_MODEL_DIR
 from vllm_output_rate.adapter.patches import OutputRateConfigError, check_vllm_config
 from vllm_output_rate.adapter.scheduler import OutputRateScheduler

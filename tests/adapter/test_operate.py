@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from sched_harness import MS, Harness, max_in_window
+from vllm_output_rate.tools.scheduler_sim import MS, Harness, max_in_window
 from vllm_output_rate.settings import OTHER_USERS
 
 S = 1000 * MS

@@ -12,7 +12,7 @@ import pytest
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
-from sched_harness import MS, Harness, Record, max_in_window
+from vllm_output_rate.tools.scheduler_sim import MS, Harness, Record, max_in_window
 from vllm_output_rate.adapter.scheduler import OutputRateAsyncScheduler, OutputRateScheduler
 from vllm_output_rate.policy.gate import MAX_IDLE_WAIT_NS
 

@@ -12,7 +12,7 @@ import importlib.util
 
 import pytest
 
-from sched_harness import Harness
+from vllm_output_rate.tools.scheduler_sim import Harness
 from vllm_output_rate.adapter import compat
 from vllm_output_rate.adapter.series import SERIES, VllmSeries
 

@@ -8,11 +8,17 @@ back; the limiter reads a fake clock that the harness advances.
 
 With ``async_=True`` the harness runs like vLLM's async scheduling: step
 N+1 is scheduled before step N's output is fed back.
+
+Importing this module registers the plugin's patches (as vLLM's plugin
+loader would), so it belongs to tests and benchmarks, never to a server.
+The model folder defaults to ``TINY_MODEL_DIR`` or ``models/tiny-llama``
+relative to the working directory (only its config and tokenizer are read).
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
@@ -30,12 +36,12 @@ from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
 import vllm_output_rate
-from vllm_output_rate.policy.limiter import OutputRateLimiter
 from vllm_output_rate.adapter.scheduler import (
     OutputRateAsyncScheduler,
     OutputRateScheduler,
 )
-from server_harness import TINY_MODEL_DIR
+from vllm_output_rate.policy.limiter import OutputRateLimiter
+from vllm_output_rate.tools.serverproc import DEFAULT_MODEL_DIR
 
 BLOCK_SIZE = 16
 TOKEN = 7  # every fabricated sampled token (never EOS of the tiny model)
@@ -82,6 +88,7 @@ class Harness:
         policy: str = "fcfs",
         max_model_len: int = 1024,
         prefix_caching: bool = True,
+        model_dir: str | os.PathLike = DEFAULT_MODEL_DIR,
     ) -> None:
         if not chunked:
             max_model_len = min(max_model_len, max_num_batched_tokens)
@@ -89,7 +96,7 @@ class Harness:
         if limits is not None:
             additional["output_rate"] = limits
         args = EngineArgs(
-            model=str(TINY_MODEL_DIR),
+            model=str(model_dir),
             max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,
             max_num_active_seqs=max_num_active_seqs,
