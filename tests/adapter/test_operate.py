@@ -147,14 +147,12 @@ def test_report_and_admin_snapshot(tmp_path):
     for _ in range(300):
         h.step(10 * MS)
     gate = h.sched.output_rate_gate
-    if not hasattr(gate, "charged_tokens"):
-        pytest.skip("gate.charged_tokens not available yet")
     now = h.clock.now_ns
     report = h.sched.output_rate_report(now)
     users = report["users"]
     assert set(users) == {"slow", "free", OTHER_USERS}
     # First report: the increments are everything charged so far.
-    assert users["slow"][0] == len(h.charges["slow"]) == gate.charged_tokens["slow"]
+    assert users["slow"][0] == len(h.charges["slow"]) == gate.ledger.charged_tokens["slow"]
     assert users["free"][0] == len(h.charges["free"])
     assert users["slow"][5] == 10 and users["free"][5] == 1000
     assert users["slow"][1] > 0  # throttled seconds
@@ -180,8 +178,6 @@ def test_idle_users_are_forgotten_so_engine_state_stays_bounded(tmp_path):
     """1,000 one-off names: after they go idle the per-user totals shrink back."""
     h, path, watcher = make_harness(tmp_path, {"slow": 10})
     gate = h.sched.output_rate_gate
-    if not hasattr(gate, "charged_tokens"):
-        pytest.skip("gate.charged_tokens not available yet")
     h.sched.output_rate_operate_clock = h.clock
     for i in range(1000):
         h.add(f"one-off-{i}", max_tokens=2)
@@ -189,14 +185,14 @@ def test_idle_users_are_forgotten_so_engine_state_stays_bounded(tmp_path):
     for _ in range(400):
         h.step(10 * MS)
     first = h.sched.output_rate_report(h.clock.now_ns)
-    assert len(gate.charged_tokens) == 1001
+    assert len(gate.ledger.charged_tokens) == 1001
     assert sum(row[0] for row in first["users"].values()) == 2 * 1000 + len(h.charges["slow"])
     # 31 s later (slow still streaming): the one-off users are dropped.
     for _ in range(31):
         h.clock.advance(1000 * MS)
         h.step(1 * MS)
         h.sched.output_rate_report(h.clock.now_ns)
-    assert set(gate.charged_tokens) == {"slow"}
+    assert set(gate.ledger.charged_tokens) == {"slow"}
     # What is left: the labelled series (at most K, dropped after 5 idle minutes) and slow.
     assert h.sched._output_rate_monitor.tracked() <= h.sched.output_rate_settings.metrics_max_users + 5
     # A forgotten user who comes back counts from zero, once.

@@ -39,7 +39,7 @@ def assert_all_done(h: Harness, initial_free: int) -> None:
         if rid not in h.stop_at:
             assert len(rec.sample_times) == rec.max_tokens, f"{rid} truncated"
     if hasattr(sched, "output_rate_gate"):
-        assert sched.output_rate_gate.num_resident() == 0
+        assert not sched.output_rate_gate.lanes.lane_of
 
 
 # -- the article's timeline ----------------------------------------------------------
@@ -394,7 +394,7 @@ def test_aborting_throttled_requests_releases_them():
     h.check_resident_consistent()
     assert not h.sched.running and not h.sched.waiting
     assert h.free_blocks() == initial_free
-    assert h.sched.output_rate_gate.num_resident() == 0
+    assert not h.sched.output_rate_gate.lanes.lane_of
 
 
 def test_idle_users_are_dropped_every_256_steps():
@@ -494,7 +494,7 @@ def test_streaming_input_session_leaves_and_rejoins_residency(async_):
     h.sched.add_request(chunk([101 + i for i in range(8)]))
     h.records["s"] = Record("sess", turn_tokens, 8)
     session = run_turn()
-    assert not h.sched.output_rate_gate.is_resident(session)
+    assert session not in h.sched.output_rate_gate.lanes.lane_of
     assert session not in h.sched.running
     first_turn = h.dispatched["s"]
     assert first_turn >= turn_tokens
@@ -502,13 +502,13 @@ def test_streaming_input_session_leaves_and_rejoins_residency(async_):
     h.sched.add_request(chunk([151 + i for i in range(5)]))  # the next input chunk
     session = run_turn()
     assert h.dispatched["s"] - first_turn >= turn_tokens  # sampled again, charged again
-    assert not h.sched.output_rate_gate.is_resident(session)
+    assert session not in h.sched.output_rate_gate.lanes.lane_of
 
     h.sched.add_request(chunk([7], resumable=False))  # closes the session
     h.run_until_done()
     h.check_limiter_exact()
     assert "s" not in h.sched.requests
-    assert h.sched.output_rate_gate.num_resident() == 0
+    assert not h.sched.output_rate_gate.lanes.lane_of
     assert not h.sched.running and not h.sched.waiting
     assert h.free_blocks() == initial_free
 
@@ -532,14 +532,14 @@ def test_gate_counts_charged_tokens_throttled_time_and_idle_steps(async_):
             assert users["slow"][1] <= 3
     h.drain()
     # Every dispatched sample is charged once and kept; refunds net out.
-    assert gate.charged_tokens == {user: len(times) for user, times in h.charges.items()}
-    assert gate.charged_tokens["slow"] == 36
+    assert gate.ledger.charged_tokens == {user: len(times) for user, times in h.charges.items()}
+    assert gate.ledger.charged_tokens["slow"] == 36
     assert seen_held
     # "slow" needs ~3.5 s for 36 tokens at 10 tok/s and waits for quota most
     # of that time; "fast" never waits.
-    assert 2 * S < gate.throttled_ns["slow"] <= 4 * S
-    assert "fast" not in gate.throttled_ns
-    assert gate.idle_steps > 0
+    assert 2 * S < gate.ledger.throttled_ns["slow"] <= 4 * S
+    assert "fast" not in gate.ledger.throttled_ns
+    assert gate.ledger.idle_steps > 0
 
 
 # -- slot hand-over without thrash ---------------------------------------------------

@@ -25,6 +25,7 @@ from vllm_output_rate.policy.gate import (
     StepGate,
 )
 from vllm_output_rate.policy.limiter import OutputRateLimiter
+from vllm_output_rate.policy.victims import throttled_victims
 
 MS = 1_000_000
 S = 1_000_000_000
@@ -72,15 +73,15 @@ def new_gate(default=1000, rates=None, **kw) -> tuple[StepGate, CountingLimiter]
 
 def add(gate: StepGate, user: str, *keys: str, progressing: bool = False) -> None:
     for k in keys:
-        gate.track(k, user)
-        gate.admit(k, progressing)
+        gate.lanes.track(k, user)
+        gate.lanes.admit(k, progressing)
 
 
 def step(gate: StepGate, now: int, slots: int, serve=None):
     """One step: plan, charge every visible key (or ``serve``), all sampled."""
     plan = gate.plan(now, slots)
     keys = plan.visible if serve is None else serve
-    sampled = {k for k in keys if gate.charge(k)}
+    sampled = {k for k in keys if gate.ledger.charge(k)}
     gate.finish(sampled)
     return plan
 
@@ -100,36 +101,36 @@ def taken(lim: CountingLimiter) -> int:
 
 def test_membership():
     gate, _ = new_gate()
-    gate.track("p", "u")
-    assert gate.user_of("p") == "u"
-    assert not gate.is_resident("p")
+    gate.lanes.track("p", "u")
+    assert gate.lanes.user_of["p"] == "u"
+    assert "p" not in gate.lanes.lane_of
     add(gate, "u", "d1", "d2")
-    gate.admit("p", True)
+    gate.lanes.admit("p", True)
     add(gate, "v", "x")
-    assert gate.num_resident() == 4
+    assert len(gate.lanes.lane_of) == 4
     # Lane by lane, prefills before decoding streams.
-    assert list(gate.resident()) == ["p", "d1", "d2", "x"]
-    gate.set_progressing("p", False)
-    gate.set_progressing("d1", True)
-    assert list(gate.resident()) == ["d1", "d2", "p", "x"]
-    gate.set_progressing("d1", True)  # idempotent
-    gate.set_progressing("x", False)  # idempotent
-    gate.set_progressing("nobody", True)  # not resident: ignored
-    assert list(gate.resident()) == ["d1", "d2", "p", "x"]
-    gate.release("d2")
-    gate.release("d2")  # twice is harmless
-    assert not gate.is_resident("d2")
-    assert gate.user_of("d2") == "u"  # still tracked
-    gate.forget("x")
-    assert not gate.is_resident("x")
+    assert list(gate.lanes.resident()) == ["p", "d1", "d2", "x"]
+    gate.lanes.set_progressing("p", False)
+    gate.lanes.set_progressing("d1", True)
+    assert list(gate.lanes.resident()) == ["d1", "d2", "p", "x"]
+    gate.lanes.set_progressing("d1", True)  # idempotent
+    gate.lanes.set_progressing("x", False)  # idempotent
+    gate.lanes.set_progressing("nobody", True)  # not resident: ignored
+    assert list(gate.lanes.resident()) == ["d1", "d2", "p", "x"]
+    gate.lanes.release("d2")
+    gate.lanes.release("d2")  # twice is harmless
+    assert "d2" not in gate.lanes.lane_of
+    assert gate.lanes.user_of["d2"] == "u"  # still tracked
+    gate.lanes.forget("x")
+    assert "x" not in gate.lanes.lane_of
     with pytest.raises(KeyError):
-        gate.user_of("x")
-    assert gate.num_resident() == 2
-    assert list(gate.resident()) == ["d1", "p"]
-    gate.release("d1")
-    gate.release("p")
-    assert gate.num_resident() == 0
-    assert list(gate.resident()) == []
+        gate.lanes.user_of["x"]
+    assert len(gate.lanes.lane_of) == 2
+    assert list(gate.lanes.resident()) == ["d1", "p"]
+    gate.lanes.release("d1")
+    gate.lanes.release("p")
+    assert len(gate.lanes.lane_of) == 0
+    assert list(gate.lanes.resident()) == []
     plan = gate.plan(0, 10)
     assert (plan.visible, plan.hidden, plan.over_cap) == ([], 0, False)
     assert (plan.prepaid, plan.prefills, plan.throttled) == (set(), [], False)
@@ -152,11 +153,11 @@ def test_plan_prepays_offered_streams_in_one_take_per_user():
     assert sorted(lim.takes) == [("lots", 2), ("three", 2)]
     assert lim.available("three", 0) == 1
     assert lim.available("lots", 0) == 99
-    assert all(gate.is_charged(k) for k in ("a", "b", "l1", "l2"))
-    assert not gate.is_charged("p")
+    assert all(gate.ledger.is_charged(k) for k in ("a", "b", "l1", "l2"))
+    assert not gate.ledger.is_charged("p")
     # Paid streams pass for free, and so does asking again.
     for k in ("a", "b", "a"):
-        assert gate.charge(k) and gate.can_charge(k)
+        assert gate.ledger.charge(k) and gate.ledger.can_charge(k)
     assert len(lim.takes) == 2
     assert gate.finish({"a", "b", "l1", "l2"}) == 0
     assert lim.available("three", 0) == 1
@@ -167,17 +168,17 @@ def test_charge_at_most_once_per_key_per_step():
     gate, lim = new_gate()
     add(gate, "three", "p", progressing=True)
     gate.plan(0, 10)
-    assert gate.charge("p") and gate.charge("p") and gate.charge("p")
-    assert gate.can_charge("p")
+    assert gate.ledger.charge("p") and gate.ledger.charge("p") and gate.ledger.charge("p")
+    assert gate.ledger.can_charge("p")
     assert lim.takes == [("three", 1)]
     assert lim.available("three", 0) == 2
-    assert gate.is_charged("p")
+    assert gate.ledger.is_charged("p")
     assert gate.finish({"p"}) == 0
     assert lim.available("three", 0) == 2
-    assert not gate.is_charged("p")
+    assert not gate.ledger.is_charged("p")
     # A new step charges again.
     gate.plan(0, 10)
-    assert gate.charge("p")
+    assert gate.ledger.charge("p")
     assert lim.takes == [("three", 1), ("three", 1)]
     assert lim.available("three", 0) == 1
     gate.finish({"p"})
@@ -188,21 +189,21 @@ def test_refused_user_is_not_asked_again_in_the_step():
     add(gate, "one", "a", "b", "c", progressing=True)
     add(gate, "three", "x", progressing=True)
     gate.plan(0, 10)
-    assert gate.charge("a")
-    assert not gate.charge("b")  # quota gone: the limiter says no
+    assert gate.ledger.charge("a")
+    assert not gate.ledger.charge("b")  # quota gone: the limiter says no
     assert lim.takes == [("one", 1), ("one", 1)]
     # Even if quota comes back mid-step, the user is not asked again.
     lim.refund("one", 0)
     assert lim.available("one", 0) == 1
-    assert not gate.charge("c")
-    assert not gate.can_charge("c")
+    assert not gate.ledger.charge("c")
+    assert not gate.ledger.can_charge("c")
     assert lim.takes == [("one", 1), ("one", 1)]  # not asked again
-    assert gate.charge("a")  # already charged keys stay charged
-    assert gate.charge("x")  # other users are unaffected
+    assert gate.ledger.charge("a")  # already charged keys stay charged
+    assert gate.ledger.charge("x")  # other users are unaffected
     gate.finish({"a", "x"})
     # Next step: asked again.
     gate.plan(0, 10)
-    assert gate.charge("b")
+    assert gate.ledger.charge("b")
     assert lim.takes[-1] == ("one", 1)
     gate.finish(set())
 
@@ -211,13 +212,13 @@ def test_can_charge_takes_nothing_but_a_no_sticks():
     gate, lim = new_gate()
     add(gate, "one", "a", "b", progressing=True)
     gate.plan(0, 10)
-    assert gate.can_charge("a")
-    assert gate.can_charge("b")
+    assert gate.ledger.can_charge("a")
+    assert gate.ledger.can_charge("b")
     assert lim.takes == [] and lim.available("one", 0) == 1
-    assert gate.charge("a")
-    assert not gate.can_charge("b")  # refused: remembered
+    assert gate.ledger.charge("a")
+    assert not gate.ledger.can_charge("b")  # refused: remembered
     lim.refund("one", 0)
-    assert not gate.charge("b")
+    assert not gate.ledger.charge("b")
     assert lim.takes == [("one", 1)]
     gate.finish(set())
 
@@ -230,16 +231,16 @@ def test_finish_refunds_exactly_the_unsampled_charges():
     add(gate, "lots", "l1", "l2", "l3", "l4")
     add(gate, "lots", "lp1", "lp2", progressing=True)
     add(gate, "one", "o1")
-    gate.track("w", "one")  # a waiting request of "one"
+    gate.lanes.track("w", "one")  # a waiting request of "one"
     plan = gate.plan(now, 100)
     assert plan.prepaid == {"t1", "t2", "t3", "l1", "l2", "l3", "l4", "o1"}
-    assert gate.charge("lp1") and gate.charge("lp2")
-    assert not gate.charge("w")  # "one" spent its token on o1
+    assert gate.ledger.charge("lp1") and gate.ledger.charge("lp2")
+    assert not gate.ledger.charge("w")  # "one" spent its token on o1
     sampled = {"t2", "l1", "l4", "lp2", "not-charged", "w"}
     # Unsampled: t1, t3, l2, l3, o1 (prepaid) and lp1 (charged).
     assert gate.finish(sampled) == 6
     for k in ["t2", "l1", "l4", "lp2"]:
-        assert ref.try_take(gate.user_of(k), now)
+        assert ref.try_take(gate.lanes.user_of[k], now)
     users = ["three", "lots", "one"]
     for t in (now, now + 10 * MS, now + 60 * MS, now + S):
         assert observe(lim, users, t) == observe(ref, users, t)
@@ -253,26 +254,26 @@ def test_finish_refunds_charges_of_requests_that_left_mid_step():
     add(gate, "lots", "a", "b", "c")
     add(gate, "lots", "p", progressing=True)
     gate.plan(0, 10)
-    assert gate.charge("p")
+    assert gate.ledger.charge("p")
     assert lim.available("lots", 0) == 101 - 4
-    gate.release("a")  # preempted after being paid for
-    gate.forget("b")  # aborted after being paid for
-    gate.release("p")  # preempted after being charged
+    gate.lanes.release("a")  # preempted after being paid for
+    gate.lanes.forget("b")  # aborted after being paid for
+    gate.lanes.release("p")  # preempted after being charged
     assert gate.finish({"c"}) == 3
     assert lim.available("lots", 0) == 100
-    assert gate.num_resident() == 1
+    assert len(gate.lanes.lane_of) == 1
 
 
 def test_charge_of_newly_admitted_request():
     gate, lim = new_gate()
     add(gate, "three", "a")
     gate.plan(0, 10)  # prepays a
-    gate.track("new", "three")  # a waiting request scheduled in this step
-    assert gate.charge("new")
-    gate.admit("new", False)
+    gate.lanes.track("new", "three")  # a waiting request scheduled in this step
+    assert gate.ledger.charge("new")
+    gate.lanes.admit("new", False)
     assert gate.finish({"new"}) == 1  # a was offered but did not sample
     assert lim.available("three", 0) == 2
-    assert list(gate.resident()) == ["a", "new"]
+    assert list(gate.lanes.resident()) == ["a", "new"]
 
 
 # ---------------------------------------------------------------------------
@@ -286,7 +287,7 @@ def test_served_stream_moves_behind_the_users_other_streams():
     plan = gate.plan(0, 2)
     assert plan.visible == ["k0", "k1"]
     assert gate.finish({"k1"}) == 1  # only k1 sampled
-    assert list(gate.resident()) == ["k0", "k2", "k3", "k4", "k1"]
+    assert list(gate.lanes.resident()) == ["k0", "k2", "k3", "k4", "k1"]
     assert step(gate, 0, 2).visible == ["k0", "k2"]
     assert step(gate, 0, 2).visible == ["k3", "k4"]
     assert step(gate, 0, 2).visible == ["k1", "k0"]
@@ -297,7 +298,7 @@ def test_unserved_offered_streams_keep_their_order():
     add(gate, "lots", "k0", "k1", "k2", "k3", "k4")
     assert gate.plan(0, 4).visible == ["k0", "k1", "k2", "k3"]
     assert gate.finish({"k2", "k0"}) == 2
-    assert list(gate.resident()) == ["k1", "k3", "k4", "k0", "k2"]
+    assert list(gate.lanes.resident()) == ["k1", "k3", "k4", "k0", "k2"]
     assert gate.plan(0, 2).visible == ["k1", "k3"]
     gate.finish(set())
 
@@ -306,9 +307,9 @@ def test_rotation_when_an_offered_stream_left_mid_step():
     gate, _ = new_gate()
     add(gate, "lots", "k0", "k1", "k2", "k3")
     assert gate.plan(0, 2).visible == ["k0", "k1"]
-    gate.release("k0")  # preempted
+    gate.lanes.release("k0")  # preempted
     gate.finish({"k1"})
-    assert list(gate.resident()) == ["k2", "k3", "k1"]
+    assert list(gate.lanes.resident()) == ["k2", "k3", "k1"]
     assert gate.plan(0, 2).visible == ["k2", "k3"]
     gate.finish(set())
 
@@ -341,7 +342,7 @@ def test_progressing_keys_are_offered_without_quota():
     assert plan.prepaid == {"d1"}
     gate.finish({"d1"})
     # Prefills do not rotate; the served stream does.
-    assert list(gate.resident()) == ["p1", "p2", "d2", "d1"]
+    assert list(gate.lanes.resident()) == ["p1", "p2", "d2", "d1"]
 
 
 def test_users_least_recently_served_first():
@@ -371,8 +372,8 @@ def test_user_served_through_a_charge_moves_back():
     add(gate, "three", "bp", progressing=True)
     add(gate, "one", "c1")
     gate.plan(0, 10)
-    assert gate.charge("bp")
-    gate.set_progressing("bp", False)  # its prefill reached the sampling position
+    assert gate.ledger.charge("bp")
+    gate.lanes.set_progressing("bp", False)  # its prefill reached the sampling position
     gate.finish({"a1", "bp", "c1"})
     gate.finish(set())
     # Everyone was served; then "three" alone is served next step.
@@ -381,9 +382,9 @@ def test_user_served_through_a_charge_moves_back():
     assert gate.plan(S, 1).visible == ["a1"]
     gate.finish(set())
     users = []
-    for k in gate.resident():
-        if gate.user_of(k) not in users:
-            users.append(gate.user_of(k))
+    for k in gate.lanes.resident():
+        if gate.lanes.user_of[k] not in users:
+            users.append(gate.lanes.user_of[k])
     assert users[-1] == "three"
 
 
@@ -408,8 +409,8 @@ def test_service_order_survives_preemption_and_readmission():
     step(gate, 0, 1)  # serves a: order is now b, a
     assert gate.plan(S, 1).visible == ["b1"]
     gate.finish(set())  # b not served (e.g. no KV for it)
-    gate.release("b1")  # b's only request is preempted ...
-    gate.admit("b1", False)  # ... and comes back
+    gate.lanes.release("b1")  # b's only request is preempted ...
+    gate.lanes.admit("b1", False)  # ... and comes back
     # b was served less recently than a (never vs. step 1): b goes first.
     assert gate.plan(2 * S, 1).visible == ["b1"]
 
@@ -428,13 +429,13 @@ def test_all_prepaid_sampled_shortcut_matches_the_full_settlement():
         gate, lim = build()
         plan = gate.plan(0, 7)
         assert plan.visible == ["a0", "a1", "a2", "a3", "bp", "b0", "b1"]
-        assert gate.charge("bp")
-        gate.track("new", "three")
-        assert not gate.charge("new")  # "three" is out: 2 prepaid + bp
-        gate.admit("new", False)
+        assert gate.ledger.charge("bp")
+        gate.lanes.track("new", "three")
+        assert not gate.ledger.charge("new")  # "three" is out: 2 prepaid + bp
+        gate.lanes.admit("new", False)
         sampled = set(plan.prepaid) | {"bp"}
         refunded = gate.finish(sampled, all_prepaid_sampled=shortcut)
-        results.append((refunded, list(gate.resident()), observe(lim, RATES, 0)))
+        results.append((refunded, list(gate.lanes.resident()), observe(lim, RATES, 0)))
     assert results[0] == results[1]
     assert results[0][1] == [
         "c0", "a0", "a1", "a2", "a3", "bp", "b2", "b3", "b4", "new", "b0", "b1"
@@ -572,8 +573,8 @@ def test_idle_wait_counts_users_refused_at_charge():
     gate, lim = new_gate(max_idle_wait_ns=S)
     add(gate, "one", "o1")
     gate.plan(0, 10)  # prepays o1: "one" is not throttled
-    gate.track("w", "one")  # a waiting request of the same user
-    assert not gate.charge("w")
+    gate.lanes.track("w", "one")  # a waiting request of the same user
+    assert not gate.ledger.charge("w")
     gate.finish({"o1"})
     assert gate.idle_wait_ns() == 200 * MS - 100 * MS  # interval - burst
     # A new step forgets who was blocked.
@@ -584,10 +585,10 @@ def test_idle_wait_counts_users_refused_at_charge():
 
 def test_idle_wait_counts_can_charge_refusals():
     gate, lim = new_gate(max_idle_wait_ns=S)
-    gate.track("w", "one")
+    gate.lanes.track("w", "one")
     assert lim.try_take("one", 0)
     gate.plan(0, 10)
-    assert not gate.can_charge("w")
+    assert not gate.ledger.can_charge("w")
     gate.finish(set())
     assert gate.idle_wait_ns() == 100 * MS
 
@@ -611,16 +612,16 @@ def test_throttled_victims_are_hidden_streams_of_throttled_users():
     # "slow" was not reached (no room left), so it was not judged throttled.
     # Users whose quota comes back last go first: "one" (ready at 100 ms)
     # before "three" (ready at 50 ms).
-    assert list(gate.throttled_victims()) == ["o2", "t4", "t5"]
+    assert list(throttled_victims(gate.lanes, gate.ledger)) == ["o2", "t4", "t5"]
     gate.finish(set())
     plan = gate.plan(0, 100)
     assert plan.visible == ["t1", "t2", "t3", "o1", "l1", "l2", "l3", "sp"]
-    victims = list(gate.throttled_victims())
+    victims = list(throttled_victims(gate.lanes, gate.ledger))
     assert victims == ["s1", "s2", "o2", "t4", "t5"]  # "slow" is ready at 1.9 s
     assert not set(victims) & set(plan.visible)
     # Evicting victims one by one (as the adapter does) lists the rest.
-    gate.release("t4")
-    assert list(gate.throttled_victims()) == ["s1", "s2", "o2", "t5"]
+    gate.lanes.release("t4")
+    assert list(throttled_victims(gate.lanes, gate.ledger)) == ["s1", "s2", "o2", "t5"]
     gate.finish(set())
 
 
@@ -629,7 +630,7 @@ def test_throttled_victims_empty_without_throttling():
     add(gate, "lots", "a", "b", "c")
     plan = gate.plan(0, 1)
     assert not plan.throttled
-    assert list(gate.throttled_victims()) == []
+    assert list(throttled_victims(gate.lanes, gate.ledger)) == []
     gate.finish(set())
 
 
@@ -639,12 +640,12 @@ def test_paid_request_is_never_a_victim():
     plan = gate.plan(0, 2)  # room for two: one token left over
     assert plan.visible == ["t0", "t1"] and plan.throttled
     # t2, t3 wait for room, not quota: no victims while the user can pay.
-    assert list(gate.throttled_victims()) == []
-    gate.track("w", "three")  # a waiting request scheduled in this step
-    assert gate.charge("w")  # ... spends the last token
-    assert list(gate.throttled_victims()) == ["t2", "t3"]
-    gate.admit("w", False)  # paid for, now resident behind t2, t3
-    assert list(gate.throttled_victims()) == ["t2", "t3"]
+    assert list(throttled_victims(gate.lanes, gate.ledger)) == []
+    gate.lanes.track("w", "three")  # a waiting request scheduled in this step
+    assert gate.ledger.charge("w")  # ... spends the last token
+    assert list(throttled_victims(gate.lanes, gate.ledger)) == ["t2", "t3"]
+    gate.lanes.admit("w", False)  # paid for, now resident behind t2, t3
+    assert list(throttled_victims(gate.lanes, gate.ledger)) == ["t2", "t3"]
     gate.finish({"w"})
 
 
@@ -653,9 +654,9 @@ def test_throttled_victims_after_a_visible_stream_is_preempted():
     add(gate, "one", "a0", "a1", "a2")
     plan = gate.plan(0, 10)
     assert plan.visible == ["a0"]
-    assert list(gate.throttled_victims()) == ["a1", "a2"]
-    gate.release("a0")  # the scheduler preempts the visible stream
-    assert list(gate.throttled_victims()) == ["a1", "a2"]
+    assert list(throttled_victims(gate.lanes, gate.ledger)) == ["a1", "a2"]
+    gate.lanes.release("a0")  # the scheduler preempts the visible stream
+    assert list(throttled_victims(gate.lanes, gate.ledger)) == ["a1", "a2"]
 
 
 # ---------------------------------------------------------------------------
@@ -692,7 +693,7 @@ def test_cleanup_keeps_users_with_debt():
     gate.plan(S, 1)
     assert lim.tracked_users() == 1
     gate.finish(set())
-    gate.release("s")
+    gate.lanes.release("s")
     gate.plan(2 * S, 1)
     assert lim.tracked_users() == 0
 
@@ -710,13 +711,13 @@ def test_steady_repeats_a_full_undisturbed_step_with_one_take_per_user():
     plan = gate.plan(0, 10)
     gate.finish(set(plan.visible), all_prepaid_sampled=True)
     lim.takes.clear()
-    order = list(gate.resident())
+    order = list(gate.lanes.resident())
     assert gate.steady(10 * MS, 10)
     assert sorted(lim.takes) == [("dflt", 1), ("lots", 2)]
-    assert all(gate.charge(k) for k in order)  # paid: asking takes nothing more
+    assert all(gate.ledger.charge(k) for k in order)  # paid: asking takes nothing more
     assert len(lim.takes) == 2
     assert gate.finish_steady(order, set(order), all_sampled=True) == 0
-    assert list(gate.resident()) == order
+    assert list(gate.lanes.resident()) == order
     assert gate.steady(20 * MS, 10)
 
 
@@ -732,7 +733,7 @@ def test_steady_refused_after_membership_change_slots_or_partial_step():
     assert not gate.steady(4 * MS, 10)
     plan = gate.plan(5 * MS, 10)
     gate.finish(set(plan.visible), all_prepaid_sampled=True)
-    gate.release("l1")
+    gate.lanes.release("l1")
     assert not gate.steady(6 * MS, 10)
 
 
@@ -753,11 +754,11 @@ def test_finish_steady_settles_a_disturbed_step_like_finish():
     add(gate, "dflt", "d1")
     plan = gate.plan(0, 10)
     gate.finish(set(plan.visible), all_prepaid_sampled=True)
-    order = list(gate.resident())
+    order = list(gate.lanes.resident())
     assert gate.steady(MS, 10)
     refunded = gate.finish_steady(order, {"l1", "d1"}, all_sampled=False)
     assert refunded == 2  # l2 and l3 did not sample
-    assert list(gate.resident()) == ["l2", "l3", "l1", "d1"]
+    assert list(gate.lanes.resident()) == ["l2", "l3", "l1", "d1"]
     assert not gate.steady(2 * MS, 10)
 
 
@@ -779,12 +780,12 @@ def test_steady_steps_match_planned_steps(seed, slots):
             next_key += 1
             for gate in (fast, slow):
                 add(gate, user, key)
-        elif roll < 0.25 and slow.num_resident():
-            key = rng.choice(sorted(slow.resident()))
+        elif roll < 0.25 and slow.lanes.lane_of:
+            key = rng.choice(sorted(slow.lanes.resident()))
             for gate in (fast, slow):
-                gate.forget(key)
+                gate.lanes.forget(key)
         now += rng.choice([0, MS, 10 * MS, 50 * MS, 300 * MS])
-        start = list(fast.resident())
+        start = list(fast.lanes.resident())
         repeated = fast.steady(now, slots)
         plan = slow.plan(now, slots)
         if repeated:
@@ -801,7 +802,7 @@ def test_steady_steps_match_planned_steps(seed, slots):
         slow.finish(sampled, all_prepaid_sampled=complete)
         # Every lane here holds a resident request (keys leave only through
         # forget()), so the resident order is the whole service order.
-        assert list(fast.resident()) == list(slow.resident())
+        assert list(fast.lanes.resident()) == list(slow.lanes.resident())
         assert observe(fast_lim, users, now) == observe(slow_lim, users, now)
 
 
@@ -934,10 +935,10 @@ class Model:
 
     def adopt(self, gate: StepGate):
         """Check the gate's orders against the stamps, then adopt them."""
-        order = list(gate.resident())
+        order = list(gate.lanes.resident())
         assert len(order) == len(set(order))
         assert set(order) == set(self.where)
-        assert gate.num_resident() == len(self.where)
+        assert len(gate.lanes.lane_of) == len(self.where)
         users, runs = [], {}
         for key in order:
             user = self.where[key]
@@ -962,8 +963,8 @@ class Model:
             assert ks == sorted(ks), f"streams of {user} not in rotation order"
             self.dec[user] = dec
         for key in self.user_of:
-            assert gate.is_resident(key) == (key in self.where)
-            assert gate.user_of(key) == self.user_of[key]
+            assert (key in gate.lanes.lane_of) == (key in self.where)
+            assert gate.lanes.user_of[key] == self.user_of[key]
 
 
 USERS = list(RATES) + ["dflt"]
@@ -1001,27 +1002,27 @@ def test_random_protocol_keeps_invariants(seed, cleanup_every, population, churn
         nonlocal next_key
         key = f"k{next_key}"
         next_key += 1
-        gate.track(key, user)
+        gate.lanes.track(key, user)
         model.user_of[key] = user
         ever_user[key] = user
         return key
 
     def admit(key, progressing):
-        gate.admit(key, progressing)
+        gate.lanes.admit(key, progressing)
         model.admit(key, progressing)
 
     def set_progressing(key, progressing):
-        gate.set_progressing(key, progressing)
+        gate.lanes.set_progressing(key, progressing)
         model.set_progressing(key, progressing)
 
     def release(key, forget=False):
         if forget:
-            gate.forget(key)
+            gate.lanes.forget(key)
             user = model.user_of.pop(key)
             model.release(key)
             model.drop_lane_if_gone(user)
         else:
-            gate.release(key)
+            gate.lanes.release(key)
             model.release(key)
 
     for _ in range(population):
@@ -1085,10 +1086,10 @@ def test_random_protocol_keeps_invariants(seed, cleanup_every, population, churn
         out_of_quota = [
             u
             # Users whose quota comes back last first (stable sort).
-            for u in sorted(exp_throttled, key=lambda u: -gate.limiter.ready_at_ns(u, gate.now_ns))
+            for u in sorted(exp_throttled, key=lambda u: -gate.limiter.ready_at_ns(u, gate.ledger.now_ns))
             if avail[u] == len(model.dec[u]) - len(exp_hidden[u])  # all it could pay was offered
         ]
-        assert list(gate.throttled_victims()) == [
+        assert list(throttled_victims(gate.lanes, gate.ledger)) == [
             k for u in out_of_quota for k in exp_hidden[u]
         ]
         model.adopt(gate)
@@ -1121,14 +1122,14 @@ def test_random_protocol_keeps_invariants(seed, cleanup_every, population, churn
                 else:
                     expected = before > 0
                 if op == "charge":
-                    assert gate.charge(key) == expected
+                    assert gate.ledger.charge(key) == expected
                     if expected and not paid:
                         charged.append((key, user))
                         assert lim.available(user, now) == before - 1
                     else:
                         assert lim.available(user, now) == before
                 else:
-                    assert gate.can_charge(key) == expected
+                    assert gate.ledger.can_charge(key) == expected
                     assert lim.available(user, now) == before
                 if not expected:
                     refused.add(user)
@@ -1145,7 +1146,7 @@ def test_random_protocol_keeps_invariants(seed, cleanup_every, population, churn
                         shifted.add(model.user_of[key])
                     release(key, forget=op == "abort")
             elif op == "victims":
-                got = list(gate.throttled_victims())
+                got = list(throttled_victims(gate.lanes, gate.ledger))
                 assert len(got) == len(set(got))
                 for key in got:
                     # Only hidden, unpaid, resident streams of throttled users.
@@ -1158,16 +1159,16 @@ def test_random_protocol_keeps_invariants(seed, cleanup_every, population, churn
                     k
                     # Users whose quota comes back last first (stable sort).
                     for u in sorted(
-                        exp_throttled, key=lambda u: -gate.limiter.ready_at_ns(u, gate.now_ns)
+                        exp_throttled, key=lambda u: -gate.limiter.ready_at_ns(u, gate.ledger.now_ns)
                     )
-                    if u not in shifted and gate.limiter.available(u, gate.now_ns) == 0
+                    if u not in shifted and gate.limiter.available(u, gate.ledger.now_ns) == 0
                     for k in exp_hidden[u]
                     if model.where.get(k) == u and k not in charged_keys
                 ]
                 assert [k for k in got if model.where[k] not in shifted] == complete
             charged_keys = {k for k, _ in charged}
             for key in model.user_of:
-                assert gate.is_charged(key) == (key in charged_keys or key in exp_prepaid)
+                assert gate.ledger.is_charged(key) == (key in charged_keys or key in exp_prepaid)
             for key in charged_keys:
                 assert key in visible or key in scheduled_new
 
@@ -1198,7 +1199,7 @@ def test_random_protocol_keeps_invariants(seed, cleanup_every, population, churn
             other = copy.deepcopy(gate)
             assert other.finish(sampled, all_prepaid_sampled=False) == n_unsampled
             assert gate.finish(sampled, all_prepaid_sampled=True) == n_unsampled
-            assert list(other.resident()) == list(gate.resident())
+            assert list(other.lanes.resident()) == list(gate.lanes.resident())
             assert observe(other.limiter, USERS, now) == observe(lim, USERS, now)
         else:
             assert gate.finish(sampled) == n_unsampled
@@ -1212,7 +1213,7 @@ def test_random_protocol_keeps_invariants(seed, cleanup_every, population, churn
         model.served(offers.items(), [k for k, _ in charged], sampled, promise, ever_user)
         model.adopt(gate)
         for key in model.user_of:
-            assert not gate.is_charged(key)
+            assert not gate.ledger.is_charged(key)
         # The limiter is exactly as if only the sampled tokens had been taken
         # (and cleanup, at any cadence, changed nothing).
         assert observe(lim, USERS, now) == observe(ref, USERS, now)
@@ -1236,17 +1237,17 @@ def test_random_protocol_keeps_invariants(seed, cleanup_every, population, churn
 def test_waiting_request_takes_its_turn_between_resident_streams():
     gate, lim = new_gate()
     add(gate, "one", "r1")  # "one": 5 tok/s, one token per 200 ms
-    gate.track("w", "one")
-    gate.wait_in_turn("w")
-    assert list(gate.resident()) == ["r1"]
+    gate.lanes.track("w", "one")
+    gate.lanes.wait_in_turn("w")
+    assert list(gate.lanes.resident()) == ["r1"]
     # r1 is first in the rotation: served.
     plan = step(gate, 0, 4)
     assert plan.visible == ["r1"] and plan.reserved == 0
     # Next turn is w's: its token is kept for its admission, r1 waits.
     plan = gate.plan(200 * MS, 4)
     assert plan.visible == [] and plan.reserved == 1
-    assert gate.is_charged("w") and gate.can_charge("w")
-    gate.admit("w", False)
+    assert gate.ledger.is_charged("w") and gate.ledger.can_charge("w")
+    gate.lanes.admit("w", False)
     gate.finish({"w"})
     assert lim.available("one", 200 * MS) == 0
     # Both resident now, rotation continues with r1.
@@ -1257,8 +1258,8 @@ def test_waiting_request_takes_its_turn_between_resident_streams():
 def test_waiting_request_not_admitted_gets_its_token_back_and_keeps_its_turn():
     gate, lim = new_gate()
     add(gate, "one", "r1")
-    gate.track("w", "one")
-    gate.wait_in_turn("w")
+    gate.lanes.track("w", "one")
+    gate.lanes.wait_in_turn("w")
     step(gate, 0, 4)
     plan = gate.plan(200 * MS, 4)
     assert plan.reserved == 1
@@ -1272,13 +1273,13 @@ def test_waiting_request_not_admitted_gets_its_token_back_and_keeps_its_turn():
 def test_waiting_request_without_room_to_get_in_does_not_hold_up_streams():
     gate, _ = new_gate()
     add(gate, "one", "r1", "r2")
-    gate.track("w", "one")
-    gate.wait_in_turn("w")
+    gate.lanes.track("w", "one")
+    gate.lanes.wait_in_turn("w")
     step(gate, 0, 2)  # r1 (burst allows one token)
     # Two slots, both taken by resident requests: w cannot get in, so the
     # rotation passes over it to r2.
     plan = gate.plan(200 * MS, 2)
     assert plan.visible == ["r2"] and plan.reserved == 0
     gate.finish({"r2"})
-    gate.forget("w")
-    assert list(gate.resident()) == ["r1", "r2"]
+    gate.lanes.forget("w")
+    assert list(gate.lanes.resident()) == ["r1", "r2"]

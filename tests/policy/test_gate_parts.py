@@ -80,11 +80,9 @@ def check_lanes(lanes: Lanes) -> None:
         assert not seen & set(keys), "a key in two places"
         seen.update(keys)
         assert len(lane) == len(keys) - len(waiting) == lanes.resident_count(user)
-        assert lanes.holds_residency(user) == (len(lane) > 0)
     assert set(lanes.lane_of) | lanes.in_turn == seen
     assert not set(lanes.lane_of) & lanes.in_turn
     assert sorted(lanes.resident()) == sorted(lanes.lane_of)
-    assert lanes.num_resident() == len(lanes.lane_of)
 
 
 def snapshot(lanes: Lanes):
@@ -154,7 +152,7 @@ def test_new_user_joins_the_service_order_at_the_back_and_keeps_its_place():
     lanes.order.move_to_end("a")  # a was served
     assert list(lanes.order) == ["b", "a"]
     lanes.release("b1")  # b's only request is preempted: b keeps its place
-    assert list(lanes.order) == ["b", "a"] and not lanes.holds_residency("b")
+    assert list(lanes.order) == ["b", "a"] and lanes.resident_count("b") == 0
     lanes.admit("b1", False)
     assert list(lanes.order) == ["b", "a"]
     lanes.forget("b1")  # gone for good: the lane goes too
@@ -278,7 +276,7 @@ def test_prepaid_keys_pass_for_free_until_the_next_step():
     assert ledger.is_charged("l1") and ledger.charge("l1") and not ledger.is_charged("l2")
     assert lim.asked == []
     assert ledger.offers == [("lots", ["l1"])]
-    ledger.close()
+    assert ledger.settle({"l1"}) == 0
     assert not ledger.is_charged("l1") and ledger.offers == []
 
 
@@ -291,7 +289,7 @@ def test_a_repeated_step_pays_for_every_resident_key_and_nothing_else():
     assert ledger.is_served_now("w")  # its user's streams were paid for
     assert not ledger.is_charged("w")
     assert ledger.charge("w") and ledger.charged == {"w": "lots"}
-    ledger.close()
+    assert ledger.settle_repeat(["l1", "l2"], {"l1", "l2", "w"}, all_sampled=True) == 0
     assert not ledger.is_charged("l1") and not ledger.is_served_now("w")
 
 
@@ -333,23 +331,27 @@ def test_idle_wait_is_the_earliest_blocked_users_ready_time_capped():
     assert ledger.idle_steps == 2
 
 
-def test_refunds_and_credit_settle_to_exactly_the_sampled_tokens():
+def test_settle_keeps_exactly_the_sampled_tokens():
     lanes, ledger, lim = parts()
     ref = OutputRateLimiter(1000, RATES)
     for key in ("a", "b", "c"):
         lanes.track(key, "lots")
+    lanes.track("o", "one")
     ledger.open(S, False)
     for key in ("a", "b", "c"):
         assert ledger.charge(key)
-    ledger.refund("lots", 2)  # b and c did not sample
-    ledger.credit({"lots": 1})
-    ledger.credit({"lots": 4, "one": 1})
+    assert ledger.settle({"a"}) == 2  # b and c did not sample
     assert ref.try_take("lots", S)
     for t in (S, S + MS, S + 2 * S):
         assert lim.available("lots", t) == ref.available("lots", t)
         assert lim.ready_at_ns("lots", t) == ref.ready_at_ns("lots", t)
-    assert ledger.charged_tokens == {"lots": 5, "one": 1}
-    assert ledger.ran == {"lots": 4, "one": 1}
+    assert ledger.charged_tokens == {"lots": 1} and ledger.ran == {"lots": 1}
+    ledger.open(2 * S, False)
+    for key in ("a", "b", "c", "o"):
+        assert ledger.charge(key)
+    assert ledger.settle({"a", "b", "c", "o"}) == 0
+    assert ledger.charged_tokens == {"lots": 4, "one": 1}  # cumulative
+    assert ledger.ran == {"lots": 3, "one": 1}  # the last step only
 
 
 @settings(max_examples=60, deadline=None)
@@ -392,7 +394,7 @@ def test_ledger_takes_one_token_per_first_charge_and_only_then(seed):
             assert lim.available(user, now) == ref.available(user, now)
         assert ledger.refused == refused
         assert refused <= ledger.blocked
-        ledger.close()
+        assert ledger.settle(paid) == 0
 
 
 # ---------------------------------------------------------------------------
@@ -421,7 +423,7 @@ def test_plan_step_invariants(seed, slots):
     room = max(slots, 0)
     assert len(visible) == len(set(visible)) <= room
     assert set(visible) <= set(lanes.lane_of)
-    assert plan.hidden == lanes.num_resident() - len(visible)
+    assert plan.hidden == len(lanes.lane_of) - len(visible)
     assert set(plan.prefills) == {k for k in visible if k not in plan.prepaid}
     assert plan.prepaid == ledger.prepaid == {k for _, batch in ledger.offers for k in batch}
     assert [k for _, batch in ledger.offers for k in batch] == [k for k in visible if k in plan.prepaid]

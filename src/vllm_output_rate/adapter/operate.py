@@ -192,44 +192,37 @@ class OperateSchedulerMixin:
         }
 
     def _output_rate_charged(self) -> dict[str, int]:
-        return getattr(self.output_rate_gate, "charged_tokens", None) or {}
+        return self.output_rate_gate.ledger.charged_tokens
 
     def output_rate_counts(self) -> dict[str, tuple[int, int, int]]:
         """user -> (active, throttled, waiting) requests now."""
         gate = self.output_rate_gate
         counts: dict[str, list[int]] = {}
-        last_step_users = getattr(gate, "last_step_users", None)
-        if not self.running:
-            pass  # nothing resident: the last step's users have all left
-        elif last_step_users is not None:
-            for user, (ran, held) in last_step_users().items():
+        if self.running:  # else the last step's users have all left
+            for user, (ran, held) in gate.last_step_users().items():
                 counts[user] = [ran, held, 0]
-        else:  # gate without per-step counts: every resident request counts as active
-            for request in self.running:
-                counts.setdefault(gate.user_of(request), [0, 0, 0])[0] += 1
+        user_of = gate.lanes.user_of
         for request in self.waiting:
-            try:
-                user = gate.user_of(request)
-            except KeyError:
-                continue
-            counts.setdefault(user, [0, 0, 0])[2] += 1
+            user = user_of.get(request)
+            if user is not None:
+                counts.setdefault(user, [0, 0, 0])[2] += 1
         return {user: tuple(c) for user, c in counts.items()}
 
     def output_rate_report(self, now_ns: int) -> dict:
-        gate = self.output_rate_gate
+        ledger = self.output_rate_gate.ledger
         settings = self.output_rate_settings
         counts = self.output_rate_counts()
         monitor = self._output_rate_monitor
         report = monitor.report(
             now_ns,
             charged=self._output_rate_charged(),
-            throttled_ns=getattr(gate, "throttled_ns", None) or {},
+            throttled_ns=ledger.throttled_ns,
             counts=counts,
             configured=settings.user_rates,
             rate_of=settings.rate_of,
             engine={
                 "throttled_requests": sum(c[1] for c in counts.values()),
-                "idle_steps_total": getattr(gate, "idle_steps", 0),
+                "idle_steps_total": ledger.idle_steps,
                 **self._output_rate_eviction_totals(),
                 "reloads_total": self.output_rate_reloads,
                 "reload_failures_total": self.output_rate_reload_failures,
@@ -242,10 +235,9 @@ class OperateSchedulerMixin:
         # every name ever seen.  Their reported counters are unaffected.
         forgotten = monitor.idle_users(now_ns, FORGET_IDLE_S)
         if forgotten:
-            for totals in (getattr(gate, "charged_tokens", None), getattr(gate, "throttled_ns", None)):
-                if totals is not None:
-                    for user in forgotten:
-                        totals.pop(user, None)
+            for totals in (ledger.charged_tokens, ledger.throttled_ns):
+                for user in forgotten:
+                    totals.pop(user, None)
             monitor.forget(forgotten)
         return report
 
@@ -261,7 +253,7 @@ class OperateSchedulerMixin:
         users = set(counts) | set(settings.user_rates)
         users.update(u for u, n in self._output_rate_history.tokens_in_window(now, charged, charged).items() if n)
         recent = self._output_rate_history.tokens_in_window(now, charged, users)
-        throttled_ns = getattr(self.output_rate_gate, "throttled_ns", None) or {}
+        throttled_ns = self.output_rate_gate.ledger.throttled_ns
         limiter_now = self.output_rate_clock()
         rows = {}
         for user in sorted(users):

@@ -57,6 +57,7 @@ from vllm.v1.request import Request, RequestStatus
 from vllm_output_rate.adapter.operate import OperateSchedulerMixin
 from vllm_output_rate.policy.eviction import EvictionBudget, evens_out
 from vllm_output_rate.policy.gate import StepGate, StepPlan
+from vllm_output_rate.policy.victims import throttled_victims
 from vllm_output_rate.factory import make_limiter
 from vllm_output_rate.settings import (
     ANONYMOUS_USER,
@@ -89,7 +90,11 @@ class OutputRateSchedulerMixin:
             )
         self.output_rate_settings = settings
         self.output_rate_limiter = make_limiter(settings)
-        self.output_rate_gate = StepGate(self.output_rate_limiter)
+        self.output_rate_gate = gate = StepGate(self.output_rate_limiter)
+        # The gate's parts, held directly: membership changes and per-request
+        # payments go to them without a call through the gate.
+        self._lanes = gate.lanes
+        self._ledger = gate.ledger
         #: Seconds the engine loop may wait on its input queue after a step
         #: that ran nothing because every runnable request was throttled;
         #: None means "poll as stock vLLM does".
@@ -145,12 +150,12 @@ class OutputRateSchedulerMixin:
 
     def add_request(self, request: Request) -> None:
         if request.request_id not in self.requests:
-            self.output_rate_gate.track(request, _user_of(request))
+            self._lanes.track(request, _user_of(request))
             if not self._chunked_prefill and not request.resumable:
                 # Its first token comes with its whole prefill: it needs
                 # quota to be admitted, so it takes turns with its user's
                 # resident streams.
-                self.output_rate_gate.wait_in_turn(request)
+                self._lanes.wait_in_turn(request)
             if request.resumable and not self._tracks_sessions:
                 # Streaming-input sessions need bookkeeping after each step;
                 # engines that never see one skip the extra call per step.
@@ -165,14 +170,14 @@ class OutputRateSchedulerMixin:
             close()
 
     def _free_request(self, request: Request, *args: Any, **kwargs: Any):
-        self.output_rate_gate.forget(request)
+        self._lanes.forget(request)
         self._evicted_for_quota.discard(request)
         return super()._free_request(request, *args, **kwargs)
 
     def _preempt_request(self, request: Request, *args: Any, **kwargs: Any) -> None:
-        self.output_rate_gate.release(request)
+        self._lanes.release(request)
         if not self._chunked_prefill and not request.resumable:
-            self.output_rate_gate.wait_in_turn(request)  # as on arrival
+            self._lanes.wait_in_turn(request)  # as on arrival
         if self._step_plan is not None:
             self._preempted_in_step.append(request)
         super()._preempt_request(request, *args, **kwargs)
@@ -182,21 +187,22 @@ class OutputRateSchedulerMixin:
         # Requests that left `running` without being freed or preempted (a
         # streaming-input session waiting for its next chunk) stop being
         # resident.  Only this step's requests can have changed.
-        gate = self.output_rate_gate
+        lanes = self._lanes
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
             if (
                 request is not None
                 and request.status != RequestStatus.RUNNING
-                and gate.is_resident(request)
+                and request in lanes.lane_of
             ):
-                gate.release(request)
+                lanes.release(request)
         return outputs
 
     # -- one step ------------------------------------------------------------
 
     def schedule(self, *args: Any, **kwargs: Any):
         gate = self.output_rate_gate
+        lanes = self._lanes
         slots = self._active_cap - self.num_waiting_for_streaming_input
         now_ns = self.output_rate_clock()
         if gate.steady(now_ns, slots):
@@ -208,7 +214,7 @@ class OutputRateSchedulerMixin:
         # them (admission order) decides who gets the token budget first and
         # who is preempted first, exactly as in stock vLLM.
         if plan.hidden:
-            gate.in_admission_order(plan.visible)
+            lanes.in_admission_order(plan.visible)
             self.running = plan.visible  # vLLM appends admissions to it
         else:
             self.running = list(resident)
@@ -237,7 +243,7 @@ class OutputRateSchedulerMixin:
         num_scheduled = output.num_scheduled_tokens
         for request in plan.prefills:
             if request.request_id in num_scheduled:
-                gate.set_progressing(request, _can_progress_unpaid(request))
+                lanes.set_progressing(request, _can_progress_unpaid(request))
         # Every prepaid stream sampled iff, with nothing preempted, every
         # visible request was scheduled (all of them decoding streams, each
         # at its sampling position): a count, not a look at each request.
@@ -306,14 +312,14 @@ class OutputRateSchedulerMixin:
         vLLM only appends admitted requests to ``running`` and removes
         preempted ones, so without preemption the admissions are its tail.
         """
-        gate = self.output_rate_gate
+        lanes = self._lanes
         if self._preempted_in_step:
-            admitted = [r for r in running_after if not gate.is_resident(r)]
+            admitted = [r for r in running_after if r not in lanes.lane_of]
         else:
             admitted = running_after[num_before:]
         evicted = self._evicted_for_quota
         for request in admitted:
-            gate.admit(request, _can_progress_unpaid(request))
+            lanes.admit(request, _can_progress_unpaid(request))
             if evicted:
                 evicted.discard(request)
         return admitted
@@ -370,7 +376,7 @@ class OutputRateSchedulerMixin:
         sample_at = request.num_tokens + request.num_output_placeholders
         if num_computed_tokens + num_new_tokens < sample_at:
             return num_new_tokens  # an intermediate prefill chunk is free
-        if self.output_rate_gate.charge(request):
+        if self._ledger.charge(request):
             return num_new_tokens
         # Out of quota: stop short of the sampling position.
         allowed = sample_at - 1 - num_computed_tokens if self._chunked_prefill else 0
@@ -387,24 +393,25 @@ class OutputRateSchedulerMixin:
             return False
         if self._step_plan is None:
             return True
-        gate = self.output_rate_gate
+        ledger = self._ledger
+        user_of = self._lanes.user_of
         if self._slot_donors:
             # Slots were freed in this step for requests that can run now:
             # neither the donors' own requests nor anyone out of quota may
             # take them instead.
-            return gate.user_of(request) not in self._slot_donors and gate.can_charge(request)
+            return user_of[request] not in self._slot_donors and ledger.can_charge(request)
         samples_at_once = (
             not self._chunked_prefill or request.num_tokens - request.num_computed_tokens <= 1
         )
         if samples_at_once:
             if request in self._evicted_for_quota and not self._kv_room_for(request):
                 return False
-            return gate.can_charge(request)
+            return ledger.can_charge(request)
         if request.status == RequestStatus.PREEMPTED:
             # No re-admission thrash: a preempted stream comes back only while
             # its user can pay now or is being served in this step (then it
             # takes its turn in the user's rotation instead of starving).
-            if not (gate.can_charge(request) or gate.is_served_now(request)):
+            if not (ledger.can_charge(request) or ledger.is_served_now(request)):
                 return False
             return request not in self._evicted_for_quota or self._kv_room_for(request)
         return True
@@ -418,7 +425,7 @@ class OutputRateSchedulerMixin:
         # After the prefix-cache lookup: if only the sampling position is
         # left and the user cannot pay, skip instead of stopping admission.
         if request.num_tokens - num_computed_tokens <= 1:
-            return not self.output_rate_gate.can_charge(request)
+            return not self._ledger.can_charge(request)
         return False
 
     # -- slot and KV pressure -----------------------------------------------------
@@ -440,7 +447,9 @@ class OutputRateSchedulerMixin:
         room = self._active_cap - len(plan.visible)
         if plan.over_cap or room <= 0:
             return
-        gate = self.output_rate_gate
+        lanes = self._lanes
+        ledger = self._ledger
+        user_of = lanes.user_of
         promised: dict[str, int] = {}  # user -> freed slots whose token it must pay
         for request in list(self.waiting):
             if room <= 0:
@@ -449,10 +458,10 @@ class OutputRateSchedulerMixin:
                 continue
             if request in self._evicted_for_quota:
                 continue  # comes back into a free slot and free KV only
-            user = gate.user_of(request)
-            if gate.holds_residency(user):
+            user = user_of[request]
+            if lanes.resident_count(user):
                 continue  # served through its own resident streams: no churn
-            if not gate.is_charged(request) and gate.quota_now(user) <= promised.get(user, 0):
+            if not ledger.is_charged(request) and ledger.quota_now(user) <= promised.get(user, 0):
                 continue  # its user could not run it now either
             victim = self._throttled_victim_for(request)
             if victim is None:
@@ -460,7 +469,7 @@ class OutputRateSchedulerMixin:
             # Held out of the waiting queue until the step ends: re-admitted
             # now, it would take back the slot it was freed from.
             self._evict(victim)
-            self._slot_donors.add(gate.user_of(victim))
+            self._slot_donors.add(user_of[victim])
             promised[user] = promised.get(user, 0) + 1
             plan.hidden -= 1
             room -= 1
@@ -489,36 +498,38 @@ class OutputRateSchedulerMixin:
         return self.kv_cache_manager.block_pool.get_num_free_blocks() >= needed
 
     def _throttled_victim_for(self, request: Request) -> Request | None:
-        gate = self.output_rate_gate
+        lanes = self._lanes
+        ledger = self._ledger
+        user_of = lanes.user_of
         if request in self._evicted_for_quota:
             return None  # it comes back into free KV only (no eviction chains)
         for_waiting = request.status != RequestStatus.RUNNING
-        if for_waiting and gate.holds_residency(gate.user_of(request)):
+        if for_waiting and lanes.resident_count(user_of[request]):
             # A waiting request of a user already served through resident
             # streams takes free KV only: evicting others for it would churn.
             return None
-        if not gate.can_charge(request):
+        if not ledger.can_charge(request):
             return None  # only a request that can run now may take KV from others
-        requester = gate.user_of(request)
+        requester = user_of[request]
         # A waiting request takes a resident one's place only if that evens
         # out the users' rate-weighted shares and the eviction budget can pay
         # for the recompute.  (A running request that needs KV would cost a
         # preemption anyway: any throttled victim will do.)
         budget = self.output_rate_eviction_budget
         rate_of = self.output_rate_limiter.rate_of
-        requester_resident = gate.resident_count(requester)
+        requester_resident = lanes.resident_count(requester)
         requester_rate = rate_of(requester)
         least_important = request.priority
         if self._priority_policy and not for_waiting and self.running:
             # vLLM's own victim would be the least important visible request;
             # a throttled one goes first only if it is not more important.
             least_important = max(least_important, max(r.priority for r in self.running))
-        for victim in gate.throttled_victims():
-            if victim is request or gate.user_of(victim) == requester:
+        for victim in throttled_victims(lanes, ledger):
+            if victim is request or user_of[victim] == requester:
                 continue  # never trade one stream of a user for another
             if for_waiting:
-                victim_user = gate.user_of(victim)
-                if not evens_out(gate.resident_count(victim_user), rate_of(victim_user),
+                victim_user = user_of[victim]
+                if not evens_out(lanes.resident_count(victim_user), rate_of(victim_user),
                                  requester_resident, requester_rate):
                     continue
                 if not budget.affords(victim.num_computed_tokens):

@@ -23,7 +23,9 @@ module with its invariants in its docstring, and each unit-tested alone
 :class:`StepGate` itself runs the step (:meth:`~StepGate.plan`,
 :meth:`~StepGate.finish`), owns the repeated-step fast path
 (:meth:`~StepGate.steady`, :meth:`~StepGate.finish_steady`) and the
-limiter's cleanup cadence, and is the one object the adapter talks to.
+limiter's cleanup cadence.  Callers hold its parts for everything else:
+membership goes to ``gate.lanes``, per-request payments to ``gate.ledger``
+(no call through the gate on the per-request path).
 
 A step goes like this:
 
@@ -35,16 +37,17 @@ A step goes like this:
    Everything else stays resident but out of sight, so the step costs
    O(active requests + users visited), not O(resident requests).  The
    adapter hands the chosen requests to vLLM in admission order
-   (:meth:`StepGate.in_admission_order`): the gate decides *which* requests
+   (:meth:`Lanes.in_admission_order`): the gate decides *which* requests
    run, vLLM's own order decides everything else.  Waiting requests that
    must sample to be admitted (no chunked prefill) sit in their user's
-   rotation too (:meth:`StepGate.wait_in_turn`): when their turn comes, the
+   rotation too (:meth:`Lanes.wait_in_turn`): when their turn comes, the
    user's token is kept for their admission.
-2. :meth:`StepGate.charge` is called for each request about to be given a
+2. :meth:`Ledger.charge` is called for each request about to be given a
    sampling position; prepaid requests pass for free, any other takes one
    unit of its user's quota, at most once per request per step.  A user
    refused once in a step is not asked again.
-3. :meth:`StepGate.finish` refunds every charge -- prepaid or not -- whose
+3. :meth:`StepGate.finish` settles the ledger (:meth:`Ledger.settle`): it
+   refunds every charge -- prepaid or not -- whose
    request did not end up sampled (the single refund point), rotates each
    served user's streams and moves the user to the back of the service
    order.  When every prepaid request sampled and nothing was preempted it
@@ -62,13 +65,12 @@ Invariants (checked by the tests):
 
 from __future__ import annotations
 
-from typing import Container, Hashable, Iterator
+from typing import Container, Hashable
 
 from vllm_output_rate.policy.lanes import Lanes
 from vllm_output_rate.policy.ledger import Ledger
+from vllm_output_rate.policy.limiter import Limiter
 from vllm_output_rate.policy.plan import StepPlan, plan_step
-from vllm_output_rate.policy.victims import throttled_victims
-from vllm_output_rate.policy.limiter import OutputRateLimiter
 
 __all__ = ["CLEANUP_EVERY_STEPS", "MAX_IDLE_WAIT_NS", "StepGate", "StepPlan"]
 
@@ -86,23 +88,21 @@ MAX_IDLE_WAIT_NS = 250_000_000
 
 
 class StepGate:
-    """Per-step quota decisions over one :class:`OutputRateLimiter`.
+    """Per-step quota decisions over one :class:`Limiter`.
 
-    ``lanes`` and ``ledger`` are its parts.  :meth:`charge`,
-    :meth:`can_charge` and :meth:`is_charged` are the ledger's own methods,
-    bound at construction: the adapter calls them per request, so they take
-    no extra call through the gate.
+    ``lanes`` (membership and order) and ``ledger`` (this step's payments)
+    are its parts; callers use them directly.
     """
 
     def __init__(
         self,
-        limiter: OutputRateLimiter,
+        limiter: Limiter,
         cleanup_every: int = CLEANUP_EVERY_STEPS,
         max_idle_wait_ns: int = MAX_IDLE_WAIT_NS,
     ) -> None:
         self.limiter = limiter
         self.lanes = Lanes()
-        self.ledger = ledger = Ledger(limiter, self.lanes)
+        self.ledger = Ledger(limiter, self.lanes)
         self._cleanup_every = cleanup_every
         self._max_idle_wait_ns = max_idle_wait_ns
         self._steps = 0
@@ -111,89 +111,6 @@ class StepGate:
         self._repeatable = False
         self._plan_version = -1  # lanes.version when the step started
         self._plan_was_full = False
-        #: Charge one output token to the request's user; False if refused.
-        self.charge = ledger.charge
-        #: Would :meth:`charge` succeed now?  Does not take anything.
-        self.can_charge = ledger.can_charge
-        #: Paid for in this step (charged, or prepaid by the plan or steady()).
-        self.is_charged = ledger.is_charged
-
-    # -- membership (Lanes) ------------------------------------------------
-
-    def track(self, key: Key, user: str) -> None:
-        """Remember the user of a request (resolved once, at arrival)."""
-        self.lanes.track(key, user)
-
-    def wait_in_turn(self, key: Key) -> None:
-        """A waiting request that must sample to be admitted (no chunked
-        prefill) takes its turn in its user's rotation, behind the streams
-        already there: it is admitted when the rotation reaches it and the
-        user can pay, instead of after every resident stream of the user."""
-        self.lanes.wait_in_turn(key)
-
-    def forget(self, key: Key) -> None:
-        """The request is gone for good (finished or aborted)."""
-        self.lanes.forget(key)
-
-    def admit(self, key: Key, progressing: bool) -> None:
-        """The request became resident (holds KV and a model-runner slot)."""
-        self.lanes.admit(key, progressing)
-
-    def release(self, key: Key) -> None:
-        """The request stopped being resident (preempted, finished)."""
-        self.lanes.release(key)
-
-    def set_progressing(self, key: Key, progressing: bool) -> None:
-        """Update whether a resident request can advance without sampling."""
-        self.lanes.set_progressing(key, progressing)
-
-    def user_of(self, key: Key) -> str:
-        """The user of a tracked request."""
-        return self.lanes.user_of[key]
-
-    def is_resident(self, key: Key) -> bool:
-        """Does the request hold KV and a model-runner slot?"""
-        return key in self.lanes.lane_of
-
-    def resident(self) -> Iterator[Key]:
-        """Every resident key, lane by lane."""
-        return self.lanes.resident()
-
-    def num_resident(self) -> int:
-        """How many requests are resident."""
-        return len(self.lanes.lane_of)
-
-    def holds_residency(self, user: str) -> bool:
-        """Does ``user`` have a resident request?"""
-        return self.lanes.holds_residency(user)
-
-    def resident_count(self, user: str) -> int:
-        """Resident requests of ``user``."""
-        return self.lanes.resident_count(user)
-
-    def in_admission_order(self, keys: list) -> None:
-        """Sort resident ``keys`` in place into the order they became resident."""
-        self.lanes.in_admission_order(keys)
-
-    # -- the step's payments (Ledger) ----------------------------------------
-
-    @property
-    def now_ns(self) -> int:
-        """The current step's time."""
-        return self.ledger.now_ns
-
-    def quota_now(self, user: str) -> int:
-        """Tokens ``user`` could still be charged in this step (0 once refused)."""
-        return self.ledger.quota_now(user)
-
-    def is_served_now(self, key: Key) -> bool:
-        """Was the key's user offered (and paid for) a decoding stream in this step?"""
-        return self.ledger.is_served_now(key)
-
-    def throttled_victims(self) -> Iterator[Key]:
-        """Hidden requests of out-of-quota users, the user whose quota comes
-        back last first (see :func:`~vllm_output_rate.policy.victims.throttled_victims`)."""
-        return throttled_victims(self.lanes, self.ledger)
 
     # -- one step ----------------------------------------------------------
 
@@ -259,94 +176,30 @@ class StepGate:
         """End a :meth:`steady` step; ``resident`` lists the requests it started with.
 
         ``all_sampled`` is the caller's promise that every one of them sampled
-        and none left during the step; then nothing needs doing.  Otherwise
-        the step is settled like a planned one whose offers were every
-        resident stream.  Returns how many tokens were refunded.
+        and none left during the step (see :meth:`Ledger.settle_repeat`).
+        Only such a step, with nothing charged besides, may be repeated
+        again.  Returns how many tokens were refunded.
         """
         ledger = self.ledger
-        ledger.all_resident_prepaid = False
-        if all_sampled and not ledger.charged:
-            ran = ledger.ran = {}
-            charged_tokens = ledger.charged_tokens
-            for user, lane in self.lanes.order.items():
-                if lane.decoding:
-                    ran[user] = count = len(lane.decoding)
-                    charged_tokens[user] = charged_tokens.get(user, 0) + count
-            return 0
-        if not all_sampled:
-            user_of = self.lanes.user_of
-            by_user: dict[str, list] = {}
-            for key in resident:
-                by_user.setdefault(user_of[key], []).append(key)
-            lanes = self.lanes.order
-            order = [user for user in lanes if user in by_user]
-            order += [user for user in by_user if user not in lanes]
-            ledger.offers = [(user, by_user[user]) for user in order]
-        return self.finish(sampled, all_prepaid_sampled=all_sampled)
+        if not all_sampled or ledger.charged:
+            self._repeatable = False
+        return ledger.settle_repeat(resident, sampled, all_sampled)
 
     def finish(self, sampled: Container[Key], all_prepaid_sampled: bool = False) -> int:
-        """End the step: refund unsampled charges, rotate served streams.
+        """End a planned step (see :meth:`Ledger.settle`); returns the tokens refunded.
 
-        ``sampled`` holds the keys that were scheduled at a sampling position.
-        ``all_prepaid_sampled`` is the caller's promise that every prepaid key
-        sampled and no resident request left during the step; then the
-        prepaid offers are settled per user without looking at single keys.
-        Returns how many tokens were refunded.
+        The next step may repeat this one only if the plan offered every
+        resident request, all of them sampled (``all_prepaid_sampled``),
+        nothing else was charged and the resident set did not change.
         """
         ledger = self.ledger
-        lanes = self.lanes.order
-        move_to_end = lanes.move_to_end
-        refund = ledger.refund
-        refunded = 0
-        ran: dict[str, int] = {}
-        for user, batch in ledger.offers:
-            lane = lanes.get(user)
-            if lane is not None and lane.waiting:
-                # Its offer need not be the front of the rotation (waiting
-                # requests passed over): served keys go to the back.
-                served_set = {key for key in batch if key in sampled}
-                ran[user] = len(served_set)
-                if len(served_set) < len(batch):
-                    refund(user, len(batch) - len(served_set))
-                    refunded += len(batch) - len(served_set)
-                if served_set:
-                    lane.served_to_back(served_set)
-                    move_to_end(user)
-                continue
-            if all_prepaid_sampled and lane is not None:
-                lane.decoding.rotate(-len(batch))
-                move_to_end(user)
-                ran[user] = len(batch)
-                continue
-            served = [key for key in batch if key in sampled]
-            ran[user] = len(served)
-            unpaid = len(batch) - len(served)
-            if unpaid:
-                refund(user, unpaid)
-                refunded += unpaid
-            if lane is None or not served:
-                continue
-            lane.rotate_front(batch, served)
-            move_to_end(user)
-        for key, user in ledger.charged.items():
-            if key in sampled:
-                ran[user] = ran.get(user, 0) + 1
-                # Just admitted or just done prefilling: already at the back
-                # of its user's streams; only the user order changes.
-                if user in lanes:
-                    move_to_end(user)
-            else:
-                refund(user)
-                refunded += 1
-        ledger.credit(ran)
         self._repeatable = (
             all_prepaid_sampled
             and self._plan_was_full
             and not ledger.charged
             and self.lanes.version == self._plan_version
         )
-        ledger.close()
-        return refunded
+        return ledger.settle(sampled, all_prepaid_sampled)
 
     # -- after the step --------------------------------------------------------
 
@@ -357,21 +210,6 @@ class StepGate:
         capped at ``max_idle_wait_ns``; None when no user was blocked.
         """
         return self.ledger.idle_wait_ns(self._max_idle_wait_ns)
-
-    @property
-    def charged_tokens(self) -> dict[str, int]:
-        """user -> tokens charged and kept (sampled), cumulative."""
-        return self.ledger.charged_tokens
-
-    @property
-    def throttled_ns(self) -> dict[str, int]:
-        """user -> ns during which the user had runnable requests and no quota."""
-        return self.ledger.throttled_ns
-
-    @property
-    def idle_steps(self) -> int:
-        """Steps that ran nothing because every runnable request was throttled."""
-        return self.ledger.idle_steps
 
     def last_step_users(self) -> dict[str, tuple[int, int]]:
         """user -> (requests that sampled in the last finished step, resident

@@ -179,17 +179,8 @@ class Lanes:
             else:
                 yield from lane.decoding
 
-    def num_resident(self) -> int:
-        """How many requests are resident."""
-        return len(self.lane_of)
-
-    def holds_residency(self, user: str) -> bool:
-        """Does ``user`` have a resident request?"""
-        lane = self.order.get(user)
-        return lane is not None and len(lane) > 0
-
     def resident_count(self, user: str) -> int:
-        """Resident requests of ``user``."""
+        """Resident requests of ``user`` (how many is ``len(lane_of)``)."""
         lane = self.order.get(user)
         return 0 if lane is None else len(lane)
 

@@ -4,17 +4,17 @@ One part of :class:`vllm_output_rate.policy.gate.StepGate`.  A step's payments a
 of two kinds: *prepaid* streams (the plan paid for a user's offered streams
 with one bulk take; a repeated step paid for every resident stream) and
 *charges* (one token taken when a request reaches its sampling position).
-At the end of the step, :meth:`vllm_output_rate.policy.gate.StepGate.finish` keeps
-the payments of requests that sampled and refunds the rest through
-:meth:`Ledger.refund`, the single refund point.
+At the end of the step, :meth:`Ledger.settle` (or :meth:`Ledger.settle_repeat`
+for a repeated step) keeps the payments of requests that sampled and refunds
+the rest: the single refund point.
 """
 
 from __future__ import annotations
 
-from typing import Hashable
+from typing import Callable, Container, Hashable
 
 from vllm_output_rate.policy.lanes import Lanes
-from vllm_output_rate.policy.limiter import OutputRateLimiter
+from vllm_output_rate.policy.limiter import Limiter
 
 Key = Hashable
 _NOTHING: frozenset = frozenset()
@@ -34,7 +34,7 @@ class Ledger:
       next step opens, so the total covers whole steps.
     """
 
-    def __init__(self, limiter: OutputRateLimiter, lanes: Lanes) -> None:
+    def __init__(self, limiter: Limiter, lanes: Lanes) -> None:
         self.limiter = limiter
         self._lanes = lanes
         self._user_of = lanes.user_of  # the same dicts, never rebound
@@ -146,23 +146,71 @@ class Ledger:
             return lane is not None and bool(lane.decoding)
         return any(offer_user == user for offer_user, _ in self.offers)
 
-    def refund(self, user: str, count: int = 1) -> None:
-        """Give ``count`` unsampled tokens back to ``user``."""
-        self.limiter.refund(user, self.now_ns, count)
+    def settle(self, sampled: Container[Key], all_prepaid_sampled: bool = False) -> int:
+        """End the step: keep the payments of keys in ``sampled``, refund the
+        rest, rotate the served streams and move served users to the back.
 
-    def credit(self, ran: dict[str, int]) -> None:
-        """Record the settled step: ``ran`` maps each user to its sampled requests."""
+        The single refund point: a payment survives the step only if its
+        request sampled.  ``all_prepaid_sampled`` is the caller's promise
+        that every prepaid key sampled and no resident request left during
+        the step; then the offers are settled per user, without looking at
+        single keys.  Returns how many tokens were refunded.
+        """
+        order = self._lanes.order
+        move_to_end = order.move_to_end
+        refund = self.limiter.refund
+        now_ns = self.now_ns
+        refunded, ran = _settle_offers(self.offers, order, sampled, all_prepaid_sampled, refund, now_ns)
+        for key, user in self.charged.items():
+            if key in sampled:
+                ran[user] = ran.get(user, 0) + 1
+                # Just admitted or just done prefilling: already at the back
+                # of its user's streams; only the user order changes.
+                if user in order:
+                    move_to_end(user)
+            else:
+                refund(user, now_ns, 1)
+                refunded += 1
         self.ran = ran
         charged_tokens = self.charged_tokens
         for user, count in ran.items():
             charged_tokens[user] = charged_tokens.get(user, 0) + count
-
-    def close(self) -> None:
-        """The step is settled: no payment is left open."""
         self.charged.clear()
         self.offers = []
         self.prepaid = _NOTHING
         self.all_resident_prepaid = False
+        return refunded
+
+    def settle_repeat(self, resident: list, sampled: Container[Key], all_sampled: bool) -> int:
+        """End a repeated step (opened with ``all_resident_prepaid``) that
+        started with ``resident``.
+
+        ``all_sampled`` is the caller's promise that every one of them sampled
+        and none left during the step; with nothing charged besides, every
+        stream kept its payment and, every user having been served whole,
+        every order stays as it was.  Otherwise the step is settled like a
+        planned one whose offers were every resident stream.  Returns how
+        many tokens were refunded.
+        """
+        self.all_resident_prepaid = False
+        if all_sampled and not self.charged:
+            ran = self.ran = {}
+            charged_tokens = self.charged_tokens
+            for user, lane in self._lanes.order.items():
+                if lane.decoding:
+                    ran[user] = count = len(lane.decoding)
+                    charged_tokens[user] = charged_tokens.get(user, 0) + count
+            return 0
+        if not all_sampled:
+            user_of = self._user_of
+            by_user: dict[str, list] = {}
+            for key in resident:
+                by_user.setdefault(user_of[key], []).append(key)
+            order = self._lanes.order
+            users = [user for user in order if user in by_user]
+            users += [user for user in by_user if user not in order]
+            self.offers = [(user, by_user[user]) for user in users]
+        return self.settle(sampled, all_prepaid_sampled=all_sampled)
 
     def idle_wait_ns(self, cap_ns: int) -> int | None:
         """How long an engine that ran nothing may sleep: until the earliest
@@ -173,3 +221,44 @@ class Ledger:
         now = self.now_ns
         earliest = min(self.limiter.ready_at_ns(user, now) for user in self.blocked)
         return max(0, min(earliest - now, cap_ns))
+
+
+def _settle_offers(
+    offers: list, order: dict, sampled: Container[Key], all_prepaid_sampled: bool,
+    refund: Callable[[str, int, int], None], now_ns: int,
+) -> tuple[int, dict[str, int]]:
+    """Settle the plan's prepaid offers; returns (tokens refunded, user ->
+    keys that sampled).  Served streams move behind the user's others."""
+    move_to_end = order.move_to_end
+    refunded = 0
+    ran: dict[str, int] = {}
+    for user, batch in offers:
+        lane = order.get(user)
+        if lane is not None and lane.waiting:
+            # Its offer need not be the front of the rotation (waiting
+            # requests passed over): served keys go to the back.
+            served_set = {key for key in batch if key in sampled}
+            ran[user] = len(served_set)
+            if len(served_set) < len(batch):
+                refund(user, now_ns, len(batch) - len(served_set))
+                refunded += len(batch) - len(served_set)
+            if served_set:
+                lane.served_to_back(served_set)
+                move_to_end(user)
+            continue
+        if all_prepaid_sampled and lane is not None:
+            lane.decoding.rotate(-len(batch))
+            move_to_end(user)
+            ran[user] = len(batch)
+            continue
+        served = [key for key in batch if key in sampled]
+        ran[user] = len(served)
+        unpaid = len(batch) - len(served)
+        if unpaid:
+            refund(user, now_ns, unpaid)
+            refunded += unpaid
+        if lane is None or not served:
+            continue
+        lane.rotate_front(batch, served)
+        move_to_end(user)
+    return refunded, ran

@@ -48,7 +48,7 @@ def plan_step(lanes: Lanes, ledger: Ledger, slots: int) -> StepPlan:
     take_up_to = limiter.take_up_to
     prepaid = ledger.prepaid
     offers = ledger.offers
-    num_resident = lanes.num_resident()
+    num_resident = len(lanes.lane_of)
     visible: list = []
     prefills: list = []
     room = max(slots, 0)

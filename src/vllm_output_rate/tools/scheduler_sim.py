@@ -277,7 +277,7 @@ class Harness:
             return
         running = set(map(id, sched.running))
         assert len(running) == len(sched.running), "duplicate in running"
-        resident = set(map(id, sched.output_rate_gate.resident()))
+        resident = set(map(id, sched.output_rate_gate.lanes.resident()))
         assert running == resident
         assert all(r.status == RequestStatus.RUNNING for r in sched.running)
         assert len(sched.running) <= sched.max_num_running_reqs
