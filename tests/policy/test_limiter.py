@@ -51,7 +51,7 @@ USERS = ["a", "b", "c"]
 
 
 def fr(limiter: OutputRateLimiter, user: str) -> Fraction:
-    return limiter.exact_rate_of(user)
+    return limiter.rates.exact_rate_of(user)
 
 
 def floor_tokens(duration_ns: int, rate: Fraction) -> int:
@@ -138,9 +138,9 @@ def test_rates_and_burst_are_reported():
     assert lim.burst_ns == 5 * MS
     assert lim.rate_of("anyone") == 2.5
     assert lim.rate_of("slow") == 0.1
-    assert lim.exact_rate_of("slow") == Fraction(1, 10)
-    assert lim.exact_rate_of("third") == Fraction(7, 3)
-    assert lim.exact_rate_of("anyone") == Fraction(5, 2)
+    assert lim.rates.exact_rate_of("slow") == Fraction(1, 10)
+    assert lim.rates.exact_rate_of("third") == Fraction(7, 3)
+    assert lim.rates.exact_rate_of("anyone") == Fraction(5, 2)
     assert lim.tracked_users() == 0
 
 
@@ -282,7 +282,7 @@ def test_bound_holds_for_any_attempt_pattern(pattern):
 def test_greedy_attempts_reach_the_bound_exactly(rate, burst, start, w_frac):
     """A user taking everything it can is allowed exactly the bound's worth."""
     lim = OutputRateLimiter(rate, burst_ns=burst)
-    r = lim.exact_rate_of("u")
+    r = lim.rates.exact_rate_of("u")
     interval_ns = Fraction(r.denominator * NS_PER_S, r.numerator)
     window = int(w_frac * interval_ns)
     assume(floor_tokens(window + burst, r) < 2_000)
@@ -312,7 +312,7 @@ def _count_in(times: list[int], lo: int, hi: int) -> int:
 )
 def test_liveness_when_taking_at_ready_times(rate, burst, start, n, windows):
     lim = OutputRateLimiter(rate, burst_ns=burst)
-    r = lim.exact_rate_of("u")
+    r = lim.rates.exact_rate_of("u")
     interval_ns = Fraction(r.denominator * NS_PER_S, r.numerator)
     t = start
     times = []
@@ -354,7 +354,7 @@ def test_liveness_with_dense_random_attempts(rate, burst, start, data):
     taking whatever is allowed: no quota is ever lost, so every window of W
     inside the run holds at least floor((W - g) * rate) takes."""
     lim = OutputRateLimiter(rate, burst_ns=burst)
-    r = lim.exact_rate_of("u")
+    r = lim.rates.exact_rate_of("u")
     interval_ns = Fraction(r.denominator * NS_PER_S, r.numerator)
     g = data.draw(st.integers(min_value=1, max_value=burst), label="max_gap")
     horizon = int(min(interval_ns * 60, Fraction(120 * S)))
@@ -475,7 +475,7 @@ def test_ready_at_is_exact_and_available_counts_takes(seq_data, data):
         while clone.try_take(probe, later):
             got += 1
         assert got == n_later
-        assert n_later <= floor_tokens(burst, lim.exact_rate_of(probe)) + 1
+        assert n_later <= floor_tokens(burst, lim.rates.exact_rate_of(probe)) + 1
 
 
 @FAST
@@ -642,7 +642,7 @@ def test_cleanup_of_user_with_tat_exactly_now_is_invisible():
 )
 def test_no_drift_over_many_paced_takes(rate, n):
     lim = OutputRateLimiter(rate)
-    r = lim.exact_rate_of("u")
+    r = lim.rates.exact_rate_of("u")
     p, q = r.numerator, r.denominator
     burst = DEFAULT_BURST_NS
     ready = lim.ready_at_ns
@@ -741,7 +741,7 @@ def test_update_rates_examples():
     ref = OutputRateLimiter(10)
     ref.take_up_to("same", 0, 100)
     assert observe(lim, "same", 0) == observe(ref, "same", 0)
-    assert lim.configured_rates() == (Fraction(10), {"fast": Fraction(20), "slow": Fraction(5)})
+    assert lim.rates.configured() == (Fraction(10), {"fast": Fraction(20), "slow": Fraction(5)})
 
 
 def test_update_rates_is_all_or_nothing():
@@ -797,7 +797,7 @@ def test_update_rates_keeps_unchanged_users_exactly(seq_data, change, data):
         for u in unchanged:
             assert observe(a, u, t) == observe(b, u, t)
     for u in USERS:
-        assert b.exact_rate_of(u) == exact_rate(new_rates[u] if at < len(seq) else rates[u])
+        assert b.rates.exact_rate_of(u) == exact_rate(new_rates[u] if at < len(seq) else rates[u])
 
 
 @FAST
@@ -822,7 +822,7 @@ def test_update_rates_bound_at_new_rate_from_the_change(rates, burst, start, bef
             pass
     change = t
     lim.update_rates(new["a"])
-    r = lim.exact_rate_of("u")
+    r = lim.rates.exact_rate_of("u")
     assert r == exact_rate(new["a"])
     times: list[int] = []
     for gap in after:
@@ -857,5 +857,52 @@ def test_make_limiter_without_store_is_the_in_memory_limiter():
     settings = OutputRateSettings(default_rate=2.5, user_rates={"a": 20})
     lim = make_limiter(settings)
     assert type(lim) is OutputRateLimiter
-    assert lim.exact_rate_of("a") == 20 and lim.exact_rate_of("z") == Fraction(5, 2)
+    assert lim.rates.exact_rate_of("a") == 20 and lim.rates.exact_rate_of("z") == Fraction(5, 2)
     assert lim.burst_ns == DEFAULT_BURST_NS
+
+
+# ---------------------------------------------------------------------------
+# The Limiter protocol, the rate table and the GCRA part
+# ---------------------------------------------------------------------------
+
+
+def test_in_memory_limiter_has_every_limiter_operation():
+    from vllm_output_rate.policy.limiter import Limiter
+
+    operations = [name for name in vars(Limiter) if not name.startswith("_")]
+    assert operations and all(callable(getattr(OutputRateLimiter(5), op)) for op in operations)
+    lim = OutputRateLimiter(5)
+    assert lim.figures() == {}
+    lim.close()  # nothing to release; the limiter keeps working
+    assert lim.take_up_to("u", 0, 1) == 1
+
+
+def test_rate_table_division_and_changed_users():
+    from vllm_output_rate.policy.rates import RateTable
+
+    table = RateTable(30, {"a": 5, "b": Fraction(7, 3)}, burst_ns=5 * MS)
+    half = table.divided(2)
+    assert half.configured() == (Fraction(15), {"a": Fraction(5, 2), "b": Fraction(7, 6)})
+    assert half.burst_ns == 5 * MS
+    other = RateTable(30, {"a": 6, "b": Fraction(7, 3)})
+    assert table.changed_for(other, ["a", "b", "c"]) == ["a"]
+    assert table.changed_for(RateTable(31, {"a": 5}), ["a", "b", "c"]) == ["b", "c"]
+
+
+def test_gcra_on_whole_ns_matches_the_exact_rate():
+    """The store's form (interval in whole ns, scale 1) is the same GCRA: at an
+    interval that is a whole number of ns both forms decide alike."""
+    from vllm_output_rate.policy.gcra import Gcra
+
+    on_ns = Gcra.on_ns(10 * MS, DEFAULT_BURST_NS)
+    exact = Gcra.of_rate(Fraction(100), DEFAULT_BURST_NS)
+    a: dict = {}
+    b: dict = {}
+    t = 0
+    for gap, count in [(0, 20), (3 * MS, 1), (10 * MS, 2), (7 * MS, 5), (400 * MS, 30), (0, 1)]:
+        t += gap
+        assert on_ns.available(a, "u", t) == exact.available(b, "u", t)
+        assert on_ns.ready_at(a, "u", t) == exact.ready_at(b, "u", t)
+        assert on_ns.take_up_to(a, "u", t, count) == exact.take_up_to(b, "u", t, count)
+    on_ns.refund(a, "u", t, 100)
+    assert a == {}  # no debt left: idle, no entry

@@ -96,7 +96,9 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Callable, Mapping, NamedTuple, Protocol, Sequence
 
-from vllm_output_rate.policy.limiter import DEFAULT_BURST_NS, NS_PER_S, OutputRateLimiter
+from vllm_output_rate.policy.gcra import DEFAULT_BURST_NS, NS_PER_S
+from vllm_output_rate.policy.limiter import OutputRateLimiter
+from vllm_output_rate.policy.rates import RateTable
 
 logger = logging.getLogger(__name__)
 
@@ -217,7 +219,7 @@ class LeasedOutputRateLimiter:
         start: bool = True,
         engine_id: str | None = None,
     ) -> None:
-        self._rates = OutputRateLimiter(default_rate, user_rates, burst_ns)
+        self._rates = RateTable(default_rate, user_rates, burst_ns)
         self._config = config
         self._backend = backend
         self._clock = clock
@@ -295,16 +297,16 @@ class LeasedOutputRateLimiter:
         }
 
     def rate_of(self, user: str) -> float:
-        return self._rates.rate_of(user)
+        return float(self._rates.exact_rate_of(user))
 
     def exact_rate_of(self, user: str) -> Fraction:
         return self._rates.exact_rate_of(user)
 
     def configured_rates(self) -> tuple[Fraction, dict[str, Fraction]]:
-        return self._rates.configured_rates()
+        return self._rates.configured()
 
     def fingerprint(self) -> str:
-        default, overrides = self._rates.configured_rates()
+        default, overrides = self._rates.configured()
         return limits_fingerprint(default, overrides, self.burst_ns)
 
     def update_rates(
@@ -316,8 +318,9 @@ class LeasedOutputRateLimiter:
         from the next lease on with the debt kept as time (as in memory).
         """
         with self._lock:
-            changed = self._rates.update_rates(default_rate, user_rates)
-            default, overrides = self._rates.configured_rates()
+            self._rates = RateTable(default_rate, user_rates, self._rates.burst_ns)
+            changed: list[str] = []
+            default, overrides = self._rates.configured()
             engines = self._config.expected_engines
             self._local.update_rates(
                 default / engines, {u: r / engines for u, r in overrides.items()}
@@ -697,7 +700,7 @@ class LeasedOutputRateLimiter:
         return differ
 
     def _local_limiter(self) -> OutputRateLimiter:
-        default, overrides = self._rates.configured_rates()
+        default, overrides = self._rates.configured()
         engines = self._config.expected_engines
         return OutputRateLimiter(
             default / engines,
