@@ -4,13 +4,16 @@ One test per row of ``touchpoints.TOUCHPOINTS`` for the installed series: a
 vLLM upgrade that removes, renames or re-signs a member fails exactly the
 row's test, with a message naming the member and the series.  Two guards
 keep the table complete: every vLLM method the scheduler subclasses override
-and every vLLM member the plugin's patches replaced must have a row.
+and every vLLM member the plugin's patches changed must have a row.  Every
+patch of the registry (``patches.PATCHES``) names the rows it relies on, and
+every member the plugin changed is named by a patch.
 
 Imports vLLM but builds no engine: seconds on both series.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import sys
 
@@ -18,8 +21,16 @@ import pytest
 
 import vllm_output_rate
 from vllm_output_rate.adapter import compat, touchpoints
+from vllm_output_rate.adapter.install import field_is_ours, is_ours
+from vllm_output_rate.adapter.patches import PATCHES
 from vllm_output_rate.adapter.series import SERIES
-from vllm_output_rate.adapter.touchpoints import TOUCHPOINTS, TouchPoint, check, problems
+from vllm_output_rate.adapter.touchpoints import (
+    TOUCHPOINTS,
+    TouchPoint,
+    check,
+    problems,
+    problems_of,
+)
 
 vllm_output_rate.register()  # patches installed, as vLLM's plugin loader does
 
@@ -135,20 +146,87 @@ def test_every_vllm_method_the_schedulers_override_is_in_the_table():
     assert not missing, f"vLLM members overridden but not in touchpoints.TOUCHPOINTS: {missing}"
 
 
-def test_every_patched_vllm_member_is_in_the_table():
-    """Whatever the plugin's patches replaced on a vLLM class has a row."""
-    listed = {(tp.where, tp.member) for tp in ROWS}
-    patched = []
+def _changed_vllm_members() -> list[tuple[str, str]]:
+    """(where, member) of every class member and dataclass field the plugin installed."""
+    changed = []
     for module_name, module in list(sys.modules.items()):
         if not module_name.startswith("vllm.") or module is None:
             continue
         for cls_name, cls in list(vars(module).items()):
             if not inspect.isclass(cls) or cls.__module__ != module_name:
                 continue
+            where = f"{module_name}:{cls_name}"
             for name, raw in list(vars(cls).items()):
-                func = getattr(raw, "__func__", raw)
-                if getattr(func, "_vllm_output_rate_patch", False):
-                    patched.append((f"{module_name}:{cls_name}", name))
-    assert patched, "register() installed no patch?"
-    missing = [f"{w}.{m}" for w, m in patched if (w, m) not in listed]
+                if is_ours(raw):
+                    changed.append((where, name))
+            for name in list(getattr(cls, "__dataclass_fields__", {})):
+                if field_is_ours(cls, name) and (where, name) not in changed:
+                    changed.append((where, name))
+    return changed
+
+
+def test_every_patched_vllm_member_is_in_the_table():
+    """Whatever the plugin's patches changed on a vLLM class has a row."""
+    listed = {(tp.where, tp.member) for tp in ROWS}
+    changed = _changed_vllm_members()
+    assert changed, "register() installed no patch?"
+    missing = [f"{w}.{m}" for w, m in changed if (w, m) not in listed]
     assert not missing, f"patched but not in touchpoints.TOUCHPOINTS: {missing}"
+
+
+# -- the registry ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(PATCHES))
+def test_patch_relies_only_on_rows_that_hold(name):
+    patch = PATCHES[name]
+    assert patch.name == name and patch.changes and patch.why and patch.relies_on
+    assert problems_of(patch.relies_on, SERIES_NAME) == []
+
+
+def test_every_changed_member_is_named_by_a_patch():
+    """No change to vLLM outside the registry: each one is some patch's touch-point."""
+    by_name = {tp.name: tp for tp in ROWS}
+    named = {
+        (by_name[n].where, by_name[n].member)
+        for patch in PATCHES.values() if SERIES_NAME in patch.series
+        for n in patch.relies_on if n in by_name
+    }
+    changed = _changed_vllm_members()
+    assert changed
+    loose = [f"{w}.{m}" for w, m in changed if (w, m) not in named]
+    assert not loose, f"changed but named by no patch in patches.PATCHES: {loose}"
+
+
+def test_unknown_row_name_is_reported():
+    assert problems_of(["EngineArgs.no_such_member"], SERIES_NAME) == [
+        "EngineArgs.no_such_member: no row in touchpoints.TOUCHPOINTS"
+    ]
+
+
+def test_rows_of_another_series_are_not_relied_on_here():
+    other = next(tp for tp in TOUCHPOINTS if SERIES_NAME not in tp.series)
+    if any(tp.name == other.name and SERIES_NAME in tp.series for tp in TOUCHPOINTS):
+        pytest.skip("that member has a row for this series too")
+    assert problems_of([other.name], SERIES_NAME) == []
+
+
+def test_a_name_vllm_starts_using_is_reported(monkeypatch):
+    from vllm.v1.engine.core import EngineCore
+    from vllm.v1.metrics.stats import SchedulerStats
+
+    monkeypatch.setattr(EngineCore, "output_rate_users", lambda self: None)
+    lines = problems_of(["EngineCore.output_rate_users"], SERIES_NAME)
+    assert len(lines) == 1 and "is already defined in this vLLM" in lines[0], lines
+
+    spec = SchedulerStats.__dataclass_fields__["output_rate"]
+    monkeypatch.setitem(SchedulerStats.__dataclass_fields__, "output_rate", _unmarked_copy(spec))
+    lines = problems_of(["SchedulerStats.output_rate"], SERIES_NAME)
+    assert len(lines) == 1 and "is already a field in this vLLM" in lines[0], lines
+
+
+def _unmarked_copy(spec):
+    """The same field as vLLM itself would declare it (no plugin mark)."""
+    copy = dataclasses.field(default=spec.default)
+    copy.name, copy.type, copy._field_type = spec.name, spec.type, spec._field_type
+    return copy

@@ -6,9 +6,10 @@ vLLM loads endpoint plugins only when they are named in ``VLLM_PLUGINS``
     VLLM_PLUGINS=output_rate,output_rate_admin vllm serve ...
 
 The route asks the engine core through a utility method
-(``EngineCore.output_rate_users``, installed by the general plugin in the
-engine process: patch ``engine_core.admin_utility``) which returns the
-scheduler's :meth:`~.operate.OperateSchedulerMixin.output_rate_users`.  With
+(``EngineCore.output_rate_users``, added in the engine process by the
+registered patch ``engine_core.admin_utility``, :data:`.patches.PATCHES`),
+which returns the scheduler's
+:meth:`~.operate.OperateSchedulerMixin.output_rate_users`.  With
 ``--output-rate-admin-key KEY`` the route needs ``Authorization: Bearer KEY``
 (401 otherwise).
 """
@@ -20,23 +21,24 @@ from typing import Any
 # parameter annotation (``Request``) at runtime.
 
 from vllm_output_rate.adapter.identity import error_body
+from vllm_output_rate.adapter.install import add_method
 
 ROUTE = "/v1/output_rate/users"
 UTILITY = "output_rate_users"
 
 
-def patch_engine_core_utility() -> None:
+def install_admin_utility() -> None:
     """Give ``EngineCore`` the utility method the route calls (once)."""
     from vllm.v1.engine.core import EngineCore
 
-    if UTILITY in EngineCore.__dict__:
-        return
+    add_method(EngineCore, UTILITY, _output_rate_users)
 
-    def output_rate_users(self) -> dict | None:
-        report = getattr(self.scheduler, "output_rate_users", None)
-        return None if report is None else report()
 
-    setattr(EngineCore, UTILITY, output_rate_users)
+def _output_rate_users(self) -> dict | None:
+    # Runs in the engine process as a method of EngineCore: vLLM's utility
+    # calls look the method up on the engine core by name.
+    report = getattr(self.scheduler, "output_rate_users", None)
+    return None if report is None else report()
 
 
 def _error(status: int, message: str):

@@ -1,15 +1,16 @@
 """Per-user series on vLLM's own ``/metrics``, through vLLM's scheduler-stats path.
 
-The engine core attaches a per-user report (:mod:`..monitor`) to the
-``SchedulerStats`` it sends to the API server after a step (see
-:mod:`.operate`).  Two patches carry it to Prometheus:
+The engine core attaches a per-user report
+(:mod:`vllm_output_rate.policy.monitor`) to the ``SchedulerStats`` it sends
+to the API server after a step (see :mod:`.operate`).  Two patches of the
+registry (:data:`.patches.PATCHES`) carry it to Prometheus:
 
-``metrics.scheduler_stats``
+``metrics.scheduler_stats`` (:func:`install_stats_field`)
     ``SchedulerStats`` gains one optional field, ``output_rate`` (a plain
     dict, ``None`` by default), so vLLM's msgpack encoder/decoder carry it
     between processes.  Installed by the plugin entry point in every process
     before the first stats message is encoded or decoded.
-``metrics.prometheus``
+``metrics.prometheus`` (:func:`install_prometheus_export`)
     ``PrometheusStatLogger.record`` also feeds the report into the series
     below (in the same registry, so ``/metrics`` shows them, also with
     ``--api-server-count`` > 1, where vLLM uses Prometheus' multiprocess mode).
@@ -51,9 +52,9 @@ With a shared store (``--output-rate-store``), engine-wide (label
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
+from vllm_output_rate.adapter.install import add_field, wrap
 from vllm_output_rate.policy.monitor import ACTIVE, CHARGED, LIMIT, THROTTLED, THROTTLED_S, WAITING
 from vllm_output_rate.stores.lease import MODES as STORE_MODES
 
@@ -78,20 +79,11 @@ STORE_COUNTERS = {
 }
 
 
-def patch_scheduler_stats() -> None:
+def install_stats_field() -> None:
     """Add the optional ``output_rate`` field to vLLM's ``SchedulerStats`` (once)."""
     from vllm.v1.metrics.stats import SchedulerStats
 
-    if STATS_FIELD in SchedulerStats.__dataclass_fields__:
-        return
-    annotation = dict[str, Any] | None
-    spec = dataclasses.field(default=None)
-    spec.name = STATS_FIELD
-    spec.type = annotation
-    spec._field_type = dataclasses._FIELD  # what @dataclass sets on its own fields
-    SchedulerStats.__dataclass_fields__[STATS_FIELD] = spec
-    SchedulerStats.__annotations__[STATS_FIELD] = annotation
-    setattr(SchedulerStats, STATS_FIELD, None)  # instances made by vLLM read the default
+    add_field(SchedulerStats, STATS_FIELD, dict[str, Any] | None, None)
 
 
 class OutputRateExporter:
@@ -214,14 +206,14 @@ def _remove(metric: Any, *labels: str) -> None:
         pass
 
 
-def patch_prometheus_logger() -> None:
+def install_prometheus_export() -> None:
     """``PrometheusStatLogger.record`` also exports the per-user report (once)."""
     from vllm.v1.metrics.loggers import PrometheusStatLogger
 
-    original = PrometheusStatLogger.__dict__["record"]
-    if getattr(original, "_vllm_output_rate_patch", False):
-        return
+    wrap(PrometheusStatLogger, "record", _make_record)
 
+
+def _make_record(original):
     def record(self, scheduler_stats, *args, **kwargs):
         original(self, scheduler_stats, *args, **kwargs)
         report = getattr(scheduler_stats, STATS_FIELD, None)
@@ -234,6 +226,4 @@ def patch_prometheus_logger() -> None:
                 self._output_rate_exporter = exporter
             exporter.observe(report)
 
-    record.__wrapped__ = original
-    record._vllm_output_rate_patch = True
-    PrometheusStatLogger.record = record
+    return record

@@ -1,56 +1,38 @@
-"""Every place where this plugin changes vLLM behaviour, in one module.
+"""The registry of every change this plugin makes to vLLM: :data:`PATCHES`.
 
 vLLM loads general plugins in every process (API server, engine core,
 workers) before it parses CLI arguments or resolves the scheduler class, so
 :func:`apply_all` -- called from the plugin entry point -- installs these
-patches early enough everywhere.  Each patch is small, named, idempotent, and
-keeps the original callable as ``__wrapped__``.  With the feature off, every
-patched callable does exactly what the original does.
+patches early enough everywhere.  Each entry (:class:`Patch`) names what it
+changes, why, the vLLM members it relies on (rows of the checked table in
+:mod:`.touchpoints`) and the vLLM series it is installed on.  Every patch
+changes vLLM only through :mod:`.install` (idempotent; wrapped callables keep
+the original as ``__wrapped__``).  With the feature off, every patched
+callable does exactly what the original does.
 
-Touch-points (vLLM 0.32 and 0.33; every vLLM member they use is listed, with
-its expected kind and signature per series, in :mod:`.touchpoints`):
-
-``engine_args.cli``
-    ``EngineArgs.add_cli_args`` gains the two ``--*-output-tokens-per-second``
-    flags in their own group; ``EngineArgs.from_cli_args`` turns them into
-    ``additional_config["output_rate"]``.
-``engine_args.config``
-    ``EngineArgs.create_engine_config`` refuses unsupported modes (the
-    :data:`REFUSALS` table) and selects
-    our scheduler subclass when the feature is on (stock class otherwise).
-``engine_core.idle_wait``
-    ``EngineCoreProc._process_engine_step``: after a step that ran no model
-    because everything was throttled, wait on the input queue (a new request
-    or abort wakes it at once) instead of polling every millisecond.  On
-    series with an engine watchdog the wait runs with it disabled, as vLLM's
-    own idle wait does (:meth:`.series.VllmSeries.idle_wait_guard`).
-``sampling_params.identity``
-    ``SamplingParams._verify_extra_args`` rejects malformed
-    ``output_rate_user`` values with a validation error (HTTP 400) while the
-    request is parsed; ``InputProcessor._validate_params`` checks again for
-    every request an engine with the feature on accepts (this catches
-    ``SamplingParams`` built before ``LLM(...)``).
-``beam_search``
-    Beam search is refused (HTTP 400 online, ValueError offline) while the
-    feature is on: its candidate expansion does not go through the
-    one-charge-per-sampled-token path.
-``worker.idle_spin``
-    ``WorkerProc._init_message_queues``: the model worker's input queue spins
-    a few ms per wait instead of 1 s after each read, then sleeps until the
-    engine writes (see :mod:`.worker_idle`).
+The scheduler subclasses (:mod:`.scheduler`) override vLLM methods instead of
+patching them; their touch-points are in the same table.  Three patches are
+written next to what they serve (:mod:`.worker_idle`, :mod:`.metrics`,
+:mod:`.admin`) and installed only through this registry.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import logging
 import os
 import queue
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from vllm_output_rate.adapter.admin import install_admin_utility
+from vllm_output_rate.adapter.compat import installed_series
+from vllm_output_rate.adapter.install import wrap
+from vllm_output_rate.adapter.metrics import install_prometheus_export, install_stats_field
+from vllm_output_rate.adapter.options import add_operate_args, merge_operate_args
+from vllm_output_rate.adapter.series import ALL_SERIES
+from vllm_output_rate.adapter.worker_idle import install_worker_idle
 from vllm_output_rate.settings import (
     CONFIG_KEY,
     DEFAULT_FLAG,
@@ -63,11 +45,9 @@ from vllm_output_rate.settings import (
     resolve_user,
     validate_rate,
 )
-from vllm_output_rate.adapter.worker_idle import patch_worker_idle
+from vllm_output_rate.stores.config import add_store_args, merge_store_args
 
 logger = logging.getLogger(__name__)
-
-_PATCHED_MARK = "_vllm_output_rate_patch"
 
 SCHEDULER_CLS = "vllm_output_rate.adapter.scheduler.OutputRateScheduler"
 ASYNC_SCHEDULER_CLS = "vllm_output_rate.adapter.scheduler.OutputRateAsyncScheduler"
@@ -91,22 +71,6 @@ def _set_frontend_active(active: bool) -> None:
         os.environ[_FRONTEND_ENV] = "1"
     else:
         os.environ.pop(_FRONTEND_ENV, None)
-
-
-def _install(owner: Any, name: str, make: Callable[[Callable], Callable]) -> None:
-    """Replace ``owner.name`` by ``make(original)`` once."""
-    current = owner.__dict__[name]
-    inner = current.__func__ if isinstance(current, (staticmethod, classmethod)) else current
-    if getattr(inner, _PATCHED_MARK, False):
-        return
-    replacement = make(inner)
-    functools.update_wrapper(replacement, inner)
-    setattr(replacement, _PATCHED_MARK, True)
-    if isinstance(current, staticmethod):
-        replacement = staticmethod(replacement)
-    elif isinstance(current, classmethod):
-        replacement = classmethod(replacement)
-    setattr(owner, name, replacement)
 
 
 # -- engine_args.cli -------------------------------------------------------------
@@ -159,11 +123,7 @@ def add_output_rate_args(parser: argparse.ArgumentParser) -> None:
         help='Per-user overrides as a JSON object, e.g. \'{"user-a": 20, '
         f'"user-b": 500}}\' (tokens/s). Requires {DEFAULT_FLAG}.',
     )
-    from vllm_output_rate.adapter.options import add_operate_args
-
     add_operate_args(parser)
-    from vllm_output_rate.stores.config import add_store_args
-
     add_store_args(parser)
 
 
@@ -186,8 +146,8 @@ def _patch_engine_args_cli() -> None:
 
         return from_cli_args
 
-    _install(EngineArgs, "add_cli_args", make_add_cli_args)
-    _install(EngineArgs, "from_cli_args", make_from_cli_args)
+    wrap(EngineArgs, "add_cli_args", make_add_cli_args)
+    wrap(EngineArgs, "from_cli_args", make_from_cli_args)
 
 
 def merge_cli_into_engine_args(engine_args: Any, args: argparse.Namespace) -> None:
@@ -195,11 +155,7 @@ def merge_cli_into_engine_args(engine_args: Any, args: argparse.Namespace) -> No
     default = getattr(args, "default_user_output_tokens_per_second", None)
     overrides = getattr(args, "user_output_tokens_per_second", None)
     section = parse_cli(None if default is None else str(default), overrides)
-    from vllm_output_rate.adapter.options import merge_operate_args
-
     section = merge_operate_args(args, section)
-    from vllm_output_rate.stores.config import merge_store_args
-
     try:
         section = merge_store_args(args, section)
     except OutputRateConfigError:
@@ -360,7 +316,7 @@ def _patch_create_engine_config() -> None:
 
         return create_engine_config
 
-    _install(EngineArgs, "create_engine_config", make)
+    wrap(EngineArgs, "create_engine_config", make)
 
 
 # -- engine_core.idle_wait ---------------------------------------------------------
@@ -368,8 +324,6 @@ def _patch_create_engine_config() -> None:
 
 def _patch_engine_idle_wait() -> None:
     from vllm.v1.engine.core import EngineCoreProc
-
-    from vllm_output_rate.adapter.compat import installed_series
 
     # vLLM 0.33+ feeds a stack-dump watchdog at the start of each step and
     # switches it off around its own blocking input-queue wait; ours gets
@@ -393,7 +347,7 @@ def _patch_engine_idle_wait() -> None:
 
         return _process_engine_step
 
-    _install(EngineCoreProc, "_process_engine_step", make)
+    wrap(EngineCoreProc, "_process_engine_step", make)
 
 
 # -- sampling_params.identity ------------------------------------------------------
@@ -414,7 +368,7 @@ def _patch_identity_validation() -> None:
 
         return _verify_extra_args
 
-    _install(SamplingParams, "_verify_extra_args", make)
+    wrap(SamplingParams, "_verify_extra_args", make)
 
     from vllm.v1.engine.input_processor import InputProcessor
 
@@ -435,7 +389,7 @@ def _patch_identity_validation() -> None:
 
         return _validate_params
 
-    _install(InputProcessor, "_validate_params", make_validate)
+    wrap(InputProcessor, "_validate_params", make_validate)
 
 
 # -- beam_search -------------------------------------------------------------------
@@ -469,42 +423,171 @@ def _patch_beam_search() -> None:
 
         return beam_search
 
-    _install(ChatCompletionRequest, "to_beam_search_params", make_online)
-    _install(CompletionRequest, "to_beam_search_params", make_online)
-    _install(BeamSearchOfflineMixin, "beam_search", make_offline)
+    wrap(ChatCompletionRequest, "to_beam_search_params", make_online)
+    wrap(CompletionRequest, "to_beam_search_params", make_online)
+    wrap(BeamSearchOfflineMixin, "beam_search", make_offline)
 
 
-def _operate(module: str) -> Any:
-    """Engineer C's operate modules (identity, metrics, admin), imported on use."""
-    import importlib
+@dataclass(frozen=True)
+class Patch:
+    """One change to vLLM, installed by :func:`apply_all`."""
 
-    return importlib.import_module(f"vllm_output_rate.adapter.{module}")
+    name: str
+    #: What in vLLM changes.
+    changes: str
+    #: Why the feature needs it.
+    why: str
+    #: Names (``TouchPoint.name``) of the rows of :data:`.touchpoints.TOUCHPOINTS`
+    #: the patch relies on; ``touchpoints.problems_of`` checks them.
+    relies_on: tuple[str, ...]
+    install: Callable[[], None]
+    #: The vLLM series it is installed on.
+    series: tuple[str, ...] = ALL_SERIES
 
 
-PATCHES: dict[str, Callable[[], None]] = {
-    "engine_args.cli": _patch_engine_args_cli,
-    "engine_args.config": _patch_create_engine_config,
-    "engine_core.idle_wait": _patch_engine_idle_wait,
-    "sampling_params.identity": _patch_identity_validation,
-    "beam_search": _patch_beam_search,
-    "worker.idle_spin": patch_worker_idle,
-    "metrics.scheduler_stats": lambda: _operate("metrics").patch_scheduler_stats(),
-    "metrics.prometheus": lambda: _operate("metrics").patch_prometheus_logger(),
-    "engine_core.admin_utility": lambda: _operate("admin").patch_engine_core_utility(),
-}
+_REFUSAL_ARGS = (
+    "data_parallel_size", "pipeline_parallel_size", "speculative_config", "kv_transfer_config",
+    "ec_transfer_config", "kv_offloading_size", "enable_lora", "scheduler_cls",
+)
+_REFUSAL_CONFIG = (
+    "model_config", "parallel_config", "scheduler_config", "speculative_config",
+    "kv_transfer_config", "ec_transfer_config", "lora_config", "additional_config",
+)
+_MODEL_KINDS = ("is_encoder_decoder", "is_multimodal_model", "is_hybrid", "is_attention_free")
+_SPIN = "SpinCondition"
+
+PATCHES: dict[str, Patch] = {p.name: p for p in (
+    Patch(
+        "engine_args.cli",
+        changes="EngineArgs.add_cli_args gains the plugin's flag groups (rates, operation, "
+        "store); EngineArgs.from_cli_args folds them into additional_config['output_rate'] "
+        "and, in trusted identity modes, appends the identity middleware to --middleware",
+        why="vllm serve has no other way to take plugin flags, and additional_config is "
+        "what reaches the engine process unchanged",
+        relies_on=("EngineArgs.add_cli_args", "EngineArgs.from_cli_args",
+                   "EngineArgs.additional_config"),
+        install=_patch_engine_args_cli,
+    ),
+    Patch(
+        "engine_args.config",
+        changes="EngineArgs.create_engine_config refuses unsupported modes (REFUSALS) and, "
+        "with the feature on, selects the plugin's scheduler class",
+        why="the limiter lives in the scheduler, and the refused modes would break "
+        "one-quota-per-user accounting",
+        relies_on=(
+            "EngineArgs.create_engine_config", "EngineArgs.additional_config",
+            *(f"EngineArgs.{name}" for name in _REFUSAL_ARGS),
+            *(f"VllmConfig.{name}" for name in _REFUSAL_CONFIG),
+            "ModelConfig.runner_type", *(f"ModelConfig.{name}" for name in _MODEL_KINDS),
+            "ParallelConfig.data_parallel_size", "ParallelConfig.pipeline_parallel_size",
+            "SchedulerConfig.scheduler_cls", "SchedulerConfig.async_scheduling",
+        ),
+        install=_patch_create_engine_config,
+    ),
+    Patch(
+        "engine_core.idle_wait",
+        changes="EngineCoreProc._process_engine_step: after a step that ran no model, wait "
+        "on the input queue (a new request or abort wakes it at once); on series with an "
+        "engine watchdog the wait runs with it disabled, as vLLM's own idle wait does",
+        why="while every runnable request is throttled, vLLM would poll its loop every "
+        "millisecond and burn a core",
+        relies_on=(
+            "EngineCoreProc._process_engine_step", "EngineCoreProc._handle_client_request",
+            "EngineCoreProc.input_queue", "EngineCoreProc.scheduler",
+            "vllm.utils.watch_dog.get_watch_dog", "WatchDog.disable",
+        ),
+        install=_patch_engine_idle_wait,
+    ),
+    Patch(
+        "sampling_params.identity",
+        changes="SamplingParams._verify_extra_args rejects a malformed output_rate_user "
+        "(HTTP 400) while the request is parsed; InputProcessor._validate_params checks "
+        "again for every request an engine with the feature on accepts",
+        why="a bad identity must fail its request, not the engine; the second check catches "
+        "SamplingParams built before LLM(...)",
+        relies_on=(
+            "SamplingParams._verify_extra_args", "SamplingParams.extra_args",
+            "InputProcessor._validate_params", "InputProcessor.vllm_config",
+            "VllmConfig.additional_config", "vllm.exceptions.VLLMValidationError",
+        ),
+        install=_patch_identity_validation,
+    ),
+    Patch(
+        "beam_search",
+        changes="beam search is refused (HTTP 400 online, ValueError offline) while the "
+        "feature is on",
+        why="its candidate expansion does not go through the one-charge-per-sampled-token path",
+        relies_on=(
+            "ChatCompletionRequest.to_beam_search_params",
+            "CompletionRequest.to_beam_search_params", "BeamSearchOfflineMixin.beam_search",
+            "LLM.llm_engine", "LLMEngine.vllm_config", "vllm.exceptions.VLLMValidationError",
+        ),
+        install=_patch_beam_search,
+    ),
+    Patch(
+        "worker.idle_spin",
+        changes="WorkerProc._init_message_queues: the worker's input queue spins a few ms "
+        "per wait while steps come far apart, then sleeps until the engine writes "
+        "(worker_idle.py)",
+        why="vLLM's reader spins 1 s after each read, so a worker serving throttled users "
+        "never sleeps",
+        relies_on=(
+            "WorkerProc._init_message_queues", "WorkerProc.rpc_broadcast_mq",
+            "MessageQueue._spin_condition", f"{_SPIN}.is_reader", f"{_SPIN}.busy_loop_s",
+            f"{_SPIN}.last_read", f"{_SPIN}.wait", f"{_SPIN}.record_read",
+            "vllm.distributed.device_communicators.shm_broadcast.time",
+        ),
+        install=install_worker_idle,
+    ),
+    Patch(
+        "metrics.scheduler_stats",
+        changes="SchedulerStats gains an optional field, output_rate (metrics.py)",
+        why="vLLM's msgpack stats path carries the engine's per-user report to the API "
+        "server only as a field of its own stats",
+        relies_on=("SchedulerStats", "SchedulerStats.output_rate"),
+        install=install_stats_field,
+    ),
+    Patch(
+        "metrics.prometheus",
+        changes="PrometheusStatLogger.record also exports the per-user report (metrics.py)",
+        why="the per-user series belong on vLLM's own /metrics, in its registry",
+        relies_on=(
+            "PrometheusStatLogger.record", "PrometheusStatLogger.vllm_config",
+            "VllmConfig.model_config", "ModelConfig.served_model_name",
+        ),
+        install=install_prometheus_export,
+    ),
+    Patch(
+        "engine_core.admin_utility",
+        changes="EngineCore gains the utility method output_rate_users (admin.py)",
+        why="the admin route runs in the API server and reaches the scheduler only "
+        "through an engine-core utility call",
+        relies_on=(
+            "EngineCore.output_rate_users", "EngineCore.scheduler", "AsyncLLM.engine_core",
+            "AsyncMPClient.call_utility_async",
+        ),
+        install=install_admin_utility,
+    ),
+)}
 
 
 def apply_all() -> None:
-    for name, patch in PATCHES.items():
+    """Install every patch meant for the installed vLLM series (each at most once)."""
+    series = installed_series().name
+    for patch in PATCHES.values():
+        if series not in patch.series:
+            continue
         try:
-            patch()
+            patch.install()
         except Exception as exc:  # a missing attribute means an unexpected vLLM
             raise RuntimeError(
-                f"vllm-output-rate: cannot install patch {name!r} on this vLLM ({exc})"
+                f"vllm-output-rate: cannot install patch {patch.name!r} on this vLLM ({exc})"
             ) from exc
 
 
 __all__ = [
+    "PATCHES",
+    "Patch",
     "apply_all",
     "check_engine_args",
     "check_vllm_config",

@@ -7,8 +7,8 @@ helper; nothing else in the adapter compares version numbers.
 
 Adding a series: add its object here (start from a copy of the newest one),
 list the differences you find as fields, add the series to the touch-point
-table (``touchpoints.py``), and run the checks listed in README's "Supported
-vLLM versions".
+table (``touchpoints.py``), and run the checks listed in CONTRIBUTING.md
+("Adding a vLLM series").
 
 Importing this module does not import vLLM (the CLI refuses bad versions
 before vLLM is imported); the helpers import what they need when called.
@@ -84,3 +84,5 @@ V0_33 = VllmSeries(
 
 #: Every supported series, oldest first.
 SERIES: dict[tuple[int, int], VllmSeries] = {s.key: s for s in (V0_32, V0_33)}
+#: Their names (``"0.32"``), for per-series tables.
+ALL_SERIES: tuple[str, ...] = tuple(s.name for s in SERIES.values())

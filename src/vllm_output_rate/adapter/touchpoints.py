@@ -28,11 +28,16 @@ Kinds:
     assigned as ``self.NAME`` in the source of the class or a vLLM base
     class (set in ``__init__``, not visible on the class);
 ``enum member``
-    a member of the enum class.
+    a member of the enum class;
+``free name``
+    a name vLLM does not use on the class (neither a member nor a dataclass
+    field), or one the plugin itself added there: a patch adds it.
 
 Adding a touch-point: add a row where the adapter starts to use the member;
 ``series`` lists the series it holds for (default: every supported series).
-A member that differs between series gets one row per series.
+A member that differs between series gets one row per series.  A patch of
+the registry (:data:`.patches.PATCHES`) names the rows it relies on by
+:attr:`TouchPoint.name`; :func:`problems_of` checks them.
 """
 
 from __future__ import annotations
@@ -47,9 +52,8 @@ import types
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from vllm_output_rate.adapter.series import SERIES
-
-ALL_SERIES: tuple[str, ...] = tuple(s.name for s in SERIES.values())
+from vllm_output_rate.adapter.install import field_is_ours, is_ours, unwrap
+from vllm_output_rate.adapter.series import ALL_SERIES
 
 KINDS = (
     "module",
@@ -63,6 +67,7 @@ KINDS = (
     "field",
     "instance attribute",
     "enum member",
+    "free name",
 )
 
 
@@ -264,6 +269,9 @@ TOUCHPOINTS: tuple[TouchPoint, ...] = (
         "read: the reader's SpinCondition"),
     _tp(SHM + ":SpinCondition", "is_reader", "instance attribute", "read"),
     _tp(SHM + ":SpinCondition", "busy_loop_s", "instance attribute", "written: the spin window"),
+    _tp(SHM + ":SpinCondition", "last_read", "instance attribute",
+        "written: the busy window counts from the first wait after a read"),
+    _tp(SHM, "time", "module", "its monotonic() is the clock SpinCondition.wait compares with"),
     _tp(SHM + ":SpinCondition", "wait", "method", "wrapped per instance", ["timeout_ms"]),
     _tp(SHM + ":SpinCondition", "record_read", "method", "wrapped per instance", []),
     # -- adapter/metrics.py, adapter/admin.py: metrics.*, engine_core.admin_utility ---
@@ -275,8 +283,16 @@ TOUCHPOINTS: tuple[TouchPoint, ...] = (
     _tp("vllm.v1.metrics.loggers:PrometheusStatLogger", "vllm_config", "instance attribute",
         "read: served model name"),
     _tp(MODEL_CONFIG, "served_model_name", "field", "read: metrics label"),
+    _tp("vllm.v1.metrics.stats:SchedulerStats", "output_rate", "free name",
+        "the field the plugin adds (metrics.scheduler_stats)"),
     _tp("vllm.v1.engine.core:EngineCore", "scheduler", "instance attribute",
         "read by the admin utility method added to EngineCore"),
+    _tp("vllm.v1.engine.core:EngineCore", "output_rate_users", "free name",
+        "the utility method the plugin adds (engine_core.admin_utility)"),
+    _tp("vllm.v1.engine.async_llm:AsyncLLM", "engine_core", "instance attribute",
+        "read by the admin route: the client to the engine core"),
+    _tp("vllm.v1.engine.core_client:AsyncMPClient", "call_utility_async", "method",
+        "called by the admin route", ["method", "*args"]),
     # -- adapter/patches.py: sampling_params.identity ----------------------------------
     _tp("vllm.sampling_params:SamplingParams", "_verify_extra_args", "own method",
         "wrapped: malformed output_rate_user -> validation error", []),
@@ -302,6 +318,10 @@ TOUCHPOINTS: tuple[TouchPoint, ...] = (
         "beam_search", "own method", "wrapped: LLM.beam_search refused while the feature is on",
         ["prompts", "params", "lora_request", "use_tqdm", "concurrency_limit", "priority"],
         series=["0.33"]),
+    _tp("vllm.entrypoints.llm:LLM", "llm_engine", "instance attribute",
+        "read by the offline beam-search refusal: is the feature on"),
+    _tp("vllm.v1.engine.llm_engine:LLMEngine", "vllm_config", "instance attribute",
+        "read by the offline beam-search refusal"),
 )
 
 
@@ -345,13 +365,6 @@ def _param_names(func: Any, drop_first: bool) -> tuple[str, ...]:
     return tuple(names)
 
 
-def _unwrap(func: Any) -> Any:
-    """The original vLLM callable under this plugin's patches (``__wrapped__``)."""
-    while getattr(func, "_vllm_output_rate_patch", False) and hasattr(func, "__wrapped__"):
-        func = func.__wrapped__
-    return func
-
-
 def check(tp: TouchPoint) -> str | None:
     """None if ``tp`` holds for the installed vLLM, else what is wrong."""
     try:
@@ -384,6 +397,8 @@ def check(tp: TouchPoint) -> str | None:
         else:
             return f"{tp.where} is no longer a dataclass or msgspec.Struct"
         return None if tp.member in names else "is no longer a field"
+    if kind == "free name":
+        return _free_name_problem(owner, tp.member)
     if kind == "enum member":
         if not (isinstance(owner, type) and issubclass(owner, enum.Enum)):
             return f"{tp.where} is no longer an enum"
@@ -420,7 +435,7 @@ def check(tp: TouchPoint) -> str | None:
         func = raw.__func__
         drop_first = kind == "classmethod"
     elif kind in ("method", "own method"):
-        if not inspect.isfunction(_unwrap(raw)):
+        if not inspect.isfunction(unwrap(raw)):
             return f"is {type(raw).__name__}, not a plain method"
         func = raw
         drop_first = True
@@ -433,13 +448,24 @@ def check(tp: TouchPoint) -> str | None:
         return f"unknown kind {kind!r}"
 
     if tp.params is not None:
-        got = _param_names(_unwrap(func), drop_first)
+        got = _param_names(unwrap(func), drop_first)
         if got != tp.params:
             return "has parameters (%s), expected (%s)" % (", ".join(got), ", ".join(tp.params))
     return None
 
 
 _MISSING = object()
+
+
+def _free_name_problem(owner: Any, name: str) -> str | None:
+    if not isinstance(owner, type):
+        return "is not a class"
+    if name in getattr(owner, "__dataclass_fields__", {}):
+        return None if field_is_ours(owner, name) else "is already a field in this vLLM"
+    raw = inspect.getattr_static(owner, name, _MISSING)
+    if raw is _MISSING or is_ours(raw):
+        return None
+    return "is already defined in this vLLM"
 
 
 def for_series(series: str) -> tuple[TouchPoint, ...]:
@@ -454,4 +480,23 @@ def problems(series: str) -> list[str]:
         why = check(tp)
         if why is not None:
             out.append(f"vLLM {series}: {tp.name} ({tp.kind}) {why}; used for: {tp.use}")
+    return out
+
+
+def problems_of(names: Iterable[str], series: str) -> list[str]:
+    """Like :func:`problems`, for the rows a patch relies on (by ``TouchPoint.name``).
+
+    A name with no row at all is a problem; a name whose rows are all for
+    other series is not relied on in ``series``.
+    """
+    out = []
+    for name in names:
+        rows = [tp for tp in TOUCHPOINTS if tp.name == name]
+        if not rows:
+            out.append(f"{name}: no row in touchpoints.TOUCHPOINTS")
+        for tp in rows:
+            if series in tp.series:
+                why = check(tp)
+                if why is not None:
+                    out.append(f"vLLM {series}: {tp.name} ({tp.kind}) {why}; used for: {tp.use}")
     return out

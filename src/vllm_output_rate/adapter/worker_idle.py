@@ -20,36 +20,30 @@ With the feature on, :func:`shorten_spin` changes this on the worker's
   least :data:`LONG_GAP_S` for a step -- as it does between the steps of
   throttled users (the engine's idle wait is up to 250 ms, a 2 tok/s user
   gets a step every 0.5 s).  An engine that sends steps back to back never
-  arms it, and its worker spins exactly as in stock vLLM.  Nor does a
-  stream that starts after a pause keep it armed: :data:`BUSY_RUN` reads in
-  a row without a long wait before them (a few tokens of one stream) disarm
-  it until the next long wait.  Without that, one client's single stream
-  ran armed from start to end whenever its requests came a little apart,
-  and the worker slept in about 1 % of its waits mid-stream, each time
-  for ~10 ms instead of ~0.4 ms (instrumented plugin server under outside
-  load).  Measured on the
-  shared 2-core testbed, a worker that slept whenever the engine's turnaround
-  took more than 5 ms lost CPU share to other processes and with it
-  throughput (plugin/stock 0.65 with only this difference, under outside
-  load); the busy-engine case therefore keeps vLLM's spin.
+  arms it, and its worker spins exactly as in stock vLLM: a worker that
+  sleeps whenever the engine's turnaround is a little slow loses its CPU
+  share to other processes, and throughput with it.  Nor does a stream that
+  starts after a pause keep it armed: :data:`BUSY_RUN` reads in a row
+  without a long wait before them (a few tokens of one stream) disarm it
+  until the next long wait, so a single client whose requests come a little
+  apart does not park mid-stream.
 
 After the window the worker waits in vLLM's own poll, which every write
 wakes (``MessageQueue.enqueue`` notifies after each write, and a stale
 notification only causes one extra flag check).  While the short window
 applies, that poll re-checks the ring at least every :data:`PARKED_RECHECK_S`
 instead of vLLM's 5 s: the worker parks far more often than in stock vLLM,
-and a write whose notification did not wake it (engines with the patch on
-were seen stalling almost exactly 5 s, vLLM's re-check interval, under
-heavy outside load; the cause is not confirmed) must not hold a step for
-seconds.  Twenty wake-ups a second cost next to nothing.
+so a write whose notification did not wake it must cost one short re-check,
+not a step held for seconds.  Twenty wake-ups a second cost next to nothing.
 
 Where: ``WorkerProc._init_message_queues`` in the worker process, which has
 the ``VllmConfig`` (pickled to the worker with ``additional_config``) and
 runs after ``WorkerWrapperBase.init_worker`` has loaded the general plugins
-(this module's patch included).  The feature state is read from that config,
-so a server without ``--default-user-output-tokens-per-second`` keeps vLLM's
-1 s spin untouched.  The executor's own response queue (read by the engine
-core while the worker computes) is not changed.
+(the ``worker.idle_spin`` patch of :data:`.patches.PATCHES` included).  The
+feature state is read from that config, so a server without
+``--default-user-output-tokens-per-second`` keeps vLLM's 1 s spin untouched.
+The executor's own response queue (read by the engine core while the worker
+computes) is not changed.
 
 ``VLLM_OUTPUT_RATE_WORKER_SPIN_MS`` overrides the window (milliseconds;
 ``0`` parks right after every message; ``off`` keeps vLLM's own 1 s spin,
@@ -62,6 +56,7 @@ import logging
 import os
 from typing import Any
 
+from vllm_output_rate.adapter.install import wrap
 from vllm_output_rate.settings import OutputRateSettings
 
 logger = logging.getLogger(__name__)
@@ -163,11 +158,9 @@ def feature_on(vllm_config: Any) -> bool:
     return OutputRateSettings.from_additional_config(additional) is not None
 
 
-def patch_worker_idle() -> None:
-    """Install the wrapper of ``WorkerProc._init_message_queues`` (see module doc)."""
+def install_worker_idle() -> None:
+    """Wrap ``WorkerProc._init_message_queues`` (see the module doc), once."""
     from vllm.v1.executor.multiproc_executor import WorkerProc
-
-    from vllm_output_rate.adapter.patches import _install
 
     def make(original):
         def _init_message_queues(self, input_shm_handle, vllm_config, *args, **kwargs):
@@ -185,8 +178,10 @@ def patch_worker_idle() -> None:
 
         return _init_message_queues
 
-    _install(WorkerProc, "_init_message_queues", make)
+    wrap(WorkerProc, "_init_message_queues", make)
 
 
-__all__ = ["ARMED_S", "BUSY_RUN", "LONG_GAP_S", "PARKED_RECHECK_S", "SPIN_WINDOW_S", "SPIN_WINDOW_ENV", "feature_on", "patch_worker_idle",
-           "shorten_spin", "spin_window_s"]
+__all__ = [
+    "ARMED_S", "BUSY_RUN", "LONG_GAP_S", "PARKED_RECHECK_S", "SPIN_WINDOW_S", "SPIN_WINDOW_ENV",
+    "feature_on", "install_worker_idle", "shorten_spin", "spin_window_s",
+]
