@@ -15,9 +15,9 @@ from prometheus_client.exposition import generate_latest
 
 from vllm_output_rate.adapter.metrics import OutputRateExporter
 from vllm_output_rate.policy.monitor import (
-    ACTIVE, CHARGED, LIMIT, THROTTLED, THROTTLED_S, WAITING, ChargeHistory, UserMonitor,
+    ACTIVE, CHARGED, LIMIT, OTHER_USERS, THROTTLED, THROTTLED_S, WAITING, ChargeHistory,
+    UserMonitor,
 )
-from vllm_output_rate.settings import OTHER_USERS
 
 S = 1_000_000_000
 CONFIGURED = {"alice": 10.0, "bob": 20.0}

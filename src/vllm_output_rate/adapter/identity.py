@@ -25,7 +25,8 @@ refused (403) in these modes.  Every refusal happens here, before vLLM sees
 the request, so nothing reaches the engine.
 
 :class:`OutputRateIdentityMiddleware` is a pure ASGI middleware that
-:mod:`.patches` appends to vLLM's own ``--middleware`` list, so every
+:func:`install_middleware` appends to vLLM's own ``--middleware`` list (from
+the ``engine_args.cli`` patch, :data:`.patches.PATCHES`), so every
 API-server process (``--api-server-count`` > 1) installs it; it reads its
 configuration from ``app.state.args``.
 """

@@ -2,8 +2,8 @@
 
 Identity (front end), the limits file (engine, re-read on change), the
 per-user metrics bound (engine) and the admin key (front end).  Added in their
-own group by :func:`..patches.add_output_rate_args`; merged by
-:func:`..patches.merge_cli_into_engine_args` through :func:`merge_operate_args`.
+own group by :func:`.patches.add_output_rate_args`; merged by
+:func:`.patches.merge_cli_into_engine_args` through :func:`merge_operate_args`.
 """
 
 from __future__ import annotations

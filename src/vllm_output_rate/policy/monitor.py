@@ -47,11 +47,6 @@ class UserMonitor:
         self._last_engine: dict[str, int] = {}
         self._idle_since: dict[str, int] = {}  # user -> first report it was seen idle
 
-    @property
-    def labelled_users(self) -> frozenset[str]:
-        """Users without a configured rate that currently have their own series."""
-        return frozenset(self._labelled)
-
     def tracked(self) -> int:
         """Entries held (for memory checks): bounded by the callers' dicts plus max_users."""
         return (
@@ -146,7 +141,6 @@ class UserMonitor:
             else:
                 engine_inc[name] = total  # a gauge
         return {"users": users, "removed": removed, "engine": engine_inc}
-
 
     def idle_users(self, now_ns: int, idle_s: float) -> list[str]:
         """Users idle (no charge, no request) for ``idle_s`` or more at the last reports.
