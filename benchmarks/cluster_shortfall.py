@@ -24,8 +24,9 @@ the longest stretch an engine charged the user nothing, the client's gap
 between a request's answer and the next request of the same stream; per
 engine the store counters from ``/metrics`` (leased, returned, expired
 tokens, answered and failed round trips, outages) and the CPU its processes
-used (API server, engine core, worker; % of one core).  Writes the raw
-samples to ``OUT.json``.  Usage::
+used (API server, engine core, worker; % of one core).  With ``--out PREFIX``
+writes the raw samples to ``PREFIX.json`` (large: a diagnosis, not one of the
+performance page's inputs).  Usage::
 
     python benchmarks/cluster_shortfall.py --out results/cluster_shortfall test nolight free_light
 """
@@ -34,23 +35,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import concurrent.futures
 import json
-import os
 import re
 import statistics
 import sys
-import tempfile
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+import httpx
 
-import httpx  # noqa: E402
+from vllm_output_rate.tools import benchkit
+from vllm_output_rate.tools.redisproc import RedisProcess
+from vllm_output_rate.tools.serverproc import ADMIN_ROUTE_ENV, DEFAULT_MODEL_DIR
 
-from redis_harness import RedisServer  # noqa: E402
-from server_harness import ADMIN_ROUTE_ENV, TINY_MODEL_DIR, running_server  # noqa: E402
-
+SCHEMA = "vllm-output-rate-cluster-shortfall/1"
 HEAVY = 30
 LIMITS = {"heavy": HEAVY}
 WARM_S = 3.0
@@ -79,28 +76,6 @@ def store_counters(text: str) -> dict:
         m = METRIC.match(line)
         if m:
             out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
-    return out
-
-
-def cpu_seconds(servers) -> list[dict]:
-    """Per engine: CPU seconds so far by process name (API server, engine core, worker)."""
-    import psutil
-
-    out = []
-    for server in servers:
-        per: dict = {}
-        try:
-            root = psutil.Process(server.pid)
-            for proc in [root, *root.children(recursive=True)]:
-                try:
-                    t = proc.cpu_times()
-                    name = proc.name()[:15]
-                    per[name] = per.get(name, 0.0) + t.user + t.system
-                except psutil.Error:
-                    pass
-        except psutil.Error:
-            pass
-        out.append(per)
     return out
 
 
@@ -155,7 +130,7 @@ def field_of(sample, engine, user, key):
     return sample["users"][engine].get(user, {}).get(key, 0)
 
 
-def report(name: str, res: dict, engines: int, cpu: list, wall: float, load: tuple) -> None:
+def report(name: str, res: dict, engines: int, cpu: dict, load: list) -> None:
     rows, samples = res["rows"], res["samples"]
     a, b = samples[0], samples[-1]
     window = (b["sent"] + b["done"]) / 2 - (a["sent"] + a["done"]) / 2
@@ -205,8 +180,8 @@ def report(name: str, res: dict, engines: int, cpu: list, wall: float, load: tup
     for i in range(engines):
         store = {k: b["store"][i].get(f"vllm:output_rate_store_{k}_total", 0)
                  - a["store"][i].get(f"vllm:output_rate_store_{k}_total", 0) for k in STORE_COUNTERS}
-        before, after = cpu[0][i], cpu[1][i]
-        used = ", ".join(f"{k} {100 * (after[k] - before.get(k, 0)) / wall:.0f}" for k in sorted(after))
+        used = ", ".join(f"{role} {benchkit.as_share(sec, cpu['wall_s'], 100, 0):.0f}"
+                         for role, sec in cpu["servers"][i].items())
         print(f"  engine {i} store: " + ", ".join(f"{k} {v:.0f}" for k, v in store.items()))
         print(f"  engine {i} CPU % of one core: {used}")
 
@@ -216,51 +191,41 @@ def main() -> None:
     parser.add_argument("phases", nargs="*", default=["test", "nolight", "free_light"])
     parser.add_argument("--engines", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=15.0)
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--model", default=str(DEFAULT_MODEL_DIR))
+    parser.add_argument("--out", default=None, metavar="PREFIX", help="writes PREFIX.json (raw samples)")
+    parser.add_argument("--log-dir", default=None, help="server logs (default: a temporary folder)")
     args = parser.parse_args()
     specs = phases(args.engines)
     unknown = [p for p in args.phases if p not in specs]
     if unknown:
         parser.error(f"unknown phases {unknown}; known: {sorted(specs)}")
-    log_dir = Path(tempfile.mkdtemp(prefix="cluster-shortfall-"))
-    redis_srv = RedisServer().start()
-    flags = ["--enforce-eager", "--disable-uvicorn-access-log", "--max-num-seqs", "16",
-             "--default-user-output-tokens-per-second", "1000",
-             "--user-output-tokens-per-second", json.dumps(LIMITS),
-             "--output-rate-store", redis_srv.url,
-             "--output-rate-expected-engines", str(args.engines),
-             "--output-rate-store-prefix", "cluster-shortfall"]
-    managers: list = []
-
-    def start(i: int):
-        cm = running_server(flags, log_dir, f"engine{i}", model=TINY_MODEL_DIR, env=ADMIN_ROUTE_ENV)
-        server = cm.__enter__()
-        managers.append(cm)
-        return server
-
-    results = []
-    try:
+    log_dir = benchkit.log_dir_for("cluster-shortfall", args.log_dir)
+    doc = benchkit.start_report(SCHEMA, args)
+    doc["phases"] = []
+    with RedisProcess() as redis_srv:
+        flags = ["--enforce-eager", "--disable-uvicorn-access-log", "--max-num-seqs", "16",
+                 "--default-user-output-tokens-per-second", "1000",
+                 "--user-output-tokens-per-second", json.dumps(LIMITS),
+                 "--output-rate-store", redis_srv.url,
+                 "--output-rate-expected-engines", str(args.engines),
+                 "--output-rate-store-prefix", "cluster-shortfall"]
+        doc["server_args"] = flags
         began = time.monotonic()
-        # Side by side; the first failure is raised once every start is over.
-        with concurrent.futures.ThreadPoolExecutor(args.engines) as pool:
-            servers = list(pool.map(start, range(args.engines)))
-        print(f"{args.engines} engines healthy after {time.monotonic() - began:.0f} s "
-              f"(logs in {log_dir})", flush=True)
-        for name in args.phases:
-            before, t0 = cpu_seconds(servers), time.monotonic()
-            res = asyncio.run(run_phase(servers, specs[name], args.seconds))
-            after, t1 = cpu_seconds(servers), time.monotonic()
-            load = os.getloadavg()
-            report(name, res, args.engines, [before, after], t1 - t0, load)
-            sys.stdout.flush()
-            results.append({"phase": name, "load_average": load, **res})
-    finally:
-        for cm in managers:
-            cm.__exit__(None, None, None)
-        redis_srv.stop()
+        with benchkit.running_engines([(f"engine{i}", flags) for i in range(args.engines)], log_dir,
+                                      model=args.model, env=ADMIN_ROUTE_ENV, side_by_side=True) as servers:
+            print(f"{args.engines} engines healthy after {time.monotonic() - began:.0f} s "
+                  f"(logs in {log_dir})", flush=True)
+            for name in args.phases:
+                meter = benchkit.CpuMeter([server.pid for server in servers])
+                meter.start()
+                res = asyncio.run(run_phase(servers, specs[name], args.seconds))
+                cpu = meter.stop()
+                load = benchkit.loadavg()
+                report(name, res, args.engines, cpu, load)
+                sys.stdout.flush()
+                doc["phases"].append({"phase": name, "load_average": load, "cpu": cpu, **res})
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(f"{args.out}.json").write_text(json.dumps(results))
+        benchkit.write_outputs(benchkit.finish_report(doc), args.out)
 
 
 if __name__ == "__main__":

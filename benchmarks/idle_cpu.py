@@ -59,9 +59,9 @@ How
 Usage::
 
     VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE=1 HF_HUB_OFFLINE=1 \\
-        .venv/bin/python benchmarks/idle_cpu.py --out results/idle_cpu
+        .venv/bin/python benchmarks/idle_cpu.py
 
-writes ``results/idle_cpu.json`` and ``results/idle_cpu.png``; about 60-90 s
+writes ``docs/results/idle_cpu.json`` and ``.png`` (``--out PREFIX`` elsewhere); about 60-90 s
 of server startup plus rounds x (2 x window + 3 x settle), ~2.5 min by default.
 """
 
@@ -77,60 +77,24 @@ import sys
 import time
 from pathlib import Path
 
-import common  # noqa: E402  (benchmarks/common.py)
+import psutil
 
-common.use_cpu_testbed_env()
+from vllm_output_rate.tools import benchkit, measure
+from vllm_output_rate.tools.benchkit import RESULTS_DIR, ROLES, as_share, fmt_load, loadavg, machine_line, table
+from vllm_output_rate.tools.measure import RequestRecord, run_request
+from vllm_output_rate.tools.serverproc import DEFAULT_MODEL_DIR
 
-import httpx  # noqa: E402
-import psutil  # noqa: E402
-
-from vllm_output_rate.tools.bench import DEFAULT_PROMPT, RequestRecord, run_request  # noqa: E402
-from vllm_output_rate.tools.serverproc import DEFAULT_MODEL_DIR, running_server  # noqa: E402
+benchkit.use_cpu_testbed_env()
 
 SCHEMA = "vllm-output-rate-idle-cpu/1"
 TARGET_ENGINE_CORE_PERCENT = 5.0
 TARGET_SERVER_TOTAL_PERCENT = 15.0
-ROLES = ("engine_core", "worker", "api_server", "other")
 IDLE, THROTTLED = "idle", "throttled"
-
-
-# --------------------------------------------------------------------------
-# Machine facts
-# --------------------------------------------------------------------------
-
-
-from common import (  # noqa: E402
-    cpu_seconds, fmt_load, loadavg, machine_line, start_report, table,
-)
-
-
-def busy_cpu_seconds() -> float:
-    t = psutil.cpu_times()
-    return sum(t) - t.idle - getattr(t, "iowait", 0.0)
 
 
 # --------------------------------------------------------------------------
 # Server processes
 # --------------------------------------------------------------------------
-
-
-def server_processes(root_pid: int) -> dict[str, list[psutil.Process]]:
-    """The server's processes by role (see the module docstring)."""
-    root = psutil.Process(root_pid)
-    roles: dict[str, list[psutil.Process]] = {role: [] for role in ROLES}
-    roles["api_server"].append(root)
-    for child in root.children(recursive=True):
-        try:
-            name = child.name() + " " + " ".join(child.cmdline()[:1])
-        except psutil.NoSuchProcess:
-            continue
-        if "EngineCore" in name:
-            roles["engine_core"].append(child)
-        elif "Worker" in name:
-            roles["worker"].append(child)
-        else:
-            roles["other"].append(child)
-    return roles
 
 
 def describe(roles: dict[str, list[psutil.Process]]) -> dict[str, list[dict]]:
@@ -163,33 +127,28 @@ def thread_cpu(procs: list[psutil.Process]) -> dict[tuple[int, int], tuple[str, 
     return out
 
 
-async def measure_window(roles: dict[str, list[psutil.Process]], window_s: float) -> dict:
+async def measure_window(meter: benchkit.CpuMeter, window_s: float) -> dict:
     """CPU share per role over ``window_s`` (async so streams keep flowing)."""
-    me = psutil.Process()
     load_start = loadavg()
-    worker_threads_before = thread_cpu(roles["worker"])
-    before = {role: cpu_seconds(procs) for role, procs in roles.items()}
-    me_before = cpu_seconds([me])
-    busy_before = busy_cpu_seconds()
-    t = time.monotonic()
+    workers = meter.processes[0]["worker"]
+    worker_threads_before = thread_cpu(workers)
+    meter.start()
     await asyncio.sleep(window_s)
-    wall = time.monotonic() - t
-    used = {role: cpu_seconds(procs) - before[role] for role, procs in roles.items()}
+    cpu = meter.stop()
+    wall = cpu["wall_s"]
     worker_threads = sorted(
         ((name, round(100 * (sec - worker_threads_before.get(key, (name, 0.0))[1]) / wall, 2))
-         for key, (name, sec) in thread_cpu(roles["worker"]).items()),
+         for key, (name, sec) in thread_cpu(workers).items()),
         key=lambda item: -item[1],
     )
-    client = cpu_seconds([me]) - me_before
-    busy = busy_cpu_seconds() - busy_before
-    server_total = sum(used.values())
+    used = cpu["servers"][0]
     return {
         "wall_s": round(wall, 3),
-        "percent_of_core": {role: round(100 * s / wall, 2) for role, s in used.items()},
-        "server_total_percent": round(100 * server_total / wall, 2),
-        "client_percent": round(100 * client / wall, 2),
-        "foreign_percent": round(100 * max(0.0, busy - server_total - client) / wall, 2),
-        "machine_busy_percent": round(100 * busy / wall, 2),
+        "percent_of_core": {role: as_share(s, wall, 100, 2) for role, s in used.items()},
+        "server_total_percent": as_share(sum(used.values()), wall, 100, 2),
+        "client_percent": as_share(cpu["client"], wall, 100, 2),
+        "foreign_percent": as_share(cpu["foreign"], wall, 100, 2),
+        "machine_busy_percent": as_share(cpu["busy"], wall, 100, 2),
         # Busiest model-worker threads (% of a core): where the worker's CPU goes.
         "worker_threads_top": worker_threads[:4],
         "load_start": load_start,
@@ -203,31 +162,17 @@ async def measure_window(roles: dict[str, list[psutil.Process]], window_s: float
 
 
 async def run_rounds(server, model: str, args) -> list[dict]:
-    roles = server_processes(server.pid)
-    if not roles["engine_core"]:
+    meter = benchkit.CpuMeter([server.pid])
+    if not meter.processes[0]["engine_core"]:
         raise RuntimeError("no child process whose name contains 'EngineCore'")
     windows: list[dict] = []
-    client = httpx.AsyncClient(
-        base_url=server.base_url,
-        timeout=httpx.Timeout(connect=10.0, read=None, write=10.0, pool=None),
-        limits=httpx.Limits(max_connections=args.streams + 4),
-        trust_env=False,
-    )
-    body = {
-        "model": model,
-        "prompt": DEFAULT_PROMPT,
-        "max_tokens": args.max_tokens,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        "ignore_eos": True,
-        "return_token_ids": True,
-        "vllm_xargs": {"output_rate_user": args.user},
-    }
+    client = benchkit.async_http(server.base_url, connections=args.streams + 4)
+    body = measure.stream_body(model, args.user, args.max_tokens)
     async with client:
         await asyncio.sleep(args.settle)
         for rnd in range(args.rounds):
             # Idle: nothing in flight for at least --settle seconds.
-            w = await measure_window(roles, args.window)
+            w = await measure_window(meter, args.window)
             w.update({"round": rnd, "phase": IDLE})
             windows.append(w)
             print(f"  round {rnd} idle      engine_core {w['percent_of_core']['engine_core']:6.2f} %  "
@@ -240,7 +185,7 @@ async def run_rounds(server, model: str, args) -> list[dict]:
             tasks = [asyncio.create_task(run_request(client, body, r, t0)) for r in records]
             await asyncio.sleep(args.settle)
             t_start = time.monotonic() - t0
-            w = await measure_window(roles, args.window)
+            w = await measure_window(meter, args.window)
             t_end = time.monotonic() - t0
             in_flight = sum(1 for task in tasks if not task.done())
             for task in tasks:
@@ -376,7 +321,8 @@ def plot(doc: dict, path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description="Per-process server CPU while every user is throttled vs idle.")
-    parser.add_argument("--out", required=True, metavar="PREFIX", help="writes PREFIX.json and PREFIX.png")
+    parser.add_argument("--out", default=str(RESULTS_DIR / "idle_cpu"), metavar="PREFIX",
+                        help="writes PREFIX.json and PREFIX.png (default: %(default)s)")
     parser.add_argument("--model", default=str(DEFAULT_MODEL_DIR), help="model path (default: tiny model)")
     parser.add_argument("--user", default="slow", help="the throttled user (default slow)")
     parser.add_argument("--rate", type=float, default=2.0, help="its limit, tok/s (default 2)")
@@ -388,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="idle/throttled rounds (default 3)")
     parser.add_argument("--server-arg", action="append", default=[], metavar="ARG",
                         help="extra vllm serve argument, repeatable (e.g. --server-arg=--max-num-seqs=16)")
-    parser.add_argument("--log-dir", default=None, help="server log directory (default: PREFIX-logs/)")
+    parser.add_argument("--log-dir", default=None, help="server logs (default: a temporary folder)")
     parser.add_argument("--worker-spin-ms", default=None, metavar="MS|off",
                         help="sets VLLM_OUTPUT_RATE_WORKER_SPIN_MS for the server (default: unset, "
                              "the plugin's window; 'off': vLLM's own 1 s spin)")
@@ -400,36 +346,28 @@ def main(argv: list[str] | None = None) -> int:
     if args.streams * args.max_tokens <= args.rate * (args.settle + args.window) * 1.5:
         parser.error("streams x max_tokens too small: the streams would finish during the phase")
 
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    log_dir = Path(args.log_dir) if args.log_dir else out.parent / f"{out.name}-logs"
+    log_dir = benchkit.log_dir_for("idle-cpu", args.log_dir)
     server_args = [
         "--default-user-output-tokens-per-second", "100",
         "--user-output-tokens-per-second", json.dumps({args.user: args.rate}),
         *args.server_arg,
     ]
-    t_begin = time.monotonic()
-    doc = start_report(SCHEMA, args, server_args)
+    doc = benchkit.start_report(SCHEMA, args, server_args)
     print(f"starting server: {shlex.join(server_args)}", flush=True)
-    with running_server(server_args, log_dir, name="idle-cpu", model=args.model) as server:
-        doc["startup_s"] = time.monotonic() - t_begin
+    with benchkit.running_engines([("idle-cpu", server_args)], log_dir, model=args.model) as (server,):
+        doc["startup_s"] = server.startup_s
         doc["server_log"] = str(server.log_path)
-        doc["processes"] = describe(server_processes(server.pid))
+        doc["processes"] = describe(benchkit.server_processes(server.pid))
         print(f"server up in {doc['startup_s']:.0f} s; processes: "
               + ", ".join(f"{role}={[p['name'] for p in ps]}" for role, ps in doc["processes"].items()),
               flush=True)
-        model = httpx.get(f"{server.base_url}/v1/models", timeout=10, trust_env=False).json()["data"][0]["id"]
+        model = benchkit.served_model(server.base_url)
         doc["windows"] = asyncio.run(run_rounds(server, model, args))
         doc["server_log_tail"] = server.log_tail(30)
-    doc["load_after"] = loadavg()
-    doc["wall_s"] = time.monotonic() - t_begin
+    benchkit.finish_report(doc)
     doc["analysis"] = analyse(doc["windows"])
     print("\n" + report(doc))
-    json_path = out.with_name(out.name + ".json")
-    png_path = out.with_name(out.name + ".png")
-    json_path.write_text(json.dumps(doc, indent=2) + "\n")
-    plot(doc, png_path)
-    print(f"\nwrote {json_path} and {png_path}")
+    benchkit.write_outputs(doc, args.out, plot=plot)
     errors = [e for w in doc["windows"] for e in w.get("errors", [])]
     return 1 if errors else 0
 

@@ -55,34 +55,35 @@ Engine-side instructions (``--instructions``)
 Usage::
 
     VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE=1 HF_HUB_OFFLINE=1 \\
-        .venv/bin/python benchmarks/itl_single.py --out results/itl_single [--instructions]
+        .venv/bin/python benchmarks/itl_single.py [--instructions]
 
-writes ``results/itl_single.json``; two server startups (~1-2 min each) plus
-``--blocks`` x 2 blocks of ~10-20 s.
+writes ``docs/results/itl_single.json`` (``--out PREFIX`` elsewhere); two server
+startups (~1-2 min each) plus ``--blocks`` x 2 blocks of ~10-20 s.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
-import common  # noqa: E402  (benchmarks/common.py)
+from vllm_output_rate.tools import benchkit, measure
+from vllm_output_rate.tools.benchkit import (
+    CALIBRATION_TOGGLES,
+    RESULTS_DIR,
+    fmt_load,
+    loadavg,
+    machine_line,
+    table,
+)
+from vllm_output_rate.tools.measure import DEFAULT_PROMPT, RequestRecord, run_request
+from vllm_output_rate.tools.serverproc import DEFAULT_MODEL_DIR
 
-common.use_cpu_testbed_env()
-
-import httpx  # noqa: E402
-import psutil  # noqa: E402
-
-from common import fmt_load, loadavg, machine_line, start_report, table  # noqa: E402
-from vllm_output_rate.tools import measure  # noqa: E402
-from vllm_output_rate.tools.bench import DEFAULT_PROMPT, RequestRecord, run_request  # noqa: E402
-from vllm_output_rate.tools.serverproc import DEFAULT_MODEL_DIR, running_server  # noqa: E402
+benchkit.use_cpu_testbed_env()
 
 SCHEMA = "vllm-output-rate-itl-single/1"
 TARGET_RATIO = 1.03
@@ -98,30 +99,10 @@ def itl_totals(base_url: str) -> tuple[float, float]:
     return total, count
 
 
-def busy_cpu_seconds() -> float:
-    t = psutil.cpu_times()
-    return sum(t) - t.idle - getattr(t, "iowait", 0.0)
-
-
-def tree_cpu_seconds(pid: int) -> float:
-    procs = [psutil.Process(pid)]
-    procs += procs[0].children(recursive=True)
-    return common.cpu_seconds(procs)
-
-
 async def drive(base_url: str, model: str, args) -> list[dict]:
-    body = {
-        "model": model,
-        "prompt": DEFAULT_PROMPT,
-        "max_tokens": args.max_tokens,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        "ignore_eos": True,
-        "return_token_ids": True,
-        "vllm_xargs": {"output_rate_user": "single"},
-    }
+    body = measure.stream_body(model, "single", args.max_tokens)
     out = []
-    async with httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(60.0), trust_env=False) as client:
+    async with benchkit.async_http(base_url, connections=4, read_timeout=60.0) as client:
         for i in range(args.warmup_requests + args.requests):
             s0, c0 = itl_totals(base_url)
             record = RequestRecord(user="single", stream=0, start=0.0)
@@ -147,11 +128,10 @@ async def drive(base_url: str, model: str, args) -> list[dict]:
 def measure_block(side: str, server, model: str, args, index: int) -> dict:
     time.sleep(1.5)  # the other server's worker (stock: 1 s spin) is idle by now
     load_start = loadavg()
-    busy0, tree0, t0 = busy_cpu_seconds(), tree_cpu_seconds(server.pid), time.monotonic()
+    meter = benchkit.CpuMeter([server.pid])
+    meter.start()
     requests = asyncio.run(drive(server.base_url, model, args))
-    wall = time.monotonic() - t0
-    tree = tree_cpu_seconds(server.pid) - tree0
-    busy = busy_cpu_seconds() - busy0
+    cpu = meter.stop()
     means = [r["server_itl_mean_ms"] for r in requests if r["server_itl_mean_ms"] is not None]
     client = [r["client_gap_p50_ms"] for r in requests if r["client_gap_p50_ms"] is not None]
     block = {
@@ -160,8 +140,9 @@ def measure_block(side: str, server, model: str, args, index: int) -> dict:
         "requests": requests,
         "server_itl_p50_ms": statistics.median(means),
         "client_gap_p50_ms": statistics.median(client) if client else None,
-        "server_tree_percent": round(100 * tree / wall, 1),
-        "foreign_percent": round(100 * max(0.0, busy - tree) / wall, 1),
+        "server_tree_percent": benchkit.as_share(sum(cpu["servers"][0].values()), cpu["wall_s"], 100, 1),
+        # Everything but this server, the client included (as before the harness).
+        "foreign_percent": benchkit.as_share(cpu["foreign"] + cpu["client"], cpu["wall_s"], 100, 1),
         "load_start": load_start,
         "load_end": loadavg(),
     }
@@ -222,7 +203,6 @@ def report(doc: dict) -> str:
 
 INSTRUCTION_STEPS = 40  # steps counted per phase
 PHASES = ("step", "full", "schedule", "update")
-CALIBRATION_TOGGLES = 200
 
 
 def count_child(side: str, steps: int, helper: str, model: str) -> None:
@@ -344,13 +324,10 @@ def measure_instructions(model: str, steps: int) -> dict:
     import tempfile
     from concurrent.futures import ThreadPoolExecutor
 
-    from scheduler_step import _dumped_instructions, build_callgrind_helper
-
     def run(side: str, helper: Path, tmp: Path) -> dict:
         out_dir = tmp / side
         out_dir.mkdir()
-        cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no", "--collect-atstart=no",
-               f"--callgrind-out-file={out_dir}/cg.out", sys.executable, __file__, "--count-child",
+        cmd = [*benchkit.callgrind_command(out_dir), sys.executable, __file__, "--count-child",
                side, str(steps), str(helper), model]
         env = dict(os.environ, PYTHONHASHSEED="0", OMP_WAIT_POLICY="PASSIVE")
         done = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -358,13 +335,13 @@ def measure_instructions(model: str, steps: int) -> dict:
         if done.returncode != 0 or line is None:
             raise RuntimeError(f"callgrind child ({side}) failed:\n{done.stderr[-3000:]}")
         toggles = json.loads(line.split(" ", 1)[1])
-        per_toggle = _dumped_instructions(out_dir, "calibrate") / (2 * CALIBRATION_TOGGLES)
-        return {phase: (_dumped_instructions(out_dir, phase) - toggles[phase] * per_toggle) / steps
+        per_toggle = benchkit.dumped_instructions(out_dir, "calibrate") / (2 * CALIBRATION_TOGGLES)
+        return {phase: (benchkit.dumped_instructions(out_dir, phase) - toggles[phase] * per_toggle) / steps
                 for phase in PHASES}
 
     with tempfile.TemporaryDirectory(prefix="itl-cg-") as tmp_name:
         tmp = Path(tmp_name)
-        helper = build_callgrind_helper(tmp)
+        helper = benchkit.build_callgrind_helper(tmp)
         with ThreadPoolExecutor(max_workers=2) as pool:
             stock, plugin = pool.map(lambda side: run(side, helper, tmp), ("stock", "plugin"))
     return {
@@ -376,6 +353,7 @@ def measure_instructions(model: str, steps: int) -> dict:
         # The plugin's engine-side extra against all the work of one token
         # (engine, model and output processing in one process).
         "extra_share_of_token": (plugin["step"] - stock["step"]) / stock["full"],
+        "target_extra_share_of_token": TARGET_RATIO - 1,
     }
 
 
@@ -392,7 +370,9 @@ def main(argv: list[str] | None = None) -> int:
         count_child(side, int(steps), helper, model)
         return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, metavar="PREFIX", help="writes PREFIX.json")
+    parser.add_argument("--out", default=str(RESULTS_DIR / "itl_single"), metavar="PREFIX",
+                        help="writes PREFIX.json (default: %(default)s)")
+    parser.add_argument("--log-dir", default=None, help="server logs (default: a temporary folder)")
     parser.add_argument("--model", default=str(DEFAULT_MODEL_DIR), help="model path (default: tiny model)")
     parser.add_argument("--blocks", type=int, default=4,
                         help="block pairs, one stock and one plugin block each (default 4)")
@@ -408,33 +388,27 @@ def main(argv: list[str] | None = None) -> int:
                         "callgrind (load-independent); writes PREFIX_instructions.json")
     args = parser.parse_args(argv)
 
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     if args.instructions:
-        doc = start_report(SCHEMA + "-instructions", args, PLUGIN_ARGS)
+        doc = benchkit.start_report(SCHEMA + "-instructions", args, PLUGIN_ARGS)
         doc.update(measure_instructions(str(Path(args.model).resolve()), INSTRUCTION_STEPS))
+        benchkit.finish_report(doc)
         print(instructions_report(doc))
-        path = out.with_name(out.name + "_instructions.json")
-        path.write_text(json.dumps(doc, indent=2) + "\n")
-        print(f"\nwrote {path}")
+        benchkit.write_outputs(doc, args.out, suffix="_instructions")
         return 0
-    log_dir = out.parent / f"{out.name}-logs"
-    doc = start_report(SCHEMA, args, PLUGIN_ARGS)
+    log_dir = benchkit.log_dir_for("itl-single", args.log_dir)
+    doc = benchkit.start_report(SCHEMA, args, PLUGIN_ARGS)
     t_begin = time.monotonic()
     blocks: list[dict] = []
     skipped = 0
-    with contextlib.ExitStack() as stack:
-        servers = {}
-        for side in ("stock", "plugin"):
-            server_args = [*(PLUGIN_ARGS if side == "plugin" else []), *args.server_arg]
-            t0 = time.monotonic()
-            servers[side] = stack.enter_context(
-                running_server(server_args, log_dir, name=f"itl-{side}", model=args.model))
-            doc[f"{side}_startup_s"] = round(time.monotonic() - t0, 1)
+    specs = [(f"itl-{side}", [*(PLUGIN_ARGS if side == "plugin" else []), *args.server_arg])
+             for side in ("stock", "plugin")]
+    with benchkit.running_engines(specs, log_dir, model=args.model) as started:
+        servers = dict(zip(("stock", "plugin"), started))
+        for (side, server), (_, server_args) in zip(servers.items(), specs):
+            doc[f"{side}_startup_s"] = server.startup_s
             doc[f"{side}_server_args"] = server_args
-            print(f"{side} server up in {doc[f'{side}_startup_s']:.0f} s", flush=True)
-        model = httpx.get(f"{servers['stock'].base_url}/v1/models", timeout=10,
-                          trust_env=False).json()["data"][0]["id"]
+            print(f"{side} server up in {server.startup_s:.0f} s", flush=True)
+        model = benchkit.served_model(servers["stock"].base_url)
         for server in servers.values():
             itl_totals(server.base_url)  # the first /metrics request is slow
         for pair in range(args.blocks):
@@ -445,13 +419,10 @@ def main(argv: list[str] | None = None) -> int:
                 blocks.append(measure_block(side, servers[side], model, args, len(blocks)))
     doc["blocks"] = blocks
     doc["skipped_block_pairs"] = skipped
-    doc["load_after"] = loadavg()
-    doc["wall_s"] = time.monotonic() - t_begin
+    benchkit.finish_report(doc)
     doc["analysis"] = analyse(blocks)
     print("\n" + report(doc))
-    json_path = out.with_name(out.name + ".json")
-    json_path.write_text(json.dumps(doc, indent=2) + "\n")
-    print(f"\nwrote {json_path}")
+    benchkit.write_outputs(doc, args.out)
     return 0
 
 

@@ -62,9 +62,9 @@ How
 Usage::
 
     VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE=1 HF_HUB_OFFLINE=1 \\
-        .venv/bin/python benchmarks/kv_pressure.py --out results/kv_pressure
+        .venv/bin/python benchmarks/kv_pressure.py
 
-writes ``results/kv_pressure.json`` and ``results/kv_pressure.png``; about
+writes ``docs/results/kv_pressure.json`` and ``.png`` (``--out PREFIX`` elsewhere); about
 60-90 s of startup plus a few seconds per trial, ~2 min by default.
 """
 
@@ -83,44 +83,20 @@ import sys
 import time
 from pathlib import Path
 
-import common  # noqa: E402  (benchmarks/common.py)
+import httpx
 
-common.use_cpu_testbed_env()
+from vllm_output_rate.tools import benchkit, measure
+from vllm_output_rate.tools.benchkit import RESULTS_DIR, fmt_load, loadavg, machine_line, table
+from vllm_output_rate.tools.churn import churn_costs, churn_line, recompute_figures
+from vllm_output_rate.tools.measure import FINISHED, RequestRecord, metric_sum, percentile, run_request
+from vllm_output_rate.tools.serverproc import DEFAULT_MODEL_DIR, SERVE_WITH_CHURN
 
-import httpx  # noqa: E402
-
-from vllm_output_rate.tools import measure  # noqa: E402
-from vllm_output_rate.tools.churn import recompute_figures  # noqa: E402
-from vllm_output_rate.tools.measure import FINISHED, RequestRecord, percentile, run_request  # noqa: E402
-from vllm_output_rate.tools.serverproc import (  # noqa: E402
-    DEFAULT_MODEL_DIR,
-    SERVE_WITH_CHURN,
-    running_server,
-)
+benchkit.use_cpu_testbed_env()
 
 SCHEMA = "vllm-output-rate-kv-pressure/1"
 TARGET_RATIO = 2.0
 ALONE, PRESSURE = "alone", "pressure"
 USER_A, USER_B = "A", "B"
-
-
-# --------------------------------------------------------------------------
-# Machine facts
-# --------------------------------------------------------------------------
-
-
-from common import fmt_load, loadavg, machine_line, start_report, table  # noqa: E402
-
-
-# --------------------------------------------------------------------------
-# Prometheus metrics
-# --------------------------------------------------------------------------
-
-parse_metrics = measure.parse_metrics
-
-
-def metric(metrics: dict, name: str) -> float | None:
-    return measure.metric_sum(metrics, name)
 
 
 async def get_metrics(client: httpx.AsyncClient) -> dict:
@@ -129,10 +105,10 @@ async def get_metrics(client: httpx.AsyncClient) -> dict:
 
 def gauges(m: dict) -> dict:
     return {
-        "kv_cache_usage": metric(m, "vllm:kv_cache_usage_perc"),
-        "running": metric(m, "vllm:num_requests_running"),
-        "waiting": metric(m, "vllm:num_requests_waiting"),
-        "preemptions": metric(m, "vllm:num_preemptions_total"),
+        "kv_cache_usage": metric_sum(m, "vllm:kv_cache_usage_perc"),
+        "running": metric_sum(m, measure.RUNNING_GAUGE),
+        "waiting": metric_sum(m, measure.WAITING_GAUGE),
+        "preemptions": metric_sum(m, measure.PREEMPTIONS),
     }
 
 
@@ -147,16 +123,7 @@ def random_prompt(rng: random.Random, length: int, vocab: int) -> list[int]:
 
 
 def body(model: str, user: str, prompt: list[int], max_tokens: int) -> dict:
-    return {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        "ignore_eos": True,
-        "return_token_ids": True,
-        "vllm_xargs": {"output_rate_user": user},
-    }
+    return measure.stream_body(model, user, max_tokens, prompt)
 
 
 async def wait_drained(client: httpx.AsyncClient, timeout_s: float) -> dict:
@@ -255,12 +222,7 @@ async def trial(
 
 async def run_all(server, args, info: dict) -> list[dict]:
     rng = random.Random(args.seed)
-    client = httpx.AsyncClient(
-        base_url=server.base_url,
-        timeout=httpx.Timeout(connect=10.0, read=None, write=10.0, pool=None),
-        limits=httpx.Limits(max_connections=args.a_streams + 8),
-        trust_env=False,
-    )
+    client = benchkit.async_http(server.base_url, connections=args.a_streams + 8)
     trials = []
     async with client:
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
@@ -319,31 +281,6 @@ def analyse(trials: list[dict]) -> dict:
     out["target_ratio"] = TARGET_RATIO
     out["meets_target"] = None if ratio is None else ratio <= TARGET_RATIO
     return out
-
-
-def churn_summary(churn: dict, trials: list[dict]) -> dict:
-    """What preemptions cost over all trials: per finished request and per output token."""
-    out = dict(churn)
-    finished = sum(t.get("finished_requests", 0) for t in trials)
-    out["finished_requests"] = finished
-    out["preemptions_per_finished_request"] = (
-        round(churn["preemptions"] / finished, 3) if finished and churn["preemptions"] is not None else None)
-    output = churn.get("generation_tokens")
-    out["recomputed_tokens_per_output_token"] = (
-        round(churn["recomputed_tokens"] / output, 3)
-        if output and churn.get("recomputed_tokens") is not None else None)
-    return out
-
-
-def churn_line(c: dict) -> str:
-    line = (f"churn over all trials: {c['preemptions']:.0f} preemptions for {c['finished_requests']} "
-            f"finished requests = {c['preemptions_per_finished_request']} per finished request")
-    if c.get("recomputed_tokens") is None:
-        return line + "; recomputed tokens unknown (no churn counters)"
-    return line + (
-        f"; {c['readmissions']:.0f} re-admissions recomputed {c['recomputed_tokens']:.0f} tokens "
-        f"({c['readmitted_cached_tokens']:.0f} of {c['readmitted_tokens']:.0f} from the prefix cache) "
-        f"= {c['recomputed_tokens_per_output_token']} per output token")
 
 
 def ms(x) -> str:
@@ -437,7 +374,7 @@ def plot(doc: dict, path: Path) -> None:
     if alone:
         ax.axhline(alone * 1000 * TARGET_RATIO, color="k", linestyle="--", linewidth=1,
                    label=f"target: {TARGET_RATIO:g} x alone median")
-    ax.set_xticks([0, 1], [f"B alone", f"B while A holds KV\n(median {(doc['analysis'][PRESSURE]['kv_usage_before_b_median'] or 0) * 100:.0f} % used)"])
+    ax.set_xticks([0, 1], ["B alone", f"B while A holds KV\n(median {(doc['analysis'][PRESSURE]['kv_usage_before_b_median'] or 0) * 100:.0f} % used)"])
     ax.set_ylabel("B time to first token (ms)")
     ax.set_ylim(bottom=0)
     ratio = doc["analysis"]["ratio_median_ttft"]
@@ -451,7 +388,8 @@ def plot(doc: dict, path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description="TTFT of an unlimited user alone vs while a throttled user holds most KV blocks.")
-    parser.add_argument("--out", required=True, metavar="PREFIX", help="writes PREFIX.json and PREFIX.png")
+    parser.add_argument("--out", default=str(RESULTS_DIR / "kv_pressure"), metavar="PREFIX",
+                        help="writes PREFIX.json and PREFIX.png (default: %(default)s)")
     parser.add_argument("--model", default=str(DEFAULT_MODEL_DIR), help="model path (default: tiny model)")
     parser.add_argument("--blocks", type=int, default=24, help="--num-gpu-blocks-override (default 24)")
     parser.add_argument("--a-rate", type=float, default=5.0, help="user A's limit, tok/s (default 5)")
@@ -471,12 +409,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="random prompts' seed")
     parser.add_argument("--server-arg", action="append", default=[], metavar="ARG",
                         help="extra vllm serve argument, repeatable")
-    parser.add_argument("--log-dir", default=None, help="server log directory (default: PREFIX-logs/)")
+    parser.add_argument("--log-dir", default=None, help="server logs (default: a temporary folder)")
     args = parser.parse_args(argv)
 
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    log_dir = Path(args.log_dir) if args.log_dir else out.parent / f"{out.name}-logs"
+    log_dir = benchkit.log_dir_for("kv-pressure", args.log_dir)
     config = json.loads((Path(args.model) / "config.json").read_text())
     server_args = [
         "--num-gpu-blocks-override", str(args.blocks),
@@ -486,14 +422,13 @@ def main(argv: list[str] | None = None) -> int:
         "--user-output-tokens-per-second", json.dumps({USER_A: args.a_rate}),
         *args.server_arg,
     ]
-    t_begin = time.monotonic()
-    doc = start_report(SCHEMA, args, server_args)
+    doc = benchkit.start_report(SCHEMA, args, server_args)
     print(f"starting server: {shlex.join(server_args)}", flush=True)
     # INFO logs: the engine logs the KV cache size it allocated (cross-check).
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO")
-    with running_server(server_args, log_dir, name="kv-pressure", model=args.model,
-                        command=SERVE_WITH_CHURN) as server:
-        doc["startup_s"] = time.monotonic() - t_begin
+    with benchkit.running_engines([("kv-pressure", server_args)], log_dir, model=args.model,
+                                  command=SERVE_WITH_CHURN) as (server,):
+        doc["startup_s"] = server.startup_s
         doc["server_log"] = str(server.log_path)
         log_text = server.log_path.read_text(errors="replace")
         logged = re.search(r"KV cache size: ([\d,]+) tokens", log_text)
@@ -502,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
             (line.split("]", 1)[-1].strip() for line in log_text.splitlines() if "num_gpu_blocks_override" in line),
             None,
         )
-        m = parse_metrics(server.metrics())
+        m = measure.parse_metrics(server.metrics())
         cache_info = (m.get("vllm:cache_config_info") or [({}, 0)])[0][0]
         num_blocks = int(float(cache_info.get("num_gpu_blocks", args.blocks)))
         block_size = int(float(cache_info.get("block_size", 16)))
@@ -525,20 +460,16 @@ def main(argv: list[str] | None = None) -> int:
         doc["kv"] = info
         print(f"server up in {doc['startup_s']:.0f} s; KV {info}", flush=True)
         doc["trials"] = asyncio.run(run_all(server, args, info))
-        metrics_end = parse_metrics(server.metrics())
+        metrics_end = measure.parse_metrics(server.metrics())
         doc["kv"]["preemptions_at_end"] = gauges(metrics_end)["preemptions"]
-        doc["churn"] = churn_summary(recompute_figures(info.pop("metrics_at_start"), metrics_end),
-                                     doc["trials"] + [info["diagnostic"]])
+        every_trial = doc["trials"] + [info["diagnostic"]]
+        doc["churn"] = churn_costs(recompute_figures(info.pop("metrics_at_start"), metrics_end),
+                                   sum(t.get("finished_requests", 0) for t in every_trial))
         doc["server_log_tail"] = server.log_tail(40)
-    doc["load_after"] = loadavg()
-    doc["wall_s"] = time.monotonic() - t_begin
+    benchkit.finish_report(doc)
     doc["analysis"] = analyse(doc["trials"])
     print("\n" + report(doc))
-    json_path = out.with_name(out.name + ".json")
-    png_path = out.with_name(out.name + ".png")
-    json_path.write_text(json.dumps(doc, indent=2) + "\n")
-    plot(doc, png_path)
-    print(f"\nwrote {json_path} and {png_path}")
+    benchkit.write_outputs(doc, args.out, plot=plot)
     failures = doc["analysis"][ALONE]["b_failures"] + doc["analysis"][PRESSURE]["b_failures"]
     return 1 if failures else 0
 

@@ -7,34 +7,38 @@ a small machine.  ``generate()`` calls alternate between the two engines, so
 drift and background load hit both alike.  Reported: output tok/s per call,
 mean / stdev / min / max per side, and the ratio of means.
 
-Usage: ``python benchmarks/offline_throughput.py --out results/offline_throughput``
+Usage: ``python benchmarks/offline_throughput.py`` (writes
+``docs/results/offline_throughput.json``; ``--out PREFIX`` elsewhere).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
-from pathlib import Path
+
+from vllm_output_rate.tools import benchkit
+from vllm_output_rate.tools.serverproc import DEFAULT_MODEL_DIR
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+benchkit.use_cpu_testbed_env()
+
+SCHEMA = "vllm-output-rate-offline-throughput/1"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="results/offline_throughput")
-    ap.add_argument("--model", default="models/tiny-llama")
+    ap.add_argument("--out", default=str(benchkit.RESULTS_DIR / "offline_throughput"), metavar="PREFIX",
+                    help="writes PREFIX.json (default: %(default)s)")
+    ap.add_argument("--model", default=str(DEFAULT_MODEL_DIR))
     ap.add_argument("--reps", type=int, default=6, help="generate() calls per engine")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--users", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--max-num-seqs", type=int, default=16)
     args = ap.parse_args()
+    doc = benchkit.start_report(SCHEMA, args)
 
     from vllm import LLM, SamplingParams
 
@@ -74,16 +78,8 @@ def main() -> None:
     }
     ratio = summary["plugin"]["mean"] / summary["stock"]["mean"]
     print(f"ratio of means (plugin / stock): {ratio:.3f} (target >= 0.98)")
-    doc = {
-        "config": vars(args),
-        "machine": {"nproc": os.cpu_count(), "load_after": os.getloadavg()},
-        "summary": summary,
-        "ratio_of_means": ratio,
-    }
-    out = Path(args.out).with_suffix(".json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=2) + "\n")
-    print(f"wrote {out}")
+    doc.update({"summary": summary, "ratio_of_means": ratio})
+    benchkit.write_outputs(benchkit.finish_report(doc), args.out)
 
 
 if __name__ == "__main__":

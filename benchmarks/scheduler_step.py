@@ -28,8 +28,8 @@ only the instructions executed inside ``schedule()`` and
 ``update_from_output()`` are collected (client requests toggle collection;
 their own cost is measured and subtracted; ``PYTHONHASHSEED=0``).
 
-Usage: ``python benchmarks/scheduler_step.py [--instructions] --out
-results/scheduler_step`` (writes ``.json`` and ``.png``).  Figures are
+Usage: ``python benchmarks/scheduler_step.py [--instructions]`` (writes
+``docs/results/scheduler_step.json`` and ``.png``; ``--out PREFIX`` elsewhere).  Figures are
 CPU-only and machine-dependent.
 
 ``--store`` measures only ours with the shared store against ours with the
@@ -38,7 +38,7 @@ counts): a real redis-server is started on 127.0.0.1 (stopped by PID), the
 scheduler builds its lease limiter from ``additional_config`` as an engine
 does, and the lease thread's work (round trips to Redis) runs between
 steps, outside the measured calls, because in an engine it runs on its own
-thread: the step itself never waits on Redis.  Writes ``OUT_store.json``.
+thread: the step itself never waits on Redis.  Writes ``PREFIX_store.json``.
 """
 
 from __future__ import annotations
@@ -46,10 +46,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
-import json
 import os
-import platform
-import shutil
 import statistics
 import subprocess
 import sys
@@ -60,12 +57,15 @@ from pathlib import Path
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
 
-from sched_harness import MS, TOKEN, Harness  # noqa: E402
+from vllm_output_rate.tools import benchkit  # noqa: E402
+from vllm_output_rate.tools.benchkit import CALIBRATION_TOGGLES, RESULTS_DIR  # noqa: E402
+from vllm_output_rate.tools.redisproc import RedisProcess  # noqa: E402
+from vllm_output_rate.tools.scheduler_sim import MS, TOKEN, Harness  # noqa: E402
 
+SCHEMA = "vllm-output-rate-scheduler-step/1"
 RESIDENT = (16, 64, 256, 1024)
 PROMPT_LEN = 8
 THROTTLED_USERS = 14  # U = 16 users whatever R is: 14 throttled (1 tok/s) ...
@@ -73,6 +73,12 @@ FREE_USERS = 2  # ... and 2 whose limit is never hit
 WARMUP_STEPS = 40
 MEASURED_TOKENS = 1200  # upper bound on steps measured per build (steps x reps)
 LONG = 1_000_000  # max_tokens: nobody finishes during a measurement
+#: What each scenario is, and the targets it is judged by (kept in the JSON for the page).
+SCENARIOS = {
+    "never_hit": "limits never hit, active = R",
+    "throttled_90": "90 % throttled, active cap 16 (ours)",
+}
+TARGETS = {"never_hit_ratio": 1.05, "throttled_90_scaling_1024_over_64": 2.0}
 
 
 def limits(default, **users):
@@ -196,12 +202,6 @@ def measure_pair(scenario: str, resident: int, steps: int, reps: int) -> dict:
 # Instruction counts (callgrind): a repeatable companion to the wall clock
 # --------------------------------------------------------------------------
 
-_CALLGRIND_HELPER_C = r"""
-#include <valgrind/callgrind.h>
-void cg_begin(void) { CALLGRIND_START_INSTRUMENTATION; }
-void cg_toggle(void) { CALLGRIND_TOGGLE_COLLECT; }
-void cg_dump(const char *what) { CALLGRIND_DUMP_STATS_AT(what); }
-"""
 #: Steps counted per build, by R: with every request decoding, the count per
 #: step barely moves from step to step.
 INSTRUCTION_STEPS = {16: 100, 64: 60, 256: 20, 1024: 8}
@@ -214,22 +214,6 @@ def instruction_steps(scenario: str, resident: int, who: str) -> int:
     if scenario == "throttled_90" and who == "ours":
         return THROTTLED_OURS_STEPS
     return INSTRUCTION_STEPS.get(resident, 20)
-CALIBRATION_TOGGLES = 200
-
-
-def build_callgrind_helper(workdir: Path) -> Path:
-    """Compile the three client requests into a library ctypes can call."""
-    missing = [tool for tool in ("valgrind", "gcc") if shutil.which(tool) is None]
-    if missing or not Path("/usr/include/valgrind/callgrind.h").is_file():
-        raise SystemExit(
-            "--measure instructions needs valgrind (with its headers) and gcc; "
-            f"missing: {', '.join(missing) or 'valgrind/callgrind.h'}"
-        )
-    source = workdir / "cgctl.c"
-    source.write_text(_CALLGRIND_HELPER_C)
-    library = workdir / "cgctl.so"
-    subprocess.run(["gcc", "-shared", "-fPIC", "-O2", "-o", str(library), str(source)], check=True)
-    return library
 
 
 def count_child(scenario: str, resident: int, who: str, steps: int, helper: str) -> None:
@@ -292,7 +276,7 @@ def count_cells(cells: list[tuple[str, int, str]]) -> dict:
     side by side, one per core.
     """
     with tempfile.TemporaryDirectory(prefix="cgctl-") as tmp:
-        helper = build_callgrind_helper(Path(tmp))
+        helper = benchkit.build_callgrind_helper(Path(tmp))
         with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
             return dict(zip(cells, pool.map(
                 lambda cell: count_instructions(*cell, instruction_steps(*cell), helper),
@@ -320,9 +304,7 @@ def measure_fast_paths(sizes: list[int]) -> dict:
 
 def measure_store(sizes: list[int], steps: int, reps: int, instructions: bool) -> dict:
     """Ours with the shared (Redis lease) store vs ours in memory, limits never hit."""
-    from redis_harness import RedisServer
-
-    server = RedisServer().start()
+    server = RedisProcess().start()
     os.environ[STORE_ENV] = server.url
     results: dict = {}
     try:
@@ -379,24 +361,12 @@ def measure_store(sizes: list[int], steps: int, reps: int, instructions: bool) -
     return results
 
 
-def _dumped_instructions(out_dir: Path, trigger: str) -> int:
-    for path in out_dir.iterdir():
-        text = path.read_text(errors="replace")
-        if f"Client Request: {trigger}" not in text:
-            continue
-        for line in text.splitlines():
-            if line.startswith(("summary:", "totals:")):
-                return int(line.split()[1])
-    raise RuntimeError(f"no callgrind dump '{trigger}' in {out_dir}")
-
-
 def count_instructions(scenario: str, resident: int, who: str, steps: int, helper: Path) -> float:
     """Instructions per step, from one child process under callgrind."""
     with tempfile.TemporaryDirectory(prefix="cg-") as tmp:
         out_dir = Path(tmp)
         cmd = [
-            "valgrind", "--tool=callgrind", "--instr-atstart=no", "--collect-atstart=no",
-            f"--callgrind-out-file={out_dir}/cg.out",
+            *benchkit.callgrind_command(out_dir),
             sys.executable, __file__, "--count-child", scenario, str(resident), who,
             str(steps), str(helper),
         ]
@@ -404,8 +374,8 @@ def count_instructions(scenario: str, resident: int, who: str, steps: int, helpe
         done = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"callgrind child failed:\n{done.stderr[-3000:]}")
-        calibrate = _dumped_instructions(out_dir, "calibrate")
-        measured = _dumped_instructions(out_dir, "measured")
+        calibrate = benchkit.dumped_instructions(out_dir, "calibrate")
+        measured = benchkit.dumped_instructions(out_dir, "measured")
     per_toggle_pair = calibrate / CALIBRATION_TOGGLES
     return (measured - 2 * steps * per_toggle_pair) / steps
 
@@ -437,7 +407,9 @@ def main() -> None:
         count_child(scenario, int(resident), who, int(steps), helper)
         return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="results/scheduler_step")
+    ap.add_argument("--out", default=str(RESULTS_DIR / "scheduler_step"), metavar="PREFIX",
+                    help="writes PREFIX.json and PREFIX.png; --fast-paths PREFIX_fast_paths.json, "
+                    "--store PREFIX_store.json (default: %(default)s)")
     ap.add_argument("--steps", type=int, default=50, help="steps per timed block")
     ap.add_argument("--reps", type=int, default=10, help="timed blocks per scheduler")
     ap.add_argument("--resident", default=",".join(map(str, RESIDENT)))
@@ -449,37 +421,34 @@ def main() -> None:
     ap.add_argument(
         "--fast-paths", action="store_true",
         help="only count instructions per step (never hit) for stock, ours and ours "
-        "without its fast paths; writes OUT_fast_paths.json",
+        "without its fast paths; writes PREFIX_fast_paths.json",
     )
     ap.add_argument(
         "--store", action="store_true",
         help="only ours with the shared Redis lease store vs ours in memory (limits never "
-        "hit; starts a redis-server); with --instructions also by callgrind; writes OUT_store.json",
+        "hit; starts a redis-server); with --instructions also by callgrind; writes PREFIX_store.json",
     )
     args = ap.parse_args()
     sizes = [int(x) for x in args.resident.split(",")]
     if args.store:
-        doc = {
-            "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
-            "steps": args.steps, "reps": args.reps,
-            "results": measure_store(sizes, args.steps, args.reps, args.instructions),
-        }
+        doc = benchkit.start_report(SCHEMA + "-store", args)
+        doc.update({"targets": {"ratio": TARGETS["never_hit_ratio"]}, "steps": args.steps,
+                    "reps": args.reps,
+                    "results": measure_store(sizes, args.steps, args.reps, args.instructions)})
         rows = doc["results"].values()
         doc["worst_ratio"] = max(row["ratio"] for row in rows)
         if args.instructions:
             doc["instructions_worst_ratio"] = max(row["instructions_ratio"] for row in rows)
-        out = Path(args.out + "_store.json")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(doc, indent=2) + "\n")
-        print(f"wrote {out}")
+        benchkit.write_outputs(benchkit.finish_report(doc), args.out, suffix="_store")
         return
     if args.fast_paths:
-        doc = {"results": measure_fast_paths(sizes)}
-        out = Path(args.out + "_fast_paths.json")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(doc, indent=2) + "\n")
-        print(f"wrote {out}")
+        doc = benchkit.start_report(SCHEMA + "-fast-paths", args)
+        doc["results"] = measure_fast_paths(sizes)
+        # The fast paths stay while they save at least this much at every size.
+        doc["targets"] = {"fast_path_saving": 0.01}
+        benchkit.write_outputs(benchkit.finish_report(doc), args.out, suffix="_fast_paths")
         return
+    doc = benchkit.start_report(SCHEMA, args)
     results: dict = {"never_hit": {}, "throttled_90": {}}
     for scenario in results:
         for r in sizes:
@@ -498,15 +467,15 @@ def main() -> None:
         print(f"throttled_90: ours R=1024 / R=64 = {scaling:.2f} (target <= 2)")
     worst = max(row["ratio"] for row in results["never_hit"].values())
     print(f"never_hit: worst ours/stock = {worst:.3f} (target <= 1.05)")
-    doc = {
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                    "platform": platform.platform()},
+    doc.update({
+        "scenarios": SCENARIOS,
+        "targets": TARGETS,
         "steps": args.steps,
         "reps": args.reps,
         "results": results,
         "never_hit_worst_ratio": worst,
         "throttled_90_scaling_1024_over_64": scaling,
-    }
+    })
     if args.instructions:
         counted = measure_instructions(sizes)
         doc["instructions"] = counted
@@ -520,11 +489,7 @@ def main() -> None:
             )
         print(f"instructions, never_hit: worst ours/stock = "
               f"{doc['instructions_never_hit_worst_ratio']:.3f} (target <= 1.05)")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(doc, indent=2) + "\n")
-    plot(doc, out.with_suffix(".png"))
-    print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
+    benchkit.write_outputs(benchkit.finish_report(doc), args.out, plot=plot)
 
 
 def plot(doc: dict, path: Path) -> None:

@@ -10,28 +10,27 @@
    per second and Redis commands per second (from ``INFO commandstats``).
 
 3. With ``--cluster``: the same round-trip measurement against a real
-   three-node Redis Cluster (started here like ``tests/stores/test_store_cluster.py``
-   does, stopped by PID): script calls per second summed over the nodes
+   three-node Redis Cluster (``benchkit.RedisClusterProcess``, stopped by PID): script calls per second summed over the nodes
    (one per node a user of the batch lives on, per round trip).
 
-Prints a table and writes ``OUT.json``.  Usage::
+Prints a table and writes ``docs/results/shared_store.json`` (``--out PREFIX``
+elsewhere).  Usage::
 
-    python benchmarks/shared_store.py [--cluster] --out results/shared_store
+    python benchmarks/shared_store.py [--cluster]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from vllm_output_rate.policy.limiter import OutputRateLimiter
+from vllm_output_rate.stores.lease import LeaseGrant, LeasedOutputRateLimiter
+from vllm_output_rate.tools import benchkit
+from vllm_output_rate.tools.redisproc import RedisProcess
 
-from vllm_output_rate.policy.limiter import OutputRateLimiter  # noqa: E402
-from vllm_output_rate.stores.lease import LeaseGrant, LeasedOutputRateLimiter  # noqa: E402
+SCHEMA = "vllm-output-rate-shared-store/1"
 
 USERS = [f"user-{i}" for i in range(16)]
 
@@ -98,17 +97,13 @@ def bench_calls(rounds: int) -> dict:
 
 
 def bench_round_trips(seconds: float, n_users: int, cluster: bool = False) -> dict:
-    from redis_harness import RedisServer
-
     from vllm_output_rate.stores.redis_store import RedisLeaseBackend
 
     if cluster:
-        from test_store_cluster import RedisCluster3
-
-        srv = RedisCluster3().start()
+        srv = benchkit.RedisClusterProcess().start()
         clients = [srv.node(i) for i in range(len(srv.ports))]
     else:
-        srv = RedisServer().start()
+        srv = RedisProcess().start()
         clients = [srv.client()]
     try:
         backend = RedisLeaseBackend(srv.url, prefix="bench")
@@ -156,21 +151,20 @@ def bench_round_trips(seconds: float, n_users: int, cluster: bool = False) -> di
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="results/shared_store")
+    ap.add_argument("--out", default=str(benchkit.RESULTS_DIR / "shared_store"), metavar="PREFIX",
+                    help="writes PREFIX.json (default: %(default)s)")
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--users", type=int, default=100)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--cluster", action="store_true",
                     help="also measure round trips against a real 3-node Redis Cluster")
     args = ap.parse_args()
-    calls = bench_calls(args.rounds)
-    trips = bench_round_trips(args.seconds, args.users)
-    report = {"calls": calls, "round_trips": trips}
+    report = benchkit.start_report(SCHEMA, args)
+    calls = report["calls"] = bench_calls(args.rounds)
+    trips = report["round_trips"] = bench_round_trips(args.seconds, args.users)
     if args.cluster:
         report["cluster_round_trips"] = bench_round_trips(args.seconds, args.users, cluster=True)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(report, indent=2))
+    benchkit.write_outputs(benchkit.finish_report(report), args.out)
     ratio = calls["lease_ns_per_step"] / calls["in_memory_ns_per_step"]
     print(f"limiter calls for {calls['users_per_step']} users per step: in-memory "
           f"{calls['in_memory_ns_per_step'] / 1000:.1f} us, lease {calls['lease_ns_per_step'] / 1000:.1f} us "

@@ -40,13 +40,13 @@ model, 127.0.0.1 only, stopped by PID at the end) with random per-user limits;
 ``--url`` targets an existing server instead, whose limits must then be given
 with ``--default-rate`` and ``--user-rates``.
 
-Exit status 0 when every check passes, 1 otherwise.  ``--json PATH`` writes a
-summary.  Count-bounded (``--requests``) and time-bounded (``--time-limit``).
+Exit status 0 when every check passes, 1 otherwise.  Writes the summary to
+``docs/results/soak.json`` (``--out PREFIX`` elsewhere).  Count-bounded (``--requests``) and time-bounded (``--time-limit``).
 
 Example::
 
     VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE=1 HF_HUB_OFFLINE=1 \\
-        .venv/bin/python benchmarks/soak.py --json /tmp/soak.json
+        .venv/bin/python benchmarks/soak.py --out /tmp/soak
 """
 
 from __future__ import annotations
@@ -54,35 +54,26 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
-import os
 import random
-import tempfile
 import time
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
-import httpx
-
-from vllm_output_rate.tools import measure
-from vllm_output_rate.tools.churn import recompute_figures
+from vllm_output_rate.tools import benchkit, measure
+from vllm_output_rate.tools.analysis import envelope_worst, guarantee_bound, sliding_excess
+from vllm_output_rate.tools.benchkit import RESULTS_DIR
+from vllm_output_rate.tools.churn import churn_costs, churn_line, recompute_figures
 from vllm_output_rate.tools.measure import max_in_window
+from vllm_output_rate.tools.serverproc import DEFAULT_MODEL_DIR, SERVE_WITH_CHURN
 
-REPO = Path(__file__).resolve().parents[1]
-BURST_S = 0.1
+benchkit.use_cpu_testbed_env()
+
+SCHEMA = "vllm-output-rate-soak/1"
 #: Tolerance for server-side per-request timestamps (taken after the model
 #: step, while the limiter reads its clock before it).
 SERVER_TS_TOLERANCE_S = 0.05
 VOCAB_LO, VOCAB_HI = 10, 680
 ANON = "__anonymous__"
-
-for var, value in (
-    ("VLLM_TARGET_DEVICE", "cpu"),
-    ("VLLM_CPU_KVCACHE_SPACE", "1"),
-    ("HF_HUB_OFFLINE", "1"),
-):
-    os.environ.setdefault(var, value)
 
 
 # -- plan ----------------------------------------------------------------------
@@ -238,49 +229,12 @@ def read_gauges(base_url: str) -> dict[str, float]:
 # -- checks --------------------------------------------------------------------
 
 
-def window_excess(times: list[float], rate: float, extra_s: float) -> tuple[float, float]:
-    """Max over windows [t_i, t_j] of count - ((t_j - t_i) + BURST + extra) * N - 1.
-
-    Returns (excess, window length of the worst window).  O(n).
-    """
-    ts = sorted(times)
-    best, best_w = -math.inf, 0.0
-    min_val, min_i = math.inf, 0
-    for j, t in enumerate(ts):
-        v = j - rate * t
-        if v < min_val:
-            min_val, min_i = v, j
-        # count - (W + B + extra)N - 1 = (j - N t_j) - (i - N t_i) + 1 - (B+extra)N - 1
-        excess = (j - rate * t) - min_val - (BURST_S + extra_s) * rate
-        if excess > best:
-            best, best_w = excess, t - ts[min_i]
-    return best, best_w
-
-
 def envelope_excess(outs: list, rate: float) -> tuple[float, float, int]:
-    """Jitter-free check over whole requests.
-
-    Every token of a request was charged after the client sent it and before
-    the client saw the end of it, so the tokens of all requests sent at or
-    after ``a`` and done by ``b`` lie in a window of at most ``b - a``.
-    Returns the worst (excess, window, tokens) over all such request sets.
-    """
-    reqs = [(o.t_sent, o.t_done, o.n_tokens) for o in outs if o.n_tokens and o.t_done]
-    best = (-math.inf, 0.0, 0)
-    starts = sorted({r[0] for r in reqs})
-    ends = sorted({r[1] for r in reqs})
-    for a in starts:
-        inside = [r for r in reqs if r[0] >= a]
-        for b in ends:
-            if b <= a:
-                continue
-            count = sum(n for s0, e0, n in inside if e0 <= b)
-            if not count:
-                continue
-            excess = count - ((b - a) + BURST_S) * rate - 1
-            if excess > best[0]:
-                best = (excess, b - a, count)
-    return best
+    """The jitter-free check over whole requests (``analysis.envelope_worst``):
+    worst (excess, window, tokens) over the requests sent at or after ``a`` and
+    done by ``b``, for every a and b."""
+    worst = envelope_worst([(o.t_sent, o.t_done, o.n_tokens) for o in outs if o.t_done], rate)
+    return worst if worst is not None else (float("-inf"), 0.0, 0)
 
 
 def check(plan, outcomes, rates_of, args, gauges_end, runtime_s) -> dict:
@@ -314,7 +268,7 @@ def check(plan, outcomes, rates_of, args, gauges_end, runtime_s) -> dict:
                 )
         if o.generation_time_s is not None and o.n_tokens > 1:
             rate = rates_of(o.user)
-            allowed = (o.generation_time_s + BURST_S + SERVER_TS_TOLERANCE_S) * rate + 1
+            allowed = guarantee_bound(o.generation_time_s + SERVER_TS_TOLERANCE_S, rate)
             if o.n_tokens > allowed:
                 server_side += 1
                 problems.append(
@@ -346,8 +300,8 @@ def check(plan, outcomes, rates_of, args, gauges_end, runtime_s) -> dict:
         times = [t for o in outs for t in o.times]
         if not times:
             continue
-        excess, w = window_excess(times, rate, allowance)
-        strict, ws = window_excess(times, rate, 0.0)
+        excess, w = sliding_excess(times, rate, allowance)
+        strict, ws = sliding_excess(times, rate, 0.0)
         env, env_w, env_n = envelope_excess(outs, rate)
         span = max(times) - min(times)
         entry = {
@@ -358,8 +312,8 @@ def check(plan, outcomes, rates_of, args, gauges_end, runtime_s) -> dict:
             "mean_rate": round((len(times) - 1) / span, 2) if span > 0 else None,
             "max_tokens_in_1s": max_in_window(times, 1.0),
             "max_tokens_in_5s": max_in_window(times, 5.0),
-            "bound_1s": round((1.0 + BURST_S) * rate + 1, 1),
-            "bound_5s": round((5.0 + BURST_S) * rate + 1, 1),
+            "bound_1s": round(guarantee_bound(1.0, rate), 1),
+            "bound_5s": round(guarantee_bound(5.0, rate), 1),
             "worst_excess_sliding": round(excess, 2),
             "worst_window_s": round(w, 3),
             "worst_excess_sliding_strict": round(strict, 2),
@@ -446,31 +400,6 @@ def first_token_waits(outcomes) -> dict:
     return {"requests": len(waits), "p50_s": at(0.5), "p90_s": at(0.9), "max_s": round(waits[-1], 3)}
 
 
-def churn_summary(churn: dict, summary: dict) -> dict:
-    """What preemptions cost: per finished request and per output token."""
-    out = dict(churn)
-    finished = summary["finished"]
-    output = churn.get("generation_tokens") or summary["tokens_received"]
-    out["output_tokens"] = output
-    out["preemptions_per_finished_request"] = (
-        round(churn["preemptions"] / finished, 3) if finished and churn["preemptions"] is not None else None)
-    out["recomputed_tokens_per_output_token"] = (
-        round(churn["recomputed_tokens"] / output, 3)
-        if output and churn.get("recomputed_tokens") is not None else None)
-    return out
-
-
-def churn_line(c: dict) -> str:
-    line = (f"churn: {c['preemptions']:.0f} preemptions = "
-            f"{c['preemptions_per_finished_request']} per finished request")
-    if c.get("recomputed_tokens") is None:
-        return line + "; recomputed tokens unknown (server without the churn counters)"
-    return line + (
-        f"; {c['readmissions']:.0f} re-admissions recomputed {c['recomputed_tokens']:.0f} tokens "
-        f"({c['readmitted_tokens']:.0f} re-admitted, {c['readmitted_cached_tokens']:.0f} from the prefix cache) "
-        f"= {c['recomputed_tokens_per_output_token']} per output token ({c['output_tokens']:.0f} output tokens)")
-
-
 def wait_gauges_zero(base_url: str, timeout_s: float) -> dict:
     deadline = time.monotonic() + timeout_s
     while True:
@@ -509,7 +438,9 @@ def parse_args(argv=None):
                     help="extra vllm serve argument for the own server (repeatable), "
                     "e.g. --server-arg=--num-gpu-blocks-override=40")
     ap.add_argument("--log-dir", default=None, help="server log folder (own server)")
-    ap.add_argument("--json", dest="json_path", default=None, help="write the summary here")
+    ap.add_argument("--out", default=str(RESULTS_DIR / "soak"), metavar="PREFIX",
+                    help="writes the summary to PREFIX.json (default: %(default)s)")
+    ap.add_argument("--model", default=str(DEFAULT_MODEL_DIR), help="own server's model (default: tiny model)")
     ap.add_argument("--dump-requests", default=None,
                     help="write every request's plan and outcome (JSON lines) here")
     args = ap.parse_args(argv)
@@ -551,16 +482,16 @@ def main(argv=None) -> int:
         flush=True,
     )
 
+    config = {k: v for k, v in vars(args).items() if k != "out"} | {
+        "default_rate": default_rate, "user_rates": rates}
+    doc = benchkit.start_report(SCHEMA)
     with ExitStack() as stack:
         if args.url:
             base_url = args.url.rstrip("/")
-            model = httpx.get(f"{base_url}/v1/models", timeout=10).json()["data"][0]["id"]
+            model = benchkit.served_model(base_url)
             server = None
         else:
-            from vllm_output_rate.tools.serverproc import SERVE_WITH_CHURN, running_server
-
-            log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="soak-logs-"))
-            log_dir.mkdir(parents=True, exist_ok=True)
+            log_dir = benchkit.log_dir_for("soak", args.log_dir)
             server_args = [
                 "--default-user-output-tokens-per-second", str(default_rate),
                 "--user-output-tokens-per-second", json.dumps(rates),
@@ -572,12 +503,12 @@ def main(argv=None) -> int:
                 "--enable-per-request-metrics",
                 *args.server_arg,
             ]
-            t_start = time.monotonic()
-            server = stack.enter_context(running_server(
-                server_args, log_dir, "soak", model=REPO / "models" / "tiny-llama",
-                command=SERVE_WITH_CHURN))
+            doc["server_args"] = server_args
+            (server,) = stack.enter_context(benchkit.running_engines(
+                [("soak", server_args)], log_dir, model=args.model, command=SERVE_WITH_CHURN))
             base_url, model = server.base_url, server.model
-            print(f"server pid {server.pid} at {base_url} up in {time.monotonic() - t_start:.0f}s; "
+            doc["startup_s"] = server.startup_s
+            print(f"server pid {server.pid} at {base_url} up in {server.startup_s:.0f}s; "
                   f"log {server.log_path}", flush=True)
 
         m0 = measure.fetch_metrics(base_url)
@@ -586,11 +517,9 @@ def main(argv=None) -> int:
         summary = check(plan, outcomes, rates_of, args, gauges_end, runtime)
         churn = recompute_figures(m0, measure.fetch_metrics(base_url))
         summary["preemptions"] = churn["preemptions"] or 0.0
-        summary["churn"] = churn_summary(churn, summary)
+        summary["churn"] = churn_costs(churn, summary["finished"], summary["tokens_received"])
         summary["first_token_wait_client"] = first_token_waits(outcomes)
-        summary["config"] = {
-            k: v for k, v in vars(args).items() if k not in ("json_path",)
-        } | {"default_rate": default_rate, "user_rates": rates}
+        summary["config"] = config
         if server is not None:
             summary["server_log"] = str(server.log_path)
             if not summary["ok"]:
@@ -629,8 +558,8 @@ def main(argv=None) -> int:
             for p in plan:
                 o = by_idx.get(p.idx)
                 fh.write(json.dumps({"plan": asdict(p), "outcome": asdict(o) if o else None}) + "\n")
-    if args.json_path:
-        Path(args.json_path).write_text(json.dumps(summary, indent=2, default=str))
+    doc.update(summary)
+    benchkit.write_outputs(benchkit.finish_report(doc), args.out)
     return 0 if summary["ok"] else 1
 
 

@@ -76,9 +76,9 @@ pairs take about 6 minutes on live servers (about 10 with
 Usage::
 
     VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE=1 HF_HUB_OFFLINE=1 \\
-        .venv/bin/python benchmarks/throughput_ratio.py --out results/throughput_ratio
+        .venv/bin/python benchmarks/throughput_ratio.py
 
-writes ``results/throughput_ratio.json`` and ``results/throughput_ratio.png``.
+writes ``docs/results/throughput_ratio.json`` and ``.png`` (``--out PREFIX`` elsewhere).
 Exit status 0 whether or not the target is met (it is a measurement);
 1 when a run failed (server did not start, request errors).
 """
@@ -88,7 +88,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import math
 import os
 import statistics
@@ -97,120 +96,42 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-import common  # noqa: E402  (benchmarks/common.py)
-
-common.use_cpu_testbed_env()
-
-import httpx  # noqa: E402
-import psutil  # noqa: E402
-
-from vllm_output_rate.tools.bench import (  # noqa: E402
-    DEFAULT_PROMPT,
-    FINISHED,
-    RequestRecord,
-    percentile,
-    run_request,
+from vllm_output_rate.tools import benchkit, measure
+from vllm_output_rate.tools.benchkit import (
+    RESULTS_DIR,
+    as_share,
+    fmt_load,
+    loadavg,
+    machine_line,
+    table,
 )
-from vllm_output_rate.tools.serverproc import running_server  # noqa: E402
+from vllm_output_rate.tools.measure import DEFAULT_PROMPT, FINISHED, RequestRecord, percentile, run_request
 
-REPO = Path(__file__).resolve().parents[1]
+benchkit.use_cpu_testbed_env()
+
 BENCH_MODEL_DIR = Path(os.environ.get("BENCH_MODEL_DIR", "models/bench-llama"))
 SCHEMA = "vllm-output-rate-throughput-ratio/1"
 TARGET_RATIO = 0.98
 STOCK, PLUGIN = "stock", "plugin"
 
-
-# --------------------------------------------------------------------------
-# Machine facts
-# --------------------------------------------------------------------------
-
-
-from common import (  # noqa: E402
-    cpu_seconds, fmt_load, loadavg, machine_line, start_report, table,
-)
-
-
-def tree_cpu_seconds(pid: int) -> float:
-    """user + system CPU seconds of a process and its live descendants."""
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return 0.0
-    return cpu_seconds(procs)
-
-
-def role_of(proc: psutil.Process, root_pid: int) -> str:
-    if proc.pid == root_pid:
-        return "api_server"
-    name = proc.name() + " " + " ".join(proc.cmdline()[:1])
-    if "EngineCore" in name:
-        return "engine_core"
-    if "Worker" in name:
-        return "worker"
-    return "other"
-
-
-def role_cpu_seconds(pid: int) -> dict[str, float]:
-    """CPU seconds per server process role (api_server, engine_core, worker, other)."""
-    out = {"api_server": 0.0, "engine_core": 0.0, "worker": 0.0, "other": 0.0}
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return out
-    for proc in procs:
-        try:
-            t = proc.cpu_times()
-            out[role_of(proc, pid)] += t.user + t.system
-        except psutil.NoSuchProcess:
-            pass
-    return out
-
-
 _COUNTERS = {
-    "vllm:generation_tokens_total": "generated_tokens",
-    "vllm:iteration_tokens_total_count": "engine_steps",
+    "generated_tokens": "vllm:generation_tokens_total",
+    "engine_steps": "vllm:iteration_tokens_total_count",
 }
 
 
 def server_counters(base_url: str) -> dict[str, float | None]:
     """Server-side counters from /metrics: tokens generated and engine steps run."""
-    found: dict[str, float | None] = dict.fromkeys(_COUNTERS.values())
     try:
-        text = httpx.get(f"{base_url}/metrics", timeout=30, trust_env=False).text
-    except httpx.HTTPError:
-        return found
-    for line in text.splitlines():
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        key = _COUNTERS.get(name)
-        if key is not None:
-            found[key] = (found[key] or 0.0) + float(line.rsplit(None, 1)[-1])
-    return found
-
-
-def busy_cpu_seconds() -> float:
-    """Machine-wide non-idle CPU seconds so far (all cores)."""
-    t = psutil.cpu_times()
-    return sum(t) - t.idle - getattr(t, "iowait", 0.0)
+        samples = measure.fetch_metrics(base_url, timeout=30)
+    except Exception:  # noqa: BLE001 -- a failed read leaves the window without server figures
+        return dict.fromkeys(_COUNTERS)
+    return {key: measure.metric_sum(samples, name) for key, name in _COUNTERS.items()}
 
 
 # --------------------------------------------------------------------------
 # Workload
 # --------------------------------------------------------------------------
-
-
-def request_body(model: str, user: str, max_tokens: int, prompt: str) -> dict:
-    return {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        "ignore_eos": True,  # every request runs to max_tokens
-        "return_token_ids": True,  # exact token count per chunk
-        "vllm_xargs": {"output_rate_user": user},
-    }
 
 
 async def drive(
@@ -232,18 +153,13 @@ async def drive(
     (to snapshot CPU counters) and the window's actual edges are returned.
     """
     total = users * streams
-    client = httpx.AsyncClient(
-        base_url=base_url,
-        timeout=httpx.Timeout(connect=10.0, read=None, write=10.0, pool=None),
-        limits=httpx.Limits(max_connections=total + 4, max_keepalive_connections=total + 4),
-        trust_env=False,
-    )
+    client = benchkit.async_http(base_url, connections=total + 4)
     records: list[RequestRecord] = []
     async with client:
         t0 = time.monotonic()
 
         async def loop(user: str, stream: int) -> None:
-            body = request_body(model, user, max_tokens, prompt)
+            body = measure.stream_body(model, user, max_tokens, prompt)
             while True:
                 record = RequestRecord(user=user, stream=stream, start=time.monotonic() - t0)
                 records.append(record)
@@ -268,39 +184,34 @@ async def drive(
     return records, t_start, t_end
 
 
-def measure_run(side: str, args, server_args: list[str], log_dir: Path, server=None,
-                startup_s: float | None = None) -> dict:
+def measure_run(side: str, args, server_args: list[str], log_dir: Path, server=None) -> dict:
     """One measured run: on ``server`` if given (live mode), else on a fresh one."""
     run: dict = {"side": side, "server_args": server_args, "load_before": loadavg()}
     started = time.monotonic()
     run["started_at"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
     with contextlib.ExitStack() as stack:
         if server is None:
-            server = stack.enter_context(
-                running_server(server_args, log_dir, name=f"throughput-{side}", model=args.model))
-            run["startup_s"] = round(time.monotonic() - started, 1)
+            (server,) = stack.enter_context(benchkit.running_engines(
+                [(f"throughput-{side}", server_args)], log_dir, model=args.model))
         else:
             time.sleep(1.5)  # the other live server's worker has stopped spinning
-            run["startup_s"] = startup_s
+        run["startup_s"] = server.startup_s
         run["server_pid"] = server.pid
-        model = httpx.get(f"{server.base_url}/v1/models", timeout=10, trust_env=False).json()["data"][0]["id"]
+        model = benchkit.served_model(server.base_url)
         # The first /metrics request of a server takes seconds (seen: 4 s) and
         # stalls the front end; make it here, not at the window's start.
         server_counters(server.base_url)
-        me = psutil.Process()
+        meter = benchkit.CpuMeter([server.pid])
         snap: dict = {}
 
         def at_start() -> None:
             snap["counters"] = server_counters(server.base_url)
             snap["t"] = time.monotonic()
-            snap["server"] = tree_cpu_seconds(server.pid)
-            snap["roles"] = role_cpu_seconds(server.pid)
-            t = me.cpu_times()
-            snap["client"] = t.user + t.system
-            snap["busy"] = busy_cpu_seconds()
             snap["load"] = loadavg()
+            meter.start()
 
         def at_end() -> None:
+            cpu = meter.stop()
             wall = time.monotonic() - snap["t"]
             counters = server_counters(server.base_url)
             delta = {
@@ -320,20 +231,14 @@ def measure_run(side: str, args, server_args: list[str], log_dir: Path, server=N
                 None if run["server_generated_tokens_in_window"] is None
                 else run["server_generated_tokens_in_window"] / wall
             )
-            t = me.cpu_times()
-            server_s = tree_cpu_seconds(server.pid) - snap["server"]
-            roles = role_cpu_seconds(server.pid)
-            client_s = t.user + t.system - snap["client"]
-            busy_s = busy_cpu_seconds() - snap["busy"]
+            roles = cpu["servers"][0]
             run["cpu_during_window"] = {
-                "wall_s": round(wall, 3),
-                "server_cores": round(server_s / wall, 3),
-                "client_cores": round(client_s / wall, 3),
-                "foreign_cores": round(max(0.0, busy_s - server_s - client_s) / wall, 3),
-                "machine_busy_cores": round(busy_s / wall, 3),
-                "server_cores_by_process": {
-                    role: round((roles[role] - snap["roles"][role]) / wall, 3) for role in roles
-                },
+                "wall_s": round(cpu["wall_s"], 3),
+                "server_cores": as_share(sum(roles.values()), cpu["wall_s"]),
+                "client_cores": as_share(cpu["client"], cpu["wall_s"]),
+                "foreign_cores": as_share(cpu["foreign"], cpu["wall_s"]),
+                "machine_busy_cores": as_share(cpu["busy"], cpu["wall_s"]),
+                "server_cores_by_process": {role: as_share(s, cpu["wall_s"]) for role, s in roles.items()},
             }
             run["load_window_start"] = snap["load"]
             run["load_window_end"] = loadavg()
@@ -588,14 +493,14 @@ def run_all(args, server_args: dict, log_dir: Path, doc: dict, t_begin: float) -
         live: dict = {}
         if not args.fresh_servers:
             # Both servers start once and stay up; runs alternate between them.
-            for side in (STOCK, PLUGIN):
-                t0 = time.monotonic()
-                print(f"starting the {side} server (load {fmt_load(loadavg())})", flush=True)
-                live[side] = (stack.enter_context(running_server(
-                    server_args[side], log_dir, name=f"throughput-{side}", model=args.model)),
-                    round(time.monotonic() - t0, 1))
-                server_counters(live[side][0].base_url)  # first /metrics request is slow
-                print(f"  up in {live[side][1]:.0f} s", flush=True)
+            print(f"starting the stock and plugin servers (load {fmt_load(loadavg())})", flush=True)
+            servers = stack.enter_context(benchkit.running_engines(
+                [(f"throughput-{side}", server_args[side]) for side in (STOCK, PLUGIN)],
+                log_dir, model=args.model))
+            for side, server in zip((STOCK, PLUGIN), servers):
+                live[side] = server
+                server_counters(server.base_url)  # first /metrics request is slow
+                print(f"  {side} up in {server.startup_s:.0f} s", flush=True)
         for pair in range(args.pairs):
             order = (STOCK, PLUGIN) if pair % 2 == 0 else (PLUGIN, STOCK)
             for side in order:
@@ -611,7 +516,7 @@ def run_all(args, server_args: dict, log_dir: Path, doc: dict, t_begin: float) -
                       f"{'starting server' if args.fresh_servers else 'measuring'} "
                       f"(load {fmt_load(loadavg())})", flush=True)
                 try:
-                    run = measure_run(side, args, server_args[side], log_dir, *live.get(side, ()))
+                    run = measure_run(side, args, server_args[side], log_dir, live.get(side))
                 except Exception as exc:  # keep going: report what was measured
                     failed = True
                     print(f"  run {index} failed: {type(exc).__name__}: {str(exc)[-2000:]}", flush=True)
@@ -634,7 +539,8 @@ def main(argv: list[str] | None = None) -> int:
         description="Throughput with limits configured but never hit vs the feature off "
         "(runs alternating between a stock and a plugin server).",
     )
-    parser.add_argument("--out", required=True, metavar="PREFIX", help="writes PREFIX.json and PREFIX.png")
+    parser.add_argument("--out", default=str(RESULTS_DIR / "throughput_ratio"), metavar="PREFIX",
+                        help="writes PREFIX.json and PREFIX.png (default: %(default)s)")
     parser.add_argument("--model", default=str(BENCH_MODEL_DIR),
                         help=f"model path (default: {BENCH_MODEL_DIR}, written by `make bench-model`)")
     parser.add_argument("--pairs", type=int, default=4, help="stock/plugin run pairs (default 4)")
@@ -650,7 +556,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt of every request")
     parser.add_argument("--time-budget", type=float, default=900.0,
                         help="seconds; a run is skipped when it would not fit (default 900)")
-    parser.add_argument("--log-dir", default=None, help="server logs (default: PREFIX-logs/)")
+    parser.add_argument("--log-dir", default=None, help="server logs (default: a temporary folder)")
     parser.add_argument("--fresh-servers", action="store_true",
                         help="start a fresh server for every run (default: start both once and "
                              "alternate runs between the two live servers)")
@@ -658,32 +564,22 @@ def main(argv: list[str] | None = None) -> int:
     if not Path(args.model, "config.json").is_file():
         parser.error(f"no model at {args.model}; `make bench-model` writes the default one")
 
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    log_dir = Path(args.log_dir) if args.log_dir else out.parent / f"{out.name}-logs"
-    common = ["--max-num-seqs", str(args.max_num_seqs)]
+    log_dir = benchkit.log_dir_for("throughput-ratio", args.log_dir)
+    shared = ["--max-num-seqs", str(args.max_num_seqs)]
     server_args = {
-        STOCK: common,
-        PLUGIN: common + ["--default-user-output-tokens-per-second", f"{args.limit:g}"],
+        STOCK: shared,
+        PLUGIN: shared + ["--default-user-output-tokens-per-second", f"{args.limit:g}"],
     }
+    doc = benchkit.start_report(SCHEMA, args, server_args)
     t_begin = time.monotonic()
-    doc = start_report(SCHEMA, args, server_args)
     doc["runs"] = []
     doc["mode"] = "fresh servers" if args.fresh_servers else "live servers"
     failed = run_all(args, server_args, log_dir, doc, t_begin)
-    doc["load_after"] = loadavg()
-    doc["wall_s"] = time.monotonic() - t_begin
+    benchkit.finish_report(doc)
     doc["analysis"] = analyse(doc["runs"])
-    text = report(doc)
-    print("\n" + text)
-    json_path = out.with_name(out.name + ".json")
-    json_path.write_text(json.dumps(doc, indent=2) + "\n")
-    png_path = out.with_name(out.name + ".png")
-    if any("tokens_per_s" in r for r in doc["runs"]):
-        plot(doc, png_path)
-        print(f"\nwrote {json_path} and {png_path}")
-    else:
-        print(f"\nwrote {json_path}")
+    print("\n" + report(doc))
+    measured = any("tokens_per_s" in r for r in doc["runs"])
+    benchkit.write_outputs(doc, args.out, plot=plot if measured else None)
     return 1 if failed else 0
 
 

