@@ -1,11 +1,15 @@
-"""The eviction policy on its own: the recompute budget and the fair-share rule."""
+"""The eviction policy on its own: the recompute budget, the fair-share rule
+and the victim choice (:class:`Displacement`)."""
 
 from __future__ import annotations
 
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from vllm_output_rate.policy.displacement import Displacement, fits_in_free_kv
 from vllm_output_rate.policy.eviction import DEFAULT_RECOMPUTE_RATIO, EvictionBudget, evens_out
+from vllm_output_rate.policy.gate import StepGate
+from vllm_output_rate.policy.limiter import OutputRateLimiter
 
 
 def test_budget_starts_full_and_refuses_what_it_cannot_pay():
@@ -112,3 +116,166 @@ def test_moves_that_even_out_cannot_cycle(counts, rates, moves):
         assert potential() < before
         assert tuple(counts) not in seen
         seen.add(tuple(counts))
+
+
+# ---------------------------------------------------------------------------
+# Displacement: who gives way, for whom (keys are strings, data plain dicts)
+# ---------------------------------------------------------------------------
+
+MS = 1_000_000
+# With the default 100 ms burst: "slow" (0.5 tok/s) has 1 token when idle,
+# "one" (5 tok/s) 1, everybody else (1000 tok/s) 101.
+RATES = {"slow": 0.5, "one": 5}
+
+
+def displacement(*, budget_tokens=1000, priorities=None, held=None, stuck=()):
+    """A gate over a real limiter with ``slow`` throttled: s1..s3 resident,
+    its one token spent, so the plan leaves its streams hidden and short."""
+    gate = StepGate(OutputRateLimiter(1000, RATES))
+    for key in ("s1", "s2", "s3"):
+        gate.lanes.track(key, "slow")
+        gate.lanes.admit(key, False)
+    assert gate.limiter.try_take("slow", 0)
+    evicted: set = set()
+    held = held or {}
+    part = Displacement(
+        gate.lanes,
+        gate.ledger,
+        EvictionBudget(burst_tokens=budget_tokens),
+        evicted,
+        tokens_held=lambda key: held.get(key, 10),
+        priority_of=None if priorities is None else priorities.__getitem__,
+        can_release=lambda key: key not in stuck,
+    )
+    return gate, part, evicted
+
+
+def start(gate, slots=10):
+    plan = gate.plan(0, slots)
+    assert plan.throttled and gate.ledger.short == ["slow"]
+    return plan
+
+
+def add(gate, user, key, resident=False):
+    gate.lanes.track(key, user)
+    if resident:
+        gate.lanes.admit(key, False)
+
+
+def test_a_running_request_takes_kv_from_the_least_recently_served_throttled_stream():
+    gate, part, _ = displacement()
+    add(gate, "fast", "f1", resident=True)
+    start(gate)
+    assert part.victim_for("f1", waiting=False) == "s1"
+    gate.lanes.release("s1")  # the caller evicted it
+    assert part.victim_for("f1", waiting=False) == "s2"
+
+
+def test_no_victim_for_a_requester_who_cannot_pay_or_of_its_own_user():
+    gate, part, _ = displacement()
+    add(gate, "slow", "s4")
+    start(gate)
+    assert part.victim_for("s4", waiting=True) is None  # out of quota itself
+    assert part.victim_for("s1", waiting=False) is None  # never one stream for another
+
+
+def test_an_evicted_request_and_a_served_users_waiting_request_take_free_room_only():
+    gate, part, evicted = displacement()
+    add(gate, "fast", "f1", resident=True)
+    add(gate, "fast", "f2")
+    add(gate, "other", "o1")
+    start(gate)
+    assert part.victim_for("f2", waiting=True) is None  # fast holds a resident stream
+    evicted.add("o1")
+    assert part.victim_for("o1", waiting=True) is None  # no eviction chains
+    evicted.clear()
+    assert part.victim_for("o1", waiting=True) == "s1"
+
+
+def test_a_waiting_request_evicts_only_to_even_out_shares_and_within_budget():
+    gate, part, _ = displacement(budget_tokens=50, held={"s1": 60})
+    add(gate, "fast", "f1")
+    start(gate)
+    # slow holds 3 slots at 0.5 tok/s, fast none: s1's recompute (60 tokens)
+    # is over the budget, s2's (10) is not.
+    assert part.victim_for("f1", waiting=True) == "s2"
+    gate2, part2, _ = displacement()
+    add(gate2, "one", "o1")
+    gate2.lanes.release("s2")
+    gate2.lanes.release("s3")
+    start(gate2)
+    # One resident slow stream per 0.5 tok/s against none of one's at 5 tok/s:
+    # (1 - 0.5) x 5 > (0 + 0.5) x 0.5, so it evens out.
+    assert part2.victim_for("o1", waiting=True) == "s1"
+    assert not evens_out(1, 5, 0, 0.5)  # the other way round it would not
+
+
+def test_priorities_spare_more_important_victims():
+    prio = {"s1": 0, "s2": 2, "s3": 1, "f1": 1, "f2": 1}
+    gate, part, _ = displacement(priorities=prio)
+    add(gate, "fast", "f1", resident=True)
+    add(gate, "fast2", "f2")
+    start(gate)
+    assert part.victim_for("f1", waiting=False) == "s2"  # s1 is more important
+    assert part.victim_for("f1", waiting=False, least_important=2) == "s2"
+    assert part.victim_for("f2", waiting=True, least_important=3) == "s2"  # ignored for waiting
+    gate.lanes.release("s2")
+    assert part.victim_for("f1", waiting=False) == "s3"  # same priority: it goes
+    assert part.victim_for("f1", waiting=False, least_important=2) is None
+
+
+def test_a_victim_whose_kv_cannot_be_released_is_passed_over():
+    gate, part, _ = displacement(stuck={"s1", "s2"})
+    add(gate, "fast", "f1", resident=True)
+    start(gate)
+    assert part.victim_for("f1", waiting=False) == "s3"
+
+
+def evictions(gate, part, waiting, free_slots=0, active_cap=10, slots=10):
+    plan = start(gate, slots)
+    hidden = plan.hidden
+    evicted_now: list = []
+
+    def evict(key):
+        evicted_now.append(key)
+        gate.lanes.release(key)
+
+    donors = part.free_slots_for(iter(waiting), plan, free_slots, active_cap, evict)
+    assert plan.hidden == hidden - len(evicted_now)
+    return evicted_now, donors
+
+
+def test_a_slot_is_freed_for_each_waiting_request_that_can_run_while_room_lasts():
+    gate, part, _ = displacement()
+    for key in ("a1", "b1", "b2"):
+        add(gate, key[0], key)
+    evicted_now, donors = evictions(gate, part, ["a1", "b1", "b2"])
+    # Users with no resident request: each eviction evens out the shares.
+    assert evicted_now == ["s1", "s2", "s3"] and donors == {"slow"}
+    gate, part, _ = displacement()
+    for key in ("a1", "b1", "b2"):
+        add(gate, key[0], key)
+    evicted_now, _ = evictions(gate, part, ["a1", "b1", "b2"], active_cap=2)
+    assert evicted_now == ["s1", "s2"]  # the active cap runs two of them
+
+
+def test_no_slot_is_freed_with_a_free_slot_or_no_room_under_the_active_cap():
+    for free_slots, active_cap in ((1, 10), (0, 0)):
+        gate, part, _ = displacement()
+        add(gate, "a", "a1")
+        assert evictions(gate, part, ["a1"], free_slots, active_cap) == ([], set())
+
+
+def test_a_user_is_promised_no_more_slots_than_its_quota_pays_for():
+    gate, part, _ = displacement()
+    add(gate, "one", "o1")
+    add(gate, "one", "o2")  # "one" has a single token
+    evicted_now, _ = evictions(gate, part, ["o1", "o2"])
+    assert evicted_now == ["s1"]
+
+
+def test_an_evicted_request_comes_back_only_into_free_kv_with_room_to_grow():
+    # 33 tokens + the next one need 3 blocks of 16; 2 running requests one each.
+    assert fits_in_free_kv(33, 16, running=2, free_blocks=5)
+    assert not fits_in_free_kv(33, 16, running=2, free_blocks=4)
+    assert fits_in_free_kv(31, 16, running=0, free_blocks=2)

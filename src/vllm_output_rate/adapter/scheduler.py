@@ -3,7 +3,8 @@
 Selected by :mod:`vllm_output_rate.adapter.patches` only when the feature is
 configured; otherwise vLLM runs its stock classes untouched.
 
-How one ``schedule()`` call works (policy lives in :mod:`..gate`):
+How one ``schedule()`` call works (the decisions live in :mod:`..policy`:
+the gate, its lanes and ledger, and :class:`..policy.displacement.Displacement`):
 
 * **Plan.**  Before vLLM's own ``schedule()`` runs, ``self.running`` is
   swapped for the requests the gate offers this step: per user, its prefills
@@ -35,11 +36,19 @@ How one ``schedule()`` call works (policy lives in :mod:`..gate`):
   before vLLM's own victim choice and also on behalf of waiting requests of
   users with no resident request.  A request evicted this way comes back
   only into free KV and never evicts others (:meth:`_kv_room_for`).
+  Which request gives way, and for whom, is
+  :class:`~vllm_output_rate.policy.displacement.Displacement`'s choice.
 * **Refund once.**  After vLLM's ``schedule()`` returns, every charge whose
   request did not end up scheduled at a sampling position is refunded.
 
 ``update_from_output`` never touches the limiter, so async scheduling (step
 N+1 scheduled before step N's output arrives) works unchanged.
+
+The scheduler mixin is :class:`OutputRateSchedulerMixin` (the step) over
+three hook classes, one concern each: :class:`MembershipHooks` (the lanes
+follow vLLM's request lifecycle), :class:`ChargingHooks` (per-request
+charges and waiting-queue skips) and :class:`EvictionHooks` (slot and KV
+pressure).
 """
 
 from __future__ import annotations
@@ -55,10 +64,10 @@ from vllm.v1.core.sched.utils import remove_all
 from vllm.v1.request import Request, RequestStatus
 
 from vllm_output_rate.adapter.operate import OperateSchedulerMixin
-from vllm_output_rate.policy.eviction import EvictionBudget, evens_out
-from vllm_output_rate.policy.gate import StepGate, StepPlan
-from vllm_output_rate.policy.victims import throttled_victims
 from vllm_output_rate.factory import make_limiter
+from vllm_output_rate.policy.displacement import Displacement, fits_in_free_kv
+from vllm_output_rate.policy.eviction import EvictionBudget
+from vllm_output_rate.policy.gate import StepGate, StepPlan
 from vllm_output_rate.settings import (
     ANONYMOUS_USER,
     InvalidUserError,
@@ -69,8 +78,223 @@ from vllm_output_rate.settings import (
 logger = logging.getLogger(__name__)
 
 
-class OutputRateSchedulerMixin:
-    """Per-user output-rate limiting on top of vLLM's V1 ``Scheduler``."""
+class MembershipHooks:
+    """Keeps the gate's lanes in step with vLLM's request lifecycle.
+
+    vLLM calls these as requests arrive, are preempted, finish or leave
+    ``running`` between chunks of a streaming-input session; the lanes then
+    know every request's user and exactly which requests are resident.
+    """
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id not in self.requests:
+            self._lanes.track(request, _user_of(request))
+            if not self._chunked_prefill and not request.resumable:
+                # Its first token comes with its whole prefill: it needs
+                # quota to be admitted, so it takes turns with its user's
+                # resident streams.
+                self._lanes.wait_in_turn(request)
+            if request.resumable and not self._tracks_sessions:
+                # Streaming-input sessions need bookkeeping after each step;
+                # engines that never see one skip the extra call per step.
+                self._tracks_sessions = True
+                self.update_from_output = self._update_from_output_with_sessions
+        super().add_request(request)
+
+    def _free_request(self, request: Request, *args: Any, **kwargs: Any):
+        self._lanes.forget(request)
+        self._evicted_for_quota.discard(request)
+        return super()._free_request(request, *args, **kwargs)
+
+    def _preempt_request(self, request: Request, *args: Any, **kwargs: Any) -> None:
+        self._lanes.release(request)
+        if not self._chunked_prefill and not request.resumable:
+            self._lanes.wait_in_turn(request)  # as on arrival
+        if self._step_plan is not None:
+            self._preempted_in_step.append(request)
+        super()._preempt_request(request, *args, **kwargs)
+
+    def _update_from_output_with_sessions(self, scheduler_output, model_runner_output):
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        # Requests that left `running` without being freed or preempted (a
+        # streaming-input session waiting for its next chunk) stop being
+        # resident.  Only this step's requests can have changed.
+        lanes = self._lanes
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(req_id)
+            if (
+                request is not None
+                and request.status != RequestStatus.RUNNING
+                and request in lanes.lane_of
+            ):
+                lanes.release(request)
+        return outputs
+
+
+class ChargingHooks:
+    """vLLM's per-request hooks inside ``schedule()``: the charge at the
+    sampling position, and skipping waiting requests whose user cannot pay
+    (through vLLM's own skip paths, so they never stop admission for the
+    requests behind them)."""
+
+    def _resume_charging(self) -> None:
+        """Route vLLM's per-request hook through the charging check again.
+
+        Called from every hook of vLLM's waiting loop that runs before a
+        waiting request can reach ``_reserve_prefill_lookahead`` (and at the
+        end of the step), so a request admitted from the waiting queue is
+        always charged even in steps whose running loop skipped the check.
+        """
+        self._reserve_prefill_lookahead = self._charging_reserve_prefill_lookahead
+
+    def _charge_at_sampling_position(
+        self, request: Request, num_computed_tokens: int, num_new_tokens: int
+    ) -> int:
+        """vLLM's ``_reserve_prefill_lookahead`` hook, plus the charge.
+
+        The last hook vLLM calls before allocating KV for a request: when the
+        scheduled chunk reaches the sampling position, one unit of the user's
+        quota is taken here, or the chunk is cut short of it.
+        """
+        num_new_tokens = self._stock_reserve_prefill_lookahead(
+            request, num_computed_tokens, num_new_tokens
+        )
+        prepaid = self._prepaid
+        if prepaid is None or num_new_tokens <= 0:
+            return num_new_tokens
+        if request in prepaid:  # a decoding stream the plan already paid for
+            return num_new_tokens
+        sample_at = request.num_tokens + request.num_output_placeholders
+        if num_computed_tokens + num_new_tokens < sample_at:
+            return num_new_tokens  # an intermediate prefill chunk is free
+        if self._ledger.charge(request):
+            return num_new_tokens
+        # Out of quota: stop short of the sampling position.
+        allowed = sample_at - 1 - num_computed_tokens if self._chunked_prefill else 0
+        allowed = max(allowed, 0)
+        if allowed == 0 and request.status == RequestStatus.RUNNING:
+            self._refused_visible += 1
+        return allowed
+
+    def _handle_blocked_waiting_request(self, request: Request) -> bool:
+        self._resume_charging()
+        if not super()._handle_blocked_waiting_request(request):
+            if request.status == RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR:
+                self._held_for_other_reasons = True
+            return False
+        if self._step_plan is None:
+            return True
+        ledger = self._ledger
+        user_of = self._lanes.user_of
+        if self._slot_donors:
+            # Slots were freed in this step for requests that can run now:
+            # neither the donors' own requests nor anyone out of quota may
+            # take them instead.
+            return user_of[request] not in self._slot_donors and ledger.can_charge(request)
+        samples_at_once = (
+            not self._chunked_prefill or request.num_tokens - request.num_computed_tokens <= 1
+        )
+        if samples_at_once:
+            if request in self._evicted_for_quota and not self._kv_room_for(request):
+                return False
+            return ledger.can_charge(request)
+        if request.status == RequestStatus.PREEMPTED:
+            # No re-admission thrash: a preempted stream comes back only while
+            # its user can pay now or is being served in this step (then it
+            # takes its turn in the user's rotation instead of starving).
+            if not (ledger.can_charge(request) or ledger.is_served_now(request)):
+                return False
+            return request not in self._evicted_for_quota or self._kv_room_for(request)
+        return True
+
+    def _ec_transfer_pending(self, request: Request, num_computed_tokens: int) -> bool:
+        self._resume_charging()
+        if super()._ec_transfer_pending(request, num_computed_tokens):
+            return True
+        if self._step_plan is None:
+            return False
+        # After the prefix-cache lookup: if only the sampling position is
+        # left and the user cannot pay, skip instead of stopping admission.
+        if request.num_tokens - num_computed_tokens <= 1:
+            return not self._ledger.can_charge(request)
+        return False
+
+
+class EvictionHooks:
+    """Slot and KV pressure: hidden throttled requests give way first.
+
+    Who gives way, and for whom, is :class:`~vllm_output_rate.policy.displacement.Displacement`'s
+    decision (``self._displacement``); these hooks feed it vLLM's requests and
+    carry its choices out.
+    """
+
+    def _free_slots_for_waiting(self, plan: StepPlan, num_resident: int) -> None:
+        """Throttled requests must not keep every model-runner slot from
+        others (see ``Displacement.free_slots_for``)."""
+        occupied = num_resident + self.num_waiting_for_streaming_input
+        admittable = (
+            request
+            for request in list(self.waiting)  # evictions change the queue
+            if request.status in _ADMITTABLE
+        )
+        self._slot_donors = self._displacement.free_slots_for(
+            admittable,
+            plan,
+            free_slots=self.max_num_running_reqs - occupied,
+            active_cap=self._active_cap,
+            # Held out of the waiting queue until the step ends: re-admitted
+            # now, a victim would take back the slot it was freed from.
+            evict=self._evict,
+        )
+
+    def _allocate_slots_or_evict(self, request: Request, *args: Any, **kwargs: Any):
+        blocks = self._stock_allocate_slots(request, *args, **kwargs)
+        while blocks is None and self._step_plan is not None:
+            victim = self._throttled_victim_for(request)
+            if victim is None:
+                break
+            self._evict(victim)
+            blocks = self._stock_allocate_slots(request, *args, **kwargs)
+        return blocks
+
+    def _kv_room_for(self, request: Request) -> bool:
+        """May a request evicted for quota come back now (see ``fits_in_free_kv``)?"""
+        return fits_in_free_kv(
+            request.num_tokens,
+            self.block_size,
+            len(self.running),
+            self.kv_cache_manager.block_pool.get_num_free_blocks(),
+        )
+
+    def _throttled_victim_for(self, request: Request) -> Request | None:
+        """The throttled request that gives way for ``request``, which needs KV."""
+        running = request.status == RequestStatus.RUNNING
+        least_important = None
+        if self._priority_policy and running and self.running:
+            # vLLM's own victim would be the least important visible request.
+            least_important = max(r.priority for r in self.running)
+        return self._displacement.victim_for(request, not running, least_important)
+
+    def _evict(self, victim: Request) -> None:
+        # Every eviction is paid for, also those for a running request that
+        # needs KV (vLLM would preempt someone then anyway): the budget then
+        # runs into debt, and waiting requests wait until it is paid back.
+        self.output_rate_eviction_budget.spend(victim.num_computed_tokens)
+        self._evicted_for_quota.add(victim)
+        self._preempt_request(victim, time.monotonic())
+        # vLLM's waiting loop may be mid-iteration and about to pop the head
+        # of the queue it peeked; keep the victim out until the step ends.
+        self.waiting.remove_request(victim)
+        self._evicted_in_step.append(victim)
+
+
+class OutputRateSchedulerMixin(MembershipHooks, ChargingHooks, EvictionHooks):
+    """Per-user output-rate limiting on top of vLLM's V1 ``Scheduler``.
+
+    This class runs the step (plan, hand vLLM the visible requests, settle);
+    its bases are the hooks vLLM calls along the way, one concern each.
+    Every attribute they share is set here, in ``__init__``.
+    """
 
     #: Clock for the limiter, in integer nanoseconds; tests replace it.
     output_rate_clock: Callable[[], int] = staticmethod(time.monotonic_ns)
@@ -115,6 +339,15 @@ class OutputRateSchedulerMixin:
             burst_tokens=self.vllm_config.model_config.max_model_len if ratio > 0 else 0,
             ratio=ratio,
         )
+        self._displacement = Displacement(
+            self._lanes,
+            self._ledger,
+            self.output_rate_eviction_budget,
+            self._evicted_for_quota,
+            tokens_held=_tokens_held,
+            priority_of=_priority_of if self._priority_policy else None,
+            can_release=self._request_blocks_can_be_freed,
+        )
         self._held_for_other_reasons = False
         self._stock_allocate_slots = self.kv_cache_manager.allocate_slots
         # Bound once: this hook runs for every scheduled request of every step.
@@ -146,22 +379,6 @@ class OutputRateSchedulerMixin:
     def max_num_active_reqs(self, value: int) -> None:
         self._active_cap = value
 
-    # -- request lifecycle -------------------------------------------------
-
-    def add_request(self, request: Request) -> None:
-        if request.request_id not in self.requests:
-            self._lanes.track(request, _user_of(request))
-            if not self._chunked_prefill and not request.resumable:
-                # Its first token comes with its whole prefill: it needs
-                # quota to be admitted, so it takes turns with its user's
-                # resident streams.
-                self._lanes.wait_in_turn(request)
-            if request.resumable and not self._tracks_sessions:
-                # Streaming-input sessions need bookkeeping after each step;
-                # engines that never see one skip the extra call per step.
-                self._tracks_sessions = True
-                self.update_from_output = self._update_from_output_with_sessions
-        super().add_request(request)
 
     def shutdown(self) -> None:
         super().shutdown()
@@ -169,34 +386,6 @@ class OutputRateSchedulerMixin:
         if close is not None:  # a shared-store limiter stops its lease thread
             close()
 
-    def _free_request(self, request: Request, *args: Any, **kwargs: Any):
-        self._lanes.forget(request)
-        self._evicted_for_quota.discard(request)
-        return super()._free_request(request, *args, **kwargs)
-
-    def _preempt_request(self, request: Request, *args: Any, **kwargs: Any) -> None:
-        self._lanes.release(request)
-        if not self._chunked_prefill and not request.resumable:
-            self._lanes.wait_in_turn(request)  # as on arrival
-        if self._step_plan is not None:
-            self._preempted_in_step.append(request)
-        super()._preempt_request(request, *args, **kwargs)
-
-    def _update_from_output_with_sessions(self, scheduler_output, model_runner_output):
-        outputs = super().update_from_output(scheduler_output, model_runner_output)
-        # Requests that left `running` without being freed or preempted (a
-        # streaming-input session waiting for its next chunk) stop being
-        # resident.  Only this step's requests can have changed.
-        lanes = self._lanes
-        for req_id in scheduler_output.num_scheduled_tokens:
-            request = self.requests.get(req_id)
-            if (
-                request is not None
-                and request.status != RequestStatus.RUNNING
-                and request in lanes.lane_of
-            ):
-                lanes.release(request)
-        return outputs
 
     # -- one step ------------------------------------------------------------
 
@@ -344,215 +533,6 @@ class OutputRateSchedulerMixin:
         self.running = resident
         return admitted
 
-    # -- vLLM hooks ------------------------------------------------------------
-
-    def _resume_charging(self) -> None:
-        """Route vLLM's per-request hook through the charging check again.
-
-        Called from every hook of vLLM's waiting loop that runs before a
-        waiting request can reach ``_reserve_prefill_lookahead`` (and at the
-        end of the step), so a request admitted from the waiting queue is
-        always charged even in steps whose running loop skipped the check.
-        """
-        self._reserve_prefill_lookahead = self._charging_reserve_prefill_lookahead
-
-    def _charge_at_sampling_position(
-        self, request: Request, num_computed_tokens: int, num_new_tokens: int
-    ) -> int:
-        """vLLM's ``_reserve_prefill_lookahead`` hook, plus the charge.
-
-        The last hook vLLM calls before allocating KV for a request: when the
-        scheduled chunk reaches the sampling position, one unit of the user's
-        quota is taken here, or the chunk is cut short of it.
-        """
-        num_new_tokens = self._stock_reserve_prefill_lookahead(
-            request, num_computed_tokens, num_new_tokens
-        )
-        prepaid = self._prepaid
-        if prepaid is None or num_new_tokens <= 0:
-            return num_new_tokens
-        if request in prepaid:  # a decoding stream the plan already paid for
-            return num_new_tokens
-        sample_at = request.num_tokens + request.num_output_placeholders
-        if num_computed_tokens + num_new_tokens < sample_at:
-            return num_new_tokens  # an intermediate prefill chunk is free
-        if self._ledger.charge(request):
-            return num_new_tokens
-        # Out of quota: stop short of the sampling position.
-        allowed = sample_at - 1 - num_computed_tokens if self._chunked_prefill else 0
-        allowed = max(allowed, 0)
-        if allowed == 0 and request.status == RequestStatus.RUNNING:
-            self._refused_visible += 1
-        return allowed
-
-    def _handle_blocked_waiting_request(self, request: Request) -> bool:
-        self._resume_charging()
-        if not super()._handle_blocked_waiting_request(request):
-            if request.status == RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR:
-                self._held_for_other_reasons = True
-            return False
-        if self._step_plan is None:
-            return True
-        ledger = self._ledger
-        user_of = self._lanes.user_of
-        if self._slot_donors:
-            # Slots were freed in this step for requests that can run now:
-            # neither the donors' own requests nor anyone out of quota may
-            # take them instead.
-            return user_of[request] not in self._slot_donors and ledger.can_charge(request)
-        samples_at_once = (
-            not self._chunked_prefill or request.num_tokens - request.num_computed_tokens <= 1
-        )
-        if samples_at_once:
-            if request in self._evicted_for_quota and not self._kv_room_for(request):
-                return False
-            return ledger.can_charge(request)
-        if request.status == RequestStatus.PREEMPTED:
-            # No re-admission thrash: a preempted stream comes back only while
-            # its user can pay now or is being served in this step (then it
-            # takes its turn in the user's rotation instead of starving).
-            if not (ledger.can_charge(request) or ledger.is_served_now(request)):
-                return False
-            return request not in self._evicted_for_quota or self._kv_room_for(request)
-        return True
-
-    def _ec_transfer_pending(self, request: Request, num_computed_tokens: int) -> bool:
-        self._resume_charging()
-        if super()._ec_transfer_pending(request, num_computed_tokens):
-            return True
-        if self._step_plan is None:
-            return False
-        # After the prefix-cache lookup: if only the sampling position is
-        # left and the user cannot pay, skip instead of stopping admission.
-        if request.num_tokens - num_computed_tokens <= 1:
-            return not self._ledger.can_charge(request)
-        return False
-
-    # -- slot and KV pressure -----------------------------------------------------
-
-    def _free_slots_for_waiting(self, plan: StepPlan, num_resident: int) -> None:
-        """Throttled requests must not keep every model-runner slot from others.
-
-        When ``max_num_seqs`` requests are resident and some of them wait for
-        quota, a waiting request of another user who can be served now takes
-        the slot of a throttled one (least recently served first), which goes
-        back to the waiting queue until its user has quota again.
-        """
-        occupied = num_resident + self.num_waiting_for_streaming_input
-        free = self.max_num_running_reqs - occupied
-        if free > 0:
-            return
-        # A freed slot is only worth a preemption if the active cap leaves
-        # room to run the request it was freed for.
-        room = self._active_cap - len(plan.visible)
-        if plan.over_cap or room <= 0:
-            return
-        lanes = self._lanes
-        ledger = self._ledger
-        user_of = lanes.user_of
-        promised: dict[str, int] = {}  # user -> freed slots whose token it must pay
-        for request in list(self.waiting):
-            if room <= 0:
-                return
-            if request.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
-                continue
-            if request in self._evicted_for_quota:
-                continue  # comes back into a free slot and free KV only
-            user = user_of[request]
-            if lanes.resident_count(user):
-                continue  # served through its own resident streams: no churn
-            if not ledger.is_charged(request) and ledger.quota_now(user) <= promised.get(user, 0):
-                continue  # its user could not run it now either
-            victim = self._throttled_victim_for(request)
-            if victim is None:
-                return
-            # Held out of the waiting queue until the step ends: re-admitted
-            # now, it would take back the slot it was freed from.
-            self._evict(victim)
-            self._slot_donors.add(user_of[victim])
-            promised[user] = promised.get(user, 0) + 1
-            plan.hidden -= 1
-            room -= 1
-
-    # KV pressure: allocation failures evict hidden throttled requests first.
-
-    def _allocate_slots_or_evict(self, request: Request, *args: Any, **kwargs: Any):
-        blocks = self._stock_allocate_slots(request, *args, **kwargs)
-        while blocks is None and self._step_plan is not None:
-            victim = self._throttled_victim_for(request)
-            if victim is None:
-                break
-            self._evict(victim)
-            blocks = self._stock_allocate_slots(request, *args, **kwargs)
-        return blocks
-
-    def _kv_room_for(self, request: Request) -> bool:
-        """Could ``request`` be recomputed into free KV, leaving every request
-        that runs this step a block to grow into?
-
-        A request evicted for lack of quota comes back only then: taking KV
-        from others (or being evicted again as soon as they grow) would make
-        its recompute, and theirs, a loss.
-        """
-        needed = -(-(request.num_tokens + 1) // self.block_size) + len(self.running)
-        return self.kv_cache_manager.block_pool.get_num_free_blocks() >= needed
-
-    def _throttled_victim_for(self, request: Request) -> Request | None:
-        lanes = self._lanes
-        ledger = self._ledger
-        user_of = lanes.user_of
-        if request in self._evicted_for_quota:
-            return None  # it comes back into free KV only (no eviction chains)
-        for_waiting = request.status != RequestStatus.RUNNING
-        if for_waiting and lanes.resident_count(user_of[request]):
-            # A waiting request of a user already served through resident
-            # streams takes free KV only: evicting others for it would churn.
-            return None
-        if not ledger.can_charge(request):
-            return None  # only a request that can run now may take KV from others
-        requester = user_of[request]
-        # A waiting request takes a resident one's place only if that evens
-        # out the users' rate-weighted shares and the eviction budget can pay
-        # for the recompute.  (A running request that needs KV would cost a
-        # preemption anyway: any throttled victim will do.)
-        budget = self.output_rate_eviction_budget
-        rate_of = self.output_rate_limiter.rate_of
-        requester_resident = lanes.resident_count(requester)
-        requester_rate = rate_of(requester)
-        least_important = request.priority
-        if self._priority_policy and not for_waiting and self.running:
-            # vLLM's own victim would be the least important visible request;
-            # a throttled one goes first only if it is not more important.
-            least_important = max(least_important, max(r.priority for r in self.running))
-        for victim in throttled_victims(lanes, ledger):
-            if victim is request or user_of[victim] == requester:
-                continue  # never trade one stream of a user for another
-            if for_waiting:
-                victim_user = user_of[victim]
-                if not evens_out(lanes.resident_count(victim_user), rate_of(victim_user),
-                                 requester_resident, requester_rate):
-                    continue
-                if not budget.affords(victim.num_computed_tokens):
-                    continue  # its recompute would cost more than serving has earned
-            if self._priority_policy and victim.priority < least_important:
-                continue
-            if not self._request_blocks_can_be_freed(victim):
-                continue
-            return victim
-        return None
-
-    def _evict(self, victim: Request) -> None:
-        # Every eviction is paid for, also those for a running request that
-        # needs KV (vLLM would preempt someone then anyway): the budget then
-        # runs into debt, and waiting requests wait until it is paid back.
-        self.output_rate_eviction_budget.spend(victim.num_computed_tokens)
-        self._evicted_for_quota.add(victim)
-        self._preempt_request(victim, time.monotonic())
-        # vLLM's waiting loop may be mid-iteration and about to pop the head
-        # of the queue it peeked; keep the victim out until the step ends.
-        self.waiting.remove_request(victim)
-        self._evicted_in_step.append(victim)
-
 
 class _EvictingKVCacheManager:
     """The scheduler's KV cache manager as seen during a step with throttled requests.
@@ -575,6 +555,9 @@ class _EvictingKVCacheManager:
 
 
 _NOTHING_PREPAID: frozenset = frozenset()
+# Waiting requests vLLM could admit in this step (not held for grammar,
+# remote KV or a streaming-input chunk).
+_ADMITTABLE = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 # What max_num_active_reqs and the waiting-queue hooks see during a repeated
 # step: every resident request offered, none hidden, nobody throttled.
 _REPEAT_PLAN = StepPlan(
@@ -600,6 +583,15 @@ def _can_progress_unpaid(request: Request) -> bool:
         request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
     )
     return remaining >= 2
+
+
+def _tokens_held(request: Request) -> int:
+    """What recomputing an evicted request costs (as if no prefix were cached)."""
+    return request.num_computed_tokens
+
+
+def _priority_of(request: Request) -> int:
+    return request.priority
 
 
 def _user_of(request: Request) -> str:

@@ -1,0 +1,174 @@
+"""Which throttled resident request gives way, and for whom.
+
+A resident request whose user is out of quota holds a model-runner slot and
+KV while it cannot run.  When slots or KV run out, such a request is the one
+to preempt ("evict"): first when a running request needs KV, and also when a
+waiting request of another user could run now but finds every slot taken.
+:class:`Displacement` decides who gives way; the scheduler adapter carries
+the eviction out.  Requests are opaque keys here; what the policy needs of
+a request beyond its key (priority, tokens held, whether its KV can be
+released) comes from functions the adapter supplies.
+
+Plain Python: no vLLM import.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Container, Hashable, Iterable
+
+from vllm_output_rate.policy.eviction import EvictionBudget, evens_out
+from vllm_output_rate.policy.lanes import Lanes
+from vllm_output_rate.policy.ledger import Ledger
+from vllm_output_rate.policy.plan import StepPlan
+from vllm_output_rate.policy.victims import throttled_victims
+
+Key = Hashable
+
+
+class Displacement:
+    """Victim choice for KV and slot pressure over one gate's lanes and ledger.
+
+    Invariants (checked by ``tests/policy/test_eviction.py``):
+
+    * a victim is a hidden stream of an out-of-quota user (see
+      :func:`~vllm_output_rate.policy.victims.throttled_victims`), never of
+      the requester's own user, and never the requester;
+    * only a request whose user can pay now takes anything from others, and
+      a request in ``evicted`` (evicted for quota, not yet back) takes only
+      free room, so evictions never chain;
+    * for a waiting request a victim must also even out the users'
+      rate-weighted shares (:func:`~vllm_output_rate.policy.eviction.evens_out`)
+      and its recompute must be affordable from ``budget``; a running
+      request that needs KV would cost a preemption anyway, so any throttled
+      victim will do.
+    """
+
+    def __init__(
+        self,
+        lanes: Lanes,
+        ledger: Ledger,
+        budget: EvictionBudget,
+        evicted: Container[Key],
+        *,
+        tokens_held: Callable[[Key], int],
+        priority_of: Callable[[Key], int] | None,
+        can_release: Callable[[Key], bool],
+    ) -> None:
+        self._lanes = lanes
+        self._ledger = ledger
+        self._budget = budget
+        self._evicted = evicted
+        self._tokens_held = tokens_held
+        self._priority_of = priority_of
+        self._can_release = can_release
+
+    def victim_for(self, key: Key, waiting: bool, least_important: int | None = None) -> Key | None:
+        """The throttled request that gives way for ``key``, or None.
+
+        ``waiting``: ``key`` asks for admission, not for KV to keep running.
+        Under priority scheduling (``priority_of`` given) a victim is never
+        more important (a smaller priority value) than ``key``, nor, for a
+        running ``key``, than ``least_important``: the least important
+        visible request, which the scheduler's own preemption would pick.
+        """
+        if key in self._evicted:
+            return None  # it comes back into free KV only (no eviction chains)
+        lanes = self._lanes
+        user_of = lanes.user_of
+        requester = user_of[key]
+        resident_count = lanes.resident_count
+        if waiting and resident_count(requester):
+            # Served through resident streams already: evicting others for
+            # it would churn.
+            return None
+        ledger = self._ledger
+        if not ledger.can_charge(key):
+            return None
+        priority_of = self._priority_of
+        floor = None
+        if priority_of is not None:
+            floor = priority_of(key)
+            if not waiting and least_important is not None:
+                floor = max(floor, least_important)
+        rate_of = ledger.limiter.rate_of
+        requester_resident = resident_count(requester)
+        requester_rate = rate_of(requester)
+        for victim in throttled_victims(lanes, ledger):
+            if victim is key or user_of[victim] == requester:
+                continue  # never trade one stream of a user for another
+            if waiting:
+                victim_user = user_of[victim]
+                if not evens_out(resident_count(victim_user), rate_of(victim_user),
+                                 requester_resident, requester_rate):
+                    continue
+                if not self._budget.affords(self._tokens_held(victim)):
+                    continue  # its recompute would cost more than serving has earned
+            if floor is not None and priority_of(victim) < floor:
+                continue
+            if not self._can_release(victim):
+                continue
+            return victim
+        return None
+
+    def free_slots_for(
+        self,
+        waiting: Iterable[Key],
+        plan: StepPlan,
+        free_slots: int,
+        active_cap: int,
+        evict: Callable[[Key], None],
+    ) -> set[str]:
+        """Throttled requests must not keep every model-runner slot from others.
+
+        With no slot free (``free_slots`` <= 0), a request in ``waiting``
+        (admission order, only those vLLM could admit now) of a user with no
+        resident request and quota to run it takes the slot of a throttled
+        one, least recently served first: ``evict(victim)`` is called at
+        once, so the next choice sees it gone.  A slot is freed only while
+        the active cap leaves room to run the request it is freed for, and a
+        user is promised no more slots than its quota pays for.  Returns the
+        users who gave up a slot (they may not take one back this step);
+        ``plan.hidden`` counts the victims out.
+        """
+        donors: set[str] = set()
+        if free_slots > 0:
+            return donors
+        room = active_cap - len(plan.visible)
+        if plan.over_cap or room <= 0:
+            return donors
+        lanes = self._lanes
+        ledger = self._ledger
+        user_of = lanes.user_of
+        evicted = self._evicted
+        promised: dict[str, int] = {}  # user -> freed slots whose token it must pay
+        for key in waiting:
+            if room <= 0:
+                break
+            if key in evicted:
+                continue  # comes back into a free slot and free KV only
+            user = user_of[key]
+            if lanes.resident_count(user):
+                continue  # served through its own resident streams: no churn
+            if not ledger.is_charged(key) and ledger.quota_now(user) <= promised.get(user, 0):
+                continue  # its user could not run it now either
+            victim = self.victim_for(key, waiting=True)
+            if victim is None:
+                break
+            evict(victim)
+            donors.add(user_of[victim])
+            promised[user] = promised.get(user, 0) + 1
+            plan.hidden -= 1
+            room -= 1
+        return donors
+
+
+def fits_in_free_kv(tokens: int, block_size: int, running: int, free_blocks: int) -> bool:
+    """Could a request of ``tokens`` be recomputed into ``free_blocks``,
+    leaving each of ``running`` requests a block to grow into?
+
+    A request evicted for lack of quota comes back only then: taking KV from
+    others (or being evicted again as soon as they grow) would make its
+    recompute, and theirs, a loss.
+    """
+    needed = -(-(tokens + 1) // block_size) + running
+    return free_blocks >= needed
