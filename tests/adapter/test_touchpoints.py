@@ -198,6 +198,36 @@ def test_every_changed_member_is_named_by_a_patch():
     assert not loose, f"changed but named by no patch in patches.PATCHES: {loose}"
 
 
+def test_apply_all_installs_only_the_patches_of_the_installed_series(monkeypatch):
+    from vllm_output_rate.adapter import patches
+
+    installed: list[str] = []
+
+    def entry(name, series):
+        return patches.Patch(name, "changes", "why", ("EngineArgs.add_cli_args",),
+                             lambda: installed.append(name), series=series)
+
+    monkeypatch.setattr(patches, "PATCHES", {
+        "here": entry("here", (SERIES_NAME,)),
+        "elsewhere": entry("elsewhere", ("0.1",)),
+    })
+    patches.apply_all()
+    assert installed == ["here"]
+
+
+def test_a_patch_that_cannot_install_is_named(monkeypatch):
+    from vllm_output_rate.adapter import patches
+
+    def broken():
+        raise AttributeError("no such member")
+
+    monkeypatch.setattr(patches, "PATCHES", {
+        "broken": patches.Patch("broken", "changes", "why", (), broken),
+    })
+    with pytest.raises(RuntimeError, match="cannot install patch 'broken'.*no such member"):
+        patches.apply_all()
+
+
 def test_unknown_row_name_is_reported():
     assert problems_of(["EngineArgs.no_such_member"], SERIES_NAME) == [
         "EngineArgs.no_such_member: no row in touchpoints.TOUCHPOINTS"
@@ -230,3 +260,14 @@ def _unmarked_copy(spec):
     copy = dataclasses.field(default=spec.default)
     copy.name, copy.type, copy._field_type = spec.name, spec.type, spec._field_type
     return copy
+
+
+def test_admin_plugin_matches_vllm_endpoint_plugin_rows():
+    """The endpoint plugin implements vLLM's protocol with the signatures the rows check."""
+    from vllm_output_rate.adapter.admin import OutputRateAdminPlugin
+
+    rows = [tp for tp in ROWS if tp.where.endswith(":EndpointPlugin")]
+    assert {tp.member for tp in rows} == {"attach_router", "init_state"}
+    for tp in rows:
+        ours = inspect.signature(getattr(OutputRateAdminPlugin, tp.member))
+        assert tuple(ours.parameters)[1:] == tp.params, tp.member

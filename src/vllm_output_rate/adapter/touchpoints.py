@@ -293,6 +293,10 @@ TOUCHPOINTS: tuple[TouchPoint, ...] = (
         "read by the admin route: the client to the engine core"),
     _tp("vllm.v1.engine.core_client:AsyncMPClient", "call_utility_async", "method",
         "called by the admin route", ["method", "*args"]),
+    _tp("vllm.plugins.endpoint_plugins.interface:EndpointPlugin", "attach_router", "method",
+        "implemented by admin.OutputRateAdminPlugin", ["app"]),
+    _tp("vllm.plugins.endpoint_plugins.interface:EndpointPlugin", "init_state", "method",
+        "implemented by admin.OutputRateAdminPlugin", ["engine_client", "state", "args"]),
     # -- adapter/patches.py: sampling_params.identity ----------------------------------
     _tp("vllm.sampling_params:SamplingParams", "_verify_extra_args", "own method",
         "wrapped: malformed output_rate_user -> validation error", []),
