@@ -151,7 +151,7 @@ def _patch_engine_args_cli() -> None:
 
 
 def merge_cli_into_engine_args(engine_args: Any, args: argparse.Namespace) -> None:
-    """Move the two flags into ``engine_args.additional_config``."""
+    """Move the plugin's flags into ``engine_args.additional_config``."""
     default = getattr(args, "default_user_output_tokens_per_second", None)
     overrides = getattr(args, "user_output_tokens_per_second", None)
     section = parse_cli(None if default is None else str(default), overrides)
@@ -325,9 +325,10 @@ def _patch_create_engine_config() -> None:
 def _patch_engine_idle_wait() -> None:
     from vllm.v1.engine.core import EngineCoreProc
 
-    # vLLM 0.33+ feeds a stack-dump watchdog at the start of each step and
-    # switches it off around its own blocking input-queue wait; ours gets
-    # the same treatment, so a throttled-only engine never looks stuck.
+    # Where vLLM feeds a stack-dump watchdog at the start of each step
+    # (VllmSeries.engine_watchdog), it switches it off around its own blocking
+    # input-queue wait; ours gets the same treatment, so an engine whose
+    # users are all throttled never looks stuck.
     idle_wait_guard = installed_series().idle_wait_guard
 
     def make(original):
