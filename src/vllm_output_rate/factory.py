@@ -10,7 +10,8 @@ from typing import Any
 
 from vllm_output_rate.policy.limiter import Limiter, OutputRateLimiter
 from vllm_output_rate.settings import OutputRateSettings
-from vllm_output_rate.stores.lease import LeaseConfig, LeasedOutputRateLimiter
+from vllm_output_rate.stores.backend import LeaseConfig
+from vllm_output_rate.stores.lease import LeasedOutputRateLimiter
 from vllm_output_rate.stores.redis_store import RedisLeaseBackend
 
 

@@ -1,8 +1,8 @@
 """Lease arithmetic of :mod:`vllm_output_rate.stores.lease`, over a fake store.
 
-The fake store runs the same GCRA-with-hand-backs as the Redis script, in
-Python, on the test's fake clock; rounds are run by hand (no thread), so
-every assertion is exact.  Sharing through a real Redis server is tested in
+The fake store (``fake_store.FakeStore``) runs the project's GCRA with
+hand-backs and the Redis script's fair shares, on the test's fake clock;
+rounds are run by hand (no thread), so every assertion is exact.  Sharing through a real Redis server is tested in
 ``test_store_redis.py``.
 """
 
@@ -17,111 +17,23 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from fake_store import Clock, FakeStore
+
 from vllm_output_rate.policy.limiter import DEFAULT_BURST_NS, NS_PER_S, OutputRateLimiter
-from vllm_output_rate.stores.lease import (
+from vllm_output_rate.stores.backend import (
     CLOSED,
     LOCAL,
     SHARED,
     LeaseAsk,
     LeaseConfig,
-    LeasedOutputRateLimiter,
-    LeaseGrant,
     interval_ns_of,
 )
-from vllm_output_rate.stores.redis_store import ENGINE_WINDOW_MS
+from vllm_output_rate.stores.fingerprints import limits_fingerprint
+from vllm_output_rate.stores.lease import LeasedOutputRateLimiter
 
 MS = 1_000_000
 S = NS_PER_S
 CFG = LeaseConfig()
-
-
-class Clock:
-    def __init__(self, now: int = 10 * S) -> None:
-        self.now = now
-
-    def __call__(self) -> int:
-        return self.now
-
-
-def takes(room: int, interval: int) -> int:
-    """GCRA takes a headroom of ``room`` ns allows at ``interval`` ns."""
-    return 0 if room < 0 else room // interval + 1
-
-
-class FakeStore:
-    """GCRA per user on the shared fake clock; the Redis script's semantics,
-    fair shares between engines included (see ``redis_store.LEASE_SCRIPT``)."""
-
-    def __init__(self, clock: Clock) -> None:
-        self.clock = clock
-        self.state: dict[str, tuple[int, int]] = {}  # user -> (time, debt ns)
-        # user -> engine -> (time of its last ask, its share debt ns then,
-        # whether that ask got less than it wanted)
-        self.shares: dict[str, dict[str, tuple[int, int, bool]]] = {}
-        self.down = False
-        self.calls: list[list[LeaseAsk]] = []
-        self.fingerprints: dict[str, str] = {}
-
-    def debt(self, user: str) -> int:
-        t, d = self.state.get(user, (0, 0))
-        return max(0, d - (self.clock.now - t))
-
-    def lease(self, burst_ns, asks, engine=""):
-        if self.down:
-            raise ConnectionError("store down")
-        self.calls.append(list(asks))
-        now = self.clock.now
-        window = ENGINE_WINDOW_MS * MS
-        out = []
-        for a in asks:
-            shares = self.shares.setdefault(a.user, {})
-            others, keep = 0, False
-            for e, (at, d, short) in list(shares.items()):
-                if e == engine:
-                    continue
-                if now - at <= window:
-                    others += short
-                    keep = True
-                elif now - at < d:
-                    keep = True
-                else:
-                    del shares[e]  # idle and no share debt left: forgotten
-            had = engine in shares
-            at, d, short = shares.get(engine, (now, 0, False))
-            mine = max(0, d - (now - at))
-            share = a.interval_ns * (others + 1)
-            debt = max(0, self.debt(a.user) - a.give_back * a.interval_ns)
-            mine = max(0, mine - a.give_back * share)
-            granted = 0
-            if a.want:
-                granted = takes(burst_ns - debt, a.interval_ns)
-                if others and 4 * debt > burst_ns:
-                    granted = min(granted, takes(2 * burst_ns - mine, share))
-                granted = min(granted, a.want)
-                debt += granted * a.interval_ns
-                mine += granted * share
-                short = granted < a.want
-            if debt or a.want or mine or keep:
-                self.state[a.user] = (now, debt)
-                if a.want or had:
-                    shares[engine] = (now, mine, short)
-            else:  # nothing left to remember: the key goes away
-                self.state.pop(a.user, None)
-                shares.clear()
-            out.append(LeaseGrant(granted, max(0, debt - burst_ns)))
-        return out
-
-    def publish_fingerprint(self, engine_id, fingerprint):
-        if self.down:
-            raise ConnectionError("store down")
-        self.fingerprints[engine_id] = fingerprint
-        return dict(self.fingerprints)
-
-    def describe(self):
-        return "fake://store"
-
-    def close(self):
-        pass
 
 
 def engine(store, clock, default=30, rates=None, **cfg):
@@ -157,9 +69,9 @@ def test_no_lease_no_token_then_a_round_brings_one():
     assert not lim.try_take("u", now)
     assert lim.available("u", now) == 0
     assert lim.ready_at_ns("u", now) > now  # wake-up estimate, never "now"
-    assert lim._new_users == {"u"}  # the lease thread is woken for it
+    assert lim.book.new_users == {"u"}  # the lease thread is woken for it
     clock.now += MS
-    assert lim.run_round(clock.now, only_new=True) == 3  # lease size at 30 tok/s
+    assert lim.rounds.run(clock.now, only_new=True) == 3  # lease size at 30 tok/s
     assert store.calls[-1] == [LeaseAsk("u", 3, 0, 33_333_334)]
     assert lim.available("u", clock.now) == 3
     assert lim.ready_at_ns("u", clock.now) == clock.now
@@ -168,11 +80,11 @@ def test_no_lease_no_token_then_a_round_brings_one():
     assert lim.take_up_to("u", clock.now, 5) == 0
     # The store's GCRA allowed 1 + 3 (100 ms burst at 30/s) but the lease was 3.
     clock.now += 10 * MS
-    assert lim.run_round(clock.now) == 0  # asked 10 ms ago: not again so soon
+    assert lim.rounds.run(clock.now) == 0  # asked 10 ms ago: not again so soon
     assert store.calls[-1] == [] or len(store.calls) == 1
     clock.now += 20 * MS
-    assert lim.run_round(clock.now) == 1  # 31 ms of the rate since the first grant
-    assert lim.run_round(clock.now) == 0
+    assert lim.rounds.run(clock.now) == 1  # 31 ms of the rate since the first grant
+    assert lim.rounds.run(clock.now) == 0
 
 
 def test_unspent_tokens_expire_and_go_back_to_the_store():
@@ -180,7 +92,7 @@ def test_unspent_tokens_expire_and_go_back_to_the_store():
     store = FakeStore(clock)
     lim = engine(store, clock)
     lim.take_up_to("u", clock.now, 1)
-    lim.run_round(clock.now, only_new=True)
+    lim.rounds.run(clock.now, only_new=True)
     assert lim.take_up_to("u", clock.now, 1) == 1
     debt = store.debt("u")
     assert debt == 3 * 33_333_334
@@ -188,7 +100,7 @@ def test_unspent_tokens_expire_and_go_back_to_the_store():
     assert lim.available("u", clock.now) == 0
     assert lim.take_up_to("u", clock.now, 1) == 0
     assert lim.stats["expired"] == 2
-    lim.run_round(clock.now)
+    lim.rounds.run(clock.now)
     handed = [a for a in store.calls[-1] if a.give_back]
     assert handed == [LeaseAsk("u", 3, 2, 33_333_334)]
     assert lim.stats["handed_back"] == 2
@@ -199,7 +111,7 @@ def test_refund_restores_until_the_lease_expires():
     store = FakeStore(clock)
     lim = engine(store, clock)
     lim.available("u", clock.now)
-    lim.run_round(clock.now, only_new=True)
+    lim.rounds.run(clock.now, only_new=True)
     assert lim.take_up_to("u", clock.now, 3) == 3
     lim.refund("u", clock.now, 2)
     assert lim.available("u", clock.now) == 2
@@ -207,7 +119,7 @@ def test_refund_restores_until_the_lease_expires():
     clock.now += CFG.lifetime_ns
     lim.refund("u", clock.now, 1)  # its lease is over: back to the store, not spendable
     assert lim.available("u", clock.now) == 0
-    assert lim._give_back == {"u": 1}
+    assert lim.book.give_back == {"u": 1}
     lim.refund("never-seen", clock.now)  # nothing taken: nothing to do
     assert lim.available("never-seen", clock.now) == 0
 
@@ -218,28 +130,52 @@ def test_engines_share_one_quota():
     a, b = engine(store, clock), engine(store, clock)
     for lim in (a, b):
         lim.available("u", clock.now)
-    assert a.run_round(clock.now, only_new=True) == 3
+    assert a.rounds.run(clock.now, only_new=True) == 3
     # In memory 30 tok/s with a 100 ms burst allows 4 at once; the store's
     # interval is rounded up to whole ns (33_333_334), so 3 intervals exceed
     # the burst by 2 ns: never faster than the rate, here one token fewer.
-    assert b.run_round(clock.now, only_new=True) == 0
+    assert b.rounds.run(clock.now, only_new=True) == 0
     assert b.ready_at_ns("u", clock.now) > clock.now
     clock.now += 34 * MS
-    assert b.run_round(clock.now) == 2  # 1 + floor(134 ms * 30) = 5 in all by now
-    assert a.run_round(clock.now) == 0
+    assert b.rounds.run(clock.now) == 2  # 1 + floor(134 ms * 30) = 5 in all by now
+    assert a.rounds.run(clock.now) == 0
 
 
 def test_rates_changes_reach_the_asks():
     clock = Clock()
     store = FakeStore(clock)
     lim = engine(store, clock, default=30, rates={"v": 10})
-    assert lim.update_rates(30, {"v": 1000}) == []  # nobody tracked by the rate table
-    assert lim.exact_rate_of("v") == 1000
+    assert lim.update_rates(30, {"v": 1000}) == []  # nobody wanted quota yet
+    assert lim.rates.exact_rate_of("v") == 1000
     lim.available("v", clock.now)
-    lim.run_round(clock.now, only_new=True)
+    lim.rounds.run(clock.now, only_new=True)
     assert store.calls[-1] == [LeaseAsk("v", 100, 0, 1_000_000)]
     assert lim.available("v", clock.now) == 100
-    assert lim.configured_rates() == (Fraction(30), {"v": Fraction(1000)})
+    assert lim.rates.configured() == (Fraction(30), {"v": Fraction(1000)})
+    lim.available("w", clock.now)  # short: w is tracked from now on
+    # The reload log's figure: tracked users whose rate changed, and only them.
+    assert lim.update_rates(30, {"v": 1000, "w": 5}) == ["w"]
+    assert lim.update_rates(40, {"v": 1000, "w": 5}) == []  # both have overrides
+    assert lim.update_rates(40, {"v": 50}) == ["v", "w"]
+    lim.rounds.run(clock.now + 50 * MS)
+    assert store.calls[-1] == [LeaseAsk("w", 4, 0, 25_000_000)]  # w at the new default
+
+
+def test_rate_changes_count_users_of_the_local_fallback():
+    clock = Clock()
+    store = FakeStore(clock)
+    lim = engine(store, clock, default=40, expected_engines=2)
+    store.down = True
+    lim.available("u", clock.now)
+    lim.rounds.run(clock.now, only_new=True)
+    clock.now += CFG.outage_after_ns
+    lim.available("u", clock.now)  # still short: the next round asks again
+    lim.rounds.run(clock.now)
+    assert lim.mode == LOCAL
+    lim.cleanup_idle_users(clock.now + S)  # the lease book forgets u ...
+    assert lim.take_up_to("x", clock.now + S, 1) == 1  # ... the local limiter tracks x
+    assert lim.update_rates(40, {"x": 40}) == []  # same rate
+    assert lim.update_rates(60) == ["x"]
 
 
 def test_outage_local_fallback_then_shared_again(caplog):
@@ -247,20 +183,20 @@ def test_outage_local_fallback_then_shared_again(caplog):
     store = FakeStore(clock)
     lim = engine(store, clock, default=40, expected_engines=2)
     lim.available("u", clock.now)
-    lim.run_round(clock.now, only_new=True)
+    lim.rounds.run(clock.now, only_new=True)
     assert lim.available("u", clock.now) == 4
     store.down = True
     with caplog.at_level(logging.WARNING):
         for _ in range(5):  # 250 ms without an answer: slow, not yet an outage
             clock.now += 50 * MS
             lim.take_up_to("u", clock.now, 4)  # u keeps wanting quota
-            lim.run_round(clock.now)
+            lim.rounds.run(clock.now)
             assert lim.mode == SHARED
         assert lim.stats["failed_rounds"] == 5
         for _ in range(5):
             clock.now += 50 * MS
             lim.available("u", clock.now)  # still wanted (and no take in local mode)
-            lim.run_round(clock.now)
+            lim.rounds.run(clock.now)
     assert lim.mode == LOCAL
     outage_lines = [r for r in caplog.records if "unreachable" in r.getMessage()]
     assert len(outage_lines) == 1 and "fake://store" in outage_lines[0].getMessage()
@@ -274,8 +210,8 @@ def test_outage_local_fallback_then_shared_again(caplog):
     store.down = False
     caplog.clear()
     with caplog.at_level(logging.WARNING):
-        lim.run_round(clock.now)
-        lim.run_round(clock.now + 50 * MS)
+        lim.rounds.run(clock.now)
+        lim.rounds.run(clock.now + 50 * MS)
     assert lim.mode == SHARED
     assert [r.getMessage() for r in caplog.records if "answers again" in r.getMessage()]
     assert lim.stats["outages"] == 1
@@ -286,14 +222,14 @@ def test_outage_closed_fallback_pauses_everyone():
     store = FakeStore(clock)
     lim = engine(store, clock, fallback=CLOSED)
     store.down = True
-    lim.run_round(clock.now)  # nobody wants quota: no round trip, nothing noticed
+    lim.rounds.run(clock.now)  # nobody wants quota: no round trip, nothing noticed
     assert lim.mode == SHARED and not store.calls
     assert lim.take_up_to("u", clock.now, 3) == 0
-    lim.run_round(clock.now, only_new=True)  # asks for u, which fails
+    lim.rounds.run(clock.now, only_new=True)  # asks for u, which fails
     assert lim.mode == SHARED  # one failed round trip is not an outage yet
     clock.now += CFG.outage_after_ns
     assert lim.take_up_to("u", clock.now, 3) == 0
-    lim.run_round(clock.now)
+    lim.rounds.run(clock.now)
     assert lim.mode == CLOSED
     assert lim.take_up_to("u", clock.now, 3) == 0
     assert not lim.try_take("u", clock.now)
@@ -301,11 +237,11 @@ def test_outage_closed_fallback_pauses_everyone():
     assert lim.ready_at_ns("u", clock.now) > clock.now
     store.down = False
     clock.now += 50 * MS
-    assert lim.run_round(clock.now) == 0  # during an outage a round is a probe
+    assert lim.rounds.run(clock.now) == 0  # during an outage a round is a probe
     assert lim.mode == SHARED and store.calls[-1] == []
     assert lim.take_up_to("u", clock.now, 3) == 0  # u is short: asked for next round
     clock.now += 50 * MS
-    assert lim.run_round(clock.now) == 3
+    assert lim.rounds.run(clock.now) == 3
     assert lim.take_up_to("u", clock.now, 3) == 3
 
 
@@ -317,7 +253,7 @@ def test_idle_rounds_between_failed_ones_do_not_delay_the_outage():
     store = FakeStore(clock)
     lim = engine(store, clock)
     lim.available("u", clock.now)
-    lim.run_round(clock.now, only_new=True)  # the last answer
+    lim.rounds.run(clock.now, only_new=True)  # the last answer
     answered = clock.now
     store.down = True
     idle = 0
@@ -326,7 +262,7 @@ def test_idle_rounds_between_failed_ones_do_not_delay_the_outage():
         clock.now += 20 * MS
         lim.take_up_to("u", clock.now, 8)  # u keeps wanting quota
         failed = lim.stats["failed_rounds"]
-        lim.run_round(clock.now)
+        lim.rounds.run(clock.now)
         if lim.stats["failed_rounds"] == failed:
             idle += 1
         elif first_failure is None:
@@ -350,13 +286,13 @@ def test_fingerprint_mismatch_is_logged_once(caplog):
     b = engine(store, clock, default=30)
     c = engine(store, clock, default=31)
     with caplog.at_level(logging.WARNING):
-        assert a.check_fingerprints(clock.now) == []
-        assert b.check_fingerprints(clock.now) == []
-        assert len(c.check_fingerprints(clock.now)) == 2
-        c.check_fingerprints(clock.now)
+        assert a.fingerprints.check(clock.now, a.rates) == []
+        assert b.fingerprints.check(clock.now, b.rates) == []
+        assert len(c.fingerprints.check(clock.now, c.rates)) == 2
+        c.fingerprints.check(clock.now, c.rates)
     lines = [r for r in caplog.records if "limits differ" in r.getMessage()]
     assert len(lines) == 2  # one per other engine, not per check
-    assert a.fingerprint() == b.fingerprint() != c.fingerprint()
+    assert limits_fingerprint(a.rates) == limits_fingerprint(b.rates) != limits_fingerprint(c.rates)
 
 
 def test_cleanup_forgets_users_not_wanted_lately():
@@ -364,12 +300,12 @@ def test_cleanup_forgets_users_not_wanted_lately():
     store = FakeStore(clock)
     lim = engine(store, clock)
     lim.available("u", clock.now)
-    lim.run_round(clock.now, only_new=True)
+    lim.rounds.run(clock.now, only_new=True)
     lim.take_up_to("u", clock.now, 3)
-    assert lim.tracked_users() == 1
+    assert lim.book.users() == {"u"}
     clock.now += S
     assert lim.cleanup_idle_users(clock.now) == 1
-    assert lim.tracked_users() == 0
+    assert lim.book.users() == set()
 
 
 # ---------------------------------------------------------------------------
@@ -427,9 +363,9 @@ def test_spent_tokens_across_engines_obey_the_documented_bound(run):
                 spent.remove(max(x for x in spent if x[1] == who))
             held[who] -= k
         elif op == "round":
-            lim.run_round(clock.now)
+            lim.rounds.run(clock.now)
         elif op == "new":
-            lim.run_round(clock.now, only_new=True)
+            lim.rounds.run(clock.now, only_new=True)
         if op != "refund":
             held[who] = 0  # charges older than this event are final
     spent = sorted(t for t, _ in spent)
@@ -449,7 +385,7 @@ def test_one_busy_engine_reaches_the_rate():
     next_round = start
     while clock.now < start + 20 * S:
         if clock.now >= next_round:
-            lim.run_round(clock.now)
+            lim.rounds.run(clock.now)
             next_round = clock.now + CFG.round_ns
         got += lim.take_up_to("u", clock.now, 8)
         clock.now += 5 * MS
@@ -470,14 +406,14 @@ def share_run(rounds_ms, demand, seconds=20, rate=30):
     lims = []
     for i, round_ms in enumerate(rounds_ms):
         lim = engine(store, clock, default=rate, round_ns=round_ms * MS)
-        lim._random.seed(i)  # the jitter of the cadence, reproducible
+        lim.rounds.random.seed(i)  # the jitter of the cadence, reproducible
         lims.append(lim)
     got = [0] * len(lims)
     credit = [0.0] * len(lims)
     end = clock.now + seconds * S
     while clock.now < end:
         for i, lim in enumerate(lims):
-            lim.pump(clock.now)
+            lim.rounds.pump(clock.now)
             if demand[i] is None:
                 got[i] += lim.take_up_to("u", clock.now, 8)
             else:
@@ -531,14 +467,14 @@ def slow_step_run(step_ms, seconds=10, rate=30, streams=6):
     lims = []
     for i in range(len(step_ms)):
         lim = engine(store, clock, default=rate)
-        lim._random.seed(i)
+        lim.rounds.random.seed(i)
         lims.append(lim)
     got = [0] * len(lims)
     next_plan = [clock.now] * len(lims)
     end = clock.now + seconds * S
     while clock.now < end:
         for i, lim in enumerate(lims):
-            lim.pump(clock.now)
+            lim.rounds.pump(clock.now)
             if clock.now >= next_plan[i]:
                 k = lim.take_up_to("u", clock.now, streams)
                 got[i] += k

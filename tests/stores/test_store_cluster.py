@@ -27,7 +27,8 @@ from redis_harness import free_port, redis_binary
 from vllm_output_rate.factory import make_limiter
 from vllm_output_rate.policy.limiter import DEFAULT_BURST_NS, NS_PER_S
 from vllm_output_rate.settings import OutputRateSettings
-from vllm_output_rate.stores.lease import LOCAL, SHARED, LeaseAsk, LeaseConfig, LeasedOutputRateLimiter
+from vllm_output_rate.stores.backend import LOCAL, SHARED, LeaseAsk, LeaseConfig
+from vllm_output_rate.stores.lease import LeasedOutputRateLimiter
 from vllm_output_rate.stores.redis_store import RedisLeaseBackend, user_key
 
 redis = pytest.importorskip("redis")
@@ -319,7 +320,7 @@ def test_two_engines_share_quota_through_the_cluster(cluster, prefix):
         # Batched: one round trip a round for all three users (about 20 a
         # second plus extra rounds for new users), three script calls each.
         assert lim.stats["round_trips"] <= seconds * 20 * 1.5 + 10
-        assert lim._backend.commands <= 3 * lim.stats["round_trips"] + 3 + seconds / 5 + 2
+        assert lim.backend.commands <= 3 * lim.stats["round_trips"] + 3 + seconds / 5 + 2
 
 
 def test_a_node_down_is_an_outage_then_shared_again(cluster, prefix, caplog):
@@ -398,12 +399,12 @@ def test_seed_list_and_unreachable_cluster_at_start(cluster, prefix):
     )
     lim = make_limiter(settings, start=False)
     try:
-        assert isinstance(lim, LeasedOutputRateLimiter) and lim._backend.cluster
+        assert isinstance(lim, LeasedOutputRateLimiter) and lim.backend.cluster
         t0 = time.monotonic_ns()
         lim.available("u", t0)
-        assert lim.run_round(t0) == 0
+        assert lim.rounds.run(t0) == 0
         lim.available("u", t0 + 400 * MS)  # still short: the next round asks again
-        lim.run_round(t0 + 400 * MS)  # no answer for 0.3 s: fall back
+        lim.rounds.run(t0 + 400 * MS)  # no answer for 0.3 s: fall back
         assert lim.mode == LOCAL
         assert lim.take_up_to("u", t0 + 400 * MS, 1) == 1
     finally:

@@ -22,11 +22,12 @@ import time
 
 import pytest
 from redis_harness import RedisServer
-from test_lease import Clock, FakeStore, takes
+from fake_store import Clock, FakeStore
 from test_store_redis import bound, max_in_window, run_engines
 
-from vllm_output_rate.policy.limiter import NS_PER_S
-from vllm_output_rate.stores.lease import LeaseAsk, LeaseConfig, LeasedOutputRateLimiter
+from vllm_output_rate.policy.gcra import NS_PER_S, Gcra
+from vllm_output_rate.stores.backend import LeaseAsk, LeaseConfig
+from vllm_output_rate.stores.lease import LeasedOutputRateLimiter
 from vllm_output_rate.stores.redis_store import RedisLeaseBackend, user_key
 
 pytest.importorskip("redis")
@@ -90,8 +91,8 @@ def test_script_matches_the_model_of_fair_shares(server):
     for step in range(80):
         engine = rng.choice(["a", "b", "c"])
         ask = LeaseAsk("u", rng.choice([0, 1, 2, 3, 5, 8]), rng.choice([0, 0, 2, 4, 6]), iv)
-        debt = max(0, model.debt("u") - ask.give_back * iv)
-        user_allows = min(ask.want, takes(burst - debt, iv))
+        tats = {"u": model.clock.now + max(0, model.debt("u") - ask.give_back * iv)}
+        user_allows = min(ask.want, Gcra.on_ns(iv, burst).available(tats, "u", model.clock.now))
         (got,) = backend.lease(burst, [ask], engine)
         (want,) = model.lease(burst, [ask], engine)
         assert got.granted == want.granted, (step, engine, ask)

@@ -22,13 +22,8 @@ from redis_harness import RedisServer
 from vllm_output_rate.factory import make_limiter
 from vllm_output_rate.policy.limiter import DEFAULT_BURST_NS, NS_PER_S
 from vllm_output_rate.settings import OutputRateSettings
-from vllm_output_rate.stores.lease import (
-    LOCAL,
-    SHARED,
-    LeaseAsk,
-    LeaseConfig,
-    LeasedOutputRateLimiter,
-)
+from vllm_output_rate.stores.backend import LOCAL, SHARED, LeaseAsk, LeaseConfig
+from vllm_output_rate.stores.lease import LeasedOutputRateLimiter
 from vllm_output_rate.stores.redis_store import (
     PASSWORD_ENV,
     RedisLeaseBackend,
@@ -223,9 +218,9 @@ def test_engine_restart_gets_no_fresh_burst(server, prefix):
     fresh = LeasedOutputRateLimiter(rate, {}, backend, start=False)
     now = time.monotonic_ns()
     fresh.available("u", now)
-    assert fresh.run_round(now, only_new=True) == 0  # debt is still in Redis
+    assert fresh.rounds.run(now, only_new=True) == 0  # debt is still in Redis
     fresh.available("someone-else", now)
-    assert fresh.run_round(time.monotonic_ns(), only_new=True) == 1  # a new user: one lease
+    assert fresh.rounds.run(time.monotonic_ns(), only_new=True) == 1  # a new user: one lease
     # Asked directly for more than a lease: u still nothing, a new user its burst.
     iv = S
     u, new = backend.lease(DEFAULT_BURST_NS, [LeaseAsk("u", 5, 0, iv), LeaseAsk("new", 5, 0, iv)])
@@ -251,7 +246,7 @@ def test_password_from_env_is_used_and_never_shown(prefix, monkeypatch, caplog):
             deadline = time.monotonic_ns() + 2 * S
             while lim.mode != LOCAL and time.monotonic_ns() < deadline:
                 lim.available("u", time.monotonic_ns())
-                lim.run_round(time.monotonic_ns())
+                lim.rounds.run(time.monotonic_ns())
                 time.sleep(0.05)
         assert lim.mode == LOCAL
         assert caplog.records and all("s3cret" not in r.getMessage() for r in caplog.records)
@@ -266,9 +261,9 @@ def test_limits_mismatch_between_engines_is_logged(server, prefix, caplog):
     b = LeasedOutputRateLimiter(30, {"x": 6}, RedisLeaseBackend(server.url, prefix=prefix), start=False)
     c = LeasedOutputRateLimiter(30, {"x": 5}, RedisLeaseBackend(server.url, prefix=prefix), start=False)
     with caplog.at_level(logging.WARNING):
-        assert a.check_fingerprints(time.monotonic_ns()) == []
-        assert c.check_fingerprints(time.monotonic_ns()) == []
-        assert len(b.check_fingerprints(time.monotonic_ns())) == 2
+        assert a.fingerprints.check(time.monotonic_ns(), a.rates) == []
+        assert c.fingerprints.check(time.monotonic_ns(), c.rates) == []
+        assert len(b.fingerprints.check(time.monotonic_ns(), b.rates)) == 2
     assert len([r for r in caplog.records if "limits differ" in r.getMessage()]) == 2
     for lim in (a, b, c):
         lim.close()
@@ -288,7 +283,7 @@ def test_make_limiter_with_a_store_url(server, prefix):
     try:
         assert isinstance(lim, LeasedOutputRateLimiter)
         assert lim.rate_of("a") == 5 and lim.rate_of("b") == 20
-        assert lim._config.fallback == "closed" and lim._backend.prefix == prefix
+        assert lim.config.fallback == "closed" and lim.backend.prefix == prefix
         deadline = time.monotonic_ns() + 2 * S
         got = 0
         while not got and time.monotonic_ns() < deadline:
@@ -384,7 +379,7 @@ def test_store_mode_and_totals_reach_prometheus_and_follow_an_outage(prefix):
             ("vllm:output_rate_store_round_trips_total", None)
         ]
         # Exported totals never run ahead of the limiter's own.
-        figures = lim.store_figures()
+        figures = lim.figures()
         assert back[("vllm:output_rate_store_leased_tokens_total", None)] <= figures[
             "store_leased_tokens_total"
         ]

@@ -34,7 +34,7 @@ for other requests) and ``vllm:output_rate_eviction_recompute_tokens_total``
 
 With a shared store (``--output-rate-store``), engine-wide (label
 ``model_name``; figures from
-:meth:`~vllm_output_rate.stores.lease.LeasedOutputRateLimiter.store_figures`):
+:meth:`~vllm_output_rate.stores.lease.LeasedOutputRateLimiter.figures`):
 
 * ``vllm:output_rate_store_mode{mode="shared|local|closed"}`` -- 1 for the
   mode in force, 0 for the others;

@@ -227,7 +227,7 @@ class OperateSchedulerMixin:
                 "reloads_total": self.output_rate_reloads,
                 "reload_failures_total": self.output_rate_reload_failures,
                 # Shared-store mode and totals (only with --output-rate-store).
-                **getattr(self.output_rate_limiter, "store_figures", dict)(),
+                **self.output_rate_limiter.figures(),
             },
         )
         # Users idle for a while are forgotten, so the per-user totals (and

@@ -96,6 +96,13 @@ class Gcra:
         tats[user] = tat + count * self.interval
         return True
 
+    def charge(self, tats: TatMap, user: str, now_ns: int, count: int) -> None:
+        """Count ``count`` takes at ``now_ns`` whatever this quota allows (tokens
+        another cap granted, charged here too)."""
+        now = now_ns * self.scale
+        tat = tats.get(user, now)
+        tats[user] = (tat if tat > now else now) + count * self.interval
+
     def refund(self, tats: TatMap, user: str, now_ns: int, count: int) -> None:
         """Give back ``count`` takes; a user left without debt becomes idle (no entry)."""
         tat = tats.get(user)

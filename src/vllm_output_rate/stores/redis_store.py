@@ -83,7 +83,7 @@ from vllm_output_rate.stores.config import (
     cluster_nodes,
     split_userinfo,
 )
-from vllm_output_rate.stores.lease import LeaseAsk, LeaseGrant
+from vllm_output_rate.stores.backend import LeaseAsk, LeaseGrant
 
 #: Seconds a reply may take before the engine treats the store as down.
 DEFAULT_TIMEOUT_S = 0.25
@@ -257,7 +257,7 @@ def _sha1(text: str) -> str:
 
 
 class RedisLeaseBackend:
-    """:class:`~vllm_output_rate.stores.lease.LeaseBackend` over Redis, Valkey or a Redis Cluster."""
+    """:class:`~vllm_output_rate.stores.backend.LeaseBackend` over Redis, Valkey or a Redis Cluster."""
 
     def __init__(
         self,

@@ -1,0 +1,187 @@
+"""The leases one engine holds, per user, and what it will ask the store for next.
+
+The scheduler thread spends from the book; the lease thread fills it from
+round trips and reads from it what to ask for.  Both hold :attr:`LeaseBook.lock`
+while they change it, and only for dict work, never across a round trip --
+except :meth:`LeaseBook.take_oldest`, the common take, which needs no lock.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from typing import Callable, Sequence
+
+from vllm_output_rate.policy.rates import RateTable
+from vllm_output_rate.stores.backend import LeaseAsk, LeaseConfig, LeaseGrant, interval_ns_of
+
+NEVER = -(10**18)
+
+
+class LeaseBook:
+    """Per user: leases held (oldest first), demand, and the store's last word."""
+
+    def __init__(self, stats: dict[str, int], wake_rounds: Callable[[], None]) -> None:
+        self.lock = threading.Lock()
+        self._stats = stats
+        self._wake_rounds = wake_rounds
+        self.leases: dict[str, deque] = {}  # user -> deque of [expiry_ns, tokens]
+        self.last_expiry: dict[str, int] = {}  # expiry of the lease last spent from
+        self.wanted_at: dict[str, int] = {}  # last time the scheduler wanted tokens
+        self.asked_at: dict[str, int] = {}  # last round that asked for the user
+        self.wait_until: dict[str, int] = {}  # store said: nothing before this
+        self.give_back: dict[str, int] = {}  # unspent tokens to hand back
+        self.new_users: set[str] = set()  # want an extra round now
+
+    # -- the scheduler thread ----------------------------------------------
+
+    def take_oldest(self, user: str, now_ns: int, count: int) -> bool:
+        """The common take, without the lock: the oldest lease is valid and covers ``count``.
+
+        Safe without the lock because only the scheduler thread changes a
+        held lease's count or removes leases; the lease thread only appends
+        new leases (``deque.append`` is atomic) or, when an outage starts,
+        swaps in an empty table (spending from a dropped lease is spending
+        granted tokens, within the bound).
+        """
+        self.wanted_at[user] = now_ns
+        leases = self.leases.get(user)
+        if leases:
+            oldest = leases[0]
+            if oldest[0] > now_ns and oldest[1] > count:
+                oldest[1] -= count
+                self.last_expiry[user] = oldest[0]
+                return True
+        return False
+
+    def held(self, user: str, now_ns: int) -> int:
+        """Tokens held for ``user`` now; expired leases move to the hand-back pile."""
+        leases = self.leases.get(user)
+        if not leases:
+            return 0
+        while leases and leases[0][0] <= now_ns:
+            _, tokens = leases.popleft()
+            if tokens:
+                self.give_back[user] = self.give_back.get(user, 0) + tokens
+                self._stats["expired"] += tokens
+        return sum(lease[1] for lease in leases)
+
+    def spend(self, user: str, count: int) -> None:
+        """Spend ``count`` held tokens (the caller checked they are held), oldest first."""
+        leases = self.leases[user]
+        while count:
+            lease = leases[0]
+            self.last_expiry[user] = lease[0]
+            if lease[1] > count:
+                lease[1] -= count
+                return
+            count -= lease[1]
+            leases.popleft()
+
+    def want(self, user: str, now_ns: int, active_ns: int) -> None:
+        """Note that ``user`` is short; wake the lease thread if it was not asked lately."""
+        self.wanted_at[user] = now_ns
+        if (
+            user not in self.new_users
+            and self.asked_at.get(user, NEVER) + active_ns <= now_ns
+            and self.wait_until.get(user, 0) <= now_ns
+        ):
+            self.new_users.add(user)
+            self._wake_rounds()
+
+    def refund(self, user: str, now_ns: int, count: int) -> None:
+        """Tokens taken and not used: spendable again until their lease expires."""
+        expiry = self.last_expiry.get(user)
+        if expiry is None:
+            return
+        if expiry <= now_ns:
+            self.give_back[user] = self.give_back.get(user, 0) + count
+            return
+        leases = self.leases.setdefault(user, deque())
+        if leases and leases[0][0] == expiry:
+            leases[0][1] += count
+        else:
+            leases.appendleft([expiry, count])  # the oldest lease held
+
+    def forget_idle(self, now_ns: int, active_ns: int) -> int:
+        """Drop expired leases and users not wanted lately; return how many users."""
+        stale = now_ns - active_ns
+        for user in list(self.leases):
+            if not self.held(user, now_ns) and self.wanted_at.get(user, stale) <= stale:
+                del self.leases[user]
+        dropped = 0
+        for user in list(self.wanted_at):
+            if self.wanted_at[user] < stale and user not in self.leases:
+                del self.wanted_at[user]
+                self.asked_at.pop(user, None)
+                self.wait_until.pop(user, None)
+                self.last_expiry.pop(user, None)
+                dropped += 1
+        return dropped
+
+    def users(self) -> set[str]:
+        """Users wanted lately or holding leases."""
+        return {u for u, leases in self.leases.items() if leases} | set(self.wanted_at)
+
+    # -- the lease thread --------------------------------------------------
+
+    def asks(self, now_ns: int, only_new: bool, config: LeaseConfig, rates: RateTable) -> list[LeaseAsk]:
+        """This round's asks: top each active user up to its lease size, hand back the pile.
+
+        ``only_new``: an extra round, for the users that just became short.
+        """
+        users = set(self.new_users) if only_new else set(self.wanted_at)
+        self.new_users.clear()
+        users |= set(self.give_back)
+        active_since = now_ns - config.active_ns
+        skip_until = now_ns + config.round_ns // 2
+        asked_before = now_ns - config.round_ns // 2  # no second ask right after an extra round
+        asks = []
+        for user in users:
+            rate = rates.exact_rate_of(user)
+            want = 0
+            if self.wanted_at.get(user, NEVER) >= active_since and (
+                only_new
+                or (
+                    self.wait_until.get(user, 0) <= skip_until
+                    and self.asked_at.get(user, NEVER) <= asked_before
+                )
+            ):
+                # Read only (the scheduler thread owns held leases): a copy of
+                # the user's leases, expired ones not counted.
+                held = sum(c for e, c in list(self.leases.get(user, ())) if e > now_ns)
+                want = max(0, config.lease_size(rate) - held)
+            back = self.give_back.pop(user, 0)
+            if want or back:
+                if want:
+                    self.asked_at[user] = now_ns
+                asks.append(LeaseAsk(user, want, back, interval_ns_of(rate)))
+        self._stats["asks"] += len(asks)
+        return asks
+
+    def add_grants(
+        self, asks: Sequence[LeaseAsk], grants: Sequence[LeaseGrant], sent_ns: int, received_ns: int,
+        lifetime_ns: int,
+    ) -> int:
+        """File a round trip's grants (valid ``lifetime_ns`` from ``sent_ns``); return tokens granted."""
+        granted = 0
+        for ask, grant in zip(asks, grants):
+            self._stats["handed_back"] += ask.give_back
+            if grant.granted > 0:
+                self.leases.setdefault(ask.user, deque()).append([sent_ns + lifetime_ns, grant.granted])
+                granted += grant.granted
+            if ask.want:
+                self.wait_until[ask.user] = received_ns + grant.wait_ns
+        self._stats["leased"] += granted
+        return granted
+
+    def clear(self, forget_demand: bool = False) -> None:
+        """Drop every lease held and what the store said (an outage: the store keeps
+        them charged); ``forget_demand`` also forgets who wanted and was asked for."""
+        self.leases = {}  # a new table: the scheduler's lock-free path may hold the old one
+        self.give_back.clear()
+        self.last_expiry.clear()
+        self.wait_until.clear()
+        if forget_demand:
+            self.asked_at.clear()
+            self.wanted_at.clear()
