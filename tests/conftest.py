@@ -3,12 +3,21 @@
 Suite layout for speed (the whole suite must stay well under 8 minutes on a
 2-core machine): the servers of the modules in :data:`PRESTARTED` start in
 the background when the session begins (see ``server_harness.ServerPool``),
-and the modules in :data:`RUN_LAST` run after everything else, alone on the
-machine, since they judge rates across several engines.
+while the model-free folders collected before ``tests/server`` (adapter,
+config, policy) run; the modules in :data:`RUN_LAST` run after everything
+else, alone on the machine, so several engines do not compete with other
+servers for the two cores.
+
+Markers (``pytest -m``): ``server`` (a real ``vllm-output-rate serve``; set
+by the modules that start one), ``cluster`` (several engines on one quota)
+and ``redis`` (a real redis-server), the last one set here for every test of
+a module that uses ``redis_harness``, so the store tests need no marker of
+their own.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
 
 import pytest
@@ -25,6 +34,9 @@ from server_harness import TINY_MODEL_DIR, ServerPool  # noqa: E402
 settings.register_profile("suite", deadline=None)
 settings.load_profile("suite")
 
+# Modules are named by their file's basename (``item.path.stem``), whichever
+# folder of tests/ holds them.
+
 #: Modules with a ``server_context(tmp_path_factory, model_dir)`` whose
 #: server(s) start when the session begins.
 PRESTARTED = ("test_e2e_server", "test_operate_server")
@@ -37,13 +49,31 @@ RUN_LAST = ("test_cluster_server",)
 PRESTARTED_LATE = ("test_cluster_server",)
 
 
+#: Where a real redis-server comes from: a module holding one of these
+#: modules' names needs it.
+REDIS_SOURCES = ("redis_harness", "vllm_output_rate.tools.redisproc")
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
 def pytest_collection_modifyitems(session, config, items):
+    for item in items:
+        if _needs_redis(item) and item.get_closest_marker("redis") is None:
+            item.add_marker(pytest.mark.redis)
     items.sort(key=lambda item: _module_name(item) in RUN_LAST)  # stable: order kept otherwise
 
 
 def _module_name(item) -> str:
+    return item.path.stem if getattr(item, "module", None) is not None else ""
+
+
+def _needs_redis(item) -> bool:
     module = getattr(item, "module", None)
-    return module.__name__ if module is not None else ""
+    if module is None:
+        return False
+    return any(
+        (inspect.isclass(value) or inspect.isfunction(value)) and value.__module__ in REDIS_SOURCES
+        for value in vars(module).values()
+    )
 
 
 @pytest.fixture(scope="session")
@@ -85,6 +115,7 @@ def _prestart_late_servers(request, server_pool, tmp_path_factory):
 def _prestart(request, server_pool, tmp_path_factory, names) -> None:
     """Begin starting the servers of the selected modules named in ``names``
     (a module already begun is left alone)."""
+    # Keyed by the module's own __name__: its fixture asks the pool for that key.
     modules = {
         item.module.__name__: item.module
         for item in request.session.items

@@ -131,13 +131,16 @@ def running_server(
         _stop(proc)
 
 
-def run_cli(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
-    """Run ``vllm-output-rate ARGS`` to completion (for startup-refusal tests)."""
+def run_cli(
+    args: list[str], timeout: float = 240, env: Mapping[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """Run ``vllm-output-rate ARGS`` to completion (for startup-refusal tests);
+    ``env`` adds to (or overrides) the server environment."""
     return subprocess.run(
         [str(CLI), *args],
         capture_output=True,
         text=True,
-        env=server_env(),
+        env={**server_env(), **(env or {})},
         timeout=timeout,
         start_new_session=True,
     )

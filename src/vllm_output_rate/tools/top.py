@@ -29,6 +29,8 @@ HISTORY_S = 60
 RATE_WINDOW_S = 3.0
 #: How long the key loop waits for a key before looking for a new reading.
 KEY_WAIT_S = 0.1
+#: How long one /metrics read may take before it counts as failed.
+READ_TIMEOUT_S = 5.0
 
 
 @dataclass
@@ -235,7 +237,7 @@ class _Keys:
 class _Poller:
     """Reads ``/metrics`` every ``interval`` seconds on its own thread.
 
-    A read can take seconds on a loaded server (up to the 5 s timeout), and the
+    A read can take seconds on a loaded server (up to READ_TIMEOUT_S), and the
     key loop must not wait for it: ``q`` quits at once."""
 
     def __init__(self, url: str, interval: float) -> None:
@@ -264,7 +266,7 @@ class _Poller:
     def _loop(self) -> None:
         import httpx
 
-        with httpx.Client(timeout=5) as client:
+        with httpx.Client(timeout=READ_TIMEOUT_S) as client:
             while not self._stop.wait(self.interval):
                 self.results.put(self.read_once(client))
 
@@ -285,7 +287,7 @@ def run(url: str, interval: float = 1.0, once: bool = False) -> None:
             model.update(t, snap)
         return error
 
-    with httpx.Client(timeout=5) as client:
+    with httpx.Client(timeout=READ_TIMEOUT_S) as client:
         error = apply(poller.read_once(client))
     if once:
         console.print(render(model, url, error))
