@@ -223,6 +223,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print("redis-server stopped", flush=True)
     document = dict(document)
     document["schema_cluster"] = SCHEMA
+    document["machine"] = benchkit.machine_facts()
     document["cluster"] = {
         "command": shlex.join(["vllm-output-rate", "demo-cluster", *argv]),
         "engines": args.engines,
