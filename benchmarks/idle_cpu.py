@@ -61,7 +61,7 @@ Usage::
     VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE=1 HF_HUB_OFFLINE=1 \\
         .venv/bin/python benchmarks/idle_cpu.py
 
-writes ``docs/results/idle_cpu.json`` and ``.png`` (``--out PREFIX`` elsewhere); about 60-90 s
+writes ``docs/benchmarks/idle_cpu.json`` and ``.png`` (``--out PREFIX`` elsewhere); about 60-90 s
 of server startup plus rounds x (2 x window + 3 x settle), ~2.5 min by default.
 """
 

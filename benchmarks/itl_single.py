@@ -57,7 +57,7 @@ Usage::
     VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE=1 HF_HUB_OFFLINE=1 \\
         .venv/bin/python benchmarks/itl_single.py [--instructions]
 
-writes ``docs/results/itl_single.json`` (``--out PREFIX`` elsewhere); two server
+writes ``docs/benchmarks/itl_single.json`` (``--out PREFIX`` elsewhere); two server
 startups (~1-2 min each) plus ``--blocks`` x 2 blocks of ~10-20 s.
 """
 

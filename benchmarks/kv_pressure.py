@@ -64,7 +64,7 @@ Usage::
     VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE=1 HF_HUB_OFFLINE=1 \\
         .venv/bin/python benchmarks/kv_pressure.py
 
-writes ``docs/results/kv_pressure.json`` and ``.png`` (``--out PREFIX`` elsewhere); about
+writes ``docs/benchmarks/kv_pressure.json`` and ``.png`` (``--out PREFIX`` elsewhere); about
 60-90 s of startup plus a few seconds per trial, ~2 min by default.
 """
 

@@ -8,7 +8,7 @@ drift and background load hit both alike.  Reported: output tok/s per call,
 mean / stdev / min / max per side, and the ratio of means.
 
 Usage: ``python benchmarks/offline_throughput.py`` (writes
-``docs/results/offline_throughput.json``; ``--out PREFIX`` elsewhere).
+``docs/benchmarks/offline_throughput.json``; ``--out PREFIX`` elsewhere).
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ only the instructions executed inside ``schedule()`` and
 their own cost is measured and subtracted; ``PYTHONHASHSEED=0``).
 
 Usage: ``python benchmarks/scheduler_step.py [--instructions]`` (writes
-``docs/results/scheduler_step.json`` and ``.png``; ``--out PREFIX`` elsewhere).  Figures are
+``docs/benchmarks/scheduler_step.json`` and ``.png``; ``--out PREFIX`` elsewhere).  Figures are
 CPU-only and machine-dependent.
 
 ``--store`` measures only ours with the shared store against ours with the

@@ -13,7 +13,7 @@
    three-node Redis Cluster (``benchkit.RedisClusterProcess``, stopped by PID): script calls per second summed over the nodes
    (one per node a user of the batch lives on, per round trip).
 
-Prints a table and writes ``docs/results/shared_store.json`` (``--out PREFIX``
+Prints a table and writes ``docs/benchmarks/shared_store.json`` (``--out PREFIX``
 elsewhere).  Usage::
 
     python benchmarks/shared_store.py [--cluster]

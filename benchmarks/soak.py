@@ -41,7 +41,7 @@ model, 127.0.0.1 only, stopped by PID at the end) with random per-user limits;
 with ``--default-rate`` and ``--user-rates``.
 
 Exit status 0 when every check passes, 1 otherwise.  Writes the summary to
-``docs/results/soak.json`` (``--out PREFIX`` elsewhere).  Count-bounded (``--requests``) and time-bounded (``--time-limit``).
+``docs/benchmarks/soak.json`` (``--out PREFIX`` elsewhere).  Count-bounded (``--requests``) and time-bounded (``--time-limit``).
 
 Example::
 

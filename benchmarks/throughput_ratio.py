@@ -78,7 +78,7 @@ Usage::
     VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE=1 HF_HUB_OFFLINE=1 \\
         .venv/bin/python benchmarks/throughput_ratio.py
 
-writes ``docs/results/throughput_ratio.json`` and ``.png`` (``--out PREFIX`` elsewhere).
+writes ``docs/benchmarks/throughput_ratio.json`` and ``.png`` (``--out PREFIX`` elsewhere).
 Exit status 0 whether or not the target is met (it is a measurement);
 1 when a run failed (server did not start, request errors).
 """

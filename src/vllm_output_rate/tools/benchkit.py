@@ -19,7 +19,7 @@ here once:
    and of everything else on the machine ("foreign"), over a window.
 5. **Outputs** (:func:`finish_report`, :func:`write_outputs`): ``PREFIX.json``
    and, when the script draws one, ``PREFIX.png``; the performance page
-   (``benchmarks/render_performance.py``) reads them from ``docs/results/``.
+   (``benchmarks/render_performance.py``) reads them from ``docs/benchmarks/``.
 
 Server logs never go next to the outputs (those are committed): they go to
 a temporary folder unless ``--log-dir`` says otherwise (:func:`log_dir_for`).
@@ -49,7 +49,7 @@ from vllm_output_rate.tools.redisproc import redis_binary
 from vllm_output_rate.tools.serverproc import DEFAULT_MODEL_DIR, Server, free_port, running_server
 
 #: Where the performance page's inputs live; every benchmark's ``--out`` defaults under it.
-RESULTS_DIR = Path("docs/results")
+RESULTS_DIR = Path("docs/benchmarks")
 ROLES = ("engine_core", "worker", "api_server", "other")
 
 

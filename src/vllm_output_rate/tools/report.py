@@ -3,10 +3,10 @@
 Usage::
 
     python -m vllm_output_rate.tools.report --demo results/demo.json \\
-        --png results/demo.png --out docs/results/demo
+        --png results/demo.png --out docs/benchmarks/demo
     python -m vllm_output_rate.tools.report --demo-cluster results/demo-cluster.json \\
-        --png results/demo-cluster.png --out docs/results/demo-cluster
-    python -m vllm_output_rate.tools.report --bench results/bench.json --out docs/results/bench
+        --png results/demo-cluster.png --out docs/benchmarks/demo-cluster
+    python -m vllm_output_rate.tools.report --bench results/bench.json --out docs/benchmarks/bench
 
 A run's JSON holds every request's token times (megabytes); the page needs
 only the summaries.  ``main`` writes ``PREFIX.json`` without the raw
