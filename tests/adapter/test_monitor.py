@@ -1,7 +1,9 @@
 """Per-user reports (:mod:`vllm_output_rate.policy.monitor`) and their Prometheus export.
 
 No engine: reports are fed with the cumulative dicts the gate keeps, and
-exported into a private Prometheus registry.
+exported into a private Prometheus registry.  The patches that carry a
+report (its stats field, the Prometheus logger, the admin utility) are
+checked on vLLM's own classes.
 """
 
 from __future__ import annotations
@@ -187,3 +189,76 @@ def test_dashboard_queries_use_exported_series():
     ours = {n for n in used if n.startswith("vllm:output_rate_")}
     assert ours and ours <= exported, ours - exported
     assert used - ours <= {"vllm:num_requests_running", "vllm:num_requests_waiting"}
+
+
+# -- the patches that carry the report (metrics.scheduler_stats, metrics.prometheus,
+# engine_core.admin_utility), installed as vLLM's plugin loader does ------------------
+
+
+def _registered():
+    import vllm_output_rate
+
+    vllm_output_rate.register()
+
+
+REPORT = {"users": {"u": [3, 0.5, 1, 0, 0, 5.0]}, "removed": [], "engine": {}}
+
+
+def test_stats_field_survives_vllms_msgpack_path():
+    _registered()
+    from vllm.v1.engine import EngineCoreOutputs
+    from vllm.v1.metrics.stats import SchedulerStats
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    from vllm_output_rate.adapter.metrics import STATS_FIELD
+
+    assert getattr(SchedulerStats(), STATS_FIELD) is None  # vLLM's own stats: no report
+    stats = SchedulerStats()
+    setattr(stats, STATS_FIELD, REPORT)
+    frames = MsgpackEncoder().encode(EngineCoreOutputs(scheduler_stats=stats))
+    decoded = MsgpackDecoder(EngineCoreOutputs).decode(frames)
+    assert getattr(decoded.scheduler_stats, STATS_FIELD) == REPORT
+
+
+def test_prometheus_record_exports_the_report_with_one_exporter_per_logger(monkeypatch):
+    from types import SimpleNamespace
+
+    from vllm_output_rate.adapter import metrics
+
+    registry = CollectorRegistry()
+    made = []
+
+    def exporter(model_name):
+        made.append(model_name)
+        return OutputRateExporter(model_name, registry=registry)
+
+    monkeypatch.setattr(metrics, "OutputRateExporter", exporter)
+    seen = []
+    record = metrics._make_record(lambda self, stats, *a, **kw: seen.append(stats))
+    logger = SimpleNamespace(vllm_config=SimpleNamespace(
+        model_config=SimpleNamespace(served_model_name="tiny")))
+    with_report = SimpleNamespace(output_rate=REPORT)
+    record(logger, with_report, None)
+    record(logger, with_report, None)
+    record(logger, SimpleNamespace(output_rate=None), None)  # a stats message without a report
+    record(logger, None, None)  # vLLM records iteration stats alone too
+    assert len(seen) == 4  # vLLM's own record ran every time
+    assert made == ["tiny"]
+    charged = registry.get_sample_value(
+        "vllm:output_rate_output_tokens_charged_total", {"model_name": "tiny", "user": "u"})
+    assert charged == 6
+
+
+def test_engine_core_utility_returns_the_schedulers_report():
+    _registered()
+    from types import SimpleNamespace
+
+    from vllm.v1.engine.core import EngineCore
+
+    from vllm_output_rate.adapter.admin import UTILITY
+
+    utility = getattr(EngineCore, UTILITY)
+    ours = SimpleNamespace(scheduler=SimpleNamespace(output_rate_users=lambda: {"users": {}}))
+    assert utility(ours) == {"users": {}}
+    stock = SimpleNamespace(scheduler=SimpleNamespace())  # feature off: vLLM's scheduler
+    assert utility(stock) is None
