@@ -271,3 +271,65 @@ def test_admin_plugin_matches_vllm_endpoint_plugin_rows():
     for tp in rows:
         ours = inspect.signature(getattr(OutputRateAdminPlugin, tp.member))
         assert tuple(ours.parameters)[1:] == tp.params, tp.member
+
+
+# -- the install primitives every patch uses (adapter/install.py) ------------------------
+
+
+def test_wrap_is_idempotent_keeps_the_kind_and_the_original():
+    from vllm_output_rate.adapter.install import unwrap, wrap
+
+    class Owner:
+        def method(self, x):
+            return x
+
+        @staticmethod
+        def static(x):
+            return x
+
+        @classmethod
+        def klass(cls, x):
+            return x
+
+    def plus_one(original):
+        def replacement(*args):
+            return original(*args) + 1
+
+        return replacement
+
+    originals = {name: Owner.__dict__[name] for name in ("method", "static", "klass")}
+    for _ in range(2):  # a second install changes nothing
+        for name in originals:
+            wrap(Owner, name, plus_one)
+    assert (Owner().method(1), Owner.static(1), Owner.klass(1)) == (2, 2, 2)
+    assert isinstance(Owner.__dict__["static"], staticmethod)
+    assert isinstance(Owner.__dict__["klass"], classmethod)
+    assert unwrap(Owner.__dict__["method"]) is originals["method"]
+    assert all(is_ours(Owner.__dict__[name]) for name in originals)
+
+
+def test_added_members_never_shadow_vllms_own():
+    from vllm_output_rate.adapter.install import add_field, add_method
+
+    @dataclasses.dataclass
+    class Stats:
+        taken: int = 0
+
+        def used(self):
+            return 1
+
+    def extra(self):
+        return "ours"
+
+    add_method(Stats, "extra", extra)
+    add_method(Stats, "extra", extra)  # once
+    assert Stats().extra() == "ours" and is_ours(Stats.extra)
+    with pytest.raises(RuntimeError, match="Stats.used already exists"):
+        add_method(Stats, "used", extra)
+
+    add_field(Stats, "report", dict | None, None)
+    add_field(Stats, "report", dict | None, None)  # once
+    assert Stats().report is None and field_is_ours(Stats, "report")
+    assert [f.name for f in dataclasses.fields(Stats)] == ["taken", "report"]
+    with pytest.raises(RuntimeError, match="Stats.taken is already a field"):
+        add_field(Stats, "taken", int, 0)
