@@ -1,4 +1,4 @@
-"""A lease backend in Python: the Redis script's semantics on a fake clock.
+"""Lease backends on a fake clock: a Python model, and the real script told the time.
 
 Per user it runs the project's own GCRA (:class:`~vllm_output_rate.policy.gcra.Gcra`
 on whole nanoseconds, as the script keeps time) over a TAT mapping, plus the
@@ -6,15 +6,34 @@ script's fair shares between engines (see ``redis_store.LEASE_SCRIPT``):
 each engine's own GCRA at the share's interval, consulted when the user's
 quota is contended.  ``test_store_lua`` checks that the script and this model
 decide alike on a real redis-server.
+
+:func:`redis_on_clock` is the real thing on a fake clock: a
+:class:`RedisLeaseBackend` whose script is the lease script unchanged except
+that ``TIME`` is answered from the test's clock (passed as the last ARGV,
+which the script never reads) -- so a test against a real redis-server can
+run on simulated time instead of wall-clock time.
 """
 
 from __future__ import annotations
 
 from vllm_output_rate.policy.gcra import Gcra
 from vllm_output_rate.stores.backend import LeaseAsk, LeaseGrant
-from vllm_output_rate.stores.redis_store import ENGINE_WINDOW_MS
+from vllm_output_rate.stores.redis_store import ENGINE_WINDOW_MS, LEASE_SCRIPT, RedisLeaseBackend
 
 MS = 1_000_000
+
+#: The lease script with ``TIME`` answered from the last ARGV (microseconds):
+#: a local ``redis`` table shadows the real one for the script's own text.
+LEASE_SCRIPT_ON_GIVEN_CLOCK = (
+    "local server = redis\n"
+    "local redis = {call = function(command, ...)\n"
+    "  if command == 'TIME' then\n"
+    "    local us = tonumber(ARGV[#ARGV])\n"
+    "    return {math.floor(us / 1000000), us % 1000000}\n"
+    "  end\n"
+    "  return server.call(command, ...)\n"
+    "end}\n" + LEASE_SCRIPT
+)
 
 
 class Clock:
@@ -104,3 +123,11 @@ class FakeStore:
 
     def close(self):
         pass
+
+
+def redis_on_clock(url: str, clock: Clock, prefix: str, **kwargs) -> RedisLeaseBackend:
+    """A real Redis lease backend whose script reads ``clock`` (us) instead of Redis's clock."""
+    backend = RedisLeaseBackend(url, prefix=prefix, **kwargs)
+    script = backend._client.register_script(LEASE_SCRIPT_ON_GIVEN_CLOCK)
+    backend._lease = lambda keys, args: script(keys=keys, args=[*args, clock() // 1000])
+    return backend

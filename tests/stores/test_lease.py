@@ -36,9 +36,10 @@ S = NS_PER_S
 CFG = LeaseConfig()
 
 
-def engine(store, clock, default=30, rates=None, **cfg):
+def engine(store, clock, default=30, rates=None, engine_id=None, **cfg):
     return LeasedOutputRateLimiter(
-        default, rates or {}, store, config=LeaseConfig(**cfg), clock=clock, start=False
+        default, rates or {}, store, config=LeaseConfig(**cfg), clock=clock, start=False,
+        engine_id=engine_id,
     )
 
 
@@ -398,14 +399,20 @@ def test_one_busy_engine_reaches_the_rate():
 # ---------------------------------------------------------------------------
 
 
-def share_run(rounds_ms, demand, seconds=20, rate=30):
+def share_run(rounds_ms, demand, seconds=20, rate=30, store=None, clock=None, engine_ids=None,
+              spent=None):
     """Engines stepping every 5 ms, each with its own round cadence; ``demand[i]``
-    tokens/s engine i would spend (None: all it gets).  Tokens spent per engine."""
-    clock = Clock()
-    store = FakeStore(clock)
+    tokens/s engine i would spend (None: all it gets).  Tokens spent per engine.
+
+    ``store`` on ``clock``: a fake store by default; ``engine_ids`` (default:
+    one each); ``spent`` collects the time of every token spent."""
+    if store is None:
+        clock = Clock()
+        store = FakeStore(clock)
     lims = []
     for i, round_ms in enumerate(rounds_ms):
-        lim = engine(store, clock, default=rate, round_ns=round_ms * MS)
+        engine_id = engine_ids[i] if engine_ids else None
+        lim = engine(store, clock, default=rate, engine_id=engine_id, round_ns=round_ms * MS)
         lim.rounds.random.seed(i)  # the jitter of the cadence, reproducible
         lims.append(lim)
     got = [0] * len(lims)
@@ -415,7 +422,10 @@ def share_run(rounds_ms, demand, seconds=20, rate=30):
         for i, lim in enumerate(lims):
             lim.rounds.pump(clock.now)
             if demand[i] is None:
-                got[i] += lim.take_up_to("u", clock.now, 8)
+                k = lim.take_up_to("u", clock.now, 8)
+                got[i] += k
+                if spent is not None:
+                    spent += [clock.now] * k
             else:
                 credit[i] = min(credit[i] + demand[i] * 0.005, 3)
                 if credit[i] >= 1:

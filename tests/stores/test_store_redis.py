@@ -5,7 +5,11 @@ connection and lease thread, as separate engines would) against a
 redis-server started here on 127.0.0.1 and a random port, stopped by PID.
 Spend times are read in this process on one monotonic clock (no delivery
 stalls), and checked against the documented bound of
-:mod:`vllm_output_rate.stores.lease`.
+:mod:`vllm_output_rate.stores.lease`.  What depends on how fast the machine
+is (the rate reached, each engine's part, a restart within the debt) is
+checked on a fake clock instead, with the script answering ``TIME`` from it
+(``fake_store.redis_on_clock``); the wall-clock runs only wait for events,
+with a generous timeout (:data:`LIVENESS_S`).
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ from fractions import Fraction
 
 import pytest
 
+from fake_store import Clock, redis_on_clock
 from redis_harness import RedisServer
+from test_lease import share_run
 from vllm_output_rate.factory import make_limiter
 from vllm_output_rate.policy.limiter import DEFAULT_BURST_NS, NS_PER_S
 from vllm_output_rate.settings import OutputRateSettings
@@ -36,6 +42,9 @@ pytest.importorskip("redis")
 MS = 1_000_000
 S = NS_PER_S
 CFG = LeaseConfig()
+#: How long a test waits for something that must happen (an outage noticed,
+#: a recovery): a timeout against hanging, not a figure under test.
+LIVENESS_S = 10
 
 
 @pytest.fixture(scope="module")
@@ -139,17 +148,32 @@ def test_three_engines_share_one_users_quota(server, prefix):
             lim.close()
     everything = sorted(t for per in spent for t in per)
     total = len(everything)
-    # Not 3 x 40: about 40 tok/s over 6 s (the first burst included).
+    # Not 3 x 40: within the bound of one quota of 40 tok/s, in every window.
     assert total <= bound(elapsed, rate, 3)
-    assert total >= 0.7 * rate * elapsed / S  # wide: the CPU is shared, (total, [len(p) for p in spent])
     for w in (S // 2, S, 2 * S):
         assert max_in_window(everything, w) <= bound(w, rate, 3), w
-    # Every engine got a real share (engines take turns being first).
-    assert min(len(p) for p in spent) >= 0.1 * total, [len(p) for p in spent]
+    assert all(spent), [len(p) for p in spent]  # every engine is served
     for lim in lims:
         assert lim.stats["outages"] == 0
         # About one round trip per 50 ms (jittered), not one per step.
         assert lim.stats["round_trips"] <= 6.0 * 20 * 1.5 + 10
+
+
+def test_three_engines_reach_the_rate_and_share_it_on_a_fake_clock(server, prefix):
+    """The real script told the time by a fake clock: three engines stepping every
+    5 ms spend the whole rate of one quota between them, each about a third."""
+    rate, seconds = 40, 20
+    clock = Clock()
+    backend = redis_on_clock(server.url, clock, prefix)
+    spent: list[int] = []
+    counts = share_run((50, 50, 50), [None] * 3, seconds=seconds, rate=rate, store=backend,
+                       clock=clock, spent=spent)
+    backend.close()
+    total = sum(counts)
+    assert 0.97 * rate * seconds <= total <= bound(seconds * S, rate, 3), counts
+    for w in (S // 2, S, 2 * S):
+        assert max_in_window(spent, w) <= bound(w, rate, 3), w
+    assert min(counts) >= 0.3 * total, counts  # engines take turns being first
 
 
 def test_redis_killed_then_restarted(prefix, caplog):
@@ -161,33 +185,28 @@ def test_redis_killed_then_restarted(prefix, caplog):
             spent = run_engines(lims, "u", 1.5)
             assert all(lim.mode == SHARED for lim in lims)
             srv.stop()  # SIGKILL: an abrupt outage
-            down_at = time.monotonic_ns()
-            deadline = down_at + 2 * S
+            deadline = time.monotonic_ns() + LIVENESS_S * S
             while time.monotonic_ns() < deadline and not all(l.mode == LOCAL for l in lims):
                 for lim in lims:
                     lim.take_up_to("u", time.monotonic_ns(), 1)
                 time.sleep(0.01)
             assert all(lim.mode == LOCAL for lim in lims)
-            # Local fallback: each engine enforces rate / expected engines.
+            # Local fallback: each engine serves, within rate / expected engines.
             local = run_engines(lims, "u", 3.0)
             for per in local:
+                assert per
                 span = max(per) - min(per)
                 assert len(per) <= Fraction(span + DEFAULT_BURST_NS, S) * Fraction(rate, n) + 1
-                assert len(per) >= 0.7 * (rate / n) * 3.0
             srv.start()  # same port, empty (no persistence)
-            back_at = time.monotonic_ns()
-            while time.monotonic_ns() < back_at + 2 * S and not all(
-                l.mode == SHARED for l in lims
-            ):
+            deadline = time.monotonic_ns() + LIVENESS_S * S
+            while time.monotonic_ns() < deadline and not all(l.mode == SHARED for l in lims):
                 for lim in lims:
                     lim.take_up_to("u", time.monotonic_ns(), 1)
                 time.sleep(0.01)
-            recovered_s = (time.monotonic_ns() - back_at) / S
-            assert all(lim.mode == SHARED for lim in lims), recovered_s
-            assert recovered_s < 2.0
+            assert all(lim.mode == SHARED for lim in lims)
+            # Shared again: one quota for both engines, and it serves.
             after = run_engines(lims, "u", 2.0)
-            assert sum(map(len, after)) <= bound(2 * S, rate, n)
-            assert sum(map(len, after)) >= 0.6 * rate * 2.0
+            assert 0 < sum(map(len, after)) <= bound(2 * S, rate, n)
         down = [r for r in caplog.records if "unreachable" in r.getMessage()]
         up = [r for r in caplog.records if "answers again" in r.getMessage()]
         assert len(down) == n and len(up) == n  # one line per engine per outage
@@ -199,33 +218,30 @@ def test_redis_killed_then_restarted(prefix, caplog):
 
 
 def test_engine_restart_gets_no_fresh_burst(server, prefix):
-    # 1 tok/s, burst 100 ms: a fresh user gets 1 token at once, then owes
-    # 0.9 s (wide enough that a loaded machine's delays cannot refill it).
+    # 1 tok/s, burst 100 ms: a fresh user gets 1 token at once, then owes 0.9 s
+    # (on the script's clock, a fake one: 10 ms pass in all).
     rate = 1
-    (first,) = engines(server.url, prefix, 1, rate)
-    try:
-        deadline = time.monotonic_ns() + 2 * S
-        got = 0
-        while got < 1 and time.monotonic_ns() < deadline:
-            got += first.take_up_to("u", time.monotonic_ns(), 5)
-            time.sleep(0.002)
-        assert got == 1
-        spent_at = time.monotonic_ns()
-    finally:
-        first.close()
+    clock = Clock()
+    first = LeasedOutputRateLimiter(
+        rate, {}, redis_on_clock(server.url, clock, prefix), clock=clock, start=False
+    )
+    assert first.take_up_to("u", clock.now, 5) == 0  # short: the next round asks
+    first.rounds.run(clock.now, only_new=True)
+    assert first.take_up_to("u", clock.now, 5) == 1
+    first.close()
     # The engine restarts: a new limiter, new connection, same store.
-    backend = RedisLeaseBackend(server.url, prefix=prefix)
-    fresh = LeasedOutputRateLimiter(rate, {}, backend, start=False)
-    now = time.monotonic_ns()
-    fresh.available("u", now)
-    assert fresh.rounds.run(now, only_new=True) == 0  # debt is still in Redis
-    fresh.available("someone-else", now)
-    assert fresh.rounds.run(time.monotonic_ns(), only_new=True) == 1  # a new user: one lease
+    clock.now += 5 * MS
+    backend = redis_on_clock(server.url, clock, prefix)
+    fresh = LeasedOutputRateLimiter(rate, {}, backend, clock=clock, start=False)
+    fresh.available("u", clock.now)
+    assert fresh.rounds.run(clock.now, only_new=True) == 0  # debt is still in Redis
+    fresh.available("someone-else", clock.now)
+    assert fresh.rounds.run(clock.now, only_new=True) == 1  # a new user: one lease
     # Asked directly for more than a lease: u still nothing, a new user its burst.
-    iv = S
-    u, new = backend.lease(DEFAULT_BURST_NS, [LeaseAsk("u", 5, 0, iv), LeaseAsk("new", 5, 0, iv)])
+    clock.now += 5 * MS
+    u, new = backend.lease(DEFAULT_BURST_NS, [LeaseAsk("u", 5, 0, S), LeaseAsk("new", 5, 0, S)])
     assert (u.granted, new.granted) == (0, 1)
-    assert u.wait_ns > 0, (time.monotonic_ns() - spent_at) / S
+    assert u.wait_ns == 900 * MS - 10 * MS
     fresh.close()
 
 
@@ -243,7 +259,7 @@ def test_password_from_env_is_used_and_never_shown(prefix, monkeypatch, caplog):
         lim = LeasedOutputRateLimiter(5, {}, with_url, start=False)
         srv.stop()
         with caplog.at_level(logging.WARNING):
-            deadline = time.monotonic_ns() + 2 * S
+            deadline = time.monotonic_ns() + LIVENESS_S * S
             while lim.mode != LOCAL and time.monotonic_ns() < deadline:
                 lim.available("u", time.monotonic_ns())
                 lim.rounds.run(time.monotonic_ns())
@@ -284,7 +300,7 @@ def test_make_limiter_with_a_store_url(server, prefix):
         assert isinstance(lim, LeasedOutputRateLimiter)
         assert lim.rate_of("a") == 5 and lim.rate_of("b") == 20
         assert lim.config.fallback == "closed" and lim.backend.prefix == prefix
-        deadline = time.monotonic_ns() + 2 * S
+        deadline = time.monotonic_ns() + LIVENESS_S * S
         got = 0
         while not got and time.monotonic_ns() < deadline:
             got = lim.take_up_to("a", time.monotonic_ns(), 1)
@@ -356,11 +372,11 @@ def test_store_mode_and_totals_reach_prometheus_and_follow_an_outage(prefix):
         assert first[("vllm:output_rate_store_mode", "closed")] == 0
         assert first[("vllm:output_rate_store_outages_total", None)] == 0
         trips = first[("vllm:output_rate_store_round_trips_total", None)]
-        assert trips >= 3
+        assert trips >= 1
         assert first[("vllm:output_rate_store_commands_total", None)] >= trips
         assert first[("vllm:output_rate_store_leased_tokens_total", None)] >= spent > 0
         srv.stop()
-        spend(3.0, until=lambda: lim.mode == LOCAL)
+        spend(LIVENESS_S, until=lambda: lim.mode == LOCAL)
         assert lim.mode == LOCAL
         down = scrape()
         assert down[("vllm:output_rate_store_mode", "shared")] == 0
@@ -369,7 +385,7 @@ def test_store_mode_and_totals_reach_prometheus_and_follow_an_outage(prefix):
         assert down[("vllm:output_rate_store_failed_round_trips_total", None)] >= 1
         assert down[("vllm:output_rate_store_round_trips_total", None)] >= trips
         srv.start()
-        spend(3.0, until=lambda: lim.mode == SHARED)
+        spend(LIVENESS_S, until=lambda: lim.mode == SHARED)
         spend(0.3)
         back = scrape()
         assert back[("vllm:output_rate_store_mode", "shared")] == 1
