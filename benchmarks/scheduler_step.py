@@ -91,9 +91,9 @@ STORE_ENV = "SCHEDULER_STEP_STORE_URL"
 
 def pump_leases(h: Harness) -> None:
     """The lease thread's work at the harness clock's now (shared store only)."""
-    pump = getattr(getattr(h.sched, "output_rate_limiter", None), "pump", None)
-    if pump is not None:
-        pump(h.clock())
+    rounds = getattr(getattr(h.sched, "output_rate_limiter", None), "rounds", None)
+    if rounds is not None:
+        rounds.pump(h.clock())
 
 
 def build(scenario: str, resident: int, ours: bool, store_url: str | None = None) -> Harness:
@@ -123,7 +123,7 @@ def build(scenario: str, resident: int, ours: bool, store_url: str | None = None
     if store_url is not None:
         # The lease limiter the scheduler built: rounds on the fake clock,
         # run by pump_leases between steps instead of by its thread.
-        h.sched.output_rate_limiter.drive_by_hand(h.clock)
+        h.sched.output_rate_limiter.rounds.drive_by_hand(h.clock)
     # Admit and prefill everybody, then let throttled users spend their burst.
     for _ in range(WARMUP_STEPS):
         h.step(10 * MS)
@@ -322,13 +322,13 @@ def measure_store(sizes: list[int], steps: int, reps: int, instructions: bool) -
             row["lease_stats"] = dict(lim.stats)
             # Same steps, same tokens charged: the store never refused anyone.
             for who, h in harnesses.items():
-                row[who]["tokens_charged"] = sum(h.sched.output_rate_gate.charged_tokens.values())
+                row[who]["tokens_charged"] = sum(h.sched.output_rate_gate.ledger.charged_tokens.values())
             # What the lease thread does per round, timed alone (not in a step).
             t0 = time.perf_counter_ns()
             rounds = 20
             for _ in range(rounds):
                 harnesses["ours-store"].clock.advance(60 * MS)
-                lim.run_round(harnesses["ours-store"].clock())
+                lim.rounds.run(harnesses["ours-store"].clock())
             row["lease_round_us"] = (time.perf_counter_ns() - t0) / rounds / 1000
             results[r] = row
             for h in harnesses.values():

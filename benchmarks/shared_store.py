@@ -26,7 +26,8 @@ import statistics
 import time
 
 from vllm_output_rate.policy.limiter import OutputRateLimiter
-from vllm_output_rate.stores.lease import LeaseGrant, LeasedOutputRateLimiter
+from vllm_output_rate.stores.backend import LeaseGrant
+from vllm_output_rate.stores.lease import LeasedOutputRateLimiter
 from vllm_output_rate.tools import benchkit
 from vllm_output_rate.tools.redisproc import RedisProcess
 
@@ -80,11 +81,11 @@ def bench_calls(rounds: int) -> dict:
 
     def refill(now):  # the lease thread's job, every 50 ms of the fake clock
         if now % 50_000_000 < 1_000_000:
-            leased.run_round(now)
+            leased.rounds.run(now)
 
     for user in USERS:
         leased.available(user, lease_clock[0])
-    leased.run_round(lease_clock[0], only_new=True)
+    leased.rounds.run(lease_clock[0], only_new=True)
     mem_ns, lease_ns = [], []
     for _ in range(rounds):
         mem_ns.append(step_cost(mem, mem_clock, lambda now: None))
