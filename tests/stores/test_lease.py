@@ -8,9 +8,7 @@ rounds are run by hand (no thread), so every assertion is exact.  Sharing throug
 
 from __future__ import annotations
 
-import bisect
 import logging
-import math
 from fractions import Fraction
 
 import pytest

@@ -56,7 +56,7 @@ from typing import Any
 
 from vllm_output_rate.adapter.install import add_field, wrap
 from vllm_output_rate.policy.monitor import ACTIVE, CHARGED, LIMIT, THROTTLED, THROTTLED_S, WAITING
-from vllm_output_rate.stores.lease import MODES as STORE_MODES
+from vllm_output_rate.stores.backend import MODES as STORE_MODES
 
 PREFIX = "vllm:output_rate_"
 STATS_FIELD = "output_rate"

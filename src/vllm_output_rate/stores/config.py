@@ -36,6 +36,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
+from vllm_output_rate.stores.backend import FALLBACKS
+
 STORE_KEY = "store"
 STORE_FLAG = "--output-rate-store"
 FALLBACK_FLAG = "--output-rate-store-fallback"
@@ -44,7 +46,6 @@ PREFIX_FLAG = "--output-rate-store-prefix"
 PASSWORD_ENV = "OUTPUT_RATE_STORE_PASSWORD"
 CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
 SCHEMES = ("redis", "rediss", "unix", *CLUSTER_SCHEMES)
-FALLBACKS = ("local", "closed")
 DEFAULT_PREFIX = "vllm-output-rate"
 
 

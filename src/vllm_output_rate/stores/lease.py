@@ -97,29 +97,11 @@ from typing import Callable, Mapping
 from vllm_output_rate.policy.gcra import DEFAULT_BURST_NS
 from vllm_output_rate.policy.limiter import OutputRateLimiter
 from vllm_output_rate.policy.rates import RateTable
-from vllm_output_rate.stores.backend import (
-    CLOSED,
-    FALLBACKS,
-    LOCAL,
-    MODES,
-    MS,
-    SHARED,
-    LeaseAsk,
-    LeaseBackend,
-    LeaseConfig,
-    LeaseGrant,
-    interval_ns_of,
-)
-from vllm_output_rate.stores.fingerprints import LimitsFingerprints, limits_fingerprint
+from vllm_output_rate.stores.backend import LOCAL, MODES, MS, SHARED, LeaseBackend, LeaseConfig
+from vllm_output_rate.stores.fingerprints import LimitsFingerprints
 from vllm_output_rate.stores.health import StoreHealth
 from vllm_output_rate.stores.lease_book import LeaseBook
 from vllm_output_rate.stores.rounds import LeaseRounds
-
-# The engine side's public names, importable from here as before the split.
-__all__ = [
-    "CLOSED", "FALLBACKS", "LOCAL", "MODES", "SHARED", "LeaseAsk", "LeaseBackend", "LeaseConfig",
-    "LeaseGrant", "LeasedOutputRateLimiter", "interval_ns_of", "limits_fingerprint",
-]
 
 
 class LeasedOutputRateLimiter:

@@ -54,7 +54,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from vllm_output_rate.policy.limiter import DEFAULT_BURST_NS, NS_PER_S, exact_rate
 from vllm_output_rate.settings import ANONYMOUS_USER
-from vllm_output_rate.stores.lease import LeaseConfig
+from vllm_output_rate.stores.backend import LeaseConfig
 from vllm_output_rate.tools.measure import (
     CANCELLED,
     ERROR_STATUSES,
