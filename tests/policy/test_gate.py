@@ -6,7 +6,7 @@ The gate runs over a real :class:`OutputRateLimiter`; time is a plain integer
 A step follows the protocol the scheduler adapter uses: ``plan`` (which
 prepays the decoding streams it offers) -> ``charge`` / ``can_charge`` /
 ``release`` / ``throttled_victims`` -> ``admit`` of newly scheduled requests
--> ``set_progressing`` of prefills and admissions -> ``finish(sampled)`` ->
+-> ``set_progressing`` of prefills and admissions -> ``ledger.settle(sampled)`` ->
 ``idle_wait_ns``.
 """
 
@@ -82,7 +82,7 @@ def step(gate: StepGate, now: int, slots: int, serve=None):
     plan = gate.plan(now, slots)
     keys = plan.visible if serve is None else serve
     sampled = {k for k in keys if gate.ledger.charge(k)}
-    gate.finish(sampled)
+    gate.ledger.settle(sampled)
     return plan
 
 
@@ -137,7 +137,7 @@ def test_membership():
 
 
 # ---------------------------------------------------------------------------
-# plan() prepays; charge / can_charge / finish
+# plan() prepays; charge / can_charge / settle
 # ---------------------------------------------------------------------------
 
 
@@ -159,7 +159,7 @@ def test_plan_prepays_offered_streams_in_one_take_per_user():
     for k in ("a", "b", "a"):
         assert gate.ledger.charge(k) and gate.ledger.can_charge(k)
     assert len(lim.takes) == 2
-    assert gate.finish({"a", "b", "l1", "l2"}) == 0
+    assert gate.ledger.settle({"a", "b", "l1", "l2"}) == 0
     assert lim.available("three", 0) == 1
     assert lim.available("lots", 0) == 99
 
@@ -173,7 +173,7 @@ def test_charge_at_most_once_per_key_per_step():
     assert lim.takes == [("three", 1)]
     assert lim.available("three", 0) == 2
     assert gate.ledger.is_charged("p")
-    assert gate.finish({"p"}) == 0
+    assert gate.ledger.settle({"p"}) == 0
     assert lim.available("three", 0) == 2
     assert not gate.ledger.is_charged("p")
     # A new step charges again.
@@ -181,7 +181,7 @@ def test_charge_at_most_once_per_key_per_step():
     assert gate.ledger.charge("p")
     assert lim.takes == [("three", 1), ("three", 1)]
     assert lim.available("three", 0) == 1
-    gate.finish({"p"})
+    gate.ledger.settle({"p"})
 
 
 def test_refused_user_is_not_asked_again_in_the_step():
@@ -200,12 +200,12 @@ def test_refused_user_is_not_asked_again_in_the_step():
     assert lim.takes == [("one", 1), ("one", 1)]  # not asked again
     assert gate.ledger.charge("a")  # already charged keys stay charged
     assert gate.ledger.charge("x")  # other users are unaffected
-    gate.finish({"a", "x"})
+    gate.ledger.settle({"a", "x"})
     # Next step: asked again.
     gate.plan(0, 10)
     assert gate.ledger.charge("b")
     assert lim.takes[-1] == ("one", 1)
-    gate.finish(set())
+    gate.ledger.settle(set())
 
 
 def test_can_charge_takes_nothing_but_a_no_sticks():
@@ -220,10 +220,10 @@ def test_can_charge_takes_nothing_but_a_no_sticks():
     lim.refund("one", 0)
     assert not gate.ledger.charge("b")
     assert lim.takes == [("one", 1)]
-    gate.finish(set())
+    gate.ledger.settle(set())
 
 
-def test_finish_refunds_exactly_the_unsampled_charges():
+def test_settle_refunds_exactly_the_unsampled_charges():
     gate, lim = new_gate()
     ref = OutputRateLimiter(1000, RATES)
     now = 7 * S
@@ -238,18 +238,18 @@ def test_finish_refunds_exactly_the_unsampled_charges():
     assert not gate.ledger.charge("w")  # "one" spent its token on o1
     sampled = {"t2", "l1", "l4", "lp2", "not-charged", "w"}
     # Unsampled: t1, t3, l2, l3, o1 (prepaid) and lp1 (charged).
-    assert gate.finish(sampled) == 6
+    assert gate.ledger.settle(sampled) == 6
     for k in ["t2", "l1", "l4", "lp2"]:
         assert ref.try_take(gate.lanes.user_of[k], now)
     users = ["three", "lots", "one"]
     for t in (now, now + 10 * MS, now + 60 * MS, now + S):
         assert observe(lim, users, t) == observe(ref, users, t)
     # Nothing is refunded twice.
-    assert gate.finish(sampled) == 0
+    assert gate.ledger.settle(sampled) == 0
     assert observe(lim, users, now) == observe(ref, users, now)
 
 
-def test_finish_refunds_charges_of_requests_that_left_mid_step():
+def test_settle_refunds_charges_of_requests_that_left_mid_step():
     gate, lim = new_gate()
     add(gate, "lots", "a", "b", "c")
     add(gate, "lots", "p", progressing=True)
@@ -259,7 +259,7 @@ def test_finish_refunds_charges_of_requests_that_left_mid_step():
     gate.lanes.release("a")  # preempted after being paid for
     gate.lanes.forget("b")  # aborted after being paid for
     gate.lanes.release("p")  # preempted after being charged
-    assert gate.finish({"c"}) == 3
+    assert gate.ledger.settle({"c"}) == 3
     assert lim.available("lots", 0) == 100
     assert len(gate.lanes.lane_of) == 1
 
@@ -271,7 +271,7 @@ def test_charge_of_newly_admitted_request():
     gate.lanes.track("new", "three")  # a waiting request scheduled in this step
     assert gate.ledger.charge("new")
     gate.lanes.admit("new", False)
-    assert gate.finish({"new"}) == 1  # a was offered but did not sample
+    assert gate.ledger.settle({"new"}) == 1  # a was offered but did not sample
     assert lim.available("three", 0) == 2
     assert list(gate.lanes.resident()) == ["a", "new"]
 
@@ -286,7 +286,7 @@ def test_served_stream_moves_behind_the_users_other_streams():
     add(gate, "lots", "k0", "k1", "k2", "k3", "k4")
     plan = gate.plan(0, 2)
     assert plan.visible == ["k0", "k1"]
-    assert gate.finish({"k1"}) == 1  # only k1 sampled
+    assert gate.ledger.settle({"k1"}) == 1  # only k1 sampled
     assert list(gate.lanes.resident()) == ["k0", "k2", "k3", "k4", "k1"]
     assert step(gate, 0, 2).visible == ["k0", "k2"]
     assert step(gate, 0, 2).visible == ["k3", "k4"]
@@ -297,10 +297,10 @@ def test_unserved_offered_streams_keep_their_order():
     gate, _ = new_gate()
     add(gate, "lots", "k0", "k1", "k2", "k3", "k4")
     assert gate.plan(0, 4).visible == ["k0", "k1", "k2", "k3"]
-    assert gate.finish({"k2", "k0"}) == 2
+    assert gate.ledger.settle({"k2", "k0"}) == 2
     assert list(gate.lanes.resident()) == ["k1", "k3", "k4", "k0", "k2"]
     assert gate.plan(0, 2).visible == ["k1", "k3"]
-    gate.finish(set())
+    gate.ledger.settle(set())
 
 
 def test_rotation_when_an_offered_stream_left_mid_step():
@@ -308,10 +308,10 @@ def test_rotation_when_an_offered_stream_left_mid_step():
     add(gate, "lots", "k0", "k1", "k2", "k3")
     assert gate.plan(0, 2).visible == ["k0", "k1"]
     gate.lanes.release("k0")  # preempted
-    gate.finish({"k1"})
+    gate.ledger.settle({"k1"})
     assert list(gate.lanes.resident()) == ["k2", "k3", "k1"]
     assert gate.plan(0, 2).visible == ["k2", "k3"]
-    gate.finish(set())
+    gate.ledger.settle(set())
 
 
 def test_rotation_round_robin_under_quota():
@@ -336,11 +336,11 @@ def test_progressing_keys_are_offered_without_quota():
     assert plan.prefills == ["p1", "p2"]
     assert plan.hidden == 2
     assert plan.throttled
-    gate.finish(set())
+    gate.ledger.settle(set())
     plan = gate.plan(200 * MS, 10)
     assert plan.visible == ["p1", "p2", "d1"]
     assert plan.prepaid == {"d1"}
-    gate.finish({"d1"})
+    gate.ledger.settle({"d1"})
     # Prefills do not rotate; the served stream does.
     assert list(gate.lanes.resident()) == ["p1", "p2", "d2", "d1"]
 
@@ -361,9 +361,9 @@ def test_user_offered_but_not_served_keeps_its_place():
     add(gate, "three", "b1")
     plan = gate.plan(0, 10)
     assert plan.visible == ["a1", "b1"]
-    gate.finish({"b1"})  # a1 was offered and paid for but did not sample
+    gate.ledger.settle({"b1"})  # a1 was offered and paid for but did not sample
     assert gate.plan(0, 1).visible == ["a1"]
-    gate.finish(set())
+    gate.ledger.settle(set())
 
 
 def test_user_served_through_a_charge_moves_back():
@@ -374,13 +374,13 @@ def test_user_served_through_a_charge_moves_back():
     gate.plan(0, 10)
     assert gate.ledger.charge("bp")
     gate.lanes.set_progressing("bp", False)  # its prefill reached the sampling position
-    gate.finish({"a1", "bp", "c1"})
-    gate.finish(set())
+    gate.ledger.settle({"a1", "bp", "c1"})
+    gate.ledger.settle(set())
     # Everyone was served; then "three" alone is served next step.
     gate.plan(S, 10)
-    gate.finish({"bp"})
+    gate.ledger.settle({"bp"})
     assert gate.plan(S, 1).visible == ["a1"]
-    gate.finish(set())
+    gate.ledger.settle(set())
     users = []
     for k in gate.lanes.resident():
         if gate.lanes.user_of[k] not in users:
@@ -394,12 +394,12 @@ def test_unserved_user_goes_before_users_served_in_the_step():
     add(gate, "three", "b1")
     add(gate, "one", "c1")
     gate.plan(0, 10)
-    gate.finish({"a1", "b1"})
+    gate.ledger.settle({"a1", "b1"})
     # c1 was not served: now first; a and b (served together) follow.
     plan = gate.plan(S, 10)
     assert plan.visible[0] == "c1"
     assert set(plan.visible[1:]) == {"a1", "b1"}
-    gate.finish(set())
+    gate.ledger.settle(set())
 
 
 def test_service_order_survives_preemption_and_readmission():
@@ -408,7 +408,7 @@ def test_service_order_survives_preemption_and_readmission():
     add(gate, "three", "b1")
     step(gate, 0, 1)  # serves a: order is now b, a
     assert gate.plan(S, 1).visible == ["b1"]
-    gate.finish(set())  # b not served (e.g. no KV for it)
+    gate.ledger.settle(set())  # b not served (e.g. no KV for it)
     gate.lanes.release("b1")  # b's only request is preempted ...
     gate.lanes.admit("b1", False)  # ... and comes back
     # b was served less recently than a (never vs. step 1): b goes first.
@@ -434,7 +434,7 @@ def test_all_prepaid_sampled_shortcut_matches_the_full_settlement():
         assert not gate.ledger.charge("new")  # "three" is out: 2 prepaid + bp
         gate.lanes.admit("new", False)
         sampled = set(plan.prepaid) | {"bp"}
-        refunded = gate.finish(sampled, all_prepaid_sampled=shortcut)
+        refunded = gate.ledger.settle(sampled, all_prepaid_sampled=shortcut)
         results.append((refunded, list(gate.lanes.resident()), observe(lim, RATES, 0)))
     assert results[0] == results[1]
     assert results[0][1] == [
@@ -470,19 +470,19 @@ def test_plan_respects_slots_and_quota():
     assert plan.hidden == 2
     assert not plan.over_cap
     assert plan.throttled
-    gate.finish(set())
+    gate.ledger.settle(set())
     for slots in range(0, 9):
         plan = gate.plan(0, slots)
         assert plan.visible == ["t1", "t2", "t3", "lp", "l1", "l2", "l3"][:slots]
         assert plan.hidden == 9 - len(plan.visible)
         assert plan.over_cap == (slots < 7)
-        assert gate.finish(set()) == len(plan.prepaid)
+        assert gate.ledger.settle(set()) == len(plan.prepaid)
     # Quota spent by serving two streams: one left.
     step(gate, 0, 100, serve=["t1", "t2"])
     assert lim.available("three", 0) == 1
     plan = gate.plan(0, 100)
     assert [k for k in plan.visible if k.startswith("t")] == ["t3"]
-    gate.finish(set())
+    gate.ledger.settle(set())
 
 
 def test_over_cap_false_when_only_quota_hides_requests():
@@ -492,7 +492,7 @@ def test_over_cap_false_when_only_quota_hides_requests():
     assert plan.visible == ["a"]
     assert not plan.over_cap  # b, c wait for quota, not for room
     assert plan.throttled
-    gate.finish(set())
+    gate.ledger.settle(set())
 
 
 def test_prefills_are_cut_at_the_slot_limit():
@@ -503,7 +503,7 @@ def test_prefills_are_cut_at_the_slot_limit():
     assert plan.visible == ["p1", "p2"] == plan.prefills
     assert plan.hidden == 2
     assert plan.over_cap  # q1 was not reached
-    gate.finish(set())
+    gate.ledger.settle(set())
 
 
 def test_over_cap_when_prefills_of_the_last_lane_are_cut_by_slots():
@@ -516,7 +516,7 @@ def test_over_cap_when_prefills_of_the_last_lane_are_cut_by_slots():
 
 
 # ---------------------------------------------------------------------------
-# idle_wait_ns (asked after finish(), as the adapter does)
+# idle_wait_ns (asked after ledger.settle(), as the adapter does)
 # ---------------------------------------------------------------------------
 
 
@@ -538,7 +538,7 @@ def test_idle_wait_is_earliest_ready_time_of_blocked_users():
     assert lim.try_take("one", now)
     assert lim.try_take("three", now, 3)
     gate.plan(now, 10)
-    gate.finish({"l1"})
+    gate.ledger.settle({"l1"})
     # one: TAT now+200ms -> ready at now+100ms; three: TAT now+150ms -> +50ms.
     assert lim.ready_at_ns("three", now) == now + 50 * MS
     assert lim.ready_at_ns("one", now) == now + 100 * MS
@@ -546,11 +546,11 @@ def test_idle_wait_is_earliest_ready_time_of_blocked_users():
     # 60 ms later "three" has a token again (and is still throttled).
     plan = gate.plan(now + 60 * MS, 10)
     assert plan.prepaid == {"t1", "l1"}
-    gate.finish(set())  # nothing sampled: refunded
+    gate.ledger.settle(set())  # nothing sampled: refunded
     assert gate.idle_wait_ns() == 0
     # Served this time: the wait is until the next token.
     plan = gate.plan(now + 60 * MS, 10)
-    gate.finish({"t1"})
+    gate.ledger.settle({"t1"})
     assert gate.idle_wait_ns() == 40 * MS  # one: ready at now+100ms
 
 
@@ -559,13 +559,13 @@ def test_idle_wait_is_capped():
     add(gate, "slow", "s1")  # 0.5 tok/s: 2 s interval
     assert lim.try_take("slow", 0)
     gate.plan(0, 10)
-    gate.finish(set())
+    gate.ledger.settle(set())
     assert gate.idle_wait_ns() == MAX_IDLE_WAIT_NS  # 2 s away, capped
     gate2, lim2 = new_gate(max_idle_wait_ns=7 * S)
     add(gate2, "slow", "s1")
     assert lim2.try_take("slow", 0)
     gate2.plan(0, 10)
-    gate2.finish(set())
+    gate2.ledger.settle(set())
     assert gate2.idle_wait_ns() == 2 * S - 100 * MS
 
 
@@ -575,11 +575,11 @@ def test_idle_wait_counts_users_refused_at_charge():
     gate.plan(0, 10)  # prepays o1: "one" is not throttled
     gate.lanes.track("w", "one")  # a waiting request of the same user
     assert not gate.ledger.charge("w")
-    gate.finish({"o1"})
+    gate.ledger.settle({"o1"})
     assert gate.idle_wait_ns() == 200 * MS - 100 * MS  # interval - burst
     # A new step forgets who was blocked.
     gate.plan(S, 10)
-    gate.finish({"o1"})
+    gate.ledger.settle({"o1"})
     assert gate.idle_wait_ns() is None
 
 
@@ -589,7 +589,7 @@ def test_idle_wait_counts_can_charge_refusals():
     assert lim.try_take("one", 0)
     gate.plan(0, 10)
     assert not gate.ledger.can_charge("w")
-    gate.finish(set())
+    gate.ledger.settle(set())
     assert gate.idle_wait_ns() == 100 * MS
 
 
@@ -613,7 +613,7 @@ def test_throttled_victims_are_hidden_streams_of_throttled_users():
     # Users whose quota comes back last go first: "one" (ready at 100 ms)
     # before "three" (ready at 50 ms).
     assert list(throttled_victims(gate.lanes, gate.ledger)) == ["o2", "t4", "t5"]
-    gate.finish(set())
+    gate.ledger.settle(set())
     plan = gate.plan(0, 100)
     assert plan.visible == ["t1", "t2", "t3", "o1", "l1", "l2", "l3", "sp"]
     victims = list(throttled_victims(gate.lanes, gate.ledger))
@@ -622,7 +622,7 @@ def test_throttled_victims_are_hidden_streams_of_throttled_users():
     # Evicting victims one by one (as the adapter does) lists the rest.
     gate.lanes.release("t4")
     assert list(throttled_victims(gate.lanes, gate.ledger)) == ["s1", "s2", "o2", "t5"]
-    gate.finish(set())
+    gate.ledger.settle(set())
 
 
 def test_throttled_victims_empty_without_throttling():
@@ -631,7 +631,7 @@ def test_throttled_victims_empty_without_throttling():
     plan = gate.plan(0, 1)
     assert not plan.throttled
     assert list(throttled_victims(gate.lanes, gate.ledger)) == []
-    gate.finish(set())
+    gate.ledger.settle(set())
 
 
 def test_paid_request_is_never_a_victim():
@@ -646,7 +646,7 @@ def test_paid_request_is_never_a_victim():
     assert list(throttled_victims(gate.lanes, gate.ledger)) == ["t2", "t3"]
     gate.lanes.admit("w", False)  # paid for, now resident behind t2, t3
     assert list(throttled_victims(gate.lanes, gate.ledger)) == ["t2", "t3"]
-    gate.finish({"w"})
+    gate.ledger.settle({"w"})
 
 
 def test_throttled_victims_after_a_visible_stream_is_preempted():
@@ -670,7 +670,7 @@ def test_cleanup_every_256_plans():
     t = 10 * S  # idle-user's TAT is long past
     for i in range(1, 256):
         gate.plan(t + i, 1)
-        gate.finish(set())
+        gate.ledger.settle(set())
     assert lim.tracked_users() == 1
     assert lim.cleanups == []
     gate.plan(t + 256, 1)
@@ -692,7 +692,7 @@ def test_cleanup_keeps_users_with_debt():
     step(gate, 0, 1)  # slow's TAT is now 2 s
     gate.plan(S, 1)
     assert lim.tracked_users() == 1
-    gate.finish(set())
+    gate.ledger.settle(set())
     gate.lanes.release("s")
     gate.plan(2 * S, 1)
     assert lim.tracked_users() == 0
@@ -709,14 +709,14 @@ def test_steady_repeats_a_full_undisturbed_step_with_one_take_per_user():
     add(gate, "dflt", "d1")
     assert not gate.steady(0, 10)  # nothing planned yet
     plan = gate.plan(0, 10)
-    gate.finish(set(plan.visible), all_prepaid_sampled=True)
+    gate.ledger.settle(set(plan.visible), all_prepaid_sampled=True)
     lim.takes.clear()
     order = list(gate.lanes.resident())
     assert gate.steady(10 * MS, 10)
     assert sorted(lim.takes) == [("dflt", 1), ("lots", 2)]
     assert all(gate.ledger.charge(k) for k in order)  # paid: asking takes nothing more
     assert len(lim.takes) == 2
-    assert gate.finish_steady(order, set(order), all_sampled=True) == 0
+    assert gate.ledger.settle_repeat(order, set(order), all_sampled=True) == 0
     assert list(gate.lanes.resident()) == order
     assert gate.steady(20 * MS, 10)
 
@@ -727,12 +727,12 @@ def test_steady_refused_after_membership_change_slots_or_partial_step():
     step(gate, 0, 10)  # settled without all_prepaid_sampled
     assert not gate.steady(MS, 10)  # that step was not declared undisturbed
     plan = gate.plan(2 * MS, 10)
-    gate.finish(set(plan.visible), all_prepaid_sampled=True)
+    gate.ledger.settle(set(plan.visible), all_prepaid_sampled=True)
     assert not gate.steady(3 * MS, 1)  # fewer slots than resident requests
     add(gate, "lots", "l3")  # joined since the last plan
     assert not gate.steady(4 * MS, 10)
     plan = gate.plan(5 * MS, 10)
-    gate.finish(set(plan.visible), all_prepaid_sampled=True)
+    gate.ledger.settle(set(plan.visible), all_prepaid_sampled=True)
     gate.lanes.release("l1")
     assert not gate.steady(6 * MS, 10)
 
@@ -742,21 +742,21 @@ def test_steady_takes_nothing_when_a_user_is_short():
     add(gate, "lots", "l1")
     add(gate, "three", "a", "b", "c")  # 20 tok/s: 3 tokens at once
     plan = gate.plan(0, 10)
-    gate.finish(set(plan.visible), all_prepaid_sampled=True)
+    gate.ledger.settle(set(plan.visible), all_prepaid_sampled=True)
     before = observe(lim, ["lots", "three"], MS)
     assert not gate.steady(MS, 10)  # "three" cannot pay 3 streams again
     assert observe(lim, ["lots", "three"], MS) == before
 
 
-def test_finish_steady_settles_a_disturbed_step_like_finish():
+def test_settle_repeat_settles_a_disturbed_step_like_settle():
     gate, lim = new_gate()
     add(gate, "lots", "l1", "l2", "l3")
     add(gate, "dflt", "d1")
     plan = gate.plan(0, 10)
-    gate.finish(set(plan.visible), all_prepaid_sampled=True)
+    gate.ledger.settle(set(plan.visible), all_prepaid_sampled=True)
     order = list(gate.lanes.resident())
     assert gate.steady(MS, 10)
-    refunded = gate.finish_steady(order, {"l1", "d1"}, all_sampled=False)
+    refunded = gate.ledger.settle_repeat(order, {"l1", "d1"}, all_sampled=False)
     assert refunded == 2  # l2 and l3 did not sample
     assert list(gate.lanes.resident()) == ["l2", "l3", "l1", "d1"]
     assert not gate.steady(2 * MS, 10)
@@ -796,10 +796,10 @@ def test_steady_steps_match_planned_steps(seed, slots):
         sampled = set(plan.visible) - ({rng.choice(plan.visible)} if drop else set())
         complete = not drop and not plan.prefills
         if repeated:
-            fast.finish_steady(start, sampled, all_sampled=complete)
+            fast.ledger.settle_repeat(start, sampled, all_sampled=complete)
         else:
-            fast.finish(sampled, all_prepaid_sampled=complete)
-        slow.finish(sampled, all_prepaid_sampled=complete)
+            fast.ledger.settle(sampled, all_prepaid_sampled=complete)
+        slow.ledger.settle(sampled, all_prepaid_sampled=complete)
         # Every lane here holds a resident request (keys leave only through
         # forget()), so the resident order is the whole service order.
         assert list(fast.lanes.resident()) == list(slow.lanes.resident())
@@ -1197,12 +1197,12 @@ def test_random_protocol_keeps_invariants(seed, cleanup_every, population, churn
         if promise:
             # The shortcut must settle exactly like the full path.
             other = copy.deepcopy(gate)
-            assert other.finish(sampled, all_prepaid_sampled=False) == n_unsampled
-            assert gate.finish(sampled, all_prepaid_sampled=True) == n_unsampled
+            assert other.ledger.settle(sampled, all_prepaid_sampled=False) == n_unsampled
+            assert gate.ledger.settle(sampled, all_prepaid_sampled=True) == n_unsampled
             assert list(other.lanes.resident()) == list(gate.lanes.resident())
             assert observe(other.limiter, USERS, now) == observe(lim, USERS, now)
         else:
-            assert gate.finish(sampled) == n_unsampled
+            assert gate.ledger.settle(sampled) == n_unsampled
         for key in paid:
             if key in sampled:
                 assert ref.try_take(ever_user[key], now)
@@ -1248,11 +1248,11 @@ def test_waiting_request_takes_its_turn_between_resident_streams():
     assert plan.visible == [] and plan.reserved == 1
     assert gate.ledger.is_charged("w") and gate.ledger.can_charge("w")
     gate.lanes.admit("w", False)
-    gate.finish({"w"})
+    gate.ledger.settle({"w"})
     assert lim.available("one", 200 * MS) == 0
     # Both resident now, rotation continues with r1.
     assert gate.plan(400 * MS, 4).visible == ["r1"]
-    gate.finish({"r1"})
+    gate.ledger.settle({"r1"})
 
 
 def test_waiting_request_not_admitted_gets_its_token_back_and_keeps_its_turn():
@@ -1263,11 +1263,11 @@ def test_waiting_request_not_admitted_gets_its_token_back_and_keeps_its_turn():
     step(gate, 0, 4)
     plan = gate.plan(200 * MS, 4)
     assert plan.reserved == 1
-    assert gate.finish(set()) == 1  # w was not admitted (e.g. no KV): refunded
+    assert gate.ledger.settle(set()) == 1  # w was not admitted (e.g. no KV): refunded
     assert lim.available("one", 200 * MS) == 1
     plan = gate.plan(200 * MS, 4)
     assert plan.reserved == 1 and plan.visible == []
-    gate.finish(set())
+    gate.ledger.settle(set())
 
 
 def test_waiting_request_without_room_to_get_in_does_not_hold_up_streams():
@@ -1280,6 +1280,6 @@ def test_waiting_request_without_room_to_get_in_does_not_hold_up_streams():
     # rotation passes over it to r2.
     plan = gate.plan(200 * MS, 2)
     assert plan.visible == ["r2"] and plan.reserved == 0
-    gate.finish({"r2"})
+    gate.ledger.settle({"r2"})
     gate.lanes.forget("w")
     assert list(gate.lanes.resident()) == ["r1", "r2"]

@@ -9,7 +9,7 @@ second:
   file every half second.  A changed file is parsed and validated whole
   (:func:`~vllm_output_rate.settings.load_limits_file`); a good one is handed
   to the next ``schedule()`` call, which applies it with
-  ``OutputRateLimiter.update_rates`` before planning the step (users whose
+  the limiter's ``update_rates`` before planning the step (users whose
   rate did not change keep their quota state exactly).  A bad one is logged
   and counted; the old limits stay.
 * **Stats.**  ``make_stats()`` (vLLM calls it after every step) attaches a

@@ -382,9 +382,7 @@ class OutputRateSchedulerMixin(MembershipHooks, ChargingHooks, EvictionHooks):
 
     def shutdown(self) -> None:
         super().shutdown()
-        close = getattr(self.output_rate_limiter, "close", None)
-        if close is not None:  # a shared-store limiter stops its lease thread
-            close()
+        self.output_rate_limiter.close()  # a shared-store limiter stops its lease thread
 
 
     # -- one step ------------------------------------------------------------
@@ -442,7 +440,7 @@ class OutputRateSchedulerMixin(MembershipHooks, ChargingHooks, EvictionHooks):
             and not self._preempted_in_step
             and len(num_scheduled) - len(admitted) == num_visible
         )
-        gate.finish(_SampledView(num_scheduled), all_prepaid_sampled=undisturbed)
+        self._ledger.settle(_SampledView(num_scheduled), all_prepaid_sampled=undisturbed)
         self.output_rate_eviction_budget.earn(len(num_scheduled))
         self._set_idle_wait(output)
         return output
@@ -455,7 +453,6 @@ class OutputRateSchedulerMixin(MembershipHooks, ChargingHooks, EvictionHooks):
         to build or merge back, and its running loop calls its own hook
         directly.  Admissions from the waiting queue are charged as usual.
         """
-        gate = self.output_rate_gate
         resident = self.running
         num_resident = len(resident)
         self.running = list(resident)  # vLLM edits this copy; `resident` keeps the start
@@ -474,7 +471,7 @@ class OutputRateSchedulerMixin(MembershipHooks, ChargingHooks, EvictionHooks):
             not self._preempted_in_step
             and len(num_scheduled) - len(admitted) == num_resident
         )
-        gate.finish_steady(resident, _SampledView(num_scheduled), all_sampled)
+        self._ledger.settle_repeat(resident, _SampledView(num_scheduled), all_sampled)
         self.output_rate_eviction_budget.earn(len(num_scheduled))
         self._set_idle_wait(output)
         return output

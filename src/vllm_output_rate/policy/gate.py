@@ -20,10 +20,10 @@ module with its invariants in its docstring, and each unit-tested alone
 * **victim choice** -- :func:`~vllm_output_rate.policy.victims.throttled_victims`:
   which hidden requests give way when KV or slots run out.
 
-:class:`StepGate` itself runs the step (:meth:`~StepGate.plan`,
-:meth:`~StepGate.finish`), owns the repeated-step fast path
-(:meth:`~StepGate.steady`, :meth:`~StepGate.finish_steady`) and the
-limiter's cleanup cadence.  Callers hold its parts for everything else:
+:class:`StepGate` itself starts the step (:meth:`~StepGate.plan`), owns the
+repeated-step fast path (:meth:`~StepGate.steady`) and the limiter's cleanup
+cadence; the ledger ends the step it recorded (:meth:`Ledger.settle`,
+:meth:`Ledger.settle_repeat`).  Callers hold its parts for everything else:
 membership goes to ``gate.lanes``, per-request payments to ``gate.ledger``
 (no call through the gate on the per-request path).
 
@@ -46,8 +46,7 @@ A step goes like this:
    sampling position; prepaid requests pass for free, any other takes one
    unit of its user's quota, at most once per request per step.  A user
    refused once in a step is not asked again.
-3. :meth:`StepGate.finish` settles the ledger (:meth:`Ledger.settle`): it
-   refunds every charge -- prepaid or not -- whose
+3. :meth:`Ledger.settle` refunds every charge -- prepaid or not -- whose
    request did not end up sampled (the single refund point), rotates each
    served user's streams and moves the user to the back of the service
    order.  When every prepaid request sampled and nothing was preempted it
@@ -65,7 +64,7 @@ Invariants (checked by the tests):
 
 from __future__ import annotations
 
-from typing import Container, Hashable
+from typing import Hashable
 
 from vllm_output_rate.policy.lanes import Lanes
 from vllm_output_rate.policy.ledger import Ledger
@@ -106,10 +105,9 @@ class StepGate:
         self._cleanup_every = cleanup_every
         self._max_idle_wait_ns = max_idle_wait_ns
         self._steps = 0
-        # The last step offered every resident request, each sampled, and
-        # nobody was short of quota: the next one may repeat it (see steady()).
-        self._repeatable = False
         self._plan_version = -1  # lanes.version when the step started
+        # The last plan offered every resident request, all of them decoding
+        # streams, and nobody was short of quota (see steady()).
         self._plan_was_full = False
 
     # -- one step ----------------------------------------------------------
@@ -139,17 +137,17 @@ class StepGate:
         can pay for all of its streams again (one bulk take per user), the
         quota is taken and True is returned: the caller runs the step on the
         full resident list, in its current order, and ends it with
-        :meth:`finish_steady`.  Otherwise nothing is taken and False is
-        returned; the caller plans the step.
+        :meth:`Ledger.settle_repeat`.  Otherwise nothing is taken and False
+        is returned; the caller plans the step.
 
         Seen from the limiter and the service order this is exactly what
-        :meth:`plan` and :meth:`finish` would do: with every stream of every
-        user served, the rotations and the move of each user to the back
-        leave every order as it was.
+        :meth:`plan` and :meth:`Ledger.settle` would do: with every stream of
+        every user served, the rotations and the move of each user to the
+        back leave every order as it was.
         """
         lanes = self.lanes
         if (
-            not self._repeatable
+            not (self._plan_was_full and self.ledger.all_prepaid_kept)
             or lanes.in_turn
             or lanes.version != self._plan_version
             or len(lanes.lane_of) > slots
@@ -167,39 +165,9 @@ class StepGate:
             if got < streams:
                 for paid_user, count in taken:
                     self.limiter.refund(paid_user, now_ns, count)
-                self._repeatable = False
                 return False
         self._start_step(now_ns, repeat=True)
         return True
-
-    def finish_steady(self, resident: list, sampled: Container[Key], all_sampled: bool) -> int:
-        """End a :meth:`steady` step; ``resident`` lists the requests it started with.
-
-        ``all_sampled`` is the caller's promise that every one of them sampled
-        and none left during the step (see :meth:`Ledger.settle_repeat`).
-        Only such a step, with nothing charged besides, may be repeated
-        again.  Returns how many tokens were refunded.
-        """
-        ledger = self.ledger
-        if not all_sampled or ledger.charged:
-            self._repeatable = False
-        return ledger.settle_repeat(resident, sampled, all_sampled)
-
-    def finish(self, sampled: Container[Key], all_prepaid_sampled: bool = False) -> int:
-        """End a planned step (see :meth:`Ledger.settle`); returns the tokens refunded.
-
-        The next step may repeat this one only if the plan offered every
-        resident request, all of them sampled (``all_prepaid_sampled``),
-        nothing else was charged and the resident set did not change.
-        """
-        ledger = self.ledger
-        self._repeatable = (
-            all_prepaid_sampled
-            and self._plan_was_full
-            and not ledger.charged
-            and self.lanes.version == self._plan_version
-        )
-        return ledger.settle(sampled, all_prepaid_sampled)
 
     # -- after the step --------------------------------------------------------
 
@@ -212,7 +180,7 @@ class StepGate:
         return self.ledger.idle_wait_ns(self._max_idle_wait_ns)
 
     def last_step_users(self) -> dict[str, tuple[int, int]]:
-        """user -> (requests that sampled in the last finished step, resident
+        """user -> (requests that sampled in the last settled step, resident
         requests held back for quota in it), for users with resident requests
         or a sample in that step."""
         ran = self.ledger.ran

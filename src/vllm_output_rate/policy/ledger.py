@@ -62,6 +62,9 @@ class Ledger:
         self.throttled_ns: dict[str, int] = {}
         #: user -> requests that sampled in the last settled step.
         self.ran: dict[str, int] = {}
+        #: The last settled step kept every prepaid payment and charged
+        #: nothing besides: with the same streams it may be repeated.
+        self.all_prepaid_kept = False
         #: Steps that ran nothing because every runnable request was throttled.
         self.idle_steps = 0
 
@@ -156,6 +159,7 @@ class Ledger:
         the step; then the offers are settled per user, without looking at
         single keys.  Returns how many tokens were refunded.
         """
+        self.all_prepaid_kept = all_prepaid_sampled and not self.charged
         order = self._lanes.order
         move_to_end = order.move_to_end
         refund = self.limiter.refund
@@ -194,6 +198,7 @@ class Ledger:
         """
         self.all_resident_prepaid = False
         if all_sampled and not self.charged:
+            self.all_prepaid_kept = True
             ran = self.ran = {}
             charged_tokens = self.charged_tokens
             for user, lane in self._lanes.order.items():
