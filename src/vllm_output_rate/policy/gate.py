@@ -17,8 +17,10 @@ module with its invariants in its docstring, and each unit-tested alone
 * **the charge/refund ledger** -- :class:`~vllm_output_rate.policy.ledger.Ledger`:
   what each request paid in the step, who was refused or blocked, refunds,
   and the per-user totals read by metrics;
-* **victim choice** -- :func:`~vllm_output_rate.policy.victims.throttled_victims`:
-  which hidden requests give way when KV or slots run out.
+* **victim candidates** -- :func:`~vllm_output_rate.policy.victims.throttled_victims`:
+  which hidden requests could give way when KV or slots run out
+  (:class:`~vllm_output_rate.policy.displacement.Displacement` picks one
+  for a given request).
 
 :class:`StepGate` itself starts the step (:meth:`~StepGate.plan`), owns the
 repeated-step fast path (:meth:`~StepGate.steady`) and the limiter's cleanup

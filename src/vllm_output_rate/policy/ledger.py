@@ -31,7 +31,9 @@ class Ledger:
     * :meth:`charge` and :meth:`can_charge` agree, and only :meth:`charge`
       and the plan's bulk takes take tokens;
     * a blocked user's blocked time is added to ``throttled_ns`` when the
-      next step opens, so the total covers whole steps.
+      next step opens, so the total covers whole steps;
+    * after :meth:`settle` a payment is kept only for a key that sampled, and
+      ``charged_tokens`` grows by exactly the payments kept.
     """
 
     def __init__(self, limiter: Limiter, lanes: Lanes) -> None:
