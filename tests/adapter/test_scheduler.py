@@ -542,6 +542,23 @@ def test_gate_counts_charged_tokens_throttled_time_and_idle_steps(async_):
     assert gate.ledger.idle_steps > 0
 
 
+@pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
+def test_charged_tokens_count_repeated_steps_that_admit_a_request(async_):
+    """A repeated step (every resident stream prepaid) that also admits and
+    samples a new request keeps the streams' payments: they count too."""
+    h = Harness(limits(1000), async_=async_, max_num_seqs=8)
+    for _ in range(3):
+        h.add("a", prompt_len=8, max_tokens=40)
+    for _ in range(5):
+        h.step(10 * MS)
+    gate = h.sched.output_rate_gate
+    for _ in range(4):
+        h.add("b", prompt_len=8, max_tokens=4)  # its prefill samples at once
+        h.step(10 * MS)
+    h.run_until_done()
+    assert gate.ledger.charged_tokens == {user: len(times) for user, times in h.charges.items()}
+
+
 # -- slot hand-over without thrash ---------------------------------------------------
 
 

@@ -550,3 +550,19 @@ def test_victims_come_from_the_user_whose_quota_returns_last(one_rate, first):
     # "slow" (0.5 tok/s) is ready at 1.9 s; "one" at 0.1 s (5 tok/s) or 9.9 s.
     victims = list(throttled_victims(lanes, ledger))
     assert victims == (["o1", "o2", "s1", "s2"] if first == "one" else ["s1", "s2", "o1", "o2"])
+
+
+def test_a_repeated_step_with_an_admission_counts_every_kept_payment():
+    lanes, ledger, lim = parts()
+    admit(lanes, "lots", "l1", "l2")
+    lanes.track("w", "one")
+    ledger.open(0, True)  # a repeated step: l1 and l2 paid for
+    assert lim.take_up_to("lots", 0, 2) == 2
+    assert ledger.charge("w")
+    lanes.admit("w", False)  # admitted and sampled in the step
+    order_before = [list(lane.decoding) for lane in lanes.order.values()]
+    assert ledger.settle_repeat(["l1", "l2"], {"l1", "l2", "w"}, all_sampled=True) == 0
+    assert ledger.ran == {"lots": 2, "one": 1}
+    assert ledger.charged_tokens == {"lots": 2, "one": 1}
+    assert [list(lane.decoding) for lane in lanes.order.values()] == order_before
+    assert not ledger.all_prepaid_kept  # a charge besides: plan the next step

@@ -217,7 +217,20 @@ class Ledger:
             users = [user for user in order if user in by_user]
             users += [user for user in by_user if user not in order]
             self.offers = [(user, by_user[user]) for user in users]
-        return self.settle(sampled, all_prepaid_sampled=all_sampled)
+            return self.settle(sampled)
+        # Every resident stream sampled and something else was charged too:
+        # the charges settle as usual, and the streams' payments, all kept,
+        # still count in the totals (no order changes: each user was served
+        # whole).
+        refunded = self.settle(sampled, all_prepaid_sampled=True)
+        ran = self.ran
+        charged_tokens = self.charged_tokens
+        user_of = self._user_of
+        for key in resident:
+            user = user_of[key]
+            ran[user] = ran.get(user, 0) + 1
+            charged_tokens[user] = charged_tokens.get(user, 0) + 1
+        return refunded
 
     def idle_wait_ns(self, cap_ns: int) -> int | None:
         """How long an engine that ran nothing may sleep: until the earliest
