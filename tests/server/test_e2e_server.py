@@ -440,7 +440,7 @@ def test_unlimited_user_unaffected_by_throttled_flood(server):
             await asyncio.sleep(1.5)
             during = await asyncio.to_thread(gauges, server)
             under_flood = await stream_request(c, server, user="fast", max_tokens=300)
-            # A default-rate user is not slowed either.
+            # A default-rate user is served too.
             other = await stream_request(c, server, user="other-user", max_tokens=100)
             fast_throttled = (await asyncio.to_thread(throttled_seconds, server, "fast")
                               - fast_throttled_before)
