@@ -58,11 +58,11 @@ def _rows(results: dict) -> list[tuple[int, Any]]:
     return sorted(((int(r), row) for r, row in results.items()), key=lambda item: item[0])
 
 
-def _verdict(value: float, target: float | None, at_most: bool = True) -> str:
+def _verdict(value: float, target: float | None, at_most: bool = True, unit: str = "") -> str:
     if target is None:
         return ""
     met = value <= target if at_most else value >= target
-    return f" (target {'≤' if at_most else '≥'} {target:g}, {'met' if met else '**missed**'})"
+    return f" (target {'≤' if at_most else '≥'} {target:g}{unit}, {'met' if met else '**missed**'})"
 
 
 # --------------------------------------------------------------------------
@@ -272,9 +272,9 @@ def idle_lines(doc: Doc, extra: dict[str, Doc | None], image: str | None) -> lis
           for label, key in rows),
         "",
         f"- Whole server while throttled: {thr['server_total']['mean']:.1f} % of a core"
-        + _verdict(thr["server_total"]["mean"], a.get("target_server_total_percent")) + ".",
+        + _verdict(thr["server_total"]["mean"], a.get("target_server_total_percent"), unit=" %") + ".",
         f"- Engine core while throttled: {thr['engine_core']['mean']:.1f} % of a core"
-        + _verdict(thr["engine_core"]["mean"], a.get("target_engine_core_percent")) + ".",
+        + _verdict(thr["engine_core"]["mean"], a.get("target_engine_core_percent"), unit=" %") + ".",
         f"- Other processes during the throttled windows: {thr['foreign']['mean']:.0f} % of a core on average.",
     ]
     if image:
@@ -378,7 +378,7 @@ def soak_lines(doc: Doc, extra: dict[str, Doc | None], image: str | None) -> lis
     lines = [
         f"{doc['requests']} streamed requests from {len(cfg.get('user_rates', {}))} named users with limits "
         f"{cfg['min_rate']:g}–{cfg['max_rate']:g} tok/s plus anonymous traffic, "
-        f"{100 * cfg['cancel_fraction']:g} % cancelled by the client, {cfg['concurrency']} at a time, "
+        f"{100 * cfg['cancel_fraction']:g} % planned as client cancellations, {cfg['concurrency']} at a time, "
         f"`--max-num-seqs {cfg['max_num_seqs']} --max-num-active-seqs {cfg['max_num_active_seqs']}`.",
         "",
         "| result | finished | cancelled | errors | truncated or miscounted | users over the bound | "
