@@ -181,21 +181,11 @@ def prompt_for(p: Planned):
 
 async def run_one(client, model: str, p: Planned) -> Outcome:
     out = Outcome(idx=p.idx, user=p.user)
-    body: dict = {
-        "model": model,
-        "max_tokens": p.max_tokens,
-        "stream_options": {"include_usage": True},
-        "return_token_ids": True,
-    }
-    if p.ignore_eos:
-        body["ignore_eos"] = True
-    if p.user != ANON:
-        body["vllm_xargs"] = {"output_rate_user": p.user}
-    prompt = prompt_for(p)
+    body = measure.stream_body(model, None if p.user == ANON else p.user, p.max_tokens, prompt_for(p))
+    if not p.ignore_eos:
+        del body["ignore_eos"]
     if p.endpoint == "chat":
-        body["messages"] = [{"role": "user", "content": prompt}]
-    else:
-        body["prompt"] = prompt
+        body["messages"] = [{"role": "user", "content": body.pop("prompt")}]
     record = measure.RequestRecord(user=p.user)
     request = measure.stream_completion(client, body, record, 0.0, endpoint=p.endpoint,
                                         cancel_after=p.cancel_after or None)
