@@ -2,7 +2,8 @@
 
 Starts one real ``redis-server`` and ``--engines`` (default 2) engines on the
 tiny model, all on 127.0.0.1, every engine with ``--output-rate-store`` pointed
-at that Redis.  Then runs the bench over all engines for ``--duration``
+at that Redis and its model worker bound to its own CPUs (vLLM would put them
+all on one core; an explicit ``VLLM_CPU_OMP_THREADS_BIND`` is kept).  Then runs the bench over all engines for ``--duration``
 seconds: a heavy user (default 8 streams of 40-token answers, limited to
 30 tok/s) whose streams are dealt round-robin over the engines, so its load
 lands on every engine, beside a light user (one stream of 200-token answers,
@@ -214,8 +215,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         with benchkit.running_engines([(name, server_args) for name in names], out.parent,
                                       model=args.model, side_by_side=True) as servers:
             urls = [srv.base_url for srv in servers]
-            print("engines ready: " + ", ".join(f"{srv.base_url} (pid {srv.pid})" for srv in servers)
-                  + f"; bench for {args.duration:g} s", flush=True)
+            worker_cpus = {srv.base_url: benchkit.worker_cpus(srv.pid) for srv in servers}
+            print("engines ready: " + ", ".join(
+                f"{srv.base_url} (pid {srv.pid}, model worker on CPUs {worker_cpus[srv.base_url]})"
+                for srv in servers) + f"; bench for {args.duration:g} s", flush=True)
             document = bench.main(bench_argv(args, urls))
             outages = {srv.base_url: srv.log_path.read_text(errors="replace").count("unreachable")
                        for srv in servers}
@@ -228,6 +231,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "command": shlex.join(["vllm-output-rate", "demo-cluster", *argv]),
         "engines": args.engines,
         "engine_args": server_args,
+        "cpu_bindings": {srv.base_url: srv.cpu_binding for srv in servers},
+        "worker_cpus": worker_cpus,
         "heavy_user": HEAVY, "light_user": LIGHT, "heavy_limit": args.heavy_limit,
         "store_outages_logged": outages,
     }
