@@ -127,3 +127,19 @@ def test_an_operators_binding_reaches_every_engine_unchanged(started_envs, tmp_p
 def test_one_engine_alone_keeps_vllms_binding(started_envs, tmp_path):
     with benchkit.running_engines([("only", [])], tmp_path, side_by_side=True) as (server,):
         assert server.cpu_binding is None
+
+
+# -- what demo-cluster records ----------------------------------------------------------
+
+
+def test_worker_cpus_of_a_process_without_model_workers_is_empty():
+    assert benchkit.worker_cpus(benchkit.os.getpid()) == []
+
+
+def test_demo_cluster_block_says_where_each_model_worker_ran():
+    from vllm_output_rate.tools.demo_cluster import worker_placement
+
+    urls = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+    placed = worker_placement({urls[0]: [[0]], urls[1]: [[1]]}, urls)
+    assert placed == "Model workers: engine 1: CPU 0; engine 2: CPU 1."
+    assert worker_placement(None, urls) == ""  # a run recorded before bindings

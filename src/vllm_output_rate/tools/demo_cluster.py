@@ -192,7 +192,22 @@ def markdown(document: Mapping[str, Any], dated: bool = True) -> str:
         f"Bound for `{HEAVY}` across {len(urls)} engines: (W + {slack_s:g}) × {heavy_limit:g} + 1 + "
         f"{extra:g} tokens in any window of W s.",
     ]
+    placement = worker_placement(document["cluster"].get("worker_cpus"), urls)
+    if placement:
+        lines += ["", placement]
     return "\n".join(lines)
+
+
+def worker_placement(worker_cpus: Mapping[str, Any] | None, urls: list[str]) -> str:
+    """Where each engine's model worker ran, as read once the engines were up
+    (runs recorded before the engines had their own CPUs carry none)."""
+    if not worker_cpus:
+        return ""
+    names = engine_names(urls)
+    where = "; ".join(
+        f"{names[url]}: CPU {','.join(str(cpu) for cpus in worker_cpus[url] for cpu in cpus) or '?'}"
+        for url in urls if worker_cpus.get(url) is not None)
+    return f"Model workers: {where}." if where else ""
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
