@@ -3,12 +3,13 @@
 Starts one real ``redis-server`` and ``--engines`` (default 2) engines on the
 tiny model, all on 127.0.0.1, every engine with ``--output-rate-store`` pointed
 at that Redis and its model worker bound to its own CPUs (vLLM would put them
-all on one core; an explicit ``VLLM_CPU_OMP_THREADS_BIND`` is kept).  Then runs the bench over all engines for ``--duration``
-seconds: a heavy user (default 8 streams of 40-token answers, limited to
-30 tok/s) whose streams are dealt round-robin over the engines, so its load
-lands on every engine, beside a light user (one stream of 200-token answers,
-under a 1000 tok/s default it never reaches) on the first engine.  Everything
-is stopped by PID at the end.
+all on one core; an explicit ``VLLM_CPU_OMP_THREADS_BIND`` is kept).  Then
+runs the bench over all engines for ``--duration`` seconds: a heavy user
+(default 8 streams of 40-token answers, limited to 30 tok/s) whose streams
+are dealt round-robin over the engines, so its load lands on every engine,
+beside a light user (one stream of 200-token answers, under a 1000 tok/s
+default it never reaches) on the first engine.  Everything is stopped by PID
+at the end.
 
 Prints the bench's per-user and per-engine tables and a Markdown block (the
 README's), and writes ``OUT.json`` (the bench document plus the setup) and
