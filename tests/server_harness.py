@@ -16,6 +16,7 @@ from vllm_output_rate.tools import serverproc
 from vllm_output_rate.tools.serverproc import (  # noqa: F401
     ADMIN_ROUTE_ENV,
     Server,
+    engine_env,
     free_port,
     run_cli,
     server_env,

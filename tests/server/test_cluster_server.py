@@ -2,7 +2,9 @@
 
 One module fixture starts a password-protected redis-server (127.0.0.1,
 random port) and three engines on the tiny model (``--enforce-eager``, started
-side by side) pointed at it; everything is stopped by PID at the end.
+side by side, each model worker bound to its own CPU in turn -- vLLM's own
+binding puts all three on one core) pointed at it; everything is stopped by
+PID at the end.
 Engines 0 and 1 use the default ``local`` fallback, engine 2 uses
 ``--output-rate-store-fallback closed``, so one Redis outage exercises both
 modes (the fallback is not part of the limits fingerprint, so mixing them
@@ -49,7 +51,7 @@ import httpx
 import pytest
 
 from redis_harness import RedisServer
-from server_harness import ADMIN_ROUTE_ENV, running_server
+from server_harness import ADMIN_ROUTE_ENV, engine_env, running_server
 
 pytestmark = [pytest.mark.server, pytest.mark.redis, pytest.mark.cluster]
 
@@ -101,8 +103,9 @@ class Engine:
         self._cm = None
 
     def start(self) -> "Engine":
+        # The admin route: the engine-side counters.  A restart keeps the engine's CPUs.
         cm = running_server(self.args, self.log_dir, f"engine{self.index}-start{self.starts}",
-                            model=self.model_dir, env=ADMIN_ROUTE_ENV)  # the engine-side counters
+                            model=self.model_dir, env=engine_env(self.index, ENGINES, ADMIN_ROUTE_ENV))
         self.starts += 1
         began = time.monotonic()
         self.server = cm.__enter__()

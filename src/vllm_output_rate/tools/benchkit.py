@@ -7,9 +7,11 @@ here once:
    the machine (:func:`machine_facts`), load averages, the script's options.
 2. **Servers** (:func:`running_engines`): one or several
    ``vllm-output-rate serve`` processes on 127.0.0.1, started one after
-   another or side by side, each stopped by PID (its process group) on exit;
-   a real Redis beside them through :class:`~.redisproc.RedisProcess`, or
-   :class:`RedisClusterProcess` for a three-node cluster.
+   another or side by side (then each model worker bound to its own CPUs,
+   :func:`~.serverproc.engine_cpu_binding`), each stopped by PID (its
+   process group) on exit; a real Redis beside them through
+   :class:`~.redisproc.RedisProcess`, or :class:`RedisClusterProcess` for a
+   three-node cluster.
 3. **Load**: :func:`~.measure.stream_body` (the one streaming request body
    every benchmark sends), :func:`async_http` (a client with no read timeout
    and no proxies), :func:`served_model`; tokens are counted by
@@ -46,7 +48,14 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from vllm_output_rate.tools.redisproc import redis_binary
-from vllm_output_rate.tools.serverproc import DEFAULT_MODEL_DIR, Server, free_port, running_server
+from vllm_output_rate.tools.serverproc import (
+    CPU_BINDING_VAR,
+    DEFAULT_MODEL_DIR,
+    Server,
+    engine_env,
+    free_port,
+    running_server,
+)
 
 #: Where the performance page's inputs live; every benchmark's ``--out`` defaults under it.
 RESULTS_DIR = Path("docs/benchmarks")
@@ -202,12 +211,14 @@ def log_dir_for(name: str, given: str | None = None) -> Path:
 
 
 class StartedServer:
-    """A running server and how long it took to become healthy."""
+    """A running server, how long it took to become healthy and the
+    ``VLLM_CPU_OMP_THREADS_BIND`` it was started with (``None``: unset, vLLM's ``auto``)."""
 
-    def __init__(self, server: Server, name: str, startup_s: float) -> None:
+    def __init__(self, server: Server, name: str, startup_s: float, cpu_binding: str | None = None) -> None:
         self.server = server
         self.name = name
         self.startup_s = startup_s
+        self.cpu_binding = cpu_binding
 
     def __getattr__(self, attr: str) -> Any:
         return getattr(self.server, attr)
@@ -221,25 +232,38 @@ def running_engines(
     command: list[str] | None = None,
     env: Mapping[str, str] | None = None,
     side_by_side: bool = False,
+    own_cpus: bool | None = None,
 ) -> Iterator[list[StartedServer]]:
     """Start one server per ``(name, serve args)``; every one is stopped by PID on exit.
 
     ``side_by_side`` starts them all at once (an N-engine cluster); otherwise
     one after another, so each startup time is its own.  When a start fails,
     the servers already up are stopped and the first error is raised.
+
+    ``own_cpus`` binds each engine's model worker to its own CPUs
+    (:func:`~.serverproc.engine_env`; a binding in ``env`` or in this
+    process's environment wins).  By default only engines started side by
+    side get one: they serve at the same time, and vLLM would put all their
+    model workers on one core.  Engines started one after another are the
+    A/B benchmarks' sides, loaded in turn, and keep vLLM's binding so each
+    side runs on the same CPU.
     """
-    def start(spec: tuple[str, list[str]]):
+    bind = side_by_side if own_cpus is None else own_cpus
+
+    def start(index: int, spec: tuple[str, list[str]]):
         name, args = spec
+        engine_environment = engine_env(index, len(specs), env) if bind else dict(env or {})
         began = time.monotonic()
-        manager = running_server(args, log_dir, name, model=model, command=command, env=env)
+        manager = running_server(args, log_dir, name, model=model, command=command, env=engine_environment)
         server = manager.__enter__()
-        return manager, StartedServer(server, name, round(time.monotonic() - began, 1))
+        binding = engine_environment.get(CPU_BINDING_VAR, os.environ.get(CPU_BINDING_VAR))
+        return manager, StartedServer(server, name, round(time.monotonic() - began, 1), binding)
 
     with contextlib.ExitStack() as stack:
         started: list[StartedServer] = []
         if side_by_side and len(specs) > 1:
             with ThreadPoolExecutor(len(specs)) as pool:
-                futures = [pool.submit(start, spec) for spec in specs]
+                futures = [pool.submit(start, index, spec) for index, spec in enumerate(specs)]
             errors = []
             for future in futures:
                 if future.exception() is not None:
@@ -251,8 +275,8 @@ def running_engines(
             if errors:
                 raise errors[0]
         else:
-            for spec in specs:
-                manager, server = start(spec)
+            for index, spec in enumerate(specs):
+                manager, server = start(index, spec)
                 stack.push(manager.__exit__)
                 started.append(server)
         yield started
@@ -403,6 +427,22 @@ def server_processes(root_pid: int) -> dict[str, list]:
             continue
         roles[role_of(name, False)].append(child)
     return roles
+
+
+def worker_cpus(root_pid: int) -> list[list[int]] | None:
+    """The CPUs each model worker of the server at ``root_pid`` may run on
+    (what its binding turned into); ``None`` without psutil."""
+    try:
+        import psutil
+    except ImportError:
+        return None
+    allowed = []
+    for proc in server_processes(root_pid)["worker"]:
+        try:
+            allowed.append(sorted(os.sched_getaffinity(proc.pid)))
+        except (OSError, psutil.Error):
+            continue
+    return allowed
 
 
 def cpu_seconds(procs: Sequence[Any]) -> float:

@@ -2,12 +2,14 @@
 
 Starts one real ``redis-server`` and ``--engines`` (default 2) engines on the
 tiny model, all on 127.0.0.1, every engine with ``--output-rate-store`` pointed
-at that Redis.  Then runs the bench over all engines for ``--duration``
-seconds: a heavy user (default 8 streams of 40-token answers, limited to
-30 tok/s) whose streams are dealt round-robin over the engines, so its load
-lands on every engine, beside a light user (one stream of 200-token answers,
-under a 1000 tok/s default it never reaches) on the first engine.  Everything
-is stopped by PID at the end.
+at that Redis and its model worker bound to its own CPUs (vLLM would put them
+all on one core; an explicit ``VLLM_CPU_OMP_THREADS_BIND`` is kept).  Then
+runs the bench over all engines for ``--duration`` seconds: a heavy user
+(default 8 streams of 40-token answers, limited to 30 tok/s) whose streams
+are dealt round-robin over the engines, so its load lands on every engine,
+beside a light user (one stream of 200-token answers, under a 1000 tok/s
+default it never reaches) on the first engine.  Everything is stopped by PID
+at the end.
 
 Prints the bench's per-user and per-engine tables and a Markdown block (the
 README's), and writes ``OUT.json`` (the bench document plus the setup) and
@@ -191,7 +193,22 @@ def markdown(document: Mapping[str, Any], dated: bool = True) -> str:
         f"Bound for `{HEAVY}` across {len(urls)} engines: (W + {slack_s:g}) × {heavy_limit:g} + 1 + "
         f"{extra:g} tokens in any window of W s.",
     ]
+    placement = worker_placement(document["cluster"].get("worker_cpus"), urls)
+    if placement:
+        lines += ["", placement]
     return "\n".join(lines)
+
+
+def worker_placement(worker_cpus: Mapping[str, Any] | None, urls: list[str]) -> str:
+    """Where each engine's model worker ran, as read once the engines were up
+    (runs recorded before the engines had their own CPUs carry none)."""
+    if not worker_cpus:
+        return ""
+    names = engine_names(urls)
+    where = "; ".join(
+        f"{names[url]}: CPU {','.join(str(cpu) for cpus in worker_cpus[url] for cpu in cpus) or '?'}"
+        for url in urls if worker_cpus.get(url) is not None)
+    return f"Model workers: {where}." if where else ""
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -214,8 +231,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         with benchkit.running_engines([(name, server_args) for name in names], out.parent,
                                       model=args.model, side_by_side=True) as servers:
             urls = [srv.base_url for srv in servers]
-            print("engines ready: " + ", ".join(f"{srv.base_url} (pid {srv.pid})" for srv in servers)
-                  + f"; bench for {args.duration:g} s", flush=True)
+            worker_cpus = {srv.base_url: benchkit.worker_cpus(srv.pid) for srv in servers}
+            print("engines ready: " + ", ".join(
+                f"{srv.base_url} (pid {srv.pid}, model worker on CPUs {worker_cpus[srv.base_url]})"
+                for srv in servers) + f"; bench for {args.duration:g} s", flush=True)
             document = bench.main(bench_argv(args, urls))
             outages = {srv.base_url: srv.log_path.read_text(errors="replace").count("unreachable")
                        for srv in servers}
@@ -228,6 +247,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "command": shlex.join(["vllm-output-rate", "demo-cluster", *argv]),
         "engines": args.engines,
         "engine_args": server_args,
+        "cpu_bindings": {srv.base_url: srv.cpu_binding for srv in servers},
+        "worker_cpus": worker_cpus,
         "heavy_user": HEAVY, "light_user": LIGHT, "heavy_limit": args.heavy_limit,
         "store_outages_logged": outages,
     }

@@ -14,7 +14,7 @@ import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Mapping
+from typing import Iterator, Mapping, Sequence
 
 import httpx
 
@@ -35,6 +35,66 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+#: vLLM's CPU backend reads the model worker's OpenMP CPU list from this variable.
+CPU_BINDING_VAR = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+def _cpu_list_text(cpus: Sequence[int]) -> str:
+    """``[0, 1, 2, 5]`` as ``"0-2,5"`` (the CPU list syntax vLLM parses)."""
+    parts: list[str] = []
+    run_start = previous = None
+    for cpu in [*cpus, None]:
+        if cpu is not None and previous is not None and cpu == previous + 1:
+            previous = cpu
+            continue
+        if run_start is not None:
+            parts.append(str(run_start) if run_start == previous else f"{run_start}-{previous}")
+        run_start = previous = cpu
+    return ",".join(parts)
+
+
+def engine_cpu_binding(index: int, engines: int, cpus: Sequence[int] | None = None) -> str:
+    """The CPUs engine ``index`` of ``engines`` on this machine binds its model worker to.
+
+    vLLM's ``auto`` binding picks the same CPUs for every engine (one NUMA
+    node, its last core kept free), so engines started side by side all run
+    their model on one core while the others idle.  With at least as many
+    engines as CPUs, engine ``i`` gets CPU ``i mod n``; with more CPUs, each
+    engine gets its own contiguous slice (the first ``n mod engines`` one CPU
+    more).  ``cpus`` defaults to the CPUs this process may run on.
+    """
+    if not 0 <= index < engines:
+        raise ValueError(f"engine index {index} is not within 0..{engines - 1}")
+    allowed = sorted(os.sched_getaffinity(0) if cpus is None else cpus)
+    if not allowed:
+        raise ValueError("no CPU to bind to")
+    if engines >= len(allowed):
+        return str(allowed[index % len(allowed)])
+    share, extra = divmod(len(allowed), engines)
+    start = index * share + min(index, extra)
+    return _cpu_list_text(allowed[start:start + share + (1 if index < extra else 0)])
+
+
+def engine_env(
+    index: int,
+    engines: int,
+    env: Mapping[str, str] | None = None,
+    environ: Mapping[str, str] = os.environ,
+    cpus: Sequence[int] | None = None,
+) -> dict[str, str]:
+    """``env`` plus engine ``index``'s own CPU binding, for :func:`running_server`.
+
+    A binding already named in ``env`` or in ``environ`` (the operator's
+    environment, which the server inherits) is kept: it is someone's choice.
+    A lone engine keeps vLLM's own binding.  One CPU list per engine assumes
+    one model worker per engine (no tensor or pipeline parallelism).
+    """
+    extra = dict(env or {})
+    if engines > 1 and CPU_BINDING_VAR not in extra and CPU_BINDING_VAR not in environ:
+        extra[CPU_BINDING_VAR] = engine_cpu_binding(index, engines, cpus)
+    return extra
 
 
 def server_env() -> dict[str, str]:
