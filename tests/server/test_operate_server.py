@@ -27,7 +27,7 @@ import time
 import httpx
 import pytest
 
-from server_harness import ADMIN_ROUTE_ENV, running_server
+from server_harness import ADMIN_ROUTE_ENV, engine_env, running_server
 from vllm_output_rate.tools import measure
 
 pytestmark = pytest.mark.server
@@ -71,15 +71,15 @@ def server_context(tmp_path_factory, model_dir):
                    "--user-output-tokens-per-second", json.dumps(LIMITS),
                    "--output-rate-identity", "header"]
     with contextlib.ExitStack() as stack:
-        # With the admin route; each waits for its own health check.
-        def start(args, name):
-            return stack.enter_context(
-                running_server(args, log_dir, name, model=model_dir, env=ADMIN_ROUTE_ENV)
-            )
+        # With the admin route; each waits for its own health check.  Side by
+        # side on one machine: each model worker on its own CPU.
+        def start(args, name, index):
+            env = engine_env(index, 2, ADMIN_ROUTE_ENV)
+            return stack.enter_context(running_server(args, log_dir, name, model=model_dir, env=env))
 
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            keyed = pool.submit(start, keyed_args, "keyed")
-            headed = pool.submit(start, headed_args, "headed")
+            keyed = pool.submit(start, keyed_args, "keyed", 0)
+            headed = pool.submit(start, headed_args, "headed", 1)
             keyed_server, headed_server = keyed.result(), headed.result()
         yield {"keyed": keyed_server, "headed": headed_server, "limits": limits}
 
