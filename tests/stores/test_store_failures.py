@@ -138,7 +138,10 @@ def cluster_node(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def _no_password_in_env(monkeypatch):
-    monkeypatch.delenv(PASSWORD_ENV, raising=False)
+    # Set first so that the variable is restored (removed) after the test:
+    # parsing the store flag moves its password there.
+    monkeypatch.setenv(PASSWORD_ENV, "")
+    monkeypatch.delenv(PASSWORD_ENV)
 
 
 def refusal(url: str) -> str:
