@@ -21,6 +21,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
 
 import pytest
@@ -338,4 +339,35 @@ def test_server_killed_with_the_closed_fallback_pauses_users():
         assert lim.take_up_to("u", time.monotonic_ns(), 5) == 0
     finally:
         lim.close()
+        srv.stop()
+
+
+def test_a_name_lookup_that_hangs_at_run_time_is_an_outage(monkeypatch):
+    """redis-py bounds the connect and the replies, not the host-name lookup;
+    the backend's connections bound it too, so the engine falls back."""
+    srv = RedisServer().start()
+    admin = srv.client()
+    release = threading.Event()
+    real_lookup = socket.getaddrinfo
+
+    def lookup(host, *args, **kwargs):
+        if host == "localhost" and hanging:
+            release.wait(LIVENESS_S * 2)
+        return real_lookup(host, *args, **kwargs)
+
+    hanging = False
+    monkeypatch.setattr(socket, "getaddrinfo", lookup)
+    lim = _limiter(f"redis://localhost:{srv.port}/0", LOCAL)
+    try:
+        assert _shared_and_answering(lim)
+        hanging = True
+        admin.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
+        assert _spend_until(lim, LOCAL) == LOCAL
+        hanging = False
+        release.set()
+        assert _spend_until(lim, SHARED) == SHARED
+    finally:
+        release.set()
+        lim.close()
+        admin.close()
         srv.stop()

@@ -81,7 +81,9 @@ and the whole check runs under one deadline, so it never hangs.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import ipaddress
 import logging
 import os
 import socket
@@ -314,6 +316,7 @@ class RedisLeaseBackend:
                 username=user,
                 password=password,
                 ssl=parts.scheme == "rediss+cluster",
+                connection_class=_bounded_connection_class(parts.scheme == "rediss+cluster"),
                 require_full_coverage=True,
             )
             self._cluster_refresh = False
@@ -461,7 +464,68 @@ def _standalone_client(url: str, password: str | None, timeout_s: float):
     import redis
 
     extra = {} if split_userinfo(url)[1] or not password else {"password": password}
+    scheme = urlsplit(url).scheme
+    if scheme != "unix":
+        extra["connection_class"] = _bounded_connection_class(scheme == "rediss")
     return redis.Redis.from_url(url, retry_on_timeout=False, **_bounded(timeout_s), **extra)
+
+
+# -- name lookups with a deadline ----------------------------------------------------
+
+# One lookup thread per (host, port) at a time: while a resolver hangs, later
+# connection attempts wait on the same lookup instead of piling up threads.
+_lookups: dict[tuple[str, int], tuple[threading.Thread, list[BaseException]]] = {}
+_lookups_lock = threading.Lock()
+
+
+def _bounded_lookup(host: str, port: int, timeout_s: float) -> BaseException | None:
+    """Resolve ``host`` within ``timeout_s``: None, the lookup's error, or a TimeoutError."""
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+        return None  # an address: nothing to look up
+    except ValueError:
+        pass
+    with _lookups_lock:
+        key = (host, port)
+        running = _lookups.get(key)
+        if running is None or not running[0].is_alive():
+            failure: list[BaseException] = []
+
+            def lookup() -> None:
+                try:
+                    socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+                except BaseException as exc:
+                    failure.append(exc)
+
+            thread = threading.Thread(target=lookup, name="output-rate-store-lookup", daemon=True)
+            thread.start()
+            running = _lookups[key] = (thread, failure)
+    thread, failure = running
+    thread.join(timeout_s)
+    if thread.is_alive():
+        return TimeoutError(f"name lookup of {host!r} did not answer within {timeout_s:g} s")
+    return failure[0] if failure else None
+
+
+@functools.lru_cache(maxsize=None)
+def _bounded_connection_class(tls: bool):
+    """redis-py's TCP (or TLS) connection whose name lookup has the connect timeout.
+
+    redis-py bounds the connect and every reply but not the lookup of the
+    host name; a lease thread stuck there would neither get an answer nor
+    report a failure, so the engine would stay in ``shared`` mode without
+    any quota instead of falling back.
+    """
+    from redis.connection import Connection, SSLConnection
+
+    class BoundedLookupConnection(SSLConnection if tls else Connection):
+        def _connect(self):
+            timeout_s = self.socket_connect_timeout or DEFAULT_TIMEOUT_S
+            if isinstance(_bounded_lookup(self.host, self.port, timeout_s), TimeoutError):
+                raise socket.timeout(f"name lookup of {self.host!r} did not answer")
+            return super()._connect()
+
+    return BoundedLookupConnection
 
 
 def _is_noscript(reply: object) -> bool:
@@ -538,10 +602,11 @@ def _probe_store(url: str, password: str | None, timeout_s: float) -> None:
         user, _ = _credentials(url, PASSWORD_ENV)
         silent = []
         for host, port in seeds:  # one seed that answers is enough, as for the client
-            client = redis.Redis(
-                host=host, port=port, username=user, password=password,
-                ssl=parts.scheme == "rediss+cluster", **_bounded(timeout_s),
+            pool = redis.ConnectionPool(
+                connection_class=_bounded_connection_class(parts.scheme == "rediss+cluster"),
+                host=host, port=port, username=user, password=password, **_bounded(timeout_s),
             )
+            client = redis.Redis(connection_pool=pool)
             try:
                 _probe_node(client, (host, port), parts.scheme, password, timeout_s)
                 return
@@ -549,6 +614,7 @@ def _probe_store(url: str, password: str | None, timeout_s: float) -> None:
                 silent.append(f"{host}:{port}: {exc}")
             finally:
                 client.close()
+                pool.disconnect()
         raise StoreSilent("; ".join(silent))
     address = None
     if parts.scheme != "unix":
@@ -563,21 +629,11 @@ def _probe_store(url: str, password: str | None, timeout_s: float) -> None:
 
 def _resolve(host: str, port: int, timeout_s: float) -> None:
     """Look the host name up, bounded: a resolver that never answers must not hang startup."""
-    failure: list[BaseException] = []
-
-    def lookup() -> None:
-        try:
-            socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        except BaseException as exc:
-            failure.append(exc)
-
-    thread = threading.Thread(target=lookup, name="output-rate-store-lookup", daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    if thread.is_alive():
+    failure = _bounded_lookup(host, port, timeout_s)
+    if isinstance(failure, TimeoutError):
         raise StoreConfigError(f"the name lookup of host {host!r} did not answer within {timeout_s:g} s")
-    if failure:
-        reason = getattr(failure[0], "strerror", None) or failure[0]
+    if failure is not None:
+        reason = getattr(failure, "strerror", None) or failure
         raise StoreConfigError(f"unknown host {host!r} ({reason})")
 
 
