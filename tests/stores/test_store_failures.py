@@ -220,6 +220,7 @@ def test_a_store_that_is_down_only_warns(caplog):
     with caplog.at_level(logging.WARNING, logger="vllm_output_rate.stores.redis_store"):
         check_store_at_startup(f"redis://:{PASSWORD}@127.0.0.1:{port}/0")
         check_store_at_startup(f"redis+cluster://127.0.0.1:{port}")
+        check_store_at_startup(f"redis://127.0.0.1:{port}/0", warn_when_silent=False)
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 2 and all("fallback" in line and STORE_FLAG in line for line in lines)
     assert not any(PASSWORD in line for line in lines)

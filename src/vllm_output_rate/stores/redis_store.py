@@ -550,13 +550,16 @@ def check_store_at_startup(
     password_env: str = PASSWORD_ENV,
     step_timeout_s: float = CHECK_STEP_TIMEOUT_S,
     deadline_s: float = CHECK_DEADLINE_S,
+    warn_when_silent: bool = True,
 ) -> None:
     """Refuse a store the engines could never use, in one line naming the flag.
 
     Raises :class:`StoreConfigError` (``--output-rate-store URL: cause``,
-    password left out).  A store that does not answer only logs a warning:
-    the engines start in their fallback mode and share the quota once it
-    answers.  Returns within ``deadline_s`` whatever the network does.
+    password left out).  A store that does not answer only logs a warning
+    (unless ``warn_when_silent`` is false: a pre-check whose caller checks
+    again later): the engines start in their fallback mode and share the
+    quota once it answers.  Returns within ``deadline_s`` whatever the
+    network does.
     """
     _, password = _credentials(url, password_env)
     outcome: list[BaseException | None] = []
@@ -577,6 +580,8 @@ def check_store_at_startup(
     where = f"{STORE_FLAG} {redact(url)}"
     if isinstance(failure, StoreConfigError):
         raise StoreConfigError(_one_line(f"{where}: {failure}", password))
+    if not warn_when_silent:
+        return
     logger.warning(
         "vllm-output-rate: %s does not answer (%s); the engines start in their fallback "
         "mode and share the quota once it answers",
