@@ -180,6 +180,21 @@ def test_missing_password_is_refused(plain):
     assert "needs a password" in message and PASSWORD_ENV in message
 
 
+def test_store_user_rights(plain):
+    """A user allowed only what the lease rounds send passes; one that may not run scripts does not."""
+    admin = plain.client()
+    try:
+        admin.acl_setuser("lease-only", enabled=True, passwords=["+lease-pw"], keys=["*"],
+                          commands=["+ping", "+eval", "+evalsha", "+script"])
+        admin.acl_setuser("no-scripts", enabled=True, passwords=["+plain-pw"], keys=["*"],
+                          commands=["+ping", "+info", "+get"])
+    finally:
+        admin.close()
+    check_store_at_startup(f"redis://lease-only:lease-pw@127.0.0.1:{plain.port}/0")
+    message = refusal(f"redis://no-scripts:plain-pw@127.0.0.1:{plain.port}/0")
+    assert "may not run the commands the engines need" in message and "plain-pw" not in message
+
+
 def test_unknown_host_is_refused():
     message = refusal("redis://no-such-store.invalid:6379/0")
     assert "unknown host 'no-such-store.invalid'" in message

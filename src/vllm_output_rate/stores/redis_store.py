@@ -648,7 +648,7 @@ def _probe_node(client, address: tuple[str, int] | None, scheme: str, password, 
 
     try:
         client.ping()
-        cluster_enabled = bool(client.info("cluster").get("cluster_enabled"))
+        cluster_enabled = _cluster_enabled(client)
         client.eval("return 1", 0)
     except rx.AuthenticationError as exc:
         raise StoreConfigError(_refused_auth(password, exc)) from None
@@ -669,12 +669,25 @@ def _probe_node(client, address: tuple[str, int] | None, scheme: str, password, 
     except rx.RedisError as exc:  # a reply that is not Redis's protocol
         raise StoreConfigError(f"the server does not answer like Redis ({type(exc).__name__}: {exc})") from None
     cluster = scheme in CLUSTER_SCHEMES
+    if cluster_enabled is None:
+        return  # a store user without INFO: the lease rounds tell
     if cluster and not cluster_enabled:
         plain = "rediss://" if scheme == "rediss+cluster" else "redis://"
         raise StoreConfigError(f"the server is not a Redis Cluster (cluster mode is off): use {plain}")
     if not cluster and cluster_enabled:
         meant = "rediss+cluster://" if scheme == "rediss" else "redis+cluster://"
         raise StoreConfigError(f"the server is a Redis Cluster node: use {meant}")
+
+
+def _cluster_enabled(client) -> bool | None:
+    """Whether the server runs in cluster mode; None when the store user may not ask
+    (the engines themselves never need INFO)."""
+    from redis.exceptions import NoPermissionError
+
+    try:
+        return bool(client.info("cluster").get("cluster_enabled"))
+    except NoPermissionError:
+        return None
 
 
 def _refused_auth(password: str | None, exc: BaseException) -> str:
