@@ -257,6 +257,16 @@ def test_the_whole_check_is_bounded(monkeypatch, caplog):
     assert any("no answer within 0.2 s" in r.getMessage() for r in caplog.records)
 
 
+def test_an_unexpected_failure_of_the_check_does_not_stop_startup(monkeypatch, caplog):
+    def broken(*args):
+        raise RuntimeError("surprise")
+
+    monkeypatch.setattr(redis_store, "_probe_store", broken)
+    with caplog.at_level(logging.WARNING, logger="vllm_output_rate.stores.redis_store"):
+        check_store_at_startup("redis://127.0.0.1:1/0")
+    assert any("could not be checked (RuntimeError: surprise)" in r.getMessage() for r in caplog.records)
+
+
 def test_the_flag_merge_refuses_a_bad_store_in_one_line(plain):
     """The hook in the flags' merge (the process that parses them, before engines)."""
     import argparse

@@ -582,11 +582,15 @@ def check_store_at_startup(
         raise StoreConfigError(_one_line(f"{where}: {failure}", password))
     if not warn_when_silent:
         return
+    # Anything else is no verdict on the configuration (the engines will
+    # tell): startup goes on, with a line that does not blame the store.
+    what = "does not answer" if isinstance(failure, StoreSilent) else "could not be checked"
     logger.warning(
-        "vllm-output-rate: %s does not answer (%s); the engines start in their fallback "
+        "vllm-output-rate: %s %s (%s); the engines start in their fallback "
         "mode and share the quota once it answers",
         where,
-        _one_line(str(failure) or type(failure).__name__, password),
+        what,
+        _one_line(f"{type(failure).__name__}: {failure}", password),
     )
 
 
