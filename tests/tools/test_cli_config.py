@@ -757,3 +757,56 @@ def test_cmd_serve_passes_arguments_through(capsys, tiny_model_dir, no_real_vllm
     cli.cmd_serve(argv)
     assert no_real_vllm_serve == [["vllm", "serve", *argv]]
     assert capsys.readouterr().err == ""
+
+
+# -- a store the engines could never use ------------------------------------------
+
+STORE_PASSWORD = "st0re-pw-7731"
+WRONG_STORE_PASSWORD = "wr0ng-pw-7731"
+
+
+@pytest.fixture(scope="module")
+def password_store():
+    from redis_harness import RedisServer
+
+    pytest.importorskip("redis")
+    srv = RedisServer(password=STORE_PASSWORD).start()
+    yield srv
+    srv.stop()
+
+
+def test_wrong_store_password_is_refused_while_the_flags_are_merged(
+    cli_parser, tiny_model_dir, password_store, monkeypatch
+):
+    # Parsing the flag moves its password into this variable: restored afterwards.
+    monkeypatch.setenv("OUTPUT_RATE_STORE_PASSWORD", "")
+    url = f"redis://:{WRONG_STORE_PASSWORD}@127.0.0.1:{password_store.port}/0"
+    with pytest.raises(OutputRateConfigError) as caught:
+        _from_cli(cli_parser, ["--model", tiny_model_dir, D, "5", "--output-rate-store", url])
+    message = str(caught.value)
+    assert message.startswith("--output-rate-store redis://127.0.0.1:"), message
+    assert "refused the password" in message and WRONG_STORE_PASSWORD not in message
+
+
+@pytest.mark.server
+def test_wrong_store_password_is_refused_by_serve(tiny_model_dir, password_store):
+    """A real ``serve``: exits non-zero with one error line naming the flag, no engine left."""
+    url = f"redis://:{WRONG_STORE_PASSWORD}@127.0.0.1:{password_store.port}/0"
+    proc, start = _start_cli([
+        "serve", tiny_model_dir,
+        "--host", "127.0.0.1", "--port", str(free_port()),
+        "--max-model-len", "256", "--enforce-eager",
+        D, "5", "--output-rate-store", url,
+    ])
+    proc, elapsed = _finish_cli(proc, start, timeout=REFUSAL_TIMEOUT_S)
+    print(f"wrong store password refused after {elapsed:.1f}s")
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    assert WRONG_STORE_PASSWORD not in output
+    lines = _stderr_lines(proc)
+    assert lines and lines[-1].startswith(ERROR_PREFIX + "--output-rate-store redis://127.0.0.1:"), (
+        proc.stderr[-3000:]
+    )
+    assert "refused the password" in lines[-1]
+    assert sum(ERROR_PREFIX in line for line in lines) == 1, proc.stderr

@@ -46,6 +46,7 @@ from vllm_output_rate.settings import (
     validate_rate,
 )
 from vllm_output_rate.stores.config import add_store_args, merge_store_args
+from vllm_output_rate.stores.redis_store import check_store_at_startup
 
 logger = logging.getLogger(__name__)
 
@@ -158,6 +159,11 @@ def merge_cli_into_engine_args(engine_args: Any, args: argparse.Namespace) -> No
     section = merge_operate_args(args, section)
     try:
         section = merge_store_args(args, section)
+        if getattr(args, "output_rate_store", None) is not None:
+            # Here, in the process that parsed the flag, before any engine
+            # starts: a store the engines could never use stops startup in
+            # one line instead of leaving every engine in its fallback.
+            check_store_at_startup(args.output_rate_store)
     except OutputRateConfigError:
         raise
     except ValueError as exc:  # store flags: one-line message naming the flag

@@ -26,6 +26,11 @@ log line nor ``additional_config`` ever holds it.  No vLLM or redis import.
 Cluster (Redis >= 7.0 or Valkey): one or more seed nodes, comma-separated;
 the client learns the other nodes from them.  A cluster has database 0 only,
 so the path is empty, ``/`` or ``/0``.
+
+The process that parses the flag checks the store once before any engine
+starts (:func:`.redis_store.check_store_at_startup`, called from the
+adapter's merge of the flags): what the engines could never use stops
+startup with one line naming the flag.
 """
 
 from __future__ import annotations
@@ -200,7 +205,10 @@ def add_store_args(parser: argparse.ArgumentParser) -> None:
         "of the deployment; redis+cluster://HOST:PORT[,HOST:PORT...] (or "
         "rediss+cluster://) for a Redis Cluster (Redis >= 7 / Valkey; one script "
         "call per node per round trip). Password in the URL or in $" + PASSWORD_ENV
-        + "; never logged. Without it each engine keeps its own quota.",
+        + "; never logged. Checked once at startup: a refused password, an unknown "
+        "host, TLS on one side only or the wrong cluster mode stops startup; a store "
+        "that does not answer yet only delays sharing (the fallback applies). "
+        "Without it each engine keeps its own quota.",
     )
     group.add_argument(
         FALLBACK_FLAG,

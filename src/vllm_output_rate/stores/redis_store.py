@@ -66,12 +66,29 @@ and the slot map is refreshed before the next one.
 The password comes from the URL (``redis://:PASSWORD@host:port/db``) or, when
 the URL has none, from the environment variable ``OUTPUT_RATE_STORE_PASSWORD``;
 it is never logged (:meth:`RedisLeaseBackend.describe`).
+
+Startup check (:func:`check_store_at_startup`, run by the process that parses
+``--output-rate-store`` before any engine starts).  A configuration the
+engines could never use -- a refused or missing password, a host name that
+does not resolve, TLS on one side only, a cluster URL for a standalone server
+or the reverse, a server that is not Redis, a store user without the right
+to run scripts -- stops startup with one line naming the flag (the password
+never appears in it).  A store that simply does not answer (not started yet,
+restarting) is not a configuration error: the engines start in the fallback
+mode and share the quota once it answers.  Every step has its own timeout
+and the whole check runs under one deadline, so it never hangs.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import ipaddress
+import logging
 import os
+import socket
+import ssl
+import threading
 from typing import Sequence
 from urllib.parse import urlsplit
 
@@ -80,13 +97,20 @@ from vllm_output_rate.stores.config import (
     DEFAULT_PREFIX,
     PASSWORD_ENV,
     SCHEMES,
+    STORE_FLAG,
     cluster_nodes,
     split_userinfo,
 )
 from vllm_output_rate.stores.backend import LeaseAsk, LeaseGrant
 
+logger = logging.getLogger(__name__)
+
 #: Seconds a reply may take before the engine treats the store as down.
 DEFAULT_TIMEOUT_S = 0.25
+#: Seconds each step of the startup check may take (name lookup, connect, a reply).
+CHECK_STEP_TIMEOUT_S = 1.0
+#: Seconds the whole startup check may take, whatever its steps do.
+CHECK_DEADLINE_S = 4.0
 #: Engines that have not published their fingerprint this long are ignored.
 ENGINE_LIVE_S = 30
 #: Keys outlive their debt by this margin (ms).
@@ -267,10 +291,6 @@ class RedisLeaseBackend:
         password_env: str = PASSWORD_ENV,
         engine_window_ms: int = ENGINE_WINDOW_MS,
     ) -> None:
-        import redis
-        from redis.backoff import NoBackoff
-        from redis.retry import Retry
-
         parts = urlsplit(url)
         if parts.scheme not in SCHEMES:
             raise ValueError(
@@ -278,19 +298,13 @@ class RedisLeaseBackend:
                 + " / ".join(s + "://" for s in SCHEMES)
                 + f" URL, got {redact(url)}"
             )
-        user, password, _ = split_userinfo(url)
-        if not password and os.environ.get(password_env):
-            password = os.environ[password_env]
+        user, password = _credentials(url, password_env)
         self._url = redact(url)
         self.prefix = prefix or DEFAULT_PREFIX
         self._window_us = engine_window_ms * 1000
         self.cluster = parts.scheme in CLUSTER_SCHEMES
         self.commands = 0  # script calls (and pings) sent; several per round trip on a cluster
-        common = dict(
-            socket_timeout=timeout_s,
-            socket_connect_timeout=timeout_s,
-            retry=Retry(NoBackoff(), 0),
-        )
+        common = _bounded(timeout_s)
         self._client = None
         if self.cluster:
             # Connecting reads the slot map, which needs a live node: done on
@@ -302,12 +316,12 @@ class RedisLeaseBackend:
                 username=user,
                 password=password,
                 ssl=parts.scheme == "rediss+cluster",
+                connection_class=_bounded_connection_class(parts.scheme == "rediss+cluster"),
                 require_full_coverage=True,
             )
             self._cluster_refresh = False
         else:
-            kwargs = {} if split_userinfo(url)[1] or not password else {"password": password}
-            self._client = redis.Redis.from_url(url, retry_on_timeout=False, **common, **kwargs)
+            self._client = _standalone_client(url, password, timeout_s)
             self._lease = self._client.register_script(LEASE_SCRIPT)
             self._fingerprint = self._client.register_script(FINGERPRINT_SCRIPT)
 
@@ -429,7 +443,276 @@ class RedisLeaseBackend:
             self._client.close()
 
 
+def _credentials(url: str, password_env: str) -> tuple[str | None, str | None]:
+    """The user and password: the URL's, else the password in ``password_env``."""
+    user, password, _ = split_userinfo(url)
+    if not password and os.environ.get(password_env):
+        password = os.environ[password_env]
+    return user, password
+
+
+def _bounded(timeout_s: float) -> dict:
+    """Client options under which no call waits longer than ``timeout_s`` per
+    step (connect, each reply) and a failure is reported, never retried."""
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    return dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0))
+
+
+def _standalone_client(url: str, password: str | None, timeout_s: float):
+    import redis
+
+    extra = {} if split_userinfo(url)[1] or not password else {"password": password}
+    scheme = urlsplit(url).scheme
+    if scheme != "unix":
+        extra["connection_class"] = _bounded_connection_class(scheme == "rediss")
+    return redis.Redis.from_url(url, retry_on_timeout=False, **_bounded(timeout_s), **extra)
+
+
+# -- name lookups with a deadline ----------------------------------------------------
+
+# One lookup thread per (host, port) at a time: while a resolver hangs, later
+# connection attempts wait on the same lookup instead of piling up threads.
+_lookups: dict[tuple[str, int], tuple[threading.Thread, list[BaseException]]] = {}
+_lookups_lock = threading.Lock()
+
+
+def _bounded_lookup(host: str, port: int, timeout_s: float) -> BaseException | None:
+    """Resolve ``host`` within ``timeout_s``: None, the lookup's error, or a TimeoutError."""
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+        return None  # an address: nothing to look up
+    except ValueError:
+        pass
+    with _lookups_lock:
+        key = (host, port)
+        running = _lookups.get(key)
+        if running is None or not running[0].is_alive():
+            failure: list[BaseException] = []
+
+            def lookup() -> None:
+                try:
+                    socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+                except BaseException as exc:
+                    failure.append(exc)
+
+            thread = threading.Thread(target=lookup, name="output-rate-store-lookup", daemon=True)
+            thread.start()
+            running = _lookups[key] = (thread, failure)
+    thread, failure = running
+    thread.join(timeout_s)
+    if thread.is_alive():
+        return TimeoutError(f"name lookup of {host!r} did not answer within {timeout_s:g} s")
+    return failure[0] if failure else None
+
+
+@functools.lru_cache(maxsize=None)
+def _bounded_connection_class(tls: bool):
+    """redis-py's TCP (or TLS) connection whose name lookup has the connect timeout.
+
+    redis-py bounds the connect and every reply but not the lookup of the
+    host name; a lease thread stuck there would neither get an answer nor
+    report a failure, so the engine would stay in ``shared`` mode without
+    any quota instead of falling back.
+    """
+    from redis.connection import Connection, SSLConnection
+
+    class BoundedLookupConnection(SSLConnection if tls else Connection):
+        def _connect(self):
+            timeout_s = self.socket_connect_timeout or DEFAULT_TIMEOUT_S
+            if isinstance(_bounded_lookup(self.host, self.port, timeout_s), TimeoutError):
+                raise socket.timeout(f"name lookup of {self.host!r} did not answer")
+            return super()._connect()
+
+    return BoundedLookupConnection
+
+
 def _is_noscript(reply: object) -> bool:
     from redis.exceptions import NoScriptError
 
     return isinstance(reply, NoScriptError)
+
+
+# -- startup check ----------------------------------------------------------------
+
+
+class StoreConfigError(ValueError):
+    """The store's answer (or the name lookup's) means the engines could never use it."""
+
+
+class StoreSilent(Exception):
+    """The store gave no answer at all: down or not started yet, not misconfigured."""
+
+
+def check_store_at_startup(
+    url: str,
+    password_env: str = PASSWORD_ENV,
+    step_timeout_s: float = CHECK_STEP_TIMEOUT_S,
+    deadline_s: float = CHECK_DEADLINE_S,
+    warn_when_silent: bool = True,
+) -> None:
+    """Refuse a store the engines could never use, in one line naming the flag.
+
+    Raises :class:`StoreConfigError` (``--output-rate-store URL: cause``,
+    password left out).  A store that does not answer only logs a warning
+    (unless ``warn_when_silent`` is false: a pre-check whose caller checks
+    again later): the engines start in their fallback mode and share the
+    quota once it answers.  Returns within ``deadline_s`` whatever the
+    network does.
+    """
+    _, password = _credentials(url, password_env)
+    outcome: list[BaseException | None] = []
+
+    def probe() -> None:
+        try:
+            _probe_store(url, password, step_timeout_s)
+            outcome.append(None)
+        except BaseException as exc:  # handed to the caller's thread
+            outcome.append(exc)
+
+    thread = threading.Thread(target=probe, name="output-rate-store-check", daemon=True)
+    thread.start()
+    thread.join(deadline_s)
+    failure = outcome[0] if outcome else StoreSilent(f"no answer within {deadline_s:g} s")
+    if failure is None:
+        return
+    where = f"{STORE_FLAG} {redact(url)}"
+    if isinstance(failure, StoreConfigError):
+        raise StoreConfigError(_one_line(f"{where}: {failure}", password))
+    if not warn_when_silent:
+        return
+    # Anything else is no verdict on the configuration (the engines will
+    # tell): startup goes on, with a line that does not blame the store.
+    what = "does not answer" if isinstance(failure, StoreSilent) else "could not be checked"
+    logger.warning(
+        "vllm-output-rate: %s %s (%s); the engines start in their fallback "
+        "mode and share the quota once it answers",
+        where,
+        what,
+        _one_line(f"{type(failure).__name__}: {failure}", password),
+    )
+
+
+def _one_line(text: str, password: str | None) -> str:
+    if password:
+        text = text.replace(password, "***")
+    return " ".join(text.split())
+
+
+def _probe_store(url: str, password: str | None, timeout_s: float) -> None:
+    import redis
+
+    parts = urlsplit(url)
+    if parts.scheme in CLUSTER_SCHEMES:
+        seeds = cluster_nodes(url)
+        for host, port in seeds:
+            _resolve(host, port, timeout_s)
+        user, _ = _credentials(url, PASSWORD_ENV)
+        silent = []
+        for host, port in seeds:  # one seed that answers is enough, as for the client
+            pool = redis.ConnectionPool(
+                connection_class=_bounded_connection_class(parts.scheme == "rediss+cluster"),
+                host=host, port=port, username=user, password=password, **_bounded(timeout_s),
+            )
+            client = redis.Redis(connection_pool=pool)
+            try:
+                _probe_node(client, (host, port), parts.scheme, password, timeout_s)
+                return
+            except StoreSilent as exc:
+                silent.append(f"{host}:{port}: {exc}")
+            finally:
+                client.close()
+                pool.disconnect()
+        raise StoreSilent("; ".join(silent))
+    address = None
+    if parts.scheme != "unix":
+        address = (parts.hostname or "localhost", parts.port or 6379)
+        _resolve(*address, timeout_s)
+    client = _standalone_client(url, password, timeout_s)
+    try:
+        _probe_node(client, address, parts.scheme, password, timeout_s)
+    finally:
+        client.close()
+
+
+def _resolve(host: str, port: int, timeout_s: float) -> None:
+    """Look the host name up, bounded: a resolver that never answers must not hang startup."""
+    failure = _bounded_lookup(host, port, timeout_s)
+    if isinstance(failure, TimeoutError):
+        raise StoreConfigError(f"the name lookup of host {host!r} did not answer within {timeout_s:g} s")
+    if failure is not None:
+        reason = getattr(failure, "strerror", None) or failure
+        raise StoreConfigError(f"unknown host {host!r} ({reason})")
+
+
+def _probe_node(client, address: tuple[str, int] | None, scheme: str, password, timeout_s: float) -> None:
+    """PING, the server's cluster mode and a script call: what every lease round needs."""
+    from redis import exceptions as rx
+
+    try:
+        client.ping()
+        cluster_enabled = _cluster_enabled(client)
+        client.eval("return 1", 0)
+    except rx.AuthenticationError as exc:
+        raise StoreConfigError(_refused_auth(password, exc)) from None
+    except rx.NoPermissionError as exc:
+        raise StoreConfigError(f"the store user may not run the commands the engines need ({exc})") from None
+    except rx.ResponseError as exc:
+        if str(exc).startswith(("NOAUTH", "WRONGPASS")):
+            raise StoreConfigError(_refused_auth(password, exc)) from None
+        raise StoreConfigError(f"the store refused a command ({exc})") from None
+    except (rx.TimeoutError, rx.ConnectionError) as exc:
+        tls = scheme.startswith("rediss")
+        mismatch = _tls_mismatch(address, tls, timeout_s) if address else None
+        if mismatch:
+            raise StoreConfigError(mismatch) from None
+        if tls and any(word in str(exc) for word in ("SSL", "certificate", "TLS")):
+            raise StoreConfigError(f"the TLS handshake failed ({exc})") from None
+        raise StoreSilent(str(exc)) from None
+    except rx.RedisError as exc:  # a reply that is not Redis's protocol
+        raise StoreConfigError(f"the server does not answer like Redis ({type(exc).__name__}: {exc})") from None
+    cluster = scheme in CLUSTER_SCHEMES
+    if cluster_enabled is None:
+        return  # a store user without INFO: the lease rounds tell
+    if cluster and not cluster_enabled:
+        plain = "rediss://" if scheme == "rediss+cluster" else "redis://"
+        raise StoreConfigError(f"the server is not a Redis Cluster (cluster mode is off): use {plain}")
+    if not cluster and cluster_enabled:
+        meant = "rediss+cluster://" if scheme == "rediss" else "redis+cluster://"
+        raise StoreConfigError(f"the server is a Redis Cluster node: use {meant}")
+
+
+def _cluster_enabled(client) -> bool | None:
+    """Whether the server runs in cluster mode; None when the store user may not ask
+    (the engines themselves never need INFO)."""
+    from redis.exceptions import NoPermissionError
+
+    try:
+        return bool(client.info("cluster").get("cluster_enabled"))
+    except NoPermissionError:
+        return None
+
+
+def _refused_auth(password: str | None, exc: BaseException) -> str:
+    if password:
+        return f"the store refused the password ({exc})"
+    return f"the store needs a password: give it in the URL or in ${PASSWORD_ENV}"
+
+
+def _tls_mismatch(address: tuple[str, int], tls: bool, timeout_s: float) -> str | None:
+    """Why TLS on one side only stops the client, or None when that is not the cause."""
+    try:
+        with socket.create_connection(address, timeout=timeout_s) as sock:
+            if tls:
+                sock.sendall(b"PING\r\n")
+                if sock.recv(64)[:1] in (b"+", b"-"):
+                    return "the server does not use TLS: use redis:// (or redis+cluster://)"
+                return None
+            context = ssl.create_default_context()
+            context.check_hostname = False
+            context.verify_mode = ssl.CERT_NONE
+            with context.wrap_socket(sock):  # the handshake: only a TLS server completes it
+                return "the server expects TLS: use rediss:// (or rediss+cluster://)"
+    except (OSError, ValueError):
+        return None
