@@ -810,3 +810,26 @@ def test_wrong_store_password_is_refused_by_serve(tiny_model_dir, password_store
     )
     assert "refused the password" in lines[-1]
     assert sum(ERROR_PREFIX in line for line in lines) == 1, proc.stderr
+
+
+def test_wrong_store_password_is_refused_before_vllm_loads(
+    tiny_model_dir, password_store, vllm_tripwire, tmp_path
+):
+    """``vllm-output-rate serve`` checks the store before importing vLLM, so the
+    refusal does not wait for vLLM to load."""
+    imported = tmp_path / "vllm-imported"
+    env = {**vllm_tripwire, VLLM_IMPORTED_ENV: str(imported), "OUTPUT_RATE_STORE_PASSWORD": ""}
+    url = f"redis://:{WRONG_STORE_PASSWORD}@127.0.0.1:{password_store.port}/0"
+    proc = run_cli(
+        ["serve", tiny_model_dir, "--host", "127.0.0.1", D, "5", "--output_rate_store", url],
+        timeout=60,
+        env=env,
+    )
+    assert not imported.exists(), "vLLM was imported before the store was refused"
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0].startswith(
+        ERROR_PREFIX + f"--output-rate-store redis://127.0.0.1:{password_store.port}/0: "
+    ), lines[0]
+    assert "refused the password" in proc.stderr and WRONG_STORE_PASSWORD not in proc.stderr

