@@ -56,7 +56,7 @@ def test_budget_rejects_negative_settings(burst, ratio):
     ),
 )
 def test_evictions_for_waiting_never_exceed_burst_plus_ratio_times_scheduled(burst, ratio, events):
-    """The bound README states: what evictions for waiting requests make the
+    """The bound docs/design.md states: what evictions for waiting requests make the
     engine recompute <= burst + ratio x requests scheduled, whatever the
     evictions for running requests took."""
     budget = EvictionBudget(burst_tokens=burst, ratio=ratio)

@@ -39,7 +39,7 @@ grant, so the bound across engines is the same as without shares.  An
 engine that stopped asking and has no share debt left is deleted from the
 hash by the next call.  Equal demand on engines whose rounds come at
 different times then splits the user's tokens about evenly instead of
-first come, first served (figures in the README, "Scale-out").
+first come, first served (measured on a fake clock in tests/stores/test_store_fair.py).
 
 Keys: ``{prefix}:user:{<user>}`` -- the ``{...}`` hash tag puts each user in
 its own Redis Cluster slot, and the per-engine share fields live in the same

@@ -12,7 +12,7 @@ default it never reaches) on the first engine.  Everything is stopped by PID
 at the end.
 
 Prints the bench's per-user and per-engine tables and a Markdown block (the
-README's), and writes ``OUT.json`` (the bench document plus the setup) and
+performance page's), and writes ``OUT.json`` (the bench document plus the setup) and
 ``OUT.png`` (each user's rate summed over engines; the heavy user's tokens
 per engine and summed, against the bound across engines).
 """
