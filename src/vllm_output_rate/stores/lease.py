@@ -33,6 +33,20 @@ that user only, so a new user's first token does not wait for the cadence
 So one engine asks about each active user at most about once per 50 ms, and
 one round trip carries all of them.
 
+Throttled users.  A user is asked for only when the store can grant it
+something: not before the store's "not before" time for it (``wait_ns`` of
+its last grant; after a refusal that names no time, because other engines
+hold the user's share, one token interval), so a user at N tok/s costs at
+most about N asks per second, however long it stays throttled.  When no
+user can be asked at the next 50 ms round, the thread skips the cadence and
+sleeps until the earliest such time (+ 0-5 ms drawn per round, so engines
+told the same time take turns), or until a user becoming short needs a
+round sooner; and :meth:`LeasedOutputRateLimiter.ready_at_ns` names that
+round, so the engine's idle wait (capped by the scheduler) reaches the
+time a lease can next be spent instead of the next 50 ms round.  A user short
+after its last ask keeps its demand until ``active_ns`` past that time,
+since a throttled engine may sleep longer than ``active_ns`` between steps.
+
 Lifetime.  A lease is valid for ``lifetime_ns`` (300 ms) from the moment its
 request was *sent* (before the store granted it, so the lifetime always covers
 the grant).  Tokens still unspent then are not spendable any more and go back
