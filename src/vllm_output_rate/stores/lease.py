@@ -33,6 +33,20 @@ that user only, so a new user's first token does not wait for the cadence
 So one engine asks about each active user at most about once per 50 ms, and
 one round trip carries all of them.
 
+Throttled users.  A user is asked for only when the store can grant it
+something: not before the store's "not before" time for it (``wait_ns`` of
+its last grant; after a refusal that names no time, because other engines
+hold the user's share, one token interval), so a user at N tok/s costs at
+most about N asks per second, however long it stays throttled.  When no
+user can be asked at the next 50 ms round, the thread skips the cadence and
+sleeps until the earliest such time (+ 0-5 ms drawn per round, so engines
+told the same time take turns), or until a user becoming short needs a
+round sooner; and :meth:`LeasedOutputRateLimiter.ready_at_ns` names that
+round, so the engine's idle wait (capped by the scheduler) reaches the
+time a lease can next be spent instead of the next 50 ms round.  A user short
+after its last ask keeps its demand until ``active_ns`` past that time,
+since a throttled engine may sleep longer than ``active_ns`` between steps.
+
 Lifetime.  A lease is valid for ``lifetime_ns`` (300 ms) from the moment its
 request was *sent* (before the store granted it, so the lifetime always covers
 the grant).  Tokens still unspent then are not spendable any more and go back
@@ -100,8 +114,8 @@ from vllm_output_rate.policy.rates import RateTable
 from vllm_output_rate.stores.backend import LOCAL, MODES, MS, SHARED, LeaseBackend, LeaseConfig
 from vllm_output_rate.stores.fingerprints import LimitsFingerprints
 from vllm_output_rate.stores.health import StoreHealth
-from vllm_output_rate.stores.lease_book import LeaseBook
-from vllm_output_rate.stores.rounds import LeaseRounds
+from vllm_output_rate.stores.lease_book import LeaseBook, ask_due_ns
+from vllm_output_rate.stores.rounds import IDLE, LeaseRounds
 
 
 class LeasedOutputRateLimiter:
@@ -144,7 +158,8 @@ class LeasedOutputRateLimiter:
         )
         now = clock()
         wake = threading.Event()
-        self.book = LeaseBook(self.stats, wake.set)
+        self._wake_rounds = wake.set
+        self.book = LeaseBook(self.stats, wake.set, config)
         self.health = StoreHealth(config, backend.describe, self.stats, now)
         self.fingerprints = LimitsFingerprints(backend, engine_id, config.fingerprint_every_ns, now)
         self.rounds = LeaseRounds(
@@ -178,7 +193,8 @@ class LeasedOutputRateLimiter:
             changed = set(self.local.update_rates(default, overrides))
             changed.update(self.rates.changed_for(new, self.book.users()))
             self.rates = self.rounds.rates = new
-            self.fingerprints.next_ns = self.rounds.clock()  # publish at the next round
+            self.fingerprints.next_ns = self.rounds.clock()  # publish now
+        self._wake_rounds()
         return sorted(changed)
 
     def available(self, user: str, now_ns: int) -> int:
@@ -189,7 +205,7 @@ class LeasedOutputRateLimiter:
         with book.lock:
             have = book.held(user, now_ns)
             if not have:
-                book.want(user, now_ns, self.config.active_ns)
+                book.want(user, now_ns)
             return have
 
     def try_take(self, user: str, now_ns: int, count: int = 1) -> bool:
@@ -203,7 +219,7 @@ class LeasedOutputRateLimiter:
             return True
         with book.lock:
             if book.held(user, now_ns) < count:
-                book.want(user, now_ns, self.config.active_ns)
+                book.want(user, now_ns)
                 return False
             book.spend(user, count)
             return True
@@ -220,7 +236,7 @@ class LeasedOutputRateLimiter:
         with book.lock:
             have = book.held(user, now_ns)
             if have < count:
-                book.want(user, now_ns, self.config.active_ns)
+                book.want(user, now_ns)
                 if not have:
                     return 0
                 count = have
@@ -243,21 +259,36 @@ class LeasedOutputRateLimiter:
         """When a take for ``user`` is expected to succeed (an estimate).
 
         ``now_ns`` while tokens are held (or for a user never asked for);
-        otherwise shortly after the round trip that will bring the next lease
-        (1 ms after the next round, or after the store's own "not before" for
-        this user).  Only a query: it does not make the engine ask for quota.
+        otherwise shortly after the round trip that will bring the next lease:
+        1 ms after the round planned for the user (not before the store's
+        own "not before" for it), which on an engine whose users are all
+        throttled is when the store can grant again, not the next 50 ms
+        round.  While that round is late or under way (sent, or woken for a
+        new user), the estimate doubles the time it has taken so far
+        (at least 1 ms), so a slow store or a busy machine costs the engine a
+        few wake-ups, not one per millisecond.  Only a query: it does not
+        make the engine ask for quota.
         """
         mode = self.health.mode
         if mode is LOCAL:
             return self.local.ready_at_ns(user, now_ns)
         book, rounds = self.book, self.rounds
         with book.lock:
-            if mode is SHARED and (book.held(user, now_ns) or user not in book.wanted_at):
+            if mode is not SHARED:  # closed: the next probe may end the outage
+                return max(rounds.next_round_ns, now_ns) + MS
+            if book.held(user, now_ns) or user not in book.wanted_at:
                 return now_ns  # tokens held, or never short: a first ask brings them
-            if rounds.in_flight or user in book.new_users:
-                return now_ns + MS
-            due = max(rounds.next_round_ns, book.wait_until.get(user, 0))
-            return max(due, now_ns) + MS
+            if user in book.new_users:
+                since = book.new_since
+            elif rounds.in_flight and book.asked_at.get(user) == rounds.last_round_ns:
+                since = rounds.last_round_ns
+            else:
+                since = ask_due_ns(book, user, self.config.round_ns)
+                if rounds.next_round_ns != IDLE:
+                    since = max(since, rounds.next_round_ns)
+                if since > now_ns:
+                    return since + MS
+            return now_ns + max(MS, now_ns - since)
 
     def cleanup_idle_users(self, now_ns: int) -> int:
         """Drop expired leases and users not wanted lately; return how many users."""

@@ -1,9 +1,19 @@
 """The leases one engine holds, per user, and what it will ask the store for next.
 
 The scheduler thread spends from the book; the lease thread fills it from
-round trips and reads from it what to ask for.  Both hold :attr:`LeaseBook.lock`
-while they change it, and only for dict work, never across a round trip --
-except :meth:`LeaseBook.take_oldest`, the common take, which needs no lock.
+round trips and reads from it what to ask for, and when.  Both hold
+:attr:`LeaseBook.lock` while they change it, and only for dict work, never
+across a round trip -- except :meth:`LeaseBook.take_oldest`, the common take,
+which needs no lock.
+
+A user is asked for while it has demand: the scheduler wanted tokens for it
+within ``active_ns``, or it was short after its last ask and the store's
+"not before" time lies within ``active_ns`` (an engine whose users are all
+throttled may sleep longer than ``active_ns`` between steps, and its
+throttled users still want the token the store will grant them then).  A
+user with demand is asked for no earlier than its *ask time*
+(:func:`ask_due_ns`): when the store said it could grant again, and not
+within half a round of the last ask.
 """
 
 from __future__ import annotations
@@ -18,20 +28,45 @@ from vllm_output_rate.stores.backend import LeaseAsk, LeaseConfig, LeaseGrant, i
 NEVER = -(10**18)
 
 
+def ask_due_ns(book: "LeaseBook", user: str, round_ns: int) -> int:
+    """When a regular round may next ask for ``user``: the store's "not before"
+    time, and half a round after the last ask."""
+    return max(book.wait_until.get(user, 0), book.asked_at.get(user, NEVER) + round_ns // 2)
+
+
+def has_demand(book: "LeaseBook", user: str, since_ns: int) -> bool:
+    """Did ``user`` want tokens since ``since_ns``, or is it still owed the
+    token it was short of when the store's "not before" time comes?"""
+    if book.wanted_at.get(user, NEVER) >= since_ns:
+        return True
+    return (
+        book.short_at.get(user, NEVER) >= book.asked_at.get(user, NEVER)
+        and book.wait_until.get(user, NEVER) >= since_ns
+    )
+
+
 class LeaseBook:
     """Per user: leases held (oldest first), demand, and the store's last word."""
 
-    def __init__(self, stats: dict[str, int], wake_rounds: Callable[[], None]) -> None:
+    def __init__(
+        self, stats: dict[str, int], wake_rounds: Callable[[], None], config: LeaseConfig = LeaseConfig()
+    ) -> None:
         self.lock = threading.Lock()
         self._stats = stats
         self._wake_rounds = wake_rounds
+        self._config = config
         self.leases: dict[str, deque] = {}  # user -> deque of [expiry_ns, tokens]
         self.last_expiry: dict[str, int] = {}  # expiry of the lease last spent from
         self.wanted_at: dict[str, int] = {}  # last time the scheduler wanted tokens
+        self.short_at: dict[str, int] = {}  # last time the scheduler found none held
         self.asked_at: dict[str, int] = {}  # last round that asked for the user
         self.wait_until: dict[str, int] = {}  # store said: nothing before this
         self.give_back: dict[str, int] = {}  # unspent tokens to hand back
         self.new_users: set[str] = set()  # want an extra round now
+        self.new_since = NEVER  # when the first of new_users was added
+        #: While the lease thread sleeps past its cadence (nobody to ask
+        #: before then): when it will wake.  None: on the cadence, or woken.
+        self.deferred_to: int | None = None
 
     # -- the scheduler thread ----------------------------------------------
 
@@ -78,15 +113,25 @@ class LeaseBook:
             count -= lease[1]
             leases.popleft()
 
-    def want(self, user: str, now_ns: int, active_ns: int) -> None:
-        """Note that ``user`` is short; wake the lease thread if it was not asked lately."""
-        self.wanted_at[user] = now_ns
+    def want(self, user: str, now_ns: int) -> None:
+        """Note that ``user`` is short; wake the lease thread if it was not
+        asked lately, or if it sleeps past the user's ask time."""
+        self.wanted_at[user] = self.short_at[user] = now_ns
+        if user in self.new_users:
+            return
+        config = self._config
         if (
-            user not in self.new_users
-            and self.asked_at.get(user, NEVER) + active_ns <= now_ns
+            self.asked_at.get(user, NEVER) + config.active_ns <= now_ns
             and self.wait_until.get(user, 0) <= now_ns
         ):
+            if not self.new_users:
+                self.new_since = now_ns
             self.new_users.add(user)
+            self._wake_rounds()
+            return
+        deferred = self.deferred_to
+        if deferred is not None and ask_due_ns(self, user, config.round_ns) < deferred:
+            self.deferred_to = None  # the thread plans again; one wake is enough
             self._wake_rounds()
 
     def refund(self, user: str, now_ns: int, count: int) -> None:
@@ -107,12 +152,13 @@ class LeaseBook:
         """Drop expired leases and users not wanted lately; return how many users."""
         stale = now_ns - active_ns
         for user in list(self.leases):
-            if not self.held(user, now_ns) and self.wanted_at.get(user, stale) <= stale:
+            if not self.held(user, now_ns) and not has_demand(self, user, stale + 1):
                 del self.leases[user]
         dropped = 0
         for user in list(self.wanted_at):
-            if self.wanted_at[user] < stale and user not in self.leases:
+            if not has_demand(self, user, stale) and user not in self.leases:
                 del self.wanted_at[user]
+                self.short_at.pop(user, None)
                 self.asked_at.pop(user, None)
                 self.wait_until.pop(user, None)
                 self.last_expiry.pop(user, None)
@@ -126,7 +172,7 @@ class LeaseBook:
     # -- the lease thread --------------------------------------------------
 
     def asks(self, now_ns: int, only_new: bool, config: LeaseConfig, rates: RateTable) -> list[LeaseAsk]:
-        """This round's asks: top each active user up to its lease size, hand back the pile.
+        """This round's asks: top each user with demand up to its lease size, hand back the pile.
 
         ``only_new``: an extra round, for the users that just became short.
         """
@@ -140,7 +186,7 @@ class LeaseBook:
         for user in users:
             rate = rates.exact_rate_of(user)
             want = 0
-            if self.wanted_at.get(user, NEVER) >= active_since and (
+            if has_demand(self, user, active_since) and (
                 only_new
                 or (
                     self.wait_until.get(user, 0) <= skip_until
@@ -159,6 +205,30 @@ class LeaseBook:
         self._stats["asks"] += len(asks)
         return asks
 
+    def next_ask_ns(self, cadence_ns: int, config: LeaseConfig) -> int | None:
+        """When the next regular round has someone to ask for or something to hand back.
+
+        ``cadence_ns`` when a round then would (what :meth:`asks` takes in:
+        demand then, the store's time within half a round, not asked in the
+        last half round); otherwise the earliest exact ask time
+        (:func:`ask_due_ns`) of a user whose demand lasts until then, which
+        is later; None if nobody has demand.  A user becoming short wakes
+        the thread when it needs a round sooner (:meth:`want`).
+        """
+        if self.give_back:
+            return cadence_ns
+        half = config.round_ns // 2
+        active_since = cadence_ns - config.active_ns
+        earliest = None
+        for user in self.wanted_at:
+            due = ask_due_ns(self, user, config.round_ns)
+            if due <= cadence_ns + half and self.asked_at.get(user, NEVER) <= cadence_ns - half:
+                if has_demand(self, user, active_since):
+                    return cadence_ns
+            if (earliest is None or due < earliest) and has_demand(self, user, due - config.active_ns):
+                earliest = due
+        return None if earliest is None else max(earliest, cadence_ns)
+
     def add_grants(
         self, asks: Sequence[LeaseAsk], grants: Sequence[LeaseGrant], sent_ns: int, received_ns: int,
         lifetime_ns: int,
@@ -171,7 +241,15 @@ class LeaseBook:
                 self.leases.setdefault(ask.user, deque()).append([sent_ns + lifetime_ns, grant.granted])
                 granted += grant.granted
             if ask.want:
-                self.wait_until[ask.user] = received_ns + grant.wait_ns
+                wait_ns = grant.wait_ns
+                if not grant.granted and not wait_ns:
+                    # Refused with no time named: other engines hold the
+                    # user's share, which frees one token per interval times
+                    # the engines asking.  Asking every round would cost a
+                    # round trip each; one interval delays this engine's
+                    # next token by at most that.
+                    wait_ns = ask.interval_ns
+                self.wait_until[ask.user] = received_ns + wait_ns
         self._stats["leased"] += granted
         return granted
 
@@ -182,6 +260,8 @@ class LeaseBook:
         self.give_back.clear()
         self.last_expiry.clear()
         self.wait_until.clear()
+        self.deferred_to = None
         if forget_demand:
             self.asked_at.clear()
             self.wanted_at.clear()
+            self.short_at.clear()
