@@ -9,6 +9,8 @@ without starting vLLM.
 from __future__ import annotations
 
 import contextlib
+import subprocess
+import sys
 
 import pytest
 
@@ -133,7 +135,14 @@ def test_one_engine_alone_keeps_vllms_binding(started_envs, tmp_path):
 
 
 def test_worker_cpus_of_a_process_without_model_workers_is_empty():
-    assert benchkit.worker_cpus(benchkit.os.getpid()) == []
+    # A process of its own: the suite's own process may have servers (and
+    # their model workers) below it while this runs.
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert benchkit.worker_cpus(child.pid) == []
+    finally:
+        child.kill()
+        child.wait()
 
 
 def test_demo_cluster_block_says_where_each_model_worker_ran():
