@@ -41,6 +41,11 @@ MAKES = {
     "offline_throughput": "python benchmarks/offline_throughput.py",
     "idle_cpu": "python benchmarks/idle_cpu.py",
     "idle_cpu_spin_off": "python benchmarks/idle_cpu.py --worker-spin-ms off --out docs/benchmarks/idle_cpu_spin_off",
+    "idle_cpu_store": "python benchmarks/idle_cpu.py --store --out docs/benchmarks/idle_cpu_store",
+    "idle_cpu_50u_2e": "python benchmarks/idle_cpu.py --users 50 --streams 1 --engines 2 "
+                       "--out docs/benchmarks/idle_cpu_50u_2e",
+    "idle_cpu_store_50u_2e": "python benchmarks/idle_cpu.py --users 50 --streams 1 --engines 2 --store "
+                             "--out docs/benchmarks/idle_cpu_store_50u_2e",
     "itl_single": "python benchmarks/itl_single.py",
     "itl_single_instructions": "python benchmarks/itl_single.py --instructions",
     "kv_pressure": "python benchmarks/kv_pressure.py",
@@ -277,8 +282,48 @@ def idle_lines(doc: Doc, extra: dict[str, Doc | None], image: str | None) -> lis
         + _verdict(thr["engine_core"]["mean"], a.get("target_engine_core_percent"), unit=" %") + ".",
         f"- Other processes during the throttled windows: {thr['foreign']['mean']:.0f} % of a core on average.",
     ]
+    variants = [(name, extra.get(name)) for name in IDLE_VARIANTS]
+    if any(v for _, v in variants):
+        lines += ["", *idle_variant_lines([("idle_cpu", doc), *variants])]
     if image:
         lines += ["", f"![server CPU, idle vs throttled]({image})"]
+    return lines
+
+
+#: The same throttled load with more users, more engines and a shared store.
+IDLE_VARIANTS = ("idle_cpu_store", "idle_cpu_50u_2e", "idle_cpu_store_50u_2e")
+
+
+def idle_variant_lines(docs: list[tuple[str, Doc | None]]) -> list[str]:
+    """One row per variant run: the whole server's CPU per engine while every
+    user is throttled, and the engines' own wake-up and round-trip counters."""
+    lines = [
+        "With more users, more engines and a shared store (the same total rate split evenly over "
+        "the users; CPU summed over every server and the store's redis-server, then per engine):",
+        "",
+        "| result | users | engines | store | per engine, throttled | idle steps/s (all engines) "
+        "| store round trips/s | other processes |",
+        "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |",
+    ]
+    for name, doc in docs:
+        if doc is None:
+            continue
+        cfg, thr = doc["config"], doc["analysis"]["throttled"]
+
+        def mean(key: str) -> str:
+            spread = thr.get(key)
+            return "–" if not spread or spread["mean"] is None else f"{spread['mean']:.1f}"
+
+        lines.append(
+            f"| `{name}` | {cfg.get('users', 1)} | {cfg.get('engines', 1)} | "
+            f"{'yes' if cfg.get('store') else 'no'} | {mean('per_engine_total')} % | {mean('idle_steps_per_s')} | "
+            f"{mean('store_round_trips_per_s') if cfg.get('store') else '–'} | {mean('foreign')} % |"
+        )
+    target = docs[0][1]["analysis"].get("target_server_total_percent") if docs[0][1] else None
+    if target is not None:
+        worst = max(d["analysis"]["throttled"]["per_engine_total"]["mean"] for _, d in docs if d)
+        lines += ["", f"- Worst per-engine figure above: {worst:.1f} % of a core"
+                  + _verdict(worst, target, unit=" %") + "."]
     return lines
 
 
@@ -434,7 +479,7 @@ SECTIONS = (
             "(`benchmarks/throughput_ratio.py`)", throughput_lines),
     Section("offline_throughput", "In-process throughput (`benchmarks/offline_throughput.py`)", offline_lines),
     Section("idle_cpu", "Server CPU with every user throttled (`benchmarks/idle_cpu.py`)", idle_lines,
-            ("idle_cpu_spin_off",)),
+            ("idle_cpu_spin_off", *IDLE_VARIANTS)),
     Section("itl_single", "Single-stream inter-token latency (`benchmarks/itl_single.py`)", itl_lines,
             ("itl_single_instructions",)),
     Section("kv_pressure", "KV cache held by a throttled user (`benchmarks/kv_pressure.py`)", kv_lines),
