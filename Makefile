@@ -102,6 +102,9 @@ bench-step: setup model
 bench-server: setup model bench-model
 	$(BIN)/python benchmarks/idle_cpu.py
 	$(BIN)/python benchmarks/idle_cpu.py --worker-spin-ms off --out docs/benchmarks/idle_cpu_spin_off
+	$(BIN)/python benchmarks/idle_cpu.py --store --out docs/benchmarks/idle_cpu_store
+	$(BIN)/python benchmarks/idle_cpu.py --users 50 --streams 1 --engines 2 --rate 10 --out docs/benchmarks/idle_cpu_50u_2e
+	$(BIN)/python benchmarks/idle_cpu.py --users 50 --streams 1 --engines 2 --store --rate 10 --out docs/benchmarks/idle_cpu_store_50u_2e
 	$(BIN)/python benchmarks/kv_pressure.py
 	$(BIN)/python benchmarks/throughput_ratio.py --model $(BENCH_MODEL_DIR)
 	$(BIN)/python benchmarks/itl_single.py

@@ -42,9 +42,9 @@ MAKES = {
     "idle_cpu": "python benchmarks/idle_cpu.py",
     "idle_cpu_spin_off": "python benchmarks/idle_cpu.py --worker-spin-ms off --out docs/benchmarks/idle_cpu_spin_off",
     "idle_cpu_store": "python benchmarks/idle_cpu.py --store --out docs/benchmarks/idle_cpu_store",
-    "idle_cpu_50u_2e": "python benchmarks/idle_cpu.py --users 50 --streams 1 --engines 2 "
+    "idle_cpu_50u_2e": "python benchmarks/idle_cpu.py --users 50 --streams 1 --engines 2 --rate 10 "
                        "--out docs/benchmarks/idle_cpu_50u_2e",
-    "idle_cpu_store_50u_2e": "python benchmarks/idle_cpu.py --users 50 --streams 1 --engines 2 --store "
+    "idle_cpu_store_50u_2e": "python benchmarks/idle_cpu.py --users 50 --streams 1 --engines 2 --store --rate 10 "
                              "--out docs/benchmarks/idle_cpu_store_50u_2e",
     "itl_single": "python benchmarks/itl_single.py",
     "itl_single_instructions": "python benchmarks/itl_single.py --instructions",
@@ -298,12 +298,12 @@ def idle_variant_lines(docs: list[tuple[str, Doc | None]]) -> list[str]:
     """One row per variant run: the whole server's CPU per engine while every
     user is throttled, and the engines' own wake-up and round-trip counters."""
     lines = [
-        "With more users, more engines and a shared store (the same total rate split evenly over "
-        "the users; CPU summed over every server and the store's redis-server, then per engine):",
+        "With more users, more engines and a shared store (the total rate split evenly over the "
+        "users; CPU summed over every server and the store's redis-server, then per engine):",
         "",
-        "| result | users | engines | store | per engine, throttled | idle steps/s (all engines) "
-        "| store round trips/s | other processes |",
-        "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |",
+        "| result | users | tok/s per user | engines | store | per engine, throttled "
+        "| idle steps/s (all engines) | store round trips/s | other processes |",
+        "| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |",
     ]
     for name, doc in docs:
         if doc is None:
@@ -315,7 +315,7 @@ def idle_variant_lines(docs: list[tuple[str, Doc | None]]) -> list[str]:
             return "–" if not spread or spread["mean"] is None else f"{spread['mean']:.1f}"
 
         lines.append(
-            f"| `{name}` | {cfg.get('users', 1)} | {cfg.get('engines', 1)} | "
+            f"| `{name}` | {cfg.get('users', 1)} | {cfg['rate'] / cfg.get('users', 1):g} | {cfg.get('engines', 1)} | "
             f"{'yes' if cfg.get('store') else 'no'} | {mean('per_engine_total')} % | {mean('idle_steps_per_s')} | "
             f"{mean('store_round_trips_per_s') if cfg.get('store') else '–'} | {mean('foreign')} % |"
         )
