@@ -241,17 +241,32 @@ def test_a_store_that_is_down_only_warns(caplog):
     assert not any(PASSWORD in line for line in lines)
 
 
-def test_a_name_lookup_that_never_answers_is_bounded(monkeypatch):
-    def stuck(*args, **kwargs):
-        time.sleep(3600)
+@pytest.fixture
+def released():
+    """An event set when the test ends, so a stalled helper thread ends with it."""
+    event = threading.Event()
+    yield event
+    event.set()
 
-    monkeypatch.setattr(redis_store.socket, "getaddrinfo", stuck)
+
+def test_a_name_lookup_that_never_answers_is_bounded(monkeypatch, released):
+    # socket.getaddrinfo is process-wide and the prestarted servers' health
+    # polls resolve through it in other threads: only this test's host stalls.
+    real_lookup = socket.getaddrinfo
+
+    def stuck(host, *args, **kwargs):
+        if host == "stuck.invalid":
+            released.wait(LIVENESS_S)
+            raise socket.gaierror("released")
+        return real_lookup(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", stuck)
     with pytest.raises(StoreConfigError, match="name lookup of host 'stuck.invalid' did not answer"):
         check_store_at_startup("redis://stuck.invalid:6379/0", step_timeout_s=0.1)
 
 
-def test_the_whole_check_is_bounded(monkeypatch, caplog):
-    monkeypatch.setattr(redis_store, "_probe_store", lambda *a: time.sleep(3600))
+def test_the_whole_check_is_bounded(monkeypatch, caplog, released):
+    monkeypatch.setattr(redis_store, "_probe_store", lambda *a: released.wait(LIVENESS_S))
     with caplog.at_level(logging.WARNING, logger="vllm_output_rate.stores.redis_store"):
         check_store_at_startup("redis://127.0.0.1:1/0", deadline_s=0.2)
     assert any("no answer within 0.2 s" in r.getMessage() for r in caplog.records)
