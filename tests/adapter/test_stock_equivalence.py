@@ -33,6 +33,8 @@ class Arrival:
     priority: int
     prefix: int  # which shared prefix the prompt starts with
     stop_after: int | None  # output index that is a stop token
+    lora: int | None = None  # LoRA adapter id
+    image: tuple | None = None  # (offset, length, name) of an image placeholder
 
 
 @dataclass(frozen=True)
@@ -45,10 +47,12 @@ class Workload:
     arrivals: tuple
     aborts: tuple  # (step, arrival index)
     steps: int
+    max_loras: int | None = None  # LoRA on: adapters a batch may hold
+    encoder_cache: int | None = None  # multimodal: encoder cache and budget (embeddings)
 
 
 @st.composite
-def workloads(draw, policy: str, chunked: bool):
+def workloads(draw, policy: str, chunked: bool, lora: bool = False, images: bool = False):
     budget = draw(st.sampled_from([32, 64, 128]))
     max_model_len = 1024 if chunked else budget
     steps = draw(st.integers(20, 70))
@@ -70,6 +74,8 @@ def workloads(draw, policy: str, chunked: bool):
                 priority=draw(st.integers(0, 2)) if policy == "priority" else 0,
                 prefix=draw(st.integers(0, 2)),
                 stop_after=draw(st.one_of(st.none(), st.integers(0, max_tokens))),
+                lora=draw(st.one_of(st.none(), st.integers(1, 4))) if lora else None,
+                image=draw(_images(prompt_len)) if images else None,
             )
         )
     arrivals.sort(key=lambda a: a.step)
@@ -86,7 +92,20 @@ def workloads(draw, policy: str, chunked: bool):
         arrivals=tuple(arrivals),
         aborts=aborts,
         steps=steps,
+        max_loras=draw(st.integers(1, 3)) if lora else None,
+        encoder_cache=draw(st.sampled_from([IMAGE, 2 * IMAGE, 4 * IMAGE])) if images else None,
     )
+
+
+IMAGE = 16  # placeholder tokens (= embeddings) per image
+
+
+def _images(prompt_len: int):
+    if prompt_len < IMAGE:
+        return st.none()
+    return st.one_of(st.none(), st.tuples(
+        st.integers(0, prompt_len - IMAGE), st.just(IMAGE), st.sampled_from(["i0", "i1", "i2"])
+    ))
 
 
 def _prompt(arrival: Arrival, index: int) -> list[int]:
@@ -108,6 +127,8 @@ def trace(workload: Workload, limits: dict | None, async_: bool) -> list[dict]:
         max_num_seqs=workload.max_num_seqs,
         max_num_batched_tokens=workload.budget,
         max_model_len=1024,
+        max_loras=workload.max_loras,
+        encoder_cache_size=workload.encoder_cache,
     )
     ids = [f"q{i}" for i in range(len(workload.arrivals))]
     steps = []
@@ -121,6 +142,8 @@ def trace(workload: Workload, limits: dict | None, async_: bool) -> list[dict]:
                 priority=arrival.priority,
                 prompt=_prompt(arrival, index),
                 request_id=ids[index],
+                lora=arrival.lora,
+                images=[arrival.image] if arrival.image else [],
             )
             if arrival.stop_after is not None:
                 h.stop_at[ids[index]] = arrival.stop_after
@@ -179,6 +202,51 @@ def test_never_hit_limits_decide_like_stock(policy, chunked, async_):
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     )
     @given(workloads(policy, chunked))
+    def check(workload):
+        assert_same_as_stock(workload, async_)
+
+    check()
+
+
+LORA_CASES = [("fcfs", True, False), ("fcfs", True, True), ("priority", False, False)]
+
+
+@pytest.mark.parametrize(
+    "policy,chunked,async_",
+    LORA_CASES,
+    ids=[f"{p}-{'chunked' if c else 'whole'}-{'async' if a else 'sync'}" for p, c, a in LORA_CASES],
+)
+def test_never_hit_limits_decide_like_stock_with_lora(policy, chunked, async_):
+    """The same, with LoRA on: requests name adapters (or none), max_loras 1-3,
+    so vLLM's adapter cap keeps requests waiting."""
+    @settings(
+        max_examples=10,
+        deadline=None,
+        derandomize=True,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+    @given(workloads(policy, chunked, lora=True))
+    def check(workload):
+        assert_same_as_stock(workload, async_)
+
+    check()
+
+
+@pytest.mark.parametrize(
+    "policy,chunked,async_",
+    LORA_CASES,
+    ids=[f"{p}-{'chunked' if c else 'whole'}-{'async' if a else 'sync'}" for p, c, a in LORA_CASES],
+)
+def test_never_hit_limits_decide_like_stock_with_images(policy, chunked, async_):
+    """The same, with image placeholders (shared images too) and an encoder
+    cache and budget of 1-4 images, so encoder room limits chunks."""
+    @settings(
+        max_examples=10,
+        deadline=None,
+        derandomize=True,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+    @given(workloads(policy, chunked, images=True))
     def check(workload):
         assert_same_as_stock(workload, async_)
 

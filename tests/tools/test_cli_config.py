@@ -444,14 +444,16 @@ REFUSED_ENGINE_ARGS = [
         "KV connectors",
     ),
     ("kv-offloading", {"kv_offloading_size": 1.0}, "KV offloading"),
-    ("lora", {"enable_lora": True, "max_loras": 1, "max_lora_rank": 8}, "LoRA adapters"),
 ]
 
 
 @pytest.mark.parametrize(
     "kwargs,mode", [pytest.param(k, m, id=i) for i, k, m in REFUSED_ENGINE_ARGS]
 )
-def test_unsupported_mode_is_refused_in_process(plugin, tiny_model_dir, kwargs, mode):
+def test_unsupported_mode_is_refused_in_process(plugin, tiny_model_dir, kwargs, mode, monkeypatch):
+    # From a process whose front end is off: an earlier test of the session
+    # (any scheduler test with limits) may have turned it on.
+    monkeypatch.setattr(plugin, "_frontend_active", False)
     with pytest.raises(OutputRateConfigError, match="does not support") as info:
         _engine_args(tiny_model_dir, additional_config=_on(5), **kwargs).create_engine_config()
     assert mode in str(info.value)
@@ -464,6 +466,17 @@ def test_lora_is_left_alone_with_the_feature_off(plugin, tiny_model_dir):
     ).create_engine_config()
     assert config.lora_config is not None and config.lora_config.max_loras == 1
     assert config.scheduler_config.scheduler_cls is None
+
+
+def test_lora_runs_with_the_feature_on(plugin, tiny_model_dir):
+    """No longer refused: hidden requests' adapters count against max_loras
+    (adapter/scheduler.AdapterHooks, tests/adapter/test_lora.py)."""
+    config = _engine_args(
+        tiny_model_dir, enable_lora=True, max_loras=2, max_lora_rank=8, additional_config=_on(5)
+    ).create_engine_config()
+    assert config.lora_config is not None and config.lora_config.max_loras == 2
+    assert config.scheduler_config.scheduler_cls == SCHEDULER_CLS
+    assert plugin.frontend_active() is True
 
 
 def _fake_vllm_config(**changes):
@@ -492,17 +505,22 @@ def _fake_vllm_config(**changes):
 RESOLVED_REFUSALS = [
     ("model_config.runner_type", "pooling", "pooling models"),
     ("model_config.is_encoder_decoder", True, "encoder-decoder models"),
-    ("model_config.is_multimodal_model", True, "multimodal models"),
     ("model_config.is_hybrid", True, "hybrid (attention + state-space) models"),
     ("model_config.is_attention_free", True, "attention-free models"),
     ("model_config.is_diffusion", True, "diffusion models"),
     ("speculative_config", object(), "speculative decoding"),
     ("kv_transfer_config", object(), "KV connectors"),
     ("ec_transfer_config", object(), "EC connectors"),
-    ("lora_config", object(), "LoRA adapters"),
     ("parallel_config.data_parallel_size", 2, "data_parallel_size > 1"),
     ("parallel_config.pipeline_parallel_size", 2, "pipeline_parallel_size > 1"),
 ]
+
+
+def test_multimodal_and_lora_configs_are_accepted():
+    """No longer refused (tests/adapter/test_multimodal.py, test_lora.py)."""
+    patches_module.check_vllm_config(
+        _fake_vllm_config(**{"model_config.is_multimodal_model": True, "lora_config": object()})
+    )
 
 
 @pytest.mark.parametrize(

@@ -247,21 +247,12 @@ REFUSALS: tuple[Refusal, ...] = (
         on_args=lambda a: getattr(a, "kv_offloading_size", None),
     ),
     Refusal(
-        "LoRA adapters",
-        "requests out of quota leave vLLM's running list during a step, so "
-        "vLLM's max_loras check does not count their adapters (the engine "
-        "then fails its own assertion)",
-        on_args=lambda a: a.enable_lora,
-        on_config=lambda c: c.lora_config is not None,
-    ),
-    Refusal(
         "a custom scheduler_cls",
         "the rate limit is implemented by its own scheduler class",
         on_args=lambda a: a.scheduler_cls is not None,
     ),
     Refusal("pooling models", _MODEL_KIND_WHY, on_config=lambda c: c.model_config.runner_type == "pooling"),
     Refusal("encoder-decoder models", _MODEL_KIND_WHY, on_config=lambda c: c.model_config.is_encoder_decoder),
-    Refusal("multimodal models", _MODEL_KIND_WHY, on_config=lambda c: c.model_config.is_multimodal_model),
     Refusal(
         "hybrid (attention + state-space) models",
         _MODEL_KIND_WHY,
@@ -454,13 +445,13 @@ class Patch:
 
 _REFUSAL_ARGS = (
     "data_parallel_size", "pipeline_parallel_size", "speculative_config", "kv_transfer_config",
-    "ec_transfer_config", "kv_offloading_size", "enable_lora", "scheduler_cls",
+    "ec_transfer_config", "kv_offloading_size", "scheduler_cls",
 )
 _REFUSAL_CONFIG = (
     "model_config", "parallel_config", "scheduler_config", "speculative_config",
-    "kv_transfer_config", "ec_transfer_config", "lora_config", "additional_config",
+    "kv_transfer_config", "ec_transfer_config", "additional_config",
 )
-_MODEL_KINDS = ("is_encoder_decoder", "is_multimodal_model", "is_hybrid", "is_attention_free")
+_MODEL_KINDS = ("is_encoder_decoder", "is_hybrid", "is_attention_free")
 _SPIN = "SpinCondition"
 
 PATCHES: dict[str, Patch] = {p.name: p for p in (

@@ -45,10 +45,11 @@ the gate, its lanes and ledger, and :class:`..policy.displacement.Displacement`)
 N+1 scheduled before step N's output arrives) works unchanged.
 
 The scheduler mixin is :class:`OutputRateSchedulerMixin` (the step) over
-three hook classes, one concern each: :class:`MembershipHooks` (the lanes
+four hook classes, one concern each: :class:`MembershipHooks` (the lanes
 follow vLLM's request lifecycle), :class:`ChargingHooks` (per-request
-charges and waiting-queue skips) and :class:`EvictionHooks` (slot and KV
-pressure).
+charges and waiting-queue skips), :class:`AdapterHooks` (hidden requests'
+LoRA adapters stay counted against ``max_loras``) and :class:`EvictionHooks`
+(slot and KV pressure).
 """
 
 from __future__ import annotations
@@ -172,6 +173,8 @@ class ChargingHooks:
         # Out of quota: stop short of the sampling position.
         allowed = sample_at - 1 - num_computed_tokens if self._chunked_prefill else 0
         allowed = max(allowed, 0)
+        if allowed and request.mm_features and self.scheduler_config.disable_chunked_mm_input:
+            allowed = _end_before_split_item(request, num_computed_tokens, allowed)
         if allowed == 0 and request.status == RequestStatus.RUNNING:
             self._refused_visible += 1
         return allowed
@@ -184,6 +187,8 @@ class ChargingHooks:
             return False
         if self._step_plan is None:
             return True
+        if request.lora_request is not None and not self._adapter_fits(request):
+            return False
         ledger = self._ledger
         user_of = self._lanes.user_of
         if self._slot_donors:
@@ -218,6 +223,47 @@ class ChargingHooks:
         if request.num_tokens - num_computed_tokens <= 1:
             return not self._ledger.can_charge(request)
         return False
+
+
+class AdapterHooks:
+    """LoRA: a hidden request's adapter still counts against ``max_loras``.
+
+    vLLM admits a waiting request with a new adapter only while fewer than
+    ``max_loras`` adapters are in its count, and asserts that count after its
+    running loop.  It counts what it can see in ``running`` (0.32: the
+    requests scheduled in the step; 0.33: all of them), so a request hidden
+    for lack of quota -- or visible but refused its sampling position (0.32)
+    -- would not hold its adapter's place, and when it ran again beside a
+    newcomer with another adapter the batch would exceed ``max_loras``.
+
+    While some resident request is hidden or refused, a waiting request with
+    an adapter is therefore skipped (vLLM's own skip path) unless its adapter
+    is among those of every resident request and the step's admissions so
+    far, or there is room for one more.  Otherwise vLLM's own count already
+    covers every resident request that can run and nothing changes: with
+    limits never hit, LoRA admissions are stock vLLM's.
+    """
+
+    _adapters_plan: StepPlan | None = None  # the step the cached set belongs to
+    _adapters_in_step: set[int]
+    _adapters_seen: int = 0  # entries of self.running already in the set
+
+    def _adapter_fits(self, request: Request) -> bool:
+        """May ``request`` (which has an adapter) be admitted in this step?"""
+        lora_id = request.lora_request.lora_int_id
+        plan = self._step_plan
+        if lora_id <= 0 or not (plan.hidden or self._refused_visible):
+            return True
+        if self._adapters_plan is not plan:
+            self._adapters_plan = plan
+            self._adapters_in_step = _adapters_of(self._lanes.resident())
+            self._adapters_seen = 0
+        known = self._adapters_in_step
+        running = self.running  # the visible requests, then this step's admissions
+        if self._adapters_seen < len(running):
+            known |= _adapters_of(running[self._adapters_seen:])
+            self._adapters_seen = len(running)
+        return lora_id in known or len(known) < self.lora_config.max_loras
 
 
 class EvictionHooks:
@@ -288,7 +334,7 @@ class EvictionHooks:
         self._evicted_in_step.append(victim)
 
 
-class OutputRateSchedulerMixin(MembershipHooks, ChargingHooks, EvictionHooks):
+class OutputRateSchedulerMixin(MembershipHooks, ChargingHooks, AdapterHooks, EvictionHooks):
     """Per-user output-rate limiting on top of vLLM's V1 ``Scheduler``.
 
     This class runs the step (plan, hand vLLM the visible requests, settle);
@@ -585,6 +631,32 @@ def _can_progress_unpaid(request: Request) -> bool:
 def _tokens_held(request: Request) -> int:
     """What recomputing an evicted request costs (as if no prefix were cached)."""
     return request.num_computed_tokens
+
+
+def _end_before_split_item(request: Request, num_computed_tokens: int, allowed: int) -> int:
+    """A chunk cut short for lack of quota, kept whole-item under ``--disable-chunked-mm-input``.
+
+    With that flag vLLM does not end a chunk inside a multimodal item the
+    chunk starts (unless the token budget is smaller than the item); the cut
+    to the second-to-last prompt position could, when the prompt ends with an
+    item.  Then the chunk ends before that item (no chunk at all if it
+    starts there).
+    """
+    end = num_computed_tokens + allowed
+    for feature in request.mm_features:
+        start = feature.mm_position.offset
+        if num_computed_tokens <= start < end < start + feature.mm_position.length:
+            return start - num_computed_tokens
+    return allowed
+
+
+def _adapters_of(requests) -> set[int]:
+    """The LoRA adapters (``lora_int_id`` > 0) of ``requests``, as vLLM counts them."""
+    return {
+        r.lora_request.lora_int_id
+        for r in requests
+        if r.lora_request is not None and r.lora_request.lora_int_id > 0
+    }
 
 
 def _priority_of(request: Request) -> int:

@@ -136,6 +136,25 @@ TOUCHPOINTS: tuple[TouchPoint, ...] = (
     _tp(SCHED, "_ec_transfer_pending", "method",
         "overridden: skip after the prefix-cache lookup when only the sampled position is left",
         ["request", "num_computed_tokens"]),
+    _tp(SCHED, "lora_config", "instance attribute",
+        "read: max_loras, for hidden requests' adapters (AdapterHooks)"),
+    _tp("vllm.config.lora:LoRAConfig", "max_loras", "field",
+        "read: adapters a batch may hold"),
+    _tp(REQUEST, "mm_features", "instance attribute",
+        "read: a chunk cut short for quota never splits a multimodal item"),
+    _tp("vllm.multimodal.inputs:MultiModalFeatureSpec", "mm_position", "field",
+        "read: where a multimodal item sits in the prompt"),
+    *(
+        _tp("vllm.multimodal.inputs:PlaceholderRange", name, "field",
+            "read: a multimodal item's place in the prompt")
+        for name in ("offset", "length")
+    ),
+    _tp("vllm.config.scheduler:SchedulerConfig", "disable_chunked_mm_input", "field",
+        "read: chunks must not end inside a multimodal item"),
+    _tp(REQUEST, "lora_request", "instance attribute",
+        "read: a waiting request's adapter against those of hidden requests"),
+    _tp("vllm.lora.request:LoRARequest", "lora_int_id", "field",
+        "read: the adapter's id, as vLLM counts adapters"),
     _tp(SCHED, "_request_blocks_can_be_freed", "method", "called: eviction victim filter",
         ["request"]),
     _tp(SCHED, "has_requests", "method", "read by the engine step (idle wait test)", []),
@@ -224,20 +243,20 @@ TOUCHPOINTS: tuple[TouchPoint, ...] = (
         for name in (
             "data_parallel_size", "pipeline_parallel_size", "speculative_config",
             "kv_transfer_config", "ec_transfer_config", "kv_offloading_size",
-            "enable_lora", "scheduler_cls",
+            "scheduler_cls",
         )
     ),
     *(
         _tp(VLLM_CONFIG, name, "field", "read by a refusal or the scheduler selection")
         for name in (
             "model_config", "parallel_config", "scheduler_config", "speculative_config",
-            "kv_transfer_config", "ec_transfer_config", "lora_config", "additional_config",
+            "kv_transfer_config", "ec_transfer_config", "additional_config",
         )
     ),
     _tp(MODEL_CONFIG, "runner_type", "instance attribute", "read: pooling models are refused"),
     *(
         _tp(MODEL_CONFIG, name, "property", "read: model kinds that are refused")
-        for name in ("is_encoder_decoder", "is_multimodal_model", "is_hybrid", "is_attention_free")
+        for name in ("is_encoder_decoder", "is_hybrid", "is_attention_free")
     ),
     _tp("vllm.config.parallel:ParallelConfig", "data_parallel_size", "field", "read by a refusal"),
     _tp("vllm.config.parallel:ParallelConfig", "pipeline_parallel_size", "field",

@@ -24,8 +24,11 @@ from dataclasses import dataclass, field
 
 import torch
 from vllm.engine.arg_utils import EngineArgs
+from vllm.lora.request import LoRARequest
+from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
+from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -89,6 +92,9 @@ class Harness:
         max_model_len: int = 1024,
         prefix_caching: bool = True,
         model_dir: str | os.PathLike = DEFAULT_MODEL_DIR,
+        max_loras: int | None = None,
+        encoder_cache_size: int | None = None,
+        disable_chunked_mm_input: bool = False,
     ) -> None:
         if not chunked:
             max_model_len = min(max_model_len, max_num_batched_tokens)
@@ -105,6 +111,11 @@ class Harness:
             scheduling_policy=policy,
             enable_prefix_caching=prefix_caching,
             additional_config=additional,
+            # LoRA on: requests may name adapters (``add(lora=...)``); only
+            # the scheduler's max_loras accounting is exercised, nothing loads.
+            **({} if max_loras is None else
+               {"enable_lora": True, "max_loras": max_loras, "max_lora_rank": 8}),
+            disable_chunked_mm_input=disable_chunked_mm_input,
         )
         config = args.create_engine_config()
         config.cache_config.num_gpu_blocks = num_blocks
@@ -133,6 +144,12 @@ class Harness:
             structured_output_manager=StructuredOutputManager(config),
             block_size=BLOCK_SIZE,
         )
+        if encoder_cache_size is not None:
+            # Multimodal requests (``add(images=...)``): an encoder cache and
+            # a per-step encoder budget of that many embeddings, as vLLM sizes
+            # them for a vision-language model (a text model has neither).
+            self.sched.max_num_encoder_input_tokens = encoder_cache_size
+            self.sched.encoder_cache_manager = EncoderCacheManager(cache_size=encoder_cache_size)
         self.clock = FakeClock()
         if limits is not None:
             self.sched.output_rate_clock = self.clock
@@ -170,6 +187,8 @@ class Harness:
         priority: int = 0,
         prompt: list[int] | None = None,
         request_id: str | None = None,
+        lora: int | None = None,
+        images: list[tuple[int, int, str]] = (),
     ) -> Request:
         extra = None if user is None else {"output_rate_user": user}
         params = SamplingParams(
@@ -185,6 +204,14 @@ class Harness:
             arrival_time=self.clock.now_ns / 1e9,
             priority=priority,
             block_hasher=self._block_hasher,
+            lora_request=None if lora is None else LoRARequest(f"adapter-{lora}", lora, "/unused"),
+            mm_features=[
+                MultiModalFeatureSpec(
+                    data=None, modality="image", identifier=name,
+                    mm_position=PlaceholderRange(offset=offset, length=length),
+                )
+                for offset, length, name in images  # identical names: one cached item
+            ] or None,
         )
         self.sched.add_request(request)
         self.records[rid] = Record(user or "__anonymous__", max_tokens, len(tokens))

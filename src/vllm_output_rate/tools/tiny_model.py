@@ -143,3 +143,58 @@ def is_tiny_model_dir(path: str | os.PathLike) -> bool:
     return (p / "config.json").is_file() and (p / "tokenizer.json").is_file() and any(
         p.glob("*.safetensors")
     )
+
+
+#: Layers a tiny LoRA adapter changes, and the PEFT format's key prefix.
+LORA_TARGETS = ("q_proj", "v_proj")
+_PEFT_PREFIX = "base_model.model.model.layers"
+
+
+def write_tiny_lora(
+    out_dir: str | os.PathLike, model_dir: str | os.PathLike, rank: int = 8, seed: int = SEED
+) -> Path:
+    """Write a random LoRA adapter for the tiny model in ``model_dir``, in PEFT's format.
+
+    ``adapter_config.json`` plus ``adapter_model.safetensors`` with one
+    ``lora_A`` (rank x in) and ``lora_B`` (out x rank) pair for the query and
+    value projections of every layer: what ``vllm serve --enable-lora
+    --lora-modules NAME=DIR`` loads.  Different seeds give different adapters;
+    the same seed always the same one.  Made without ``peft``.
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    hidden = config["hidden_size"]
+    head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
+    out_features = {
+        "q_proj": config["num_attention_heads"] * head_dim,
+        "v_proj": config["num_key_value_heads"] * head_dim,
+    }
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(config["num_hidden_layers"]):
+        for module in LORA_TARGETS:
+            key = f"{_PEFT_PREFIX}.{layer}.self_attn.{module}"
+            a = torch.randn(rank, hidden, generator=generator) * 0.02
+            b = torch.randn(out_features[module], rank, generator=generator) * 0.02
+            tensors[f"{key}.lora_A.weight"] = a.to(torch.bfloat16).contiguous()
+            tensors[f"{key}.lora_B.weight"] = b.to(torch.bfloat16).contiguous()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    adapter_config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": str(model_dir),
+        "r": rank,
+        "lora_alpha": 2 * rank,
+        "lora_dropout": 0.0,
+        "target_modules": list(LORA_TARGETS),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "modules_to_save": None,
+        "inference_mode": True,
+    }
+    (out / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2) + "\n")
+    return out
