@@ -521,6 +521,8 @@ def fair_share_lines(doc: Doc, extra: dict[str, Doc | None], image: str | None) 
         "only): in each window, among the clients backlogged throughout it, service divided by weight, "
         "largest minus smallest; max and mean over the windows after the first. **Share deviation**: the "
         "largest |share of the backlogged clients' tokens / weight share − 1| in any window after the first. "
+        "A counter window's edges are the engine's about-once-a-second reports, so one window may hold up to "
+        "a second more than its 10 s worth. "
         "The light user's first-token time is the engine's own stamp (queued in the engine to first token) "
         "of its requests that finished.",
     ]
@@ -547,8 +549,9 @@ def fair_share_lines(doc: Doc, extra: dict[str, Doc | None], image: str | None) 
             lines.append(
                 f"| {label} | {w['throughput_tok_s']:.0f} | {per_user} | {_num(f['max'], '.0f')} / "
                 f"{_num(f['mean'], '.0f')} | {_percent(f['max_share_deviation'])} | "
-                f"{_ms(light['ttft_p50_s'])} / {_ms(light['ttft_p90_s'])} ({light['requests']} sent, "
-                f"{light['requests'] - light['with_first_token']} without a first token by the end) |")
+                f"{_ms(light['ttft_p50_s'])} / {_ms(light['ttft_p90_s'])} of the {light['engine_stamped']} of "
+                f"{light['requests']} that finished ({light['requests'] - light['with_first_token']} had no first "
+                "token by the end) |")
     lines += _fair_share_targets(doc, modes)
     ran = [(label, modes[key]) for key, label in FAIR_SHARE_MODES if (modes.get(key) or {}).get("status") == "ran"]
     differs = [label for label, r in ran if r.get("config_differs")]
