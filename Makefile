@@ -36,7 +36,7 @@ SERIES_TESTS ?= tests/policy/test_limiter.py tests/policy/test_gate.py tests/con
 # vllm serve subprocesses cannot start on the GPU wheel (no CPU kernels).
 SERIES_TEST_ARGS ?= -m 'not server'
 
-.PHONY: setup setup-033 test-033 model bench-model serve test demo demo-cluster bench-step bench-server bench-demo performance clean-model
+.PHONY: setup setup-033 test-033 model bench-model serve test demo demo-cluster bench-step bench-server bench-fair-share bench-demo performance clean-model
 setup: $(STAMP)
 setup-033: $(STAMP_033)
 
@@ -112,6 +112,13 @@ bench-server: setup model bench-model
 	$(BIN)/python benchmarks/soak.py
 	$(BIN)/python benchmarks/offline_throughput.py
 	$(BIN)/python benchmarks/shared_store.py --cluster
+
+# VTC's two workloads on stock vLLM, hard caps and rate/ceil/weight: one server
+# per mode, 4-5 min each. MODES='--mode stock --mode hard' runs some of them
+# (the others keep their earlier result in the JSON).
+MODES ?=
+bench-fair-share: setup model
+	$(BIN)/python benchmarks/fair_share.py $(MODES)
 
 # The two demos, kept for the performance page.
 bench-demo: demo demo-cluster

@@ -51,6 +51,7 @@ MAKES = {
     "kv_pressure": "python benchmarks/kv_pressure.py",
     "soak": "python benchmarks/soak.py",
     "shared_store": "python benchmarks/shared_store.py --cluster",
+    "fair_share": "python benchmarks/fair_share.py",
 }
 
 
@@ -462,6 +463,114 @@ def shared_store_lines(doc: Doc, extra: dict[str, Doc | None], image: str | None
     return lines
 
 
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{1000 * seconds:.0f} ms"
+
+
+def _percent(fraction: float | None) -> str:
+    return "-" if fraction is None else f"{100 * fraction:.0f} %"
+
+
+def _fair_share_targets(doc: Doc, modes: dict) -> list[str]:
+    """The issue's targets that this run speaks to, once rate/ceil/weight ran."""
+    def workload(mode: str, name: str) -> dict | None:
+        return ((modes.get(mode) or {}).get("workloads") or {}).get(name)
+
+    lines = []
+    weighted = workload("shares", "weighted")
+    if weighted and weighted["fairness"]["max_share_deviation"] is not None:
+        dev = weighted["fairness"]["max_share_deviation"]
+        lines.append(f"- Weighted, rate/ceil/weight: largest share deviation {100 * dev:.0f} %"
+                     + _verdict(100 * dev, 100 * doc["target_share_deviation"], unit=" %") + ".")
+    for name in ("overload", "weighted"):
+        shares, hard, stock = workload("shares", name), workload("hard", name), workload("stock", name)
+        if shares and stock:
+            lines.append(f"- {name}: total throughput rate/ceil/weight / stock "
+                         f"{shares['throughput_tok_s'] / stock['throughput_tok_s']:.2f}.")
+        if shares and hard and shares["light"]["ttft_p50_s"] and hard["light"]["ttft_p50_s"]:
+            ratio = shares["light"]["ttft_p50_s"] / hard["light"]["ttft_p50_s"]
+            lines.append(f"- {name}: light user's first-token p50, rate/ceil/weight / hard caps {ratio:.2f}"
+                         + _verdict(ratio, doc.get("target_light_ttft_ratio")) + ".")
+    return [""] + lines if lines else []
+
+
+FAIR_SHARE_MODES = (("stock", "stock vLLM (FCFS)"), ("hard", "hard caps"), ("shares", "rate/ceil/weight"))
+
+
+def fair_share_lines(doc: Doc, extra: dict[str, Doc | None], image: str | None) -> list[str]:
+    cfg, cap = doc["config"], doc["capacity"]
+    a, b = cfg["overload_load"]
+    lines = [
+        "VTC's two synthetic workloads (Sheng et al., OSDI 2024, section 5.2), scaled to this machine. "
+        f"Capacity C = {cap['tok_s']:g} output tok/s ({cap['streams']} closed-loop streams on the stock "
+        f"server); every client sends open loop at fixed intervals, {cfg['prompt_tokens']} prompt + "
+        f"{cfg['max_tokens']} output tokens per request, for {cfg['duration']:g} s. **overload**: A and B, "
+        f"equal weights, offering {a:g} C and {b:g} C. **weighted**: W1–W4, weights 1–4, "
+        + (f"each offering {cfg['weighted_load']:g} C." if cfg["weighted_arrivals"] == "equal"
+           else f"offering {cfg['weighted_load'] * 4:g} C in proportion to their weights (as VTC).")
+        + f" Guaranteed rates: {cfg['guaranteed']:g} C per workload, split by weight; **hard caps** make them "
+        "ceilings, **rate/ceil/weight** gives the same rates with no ceiling and the workload's weights. "
+        f"A light user sends {cfg['light_max_tokens']} tokens every {cfg['light_interval']:g} s in every mode "
+        f"(limited to {cfg['light_rate']:g} tok/s in the two plugin modes).",
+        "",
+        f"Service per client per {cfg['window']:g} s window: on the engine's per-user counters where the plugin "
+        "runs (`/metrics`, windows whose edges had no read within "
+        f"{cfg.get('max_skew', 2):g} s are left out); on stock vLLM, which has no per-user counter, each "
+        "request's tokens spread over its first-to-last token span as the engine stamped it (per-request "
+        "metrics), as VTC attributes service. **Service difference** (VTC's fairness metric, output tokens "
+        "only): in each window, among the clients backlogged throughout it, service divided by weight, "
+        "largest minus smallest; max and mean over the windows after the first. **Share deviation**: the "
+        "largest |share of the backlogged clients' tokens / weight share − 1| in any window after the first. "
+        "A counter window's edges are the engine's about-once-a-second reports, so one window may hold up to "
+        "a second more than its 10 s worth. "
+        "The light user's first-token time is the engine's own stamp (queued in the engine to first token) "
+        "of its requests that finished.",
+    ]
+    modes = doc.get("modes", {})
+    for name in ("overload", "weighted"):
+        lines += [
+            "",
+            f"| {name} | total tok/s | tok/s per client after the first window (of its guaranteed rate) | "
+            "service difference max / "
+            "mean (tokens per weight per window) | share deviation | light user's first token p50 / p90 |",
+            "| --- | ---: | --- | ---: | ---: | ---: |",
+        ]
+        for key, label in FAIR_SHARE_MODES:
+            result = modes.get(key) or {}
+            w = (result.get("workloads") or {}).get(name)
+            if not w:
+                lines.append(f"| {label} | not run: `python benchmarks/fair_share.py --mode {key}` | | | | |")
+                continue
+            f, light = w["fairness"], w["light"]
+            per_user = ", ".join(
+                f"{u} {_num(s['tok_s_after_first_window'], '.0f')}"
+                + ("" if s.get("of_guaranteed") is None else f" ({100 * s['of_guaranteed']:.0f} %)")
+                for u, s in w["users"].items())
+            lines.append(
+                f"| {label} | {w['throughput_tok_s']:.0f} | {per_user} | {_num(f['max'], '.0f')} / "
+                f"{_num(f['mean'], '.0f')} | {_percent(f['max_share_deviation'])} | "
+                f"{_ms(light['ttft_p50_s'])} / {_ms(light['ttft_p90_s'])} of the {light['engine_stamped']} of "
+                f"{light['requests']} that finished ({light['requests'] - light['with_first_token']} had no first "
+                "token by the end) |")
+    lines += _fair_share_targets(doc, modes)
+    ran = [(label, modes[key]) for key, label in FAIR_SHARE_MODES if (modes.get(key) or {}).get("status") == "ran"]
+    differs = [label for label, r in ran if r.get("config_differs")]
+    if differs:
+        lines += ["", f"**Not comparable**: {', '.join(differs)} ran with other workload options than the "
+                  "latest run (JSON `workload_config`)."]
+    if ran:
+        lines += ["", "Runs: " + "; ".join(
+            f"{label} started {r['started_at']} (load average {'/'.join(f'{x:.1f}' for x in r['load_before'])}; "
+            "client sent late by up to " + ", ".join(
+                f"{_ms(w.get('send_late_max_s'))} ({name})" for name, w in r["workloads"].items()) + ")"
+            for label, r in ran) + ". A lagging client sends late; the service and first-token figures are "
+            "the engine's own and do not move with it (except the requests cut at the end of a run, "
+            "counted on receive times)."]
+    if image:
+        lines += ["", f"![service per user over time, stock vs hard caps vs rate/ceil/weight]({image})"]
+    return lines
+
+
 @dataclass(frozen=True)
 class Section:
     name: str  # the result's stem under docs/benchmarks/
@@ -485,6 +594,8 @@ SECTIONS = (
     Section("kv_pressure", "KV cache held by a throttled user (`benchmarks/kv_pressure.py`)", kv_lines),
     Section("soak", "Soak: many users, cancellations, preemption churn (`benchmarks/soak.py`)", soak_lines),
     Section("shared_store", "Cost of the shared Redis store (`benchmarks/shared_store.py`)", shared_store_lines),
+    Section("fair_share", "Fair share of spare capacity: stock vs hard caps vs rate/ceil/weight "
+            "(`benchmarks/fair_share.py`)", fair_share_lines),
 )
 
 

@@ -482,3 +482,117 @@ def ttft_series(records: Sequence[RequestRecord], user: str) -> list[tuple[float
     """(send time, TTFT) of every request of ``user`` that got a token."""
     return [(r.start, r.token_times[0] - r.start) for r in records
             if r.user == user and r.token_times]
+
+
+# --------------------------------------------------------------------------
+# Service over time and the service difference between backlogged users
+# --------------------------------------------------------------------------
+
+
+def counter_windows(snapshots: Sequence[tuple[float, Mapping[str, float]]], window_s: float,
+                    n_windows: int, max_skew_s: float = math.inf) -> dict[str, list[float | None]]:
+    """Per-key increase of cumulative counters over the windows ``[k W, (k + 1) W]``.
+
+    ``snapshots`` are ``(time, {key: counter value})`` readings (e.g. one
+    ``/metrics`` read per second, keyed by user), in any order.  Each window
+    edge is read from the snapshot whose time is nearest to it, so every key's
+    window spans the same two readings; a key missing from a reading counts
+    as 0 there (a series not exported yet).  A window with an edge farther
+    than ``max_skew_s`` from its nearest reading is None for every key.
+    """
+    ordered = sorted(snapshots, key=lambda s: s[0])
+    if not ordered:
+        return {}
+    times = [t for t, _ in ordered]
+    keys = sorted({k for _, values in ordered for k in values})
+
+    def nearest(edge: float) -> Mapping[str, float] | None:
+        i = bisect.bisect_left(times, edge)
+        j = min((j for j in (i - 1, i) if 0 <= j < len(ordered)), key=lambda j: abs(times[j] - edge))
+        return ordered[j][1] if abs(times[j] - edge) <= max_skew_s else None
+
+    edges = [nearest(k * window_s) for k in range(n_windows + 1)]
+
+    def delta(key: str, k: int) -> float | None:
+        low, high = edges[k], edges[k + 1]
+        return None if low is None or high is None else high.get(key, 0.0) - low.get(key, 0.0)
+
+    return {key: [delta(key, k) for k in range(n_windows)] for key in keys}
+
+
+def covers(intervals: Iterable[tuple[float, float]], start: float, end: float) -> bool:
+    """Does the union of the closed ``intervals`` cover ``[start, end]`` without a gap?"""
+    reach = start
+    for a, b in sorted(intervals):
+        if a > reach:
+            break
+        reach = max(reach, b)
+        if reach >= end:
+            return True
+    return reach >= end
+
+
+def service_difference(service: Mapping[str, Sequence[float | None]], weights: Mapping[str, float],
+                       backlogged: Mapping[str, Sequence[bool]], skip: int = 1) -> dict[str, Any]:
+    """VTC's fairness metric over windows: how far apart backlogged users' service is.
+
+    In window k, among the users of ``weights`` that were backlogged in it
+    (at least two), each user's service is divided by its weight; the
+    window's difference is the largest minus the smallest of these (tokens
+    per unit weight).  Also, per window, each backlogged user's share of the
+    backlogged users' tokens against its weight share: the largest
+    ``|share / weight share - 1|``.  The first ``skip`` windows (warm-up) are
+    left out of the maxima and the mean.  Windows with fewer than two
+    backlogged users, no tokens, or a service of None (not measured) have no
+    figure (None).
+    """
+    n = min((len(v) for v in service.values()), default=0)
+    per_window: list[float | None] = []
+    share_dev: list[float | None] = []
+    for k in range(n):
+        users = [u for u in weights if u in service and backlogged.get(u, [False] * n)[k]]
+        if len(users) < 2 or any(service[u][k] is None for u in users):
+            per_window.append(None)
+            share_dev.append(None)
+            continue
+        normalised = [service[u][k] / weights[u] for u in users]
+        per_window.append(max(normalised) - min(normalised))
+        total, total_weight = sum(service[u][k] for u in users), sum(weights[u] for u in users)
+        share_dev.append(None if total <= 0 else max(
+            abs((service[u][k] / total) / (weights[u] / total_weight) - 1) for u in users))
+    counted = [d for d in per_window[skip:] if d is not None]
+    devs = [d for d in share_dev[skip:] if d is not None]
+    return {
+        "per_window": per_window,
+        "max": max(counted) if counted else None,
+        "mean": sum(counted) / len(counted) if counted else None,
+        "windows_counted": len(counted),
+        "share_deviation_per_window": share_dev,
+        "max_share_deviation": max(devs) if devs else None,
+    }
+
+
+def spread_service(spans: Iterable[tuple[str, float, float, float]], window_s: float,
+                   n_windows: int) -> dict[str, list[float]]:
+    """Per-user tokens in the windows ``[k W, (k + 1) W]``, each request's tokens
+    spread evenly over its generation span (VTC's attribution).
+
+    ``spans`` are ``(user, begin, end, tokens)``; a span with ``end <= begin``
+    puts all its tokens at ``begin``.  Tokens outside ``[0, n W]`` are left out.
+    """
+    out: dict[str, list[float]] = {}
+    horizon = n_windows * window_s
+    for user, begin, end, tokens in spans:
+        row = out.setdefault(user, [0.0] * n_windows)
+        if end <= begin:
+            if 0 <= begin < horizon:
+                row[int(begin // window_s)] += tokens
+            elif begin == horizon and n_windows:
+                row[-1] += tokens
+            continue
+        density = tokens / (end - begin)
+        for k in range(max(0, int(begin // window_s)), min(n_windows, math.ceil(end / window_s))):
+            overlap = min(end, (k + 1) * window_s) - max(begin, k * window_s)
+            if overlap > 0:
+                row[k] += density * overlap
+    return out

@@ -1,0 +1,840 @@
+#!/usr/bin/env python
+"""VTC's two synthetic workloads on stock vLLM (FCFS), hard caps and rate/ceil/weight.
+
+What
+    The two synthetic workloads of the VTC paper (Sheng et al., OSDI 2024,
+    "Fairness in Serving Large Language Models", section 5.2), scaled to a
+    2-core testbed and the tiny model, each on three servers (``--mode``):
+
+    * ``stock``: no rate flag, so vLLM's own scheduler (FCFS);
+    * ``hard``: every workload client capped at its guaranteed rate (today's
+      plain-number limits: rate = ceiling);
+    * ``shares``: the same guaranteed rates as ``rate``, no ceiling
+      (``ceil: null``) and the workload's weight as ``weight``, in the
+      syntax of issue 21 (``--user-output-tokens-per-second
+      '{"W1": {"rate": 25, "ceil": null, "weight": 1}, ...}'``).
+
+    Workloads (every client sends open loop: a new request at fixed
+    intervals whatever it has in flight, as VTC's "uniform" arrivals; C =
+    the server's capacity in output tok/s, measured once, see How):
+
+    * ``overload``: two clients of equal weight, ``B`` sending twice ``A``'s
+      request rate (default 1 C and 2 C of output tokens): each at or beyond
+      the capacity, so both stay backlogged even when the server does up to
+      twice the C measured (on a shared machine the two differ by that
+      much: C is measured in 15 s, the load of other processes moves).
+    * ``weighted``: four clients ``W1``..``W4`` with weights 1, 2, 3, 4, all
+      backlogged: each sends 0.8 C (twice the largest weighted share,
+      0.4 C).
+      VTC sent in proportion to the weights
+      (``--weighted-arrivals weights``); the default sends equally, so that
+      FCFS does not hand out the weighted shares by accident.
+
+    Guaranteed rates (``hard`` and ``shares``): ``--guaranteed`` (default
+    0.5) of C, split over a workload's clients by weight; the hard caps are
+    what a pure rate limit gives for the same guarantees.
+
+    A light user ``light`` sends one short request (16 prompt tokens,
+    ``--light-max-tokens`` 16) every ``--light-interval`` seconds (default 2)
+    during both workloads, paced the same way in every mode, and is limited
+    to ``--light-rate`` (20 tok/s, a plain number) in ``hard`` and
+    ``shares``: a user within its rate beside saturating users.
+
+    Reported per mode and workload:
+
+    * total throughput: the increase of vLLM's own
+      ``vllm:generation_tokens_total`` over the measured ``--duration``,
+      every user included;
+    * each client's service per ``--window`` (10 s) window, in output tokens.
+      Where the plugin runs (``hard``, ``shares``) it is read from the
+      engine's own per-user counters on ``/metrics``:
+      ``vllm:output_rate_output_tokens_charged_total``, plus a per-user
+      borrowed-tokens counter (any ``*borrow*_total`` series with a ``user``
+      label) when the engine has one and the whole-run totals show that the
+      charged counter leaves borrowed tokens out (the set of counters whose
+      totals come nearest to the tokens the client received is used, and
+      named in the JSON).  The counters reach ``/metrics`` about once a
+      second, so each window edge is the ``/metrics`` read nearest to it
+      (reads every ``--metrics-interval`` s): every user's window spans the
+      same two engine reports, and the edges are uncertain by about a
+      second.  A window with an edge farther than ``--max-skew`` (2 s) from
+      any read (the API server answered too late) is not measured and is
+      left out of every figure; a thread of its own reads them, so a busy client does not
+      space the reads out.  On ``stock`` there is no per-user counter: each
+      finished request's tokens (exact counts from ``token_ids``) are
+      spread evenly over its first-to-last token span as the engine stamped
+      it (per-request metrics), the span placed at the request's send time
+      plus the engine's queue and first-token time, as VTC attributes
+      service; requests cut at the end of the run use their first and last
+      receive times.  Counting on plain receive times would move tokens
+      between windows whenever the client stalls (seen here: a 10-s window
+      with 0 tokens next to one with 3 times the engine's output).  Both
+      these span figures and the plain receive-time windows are kept in the
+      JSON for every mode, as cross-checks;
+    * the **service difference** between backlogged users (VTC's fairness
+      metric, output tokens only since prompt tokens are free here; VTC
+      counted input + 2 x output): in each window, among the workload's
+      clients backlogged throughout it (at every instant at least one of
+      its requests sent and not yet ended), each client's service divided
+      by its weight; the window's difference is the largest minus the
+      smallest (tokens per unit weight per window).  The benchmark reports
+      the max and the mean over the windows after the first (warm-up),
+      and, per window, the largest deviation of a client's share of the
+      backlogged clients' tokens from its weight share (|share / weight
+      share - 1|; the issue's target is 10 %);
+    * the light user's first-token time (p50, p90, max): from the moment
+      the engine queued the request to its first token, as the engine
+      stamped it (vLLM's per-request metrics, ``--enable-per-request-metrics``:
+      queue time + time to first token), over the light requests sent up to
+      one interval before the end that finished; how many got no first
+      token before the end is counted.  The client's own send-to-first-token
+      figures (which a stalled client stretches) are kept beside them.
+
+    The figure: service over time per client (tok/s in ``--plot-bin`` bins,
+    same sources as above), one row per workload, one column per mode.
+
+How
+    One server per mode, started with ``--max-num-seqs 16
+    --max-num-active-seqs 8 --max-model-len 1024 --enforce-eager
+    --enable-per-request-metrics`` (8 running requests keep the request
+    rates, and with them the API server's and the client's work, within
+    what this 2-core machine can carry), the
+    workloads one after the other on it.  Before the first workload of the
+    run, C is measured on the first server: ``--calibrate-streams`` closed-loop
+    streams of the workload's request shape for ``--calibrate-s`` seconds
+    after a short warm-up, C = the increase of
+    ``vllm:generation_tokens_total`` over that time.  The offered loads and
+    the guaranteed rates follow from that one C in every mode; a run that
+    adds a mode to an existing JSON reuses its C (``--recalibrate``
+    measures again).  Prompts are random token ids (no shared prefix, so the
+    prefix cache plays no part): 64 prompt tokens, 512 output tokens
+    (``ignore_eos``; VTC used 256 and 256: longer answers halve the request
+    rate for the same tokens), streamed 16 tokens per chunk
+    (vLLM's per-request ``stream_interval``; the first token comes at once):
+    on 2 cores the client's per-chunk work would otherwise starve its own
+    event loop.  At the end of ``--duration``
+    the client reads ``/metrics`` once more, then cancels everything in
+    flight and waits for the server to drain before the next workload.  A
+    client never has more than ``--max-outstanding`` requests in flight;
+    arrivals beyond are skipped and counted.  How late the client sent
+    (behind each arrival's planned time) is reported per workload.
+
+    Results of modes not run keep their earlier result in the output JSON
+    (each mode records its own start time and load); a mode never run is
+    shown as not run.  ``shares`` is skipped with a one-line reason when
+    this build refuses the rate/ceil/weight syntax.
+
+Usage::
+
+    VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE=1 HF_HUB_OFFLINE=1 \\
+        .venv/bin/python benchmarks/fair_share.py [--mode stock --mode hard ...]
+
+writes ``docs/benchmarks/fair_share.json`` and ``.png`` (``--out PREFIX``
+elsewhere); about 4-5 minutes per mode (server startup, two 60-s
+workloads, the drains) plus 20 s of calibration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import shlex
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from vllm_output_rate.settings import OutputRateConfigError, parse_cli
+from vllm_output_rate.tools import analysis, benchkit, measure
+from vllm_output_rate.tools.benchkit import RESULTS_DIR, fmt_load, loadavg, machine_line, table
+from vllm_output_rate.tools.measure import RequestRecord, percentile, run_request
+from vllm_output_rate.tools.serverproc import DEFAULT_MODEL_DIR
+
+benchkit.use_cpu_testbed_env()
+
+SCHEMA = "vllm-output-rate-fair-share/1"
+STOCK, HARD, SHARES = "stock", "hard", "shares"
+MODES = (STOCK, HARD, SHARES)
+OVERLOAD, WEIGHTED = "overload", "weighted"
+LIGHT = "light"
+CALIBRATE_USER = "calibrate"
+#: A stock server started only to measure C (no mode among those asked is stock).
+CALIBRATE_ONLY = "stock-calibration"
+GENERATED = "vllm:generation_tokens_total"
+#: One sample per engine step (vLLM's histogram of tokens per step).
+STEPS = "vllm:iteration_tokens_total_count"
+#: The issue's target for the weighted workload: each share within 10 % of its weight share.
+TARGET_SHARE_DEVIATION = 0.10
+#: The issue's target for a user within its rate: first-token p50 with shares <= 1.2 x with hard caps.
+TARGET_LIGHT_TTFT_RATIO = 1.2
+LIGHT_PROMPT_TOKENS = 16
+SERVER_FLAGS = ["--max-num-seqs", "16", "--max-num-active-seqs", "8", "--max-model-len", "1024",
+                "--enforce-eager", "--disable-uvicorn-access-log", "--enable-per-request-metrics"]
+NEVER_HIT = 100000.0
+#: The options that shape the load: modes compared on one page must share them.
+WORKLOAD_OPTIONS = ("duration", "window", "prompt_tokens", "max_tokens", "overload_load", "weighted_load",
+                    "weighted_arrivals", "guaranteed", "light_interval", "light_max_tokens", "light_rate",
+                    "max_outstanding", "stream_interval", "model")
+
+
+def workload_config(args: argparse.Namespace) -> dict[str, Any]:
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in vars(args).items() if k in WORKLOAD_OPTIONS}
+
+
+@dataclass(frozen=True)
+class Client:
+    user: str
+    weight: float
+    load: float  # offered output tok/s as a fraction of C
+
+
+def workloads(args: argparse.Namespace) -> dict[str, list[Client]]:
+    a, b = args.overload_load
+    weights = (1.0, 2.0, 3.0, 4.0)
+    if args.weighted_arrivals == "weights":
+        loads = [args.weighted_load * 4 * w / sum(weights) for w in weights]
+    else:
+        loads = [args.weighted_load] * 4
+    return {
+        OVERLOAD: [Client("A", 1.0, a), Client("B", 1.0, b)],
+        WEIGHTED: [Client(f"W{int(w)}", w, load) for w, load in zip(weights, loads)],
+    }
+
+
+def guaranteed_rates(clients: list[Client], capacity: float, fraction: float) -> dict[str, float]:
+    """Each client's rate: ``fraction`` of C split by weight (two decimals)."""
+    total = sum(c.weight for c in clients)
+    return {c.user: round(fraction * capacity * c.weight / total, 2) for c in clients}
+
+
+def user_limits(mode: str, loads: dict[str, list[Client]], capacity: float, args) -> dict[str, Any] | None:
+    """The per-user JSON of ``--user-output-tokens-per-second`` (None: stock)."""
+    if mode == STOCK:
+        return None
+    limits: dict[str, Any] = {LIGHT: args.light_rate}
+    for clients in loads.values():
+        rates = guaranteed_rates(clients, capacity, args.guaranteed)
+        for c in clients:
+            limits[c.user] = (rates[c.user] if mode == HARD
+                              else {"rate": rates[c.user], "ceil": None, "weight": c.weight})
+    return limits
+
+
+def server_args(limits: dict[str, Any] | None) -> list[str]:
+    if limits is None:
+        return list(SERVER_FLAGS)
+    return [*SERVER_FLAGS, "--default-user-output-tokens-per-second", f"{NEVER_HIT:g}",
+            "--user-output-tokens-per-second", json.dumps(limits)]
+
+
+def refused(limits: dict[str, Any] | None) -> str | None:
+    """Why this build would refuse ``limits`` (None: accepted), checked in-process."""
+    if limits is None:
+        return None
+    try:
+        parse_cli(f"{NEVER_HIT:g}", json.dumps(limits))
+    except OutputRateConfigError as exc:
+        return str(exc)
+    return None
+
+
+# --------------------------------------------------------------------------
+# Load
+# --------------------------------------------------------------------------
+
+
+class Prompts:
+    def __init__(self, seed: int, vocab: int) -> None:
+        self.rng = random.Random(seed)
+        self.vocab = vocab
+
+    def __call__(self, length: int) -> list[int]:
+        # Ids 3.. avoid pad/bos/eos of the tiny Llama.
+        return [self.rng.randrange(3, self.vocab) for _ in range(length)]
+
+
+def body(model: str, user: str, max_tokens: int, prompt: list[int], stream_interval: int) -> dict[str, Any]:
+    """The bench's streaming body; ``stream_interval`` > 1 sends that many tokens per chunk
+    (the first token at once), which spares the client most of its per-chunk work."""
+    request = measure.stream_body(model, user, max_tokens, prompt)
+    if stream_interval > 1:
+        request["stream_interval"] = stream_interval
+    return request
+
+
+def engine_reading(samples: measure.Samples) -> dict[str, Any]:
+    """vLLM's generated tokens and the plugin's per-user counters from one ``/metrics`` read."""
+    borrowed = sorted(name for name in samples if "borrow" in name and name.endswith("_total")
+                      and any("user" in labels for labels, _ in samples[name]))
+    reading = {"generated": measure.metric_sum(samples, GENERATED) or 0.0,
+               "steps": measure.metric_sum(samples, STEPS) or 0.0,
+               "charged": measure.per_label(samples, measure.CHARGED_TOKENS, "user")}
+    if borrowed:
+        reading["borrowed"] = {}
+        for name in borrowed:
+            for user, value in measure.per_label(samples, name, "user").items():
+                reading["borrowed"][user] = reading["borrowed"].get(user, 0.0) + value
+        reading["borrowed_metrics"] = borrowed
+    return reading
+
+
+class MetricsPoller:
+    """Reads ``/metrics`` every ``interval_s`` in a thread of its own, so a busy client
+    event loop cannot space the readings out; each reading is stamped (seconds since
+    ``t0``) when its answer is in, so no counter runs ahead of its stamp."""
+
+    def __init__(self, base_url: str, interval_s: float, t0: float) -> None:
+        import httpx
+
+        self.client = httpx.Client(base_url=base_url, timeout=10.0, trust_env=False)
+        self.interval_s, self.t0 = interval_s, t0
+        self.readings: list[tuple[float, dict[str, Any]]] = []
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="fair-share-metrics", daemon=True)
+
+    def read(self) -> None:
+        samples = measure.parse_metrics(self.client.get("/metrics").text)
+        self.readings.append((time.monotonic() - self.t0, engine_reading(samples)))
+
+    def _run(self) -> None:
+        while not self.stopping.is_set():
+            self.read()
+            self.stopping.wait(self.interval_s)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> list[tuple[float, dict[str, Any]]]:
+        """One last reading after the polling stopped; all readings."""
+        self.stopping.set()
+        self.thread.join()
+        self.read()
+        self.client.close()
+        return self.readings
+
+
+async def wait_drained(http, timeout_s: float = 60.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        g = measure.gauges(await measure.fetch_metrics_async(http))
+        if not g[measure.RUNNING_GAUGE] and not g[measure.WAITING_GAUGE]:
+            return True
+        await asyncio.sleep(0.5)
+    return False
+
+
+async def calibrate(base_url: str, model: str, prompts: Prompts, args) -> dict[str, Any]:
+    """C: output tok/s of closed-loop streams of the workload's request shape."""
+    async with benchkit.async_http(base_url, connections=args.calibrate_streams + 4) as http:
+        t0 = time.monotonic()
+
+        async def stream() -> None:
+            while True:
+                record = RequestRecord(user=CALIBRATE_USER)
+                request_body = body(model, CALIBRATE_USER, args.max_tokens, prompts(args.prompt_tokens), args.stream_interval)
+                await run_request(http, request_body, record, t0)
+
+        tasks = [asyncio.create_task(stream()) for _ in range(args.calibrate_streams)]
+        await asyncio.sleep(args.calibrate_warmup_s)
+        before = engine_reading(await measure.fetch_metrics_async(http))
+        began = time.monotonic()
+        await asyncio.sleep(args.calibrate_s)
+        after = engine_reading(await measure.fetch_metrics_async(http))
+        elapsed = time.monotonic() - began
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await wait_drained(http)
+    tokens = after["generated"] - before["generated"]
+    return {"tok_s": round(tokens / elapsed, 1), "tokens": tokens, "seconds": round(elapsed, 2),
+            "streams": args.calibrate_streams, "load": loadavg()}
+
+
+async def run_workload(base_url: str, model: str, clients: list[Client], capacity: float,
+                       prompts: Prompts, args) -> dict[str, Any]:
+    """Drive one workload for ``--duration`` s; the records and ``/metrics`` readings."""
+    records: list[RequestRecord] = []
+    skipped = {c.user: 0 for c in clients}
+    in_flight = {c.user: 0 for c in clients} | {LIGHT: 0}
+    tasks: set[asyncio.Task] = set()
+    lag: list[float] = []
+    late: list[float] = []  # seconds each arrival was sent behind its planned time
+    connections = args.max_outstanding * len(clients) + 64
+    async with benchkit.async_http(base_url, connections=connections) as http, \
+            benchkit.async_http(base_url, connections=2) as probe:
+        t0 = time.monotonic()
+        poller = MetricsPoller(base_url, args.metrics_interval, t0)
+
+        async def request(user: str, prompt_len: int, max_tokens: int, stream_interval: int) -> None:
+            record = RequestRecord(user=user)
+            records.append(record)
+            in_flight[user] += 1
+            try:
+                await run_request(http, body(model, user, max_tokens, prompts(prompt_len), stream_interval), record, t0)
+            finally:
+                in_flight[user] -= 1
+
+        async def sender(user: str, interval: float, phase: float, prompt_len: int, max_tokens: int,
+                         cap: int | None, stream_interval: int) -> None:
+            k = 0
+            while (at := (k + phase) * interval) < args.duration:
+                await asyncio.sleep(max(0.0, t0 + at - time.monotonic()))
+                late.append(time.monotonic() - t0 - at)
+                if cap is not None and in_flight[user] >= cap:
+                    skipped[user] += 1
+                else:
+                    task = asyncio.create_task(request(user, prompt_len, max_tokens, stream_interval))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+                k += 1
+
+        poller.start()
+        watcher = asyncio.create_task(measure.watch_loop_lag(lag))
+        senders = [asyncio.create_task(sender(
+            c.user, args.max_tokens / (c.load * capacity), (i + 1) / (len(clients) + 1),
+            args.prompt_tokens, args.max_tokens, args.max_outstanding, args.stream_interval))
+            for i, c in enumerate(clients)]
+        senders.append(asyncio.create_task(sender(
+            LIGHT, args.light_interval, 0.5, LIGHT_PROMPT_TOKENS, args.light_max_tokens, None, 1)))
+        await asyncio.gather(*senders)
+        await asyncio.sleep(max(0.0, t0 + args.duration - time.monotonic()))
+        readings = await asyncio.to_thread(poller.stop)
+        cancelled_in_flight = dict(in_flight)
+        for task in list(tasks):
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        watcher.cancel()
+        await asyncio.gather(watcher, return_exceptions=True)
+        drained = await wait_drained(probe)
+    return {"records": records, "readings": readings, "skipped": skipped, "loop_lag": lag, "send_late": late,
+            "in_flight_at_end": cancelled_in_flight, "drained": drained}
+
+
+# --------------------------------------------------------------------------
+# Analysis
+# --------------------------------------------------------------------------
+
+
+def counter_series(readings: list[tuple[float, dict[str, Any]]], key: str) -> list[tuple[float, dict[str, float]]]:
+    return [(t, dict(r.get(key) or {})) for t, r in readings]
+
+
+def summed(a: list[tuple[float, dict[str, float]]], b: list[tuple[float, dict[str, float]]]):
+    return [(t, {u: x.get(u, 0.0) + y.get(u, 0.0) for u in {*x, *y}}) for (t, x), (_, y) in zip(a, b)]
+
+
+def client_windows(records: list[RequestRecord], users: list[str], bin_s: float, n: int) -> dict[str, list[float]]:
+    """Tokens received per bin of ``bin_s`` from t = 0, the first ``n`` bins."""
+    rates = analysis.rate_series([r for r in records if r.user in users], bin_s=bin_s, end_s=n * bin_s)
+    return {u: [x * bin_s for x in rates.get(u, [0.0] * n)[:n]] for u in users}
+
+
+def engine_service(readings, users: list[str], client_totals: dict[str, float], window_s: float,
+                   n: int, max_skew_s: float) -> tuple[dict[str, list[float | None]], list[str], dict[str, float]]:
+    """Per-user tokens per window from the engine's counters (None: no reading within
+    ``max_skew_s`` of an edge), the counters used, and their totals from the first to
+    the last reading (see the module docstring for the choice)."""
+    charged = counter_series(readings, "charged")
+    options = [(["charged"], charged)]
+    if any("borrowed" in r for _, r in readings):
+        options.append((["charged", "borrowed"], summed(charged, counter_series(readings, "borrowed"))))
+    best = None
+    for names, series in options:
+        first, last = series[0][1], series[-1][1]
+        totals = {u: last.get(u, 0.0) - first.get(u, 0.0) for u in users}
+        miss = sum(abs(totals[u] - client_totals[u]) for u in users)
+        if best is None or miss < best[0]:
+            best = (miss, names, series, totals)
+    _, names, series, totals = best
+    windows = analysis.counter_windows(series, window_s, n, max_skew_s)
+    counters = [measure.CHARGED_TOKENS] + (
+        sorted({m for _, r in readings for m in r.get("borrowed_metrics", [])}) if "borrowed" in names else [])
+    return {u: windows.get(u, [0.0] * n) for u in users}, counters, totals
+
+
+def rounded(values: list[float | None], scale: float = 1.0) -> list[float | None]:
+    return [None if x is None else round(x / scale, 1) for x in values]
+
+
+def measured_mean(values: list[float | None], window_s: float) -> float | None:
+    """tok/s over the measured windows."""
+    known = [x for x in values if x is not None]
+    return round(sum(known) / (window_s * len(known)), 1) if known else None
+
+
+#: How stock vLLM's per-user service is counted (it has no per-user counter).
+SPAN_SOURCE = ("request spans: each request's tokens spread over its first-to-last token span as the "
+               "engine stamped it (per-request metrics), placed at send time + the engine's queue and "
+               "first-token time; requests cut at the end: their first and last receive times")
+
+
+def request_spans(records: list[RequestRecord], users: list[str]) -> tuple[list[tuple[str, float, float, float]], int]:
+    """``(user, begin, end, tokens)`` per request with tokens, and how many were engine-stamped.
+
+    A request that finished carries the engine's own timing (``--enable-per-request-metrics``):
+    its first token at send + queue + first-token time, its last one generation time later,
+    so a stalled client does not move its tokens.  A request cut at the end has none: its
+    first and last receive times stand in.
+    """
+    spans, stamped = [], 0
+    for r in records:
+        if r.user not in users or not r.n_tokens:
+            continue
+        if r.server_first_token_s is not None and r.server_generation_s is not None:
+            begin = r.start + r.server_first_token_s
+            spans.append((r.user, begin, begin + r.server_generation_s, float(r.n_tokens)))
+            stamped += 1
+        else:
+            spans.append((r.user, r.token_times[0], r.token_times[-1], float(r.n_tokens)))
+    return spans, stamped
+
+
+def spread(spans, users: list[str], bin_s: float, n: int) -> dict[str, list[float]]:
+    per_user = analysis.spread_service(spans, bin_s, n)
+    return {u: per_user.get(u, [0.0] * n) for u in users}
+
+
+def light_summary(records: list[RequestRecord], duration: float, interval: float) -> dict[str, Any]:
+    """The light user's requests sent at least one interval before the end (the
+    last one is cancelled at the end, maybe before its first token).
+
+    ``ttft_*``: the engine's own stamps of the requests that finished (queued in
+    the engine to first token; a stalled client cannot stretch them);
+    ``client_ttft_*``: send to first token received, on the client's clock.
+    """
+    light = [r for r in records if r.user == LIGHT and r.start <= duration - interval]
+    client = [x for x in (analysis.time_to_first_token(r) for r in light) if x is not None]
+    engine = [r.server_first_token_s for r in light if r.server_first_token_s is not None]
+    return {
+        "requests": len(light),
+        "with_first_token": len(client),
+        "engine_stamped": len(engine),
+        "ttft_p50_s": percentile(engine, 50),
+        "ttft_p90_s": percentile(engine, 90),
+        "ttft_max_s": max(engine) if engine else None,
+        "client_ttft_p50_s": percentile(client, 50),
+        "client_ttft_p90_s": percentile(client, 90),
+        "tokens": sum(r.n_tokens for r in light),
+    }
+
+
+def analyse(raw: dict[str, Any], clients: list[Client], mode: str, capacity: float, args) -> dict[str, Any]:
+    w, duration = args.window, args.duration
+    n = int(round(duration / w))
+    users = [c.user for c in clients]
+    records, readings = raw["records"], raw["readings"]
+    client_service = client_windows(records, users, w, n)
+    client_totals = {u: sum(client_service[u]) for u in users}
+    spans, stamped = request_spans(records, users)
+    span_service = spread(spans, users, w, n)
+    if mode == STOCK:
+        service, source, counters = span_service, "engine-stamped request spans", []
+        engine_totals = None
+    else:
+        service, counters, engine_totals = engine_service(readings, users, client_totals, w, n, args.max_skew)
+        source = "engine counters"
+    backlogged = {c.user: [analysis.covers([(r.start, r.end if r.end is not None else duration)
+                                            for r in records if r.user == c.user], k * w, (k + 1) * w)
+                           for k in range(n)] for c in clients}
+    fairness = analysis.service_difference(service, {c.user: c.weight for c in clients}, backlogged)
+    generated = analysis.counter_windows([(t, {"all": r["generated"]}) for t, r in readings], w, n,
+                                         args.max_skew).get("all", [None] * n)
+    (t_first, first), (t_last, last) = readings[0], readings[-1]
+    bin_s = args.plot_bin
+    n_bins = int(round(duration / bin_s))
+    if mode == STOCK:
+        plot_series = spread(spans, users, bin_s, n_bins)
+    else:
+        plot_series = engine_service(readings, users, client_totals, bin_s, n_bins, args.max_skew)[0]
+    by_status: dict[str, int] = {}
+    errors: dict[str, int] = {}
+    for r in records:
+        by_status[r.status] = by_status.get(r.status, 0) + 1
+        if r.error and r.status in measure.ERROR_STATUSES:
+            errors[r.error[:120]] = errors.get(r.error[:120], 0) + 1
+    rates = guaranteed_rates(clients, capacity, args.guaranteed)
+    per_user = {}
+    for c in clients:
+        per_user[c.user] = {
+            "weight": c.weight,
+            "offered_tok_s": round(c.load * capacity, 1),
+            "offered_req_s": round(c.load * capacity / args.max_tokens, 3),
+            "guaranteed_tok_s": None if mode == STOCK else rates[c.user],
+            "ceil": None if mode == STOCK else (rates[c.user] if mode == HARD else "none"),
+            "tok_s_after_first_window": measured_mean(service[c.user][1:], w),
+            "of_guaranteed": None if mode == STOCK or not measured_mean(service[c.user][1:], w) else round(
+                measured_mean(service[c.user][1:], w) / rates[c.user], 3),
+            "requests_sent": sum(1 for r in records if r.user == c.user),
+            "arrivals_skipped": raw["skipped"][c.user],
+            "client_tokens": client_totals[c.user],
+            "engine_tokens": None if engine_totals is None else engine_totals[c.user],
+        }
+    return {
+        "window_s": w,
+        "service_source": source,
+        "service_source_detail": SPAN_SOURCE if mode == STOCK else "the engine's per-user counters on /metrics",
+        "service_counters": counters,
+        "service": {u: rounded(service[u]) for u in users},
+        "span_service": {u: [round(x, 1) for x in span_service[u]] for u in users},
+        "requests_server_stamped": stamped,
+        "client_receive_service": {u: [round(x, 1) for x in client_service[u]] for u in users},
+        "backlogged": backlogged,
+        "fairness": fairness,
+        # vLLM's own counter from the first to the last reading (about 0 to the end).
+        "throughput_tok_s": round((last["generated"] - first["generated"]) / (t_last - t_first), 1),
+        "throughput_span_s": [round(t_first, 2), round(t_last, 2)],
+        "engine_steps_per_s": round((last.get("steps", 0.0) - first.get("steps", 0.0)) / (t_last - t_first), 1),
+        "throughput_tok_s_after_first_window": measured_mean(generated[1:], w),
+        "generated_per_window": rounded(generated),
+        "windows_measured": sum(1 for x in generated if x is not None),
+        "users": per_user,
+        "light": light_summary(records, duration, args.light_interval),
+        "requests_by_status": by_status,
+        "errors": errors,
+        "in_flight_at_end": raw["in_flight_at_end"],
+        "drained": raw["drained"],
+        "metrics_reads": len(readings),
+        **analysis.loop_lag_summary(raw["loop_lag"]),
+        "send_late_p50_s": percentile(raw["send_late"], 50),
+        "send_late_max_s": max(raw["send_late"], default=None),
+        "plot_bin_s": bin_s,
+        "plot_series": {u: rounded(plot_series[u], bin_s) for u in users},
+    }
+
+
+# --------------------------------------------------------------------------
+# Runs
+# --------------------------------------------------------------------------
+
+
+async def served(base_url: str) -> str:
+    async with benchkit.async_http(base_url, connections=2) as http:
+        return (await http.get("/v1/models")).json()["data"][0]["id"]
+
+
+def run_mode(mode: str, args, doc: dict[str, Any], loads: dict[str, list[Client]], prompts: Prompts,
+             log_dir: Path) -> dict[str, Any]:
+    """One server for ``mode``: C first when nobody measured it yet (stock only),
+    then each workload."""
+    result: dict[str, Any] = {"status": "ran", "load_before": loadavg(), "workload_config": workload_config(args),
+                              "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    began = time.monotonic()
+    capacity = doc["capacity"]["tok_s"] if doc.get("capacity") else None
+    if capacity is None and mode not in (STOCK, CALIBRATE_ONLY):
+        raise RuntimeError("C must be measured on a stock server first")
+    result["server_args"] = server_args(user_limits(mode, loads, capacity, args) if capacity else None)
+    print(f"[{mode}] starting server: {shlex.join(result['server_args'])}", flush=True)
+    with benchkit.running_engines([(f"fair-share-{mode}", result["server_args"])], log_dir,
+                                  model=args.model) as (server,):
+        result["startup_s"] = server.startup_s
+        model = asyncio.run(served(server.base_url))
+        if capacity is None:
+            print(f"[{mode}] measuring C: {args.calibrate_streams} streams for {args.calibrate_s:g} s",
+                  flush=True)
+            doc["capacity"] = dict(asyncio.run(calibrate(server.base_url, model, prompts, args)),
+                                   measured_in_mode=mode)
+            capacity = doc["capacity"]["tok_s"]
+            print(f"[{mode}] C = {capacity:g} tok/s", flush=True)
+        if mode == CALIBRATE_ONLY:
+            return result
+        result["workloads"] = {}
+        for name, clients in loads.items():
+            print(f"[{mode}] {name}: " + ", ".join(
+                f"{c.user} {c.load * capacity / args.max_tokens:.2f} req/s (weight {c.weight:g})" for c in clients)
+                + f"; {args.duration:g} s", flush=True)
+            raw = asyncio.run(run_workload(server.base_url, model, clients, capacity, prompts, args))
+            result["workloads"][name] = analyse(raw, clients, mode, capacity, args)
+            print(workload_report(name, mode, result["workloads"][name]), flush=True)
+        result["server_log_tail"] = server.log_tail(20)
+    result["load_after"] = loadavg()
+    result["wall_s"] = round(time.monotonic() - began, 1)
+    return result
+
+
+# --------------------------------------------------------------------------
+# Output
+# --------------------------------------------------------------------------
+
+
+def _f(x, fmt=".0f") -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def workload_report(name: str, mode: str, w: dict[str, Any]) -> str:
+    f = w["fairness"]
+    rows = [[u, _f(s["weight"], "g"), _f(s["offered_tok_s"]), _f(s["guaranteed_tok_s"], "g"),
+             " ".join(_f(x) for x in w["service"][u]), _f(s["tok_s_after_first_window"], ".1f"),
+             str(s["arrivals_skipped"])] for u, s in w["users"].items()]
+    light = w["light"]
+    return "\n".join([
+        f"[{mode}] {name}: total {w['throughput_tok_s']:.1f} tok/s (vllm:generation_tokens_total), "
+        f"{w.get('engine_steps_per_s', 0):.0f} engine steps/s; "
+        f"service per {w['window_s']:g} s window from {w['service_source']}",
+        table(["user", "weight", "offered tok/s", "guaranteed", "tokens per window", "tok/s after 1st", "skipped"],
+              rows),
+        f"service difference (tokens per unit weight per window, windows after the first): "
+        f"max {_f(f['max'])}, mean {_f(f['mean'])}; largest share deviation {_f(f['max_share_deviation'], '.1%')}",
+        f"client sent up to {_f(w.get('send_late_max_s'), '.1f')} s late; "
+        f"light: {light['with_first_token']}/{light['requests']} requests, first token p50 "
+        f"{_f(light['ttft_p50_s'] and light['ttft_p50_s'] * 1000)} ms, p90 "
+        f"{_f(light['ttft_p90_s'] and light['ttft_p90_s'] * 1000)} ms",
+    ])
+
+
+def report(doc: dict[str, Any]) -> str:
+    parts = [f"capacity C = {doc['capacity']['tok_s']:g} tok/s (measured in {doc['capacity']['measured_in_mode']})"]
+    for mode in MODES:
+        result = doc["modes"].get(mode) or {"status": "not run"}
+        if result.get("status") != "ran":
+            parts.append(f"[{mode}] {result['status']}" + (f": {result['reason']}" if result.get("reason") else ""))
+            continue
+        for name, w in result["workloads"].items():
+            parts.append(workload_report(name, mode, w))
+        parts.append(f"[{mode}] load avg before {fmt_load(result['load_before'])}, after "
+                     f"{fmt_load(result.get('load_after'))}; startup {result['startup_s']:.0f} s")
+    parts.append(machine_line(doc))
+    return "\n\n".join(parts)
+
+
+def plot(doc: dict[str, Any], path: Path) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    names = (OVERLOAD, WEIGHTED)
+    fig = Figure(figsize=(12, 6.5), dpi=100)
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(len(names), len(MODES), sharex=True, sharey="row", squeeze=False)
+    for col, mode in enumerate(MODES):
+        result = doc["modes"].get(mode) or {}
+        for row, name in enumerate(names):
+            ax = axes[row][col]
+            w = (result.get("workloads") or {}).get(name)
+            ax.set_title(f"{name}, {mode}" + ("" if w else " (not run)"), fontsize="medium")
+            if not w:
+                ax.text(0.5, 0.5, "not run", ha="center", va="center", transform=ax.transAxes, color="0.5")
+                continue
+            for i, (user, ys) in enumerate(w["plot_series"].items()):
+                values = [math.nan if y is None else y for y in ys]  # a gap: not measured
+                ax.stairs(values, [k * w["plot_bin_s"] for k in range(len(ys) + 1)], color=f"C{i}",
+                          label=f"{user} (w {w['users'][user]['weight']:g})")
+                guaranteed = w["users"][user]["guaranteed_tok_s"]
+                if guaranteed:
+                    ax.axhline(guaranteed, color=f"C{i}", linestyle=":", linewidth=0.8)
+            ax.set_ylim(bottom=0)
+            ax.grid(alpha=0.3)
+            if col == 0:
+                ax.set_ylabel("service (output tok/s)")
+            if row == len(names) - 1:
+                ax.set_xlabel("time (s)")
+            ax.legend(fontsize="x-small", loc="upper right")
+    fig.suptitle("Service per user over time: stock vLLM (FCFS; engine-stamped request spans) vs hard caps vs "
+                 "rate/ceil/weight (engine per-user counters); dotted: guaranteed rate", fontsize="medium")
+    fig.tight_layout()
+    fig.savefig(str(path))
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--mode", action="append", choices=MODES,
+                   help="stock, hard or shares; repeatable (default: all three)")
+    p.add_argument("--out", default=str(RESULTS_DIR / "fair_share"), metavar="PREFIX",
+                   help="writes PREFIX.json and PREFIX.png (default: %(default)s)")
+    p.add_argument("--model", default=str(DEFAULT_MODEL_DIR), help="model path (default: the tiny model)")
+    p.add_argument("--duration", type=float, default=60.0, help="seconds of load per workload (default 60)")
+    p.add_argument("--window", type=float, default=10.0, help="service window, s (default 10)")
+    p.add_argument("--plot-bin", type=float, default=5.0, help="bin of the figure's series, s (default 5)")
+    p.add_argument("--metrics-interval", type=float, default=0.5, help="seconds between /metrics reads")
+    p.add_argument("--max-skew", type=float, default=2.0,
+                   help="a counter window whose edge has no /metrics read within this many seconds is "
+                        "not measured (default 2)")
+    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=512, help="output tokens of every workload request")
+    p.add_argument("--overload-load", type=float, nargs=2, default=(1.0, 2.0), metavar=("A", "B"),
+                   help="offered output of A and B as fractions of C (default 1 2)")
+    p.add_argument("--weighted-load", type=float, default=0.8,
+                   help="offered output of each weighted client as a fraction of C (default 0.8)")
+    p.add_argument("--weighted-arrivals", choices=("equal", "weights"), default="equal",
+                   help="weighted clients send equally (default) or in proportion to their weights (VTC)")
+    p.add_argument("--guaranteed", type=float, default=0.5,
+                   help="fraction of C guaranteed to a workload's clients, split by weight (default 0.5)")
+    p.add_argument("--light-interval", type=float, default=2.0)
+    p.add_argument("--light-max-tokens", type=int, default=16)
+    p.add_argument("--light-rate", type=float, default=20.0, help="the light user's limit in hard and shares")
+    p.add_argument("--max-outstanding", type=int, default=500, help="requests in flight per client at most")
+    p.add_argument("--stream-interval", type=int, default=16,
+                   help="tokens per streamed chunk of the workload requests (vLLM's per-request "
+                        "stream_interval; the light user's requests stream every token)")
+    p.add_argument("--capacity", type=float, help="C in output tok/s (default: measured, or the output JSON's)")
+    p.add_argument("--recalibrate", action="store_true", help="measure C even if the output JSON has one")
+    p.add_argument("--calibrate-streams", type=int, default=24)
+    p.add_argument("--calibrate-s", type=float, default=15.0)
+    p.add_argument("--calibrate-warmup-s", type=float, default=4.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-dir", default=None, help="server logs (default: a temporary folder)")
+    p.add_argument("--replot", action="store_true", help="only draw PREFIX.png again from PREFIX.json")
+    args = p.parse_args(argv)
+    # Stock first: when C is not known yet, the stock server measures it.
+    args.mode = sorted(dict.fromkeys(args.mode or MODES), key=MODES.index)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    json_path = benchkit.output_path(args.out, ".json")
+    earlier = json.loads(json_path.read_text()) if json_path.is_file() else {}
+    if args.replot:
+        plot(earlier, benchkit.output_path(args.out, ".png"))
+        return 0
+    doc = benchkit.start_report(SCHEMA, args)
+    doc["target_share_deviation"] = TARGET_SHARE_DEVIATION
+    doc["target_light_ttft_ratio"] = TARGET_LIGHT_TTFT_RATIO
+    doc["modes"] = {m: r for m, r in (earlier.get("modes") or {}).items()
+                    if m not in args.mode and r.get("status") == "ran"}
+    for mode, result in doc["modes"].items():
+        result["config_differs"] = result.get("workload_config") != workload_config(args)
+        if result["config_differs"]:
+            print(f"warning: the kept {mode} result was run with other workload options", flush=True)
+    if args.capacity:
+        doc["capacity"] = {"tok_s": args.capacity, "measured_in_mode": "given (--capacity)"}
+    elif earlier.get("capacity") and not args.recalibrate:
+        doc["capacity"] = dict(earlier["capacity"], reused_from=earlier.get("started_at"))
+        print(f"reusing C = {doc['capacity']['tok_s']:g} tok/s from {json_path}", flush=True)
+    loads = workloads(args)
+    vocab = int(json.loads((Path(args.model) / "config.json").read_text())["vocab_size"])
+    prompts = Prompts(args.seed, vocab)
+    log_dir = benchkit.log_dir_for("fair-share", args.log_dir)
+    failed = False
+    if not doc.get("capacity") and STOCK not in args.mode:
+        # C comes from a stock server: one started for that alone.
+        run_mode(CALIBRATE_ONLY, args, doc, loads, prompts, log_dir)
+    for mode in args.mode:
+        probe = user_limits(mode, loads, 100.0, args)
+        reason = refused(probe)
+        if reason:
+            print(f"[{mode}] not run: this build refuses the limits: {reason}", flush=True)
+            doc["modes"][mode] = {"status": "not run", "reason": f"this build refuses the limits: {reason}"}
+            continue
+        try:
+            result = run_mode(mode, args, doc, loads, prompts, log_dir)
+        except Exception as exc:  # a failed mode is reported; the others still run
+            failed = True
+            result = {"status": "failed", "reason": f"{type(exc).__name__}: {exc}"[:2000]}
+            print(f"[{mode}] FAILED: {result['reason']}", flush=True)
+        doc["modes"][mode] = result
+    for mode in MODES:
+        doc["modes"].setdefault(mode, {"status": "not run"})
+    benchkit.finish_report(doc)
+    if doc.get("capacity"):
+        print("\n" + report(doc))
+    benchkit.write_outputs(doc, args.out, plot=plot)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
