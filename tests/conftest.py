@@ -85,6 +85,24 @@ def tiny_model_dir() -> str:
     return str(TINY_MODEL_DIR)
 
 
+@pytest.fixture(scope="session")
+def long_context_model_dir(tiny_model_dir, tmp_path_factory) -> str:
+    """The tiny model's config and tokenizer with 8192 positions (no weights):
+    for scheduler-only tests with prompts longer than the tiny model's 2048."""
+    import json
+    import shutil
+
+    folder = tmp_path_factory.mktemp("long-context-model")
+    for name in os.listdir(tiny_model_dir):
+        if not name.endswith(".safetensors"):
+            shutil.copy(os.path.join(tiny_model_dir, name), folder)
+    config_path = folder / "config.json"
+    config = json.loads(config_path.read_text())
+    config["max_position_embeddings"] = 8192
+    config_path.write_text(json.dumps(config))
+    return str(folder)
+
+
 @pytest.fixture(scope="module")
 def server_log_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("server-logs")
