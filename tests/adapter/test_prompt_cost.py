@@ -220,3 +220,34 @@ def test_limits_file_weight_is_reloaded_and_a_file_without_it_means_the_flags(tm
     h.step(10 * MS)
     assert sched.output_rate_reload_failures == failures + 1
     assert sched.output_rate_prompt_cost.weight == Fraction(1, 4)
+
+
+def test_a_user_in_debt_does_not_take_the_visible_room_of_others(long_context_model_dir):
+    """Active cap 4 and four resident prefills of a user that falls into prompt
+    debt (weight raised by a reload while they prefill 64 tokens a step): the
+    light user admitted beside them samples in every step, its stream is not
+    hidden behind prefills that cannot pay."""
+    h = Harness(
+        limits(100, 0, light=1000), max_num_seqs=16, max_num_active_seqs=4,
+        max_num_batched_tokens=BUDGET, max_model_len=8192, num_blocks=4000,
+        model_dir=long_context_model_dir,
+    )
+    h.sched.scheduler_config.long_prefill_token_threshold = 64  # many prefills at once
+    for i in range(8):
+        h.add("flood", max_tokens=1, prompt=distinct_prompt(i, 4000))
+    for _ in range(5):
+        h.step(10 * MS)
+    prefilling = [r for r in h.sched.running if r.num_computed_tokens < r.num_prompt_tokens]
+    assert len(prefilling) == 4
+    h.sched.apply_output_rate_limits(
+        OutputRateSettings(default_rate=100, user_rates={"light": 1000}, input_token_weight=0.5)
+    )
+    h.step(10 * MS)
+    assert h.sched.output_rate_prompt_cost.debt.get("flood")
+    h.add("light", prompt_len=8, max_tokens=100, request_id="light")
+    steps = 0
+    while not h.records["light"].finished and steps < 300:
+        h.step(10 * MS)
+        steps += 1
+    # Admitted in the first step, then one token per step.
+    assert h.records["light"].finished and steps <= 101

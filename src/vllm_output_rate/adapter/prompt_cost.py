@@ -22,9 +22,9 @@ class PromptCostHooks:
     def _init_prompt_cost(self, weight: object) -> None:
         """Called once from the mixin's ``__init__``, after the gate exists."""
         self.output_rate_prompt_cost = prompt_cost = PromptCost(self._ledger, weight)
-        # The same dicts, never rebound: the step tests them without a call.
+        # The same dict, never rebound: the step tests it without a call.
         self._prompt_debts = prompt_cost.debt
-        self._prompt_step_charges = prompt_cost.step_charges
+        self._refused_for_prompts: set[str] = set()
         self._prompt_cost_on = False
         self.set_input_token_weight(weight)
 
@@ -53,6 +53,7 @@ class PromptCostHooks:
             if not prompt_cost.can_pay(request, user):
                 if request.status == RequestStatus.RUNNING:
                     self._refused_visible += 1
+                self._behind_others(user)
                 return 0
             num_new_tokens = self._charge_at_sampling_position(
                 request, num_computed_tokens, num_new_tokens
@@ -76,7 +77,15 @@ class PromptCostHooks:
         ):
             return False
         user = self._lanes.user_of[request]
-        return not self.output_rate_prompt_cost.can_pay(request, user)
+        if self.output_rate_prompt_cost.can_pay(request, user):
+            return False
+        self._behind_others(user)
+        return True
+
+    def _behind_others(self, user: str) -> None:
+        """Remember a user refused for its prompt cost: it goes to the back of
+        the service order when the step is settled (see _settle_prompt_cost)."""
+        self._refused_for_prompts.add(user)
 
     def _free_request(self, request: Request, *args: Any, **kwargs: Any):
         prompt_cost = self.output_rate_prompt_cost
@@ -88,8 +97,22 @@ class PromptCostHooks:
         return result
 
     def _settle_prompt_cost(self, output) -> None:
-        """End of a step: keep the prompt charges of what was scheduled."""
-        num_scheduled = output.num_scheduled_tokens
-        self.output_rate_prompt_cost.settle(
-            lambda request: num_scheduled.get(request.request_id, 0), self._ledger.now_ns
-        )
+        """End of a step (after the ledger's settle): keep the prompt charges of
+        what was scheduled, refund the rest, and move the users refused for
+        their prompt cost behind every other user.  Their prefills are shown to
+        vLLM for free; at the front of the order they would take the visible
+        room of the users behind them step after step while paying off a debt
+        (when the active cap is below the resident requests)."""
+        prompt_cost = self.output_rate_prompt_cost
+        if prompt_cost.step_charges:
+            num_scheduled = output.num_scheduled_tokens
+            prompt_cost.settle(
+                lambda request: num_scheduled.get(request.request_id, 0), self._ledger.now_ns
+            )
+        refused = self._refused_for_prompts
+        if refused:
+            order = self._lanes.order
+            for user in refused:
+                if user in order:
+                    order.move_to_end(user)
+            refused.clear()

@@ -447,7 +447,7 @@ class OutputRateSchedulerMixin(PromptCostHooks, MembershipHooks, ChargingHooks, 
             and len(num_scheduled) - len(admitted) == num_visible
         )
         self._ledger.settle(_SampledView(num_scheduled), all_prepaid_sampled=undisturbed)
-        if self._prompt_step_charges:
+        if self._prompt_cost_on:
             self._settle_prompt_cost(output)
         self.output_rate_eviction_budget.earn(len(num_scheduled))
         self._set_idle_wait(output)
@@ -480,7 +480,7 @@ class OutputRateSchedulerMixin(PromptCostHooks, MembershipHooks, ChargingHooks, 
             and len(num_scheduled) - len(admitted) == num_resident
         )
         self._ledger.settle_repeat(resident, _SampledView(num_scheduled), all_sampled)
-        if self._prompt_step_charges:
+        if self._prompt_cost_on:
             self._settle_prompt_cost(output)
         self.output_rate_eviction_budget.earn(len(num_scheduled))
         self._set_idle_wait(output)
