@@ -187,18 +187,17 @@ def render(model: TopModel, url: str, error: str | None = None):
     table = Table(title=title, title_justify="left", expand=True)
     for name, kw in (
         ("USER", {"no_wrap": True}), ("LIMIT", {"justify": "right"}),
-        ("TOK/S", {"justify": "right"}), ("PROMPT/S", {"justify": "right"}),
-        ("ACTIVE", {"justify": "right"}),
+        ("TOK/S", {"justify": "right"}), ("ACTIVE", {"justify": "right"}),
         ("THROTTLED", {"justify": "right"}), ("WAITING", {"justify": "right"}),
-        ("THR%", {"justify": "right"}), (f"LAST {HISTORY_S}s", {"no_wrap": True}),
+        ("THR%", {"justify": "right"}), ("PROMPT/S", {"justify": "right"}),
+        (f"LAST {HISTORY_S}s", {"no_wrap": True}),
     ):
         table.add_column(name, **kw)
     for row in model.rows():
         style = "red" if row.throttled_pct >= 50 else None
         table.add_row(
-            row.user, _fmt(row.limit), _fmt(row.rate), _fmt(row.prompt_rate),
-            str(row.active), str(row.throttled),
-            str(row.waiting), f"{row.throttled_pct:.0f}%", row.spark, style=style,
+            row.user, _fmt(row.limit), _fmt(row.rate), str(row.active), str(row.throttled),
+            str(row.waiting), f"{row.throttled_pct:.0f}%", _fmt(row.prompt_rate), row.spark, style=style,
         )
     if error:
         table.caption = Text(error, style="yellow")
