@@ -32,11 +32,11 @@ VENV_033 ?= .venv-vllm0.33
 STAMP_033 := $(VENV_033)/.vllm-output-rate-setup
 SERIES_TESTS ?= tests/policy/test_limiter.py tests/policy/test_gate.py tests/config/test_settings.py \
 	tests/adapter/test_scheduler.py tests/adapter/test_stock_equivalence.py tests/adapter/test_touchpoints.py tests/adapter/test_engine_step.py tests/adapter/test_lora.py tests/adapter/test_multimodal.py \
-	tests/adapter/test_series.py tests/tools/test_cli_config.py
+	tests/adapter/test_series.py tests/tools/test_cli_config.py tests/policy/test_prompt_cost.py tests/adapter/test_prompt_cost_scheduler.py
 # vllm serve subprocesses cannot start on the GPU wheel (no CPU kernels).
 SERIES_TEST_ARGS ?= -m 'not server'
 
-.PHONY: setup setup-033 test-033 model bench-model serve test demo demo-cluster bench-step bench-server bench-fair-share bench-demo performance clean-model
+.PHONY: setup setup-033 test-033 model bench-model serve test demo demo-cluster bench-step bench-server bench-fair-share bench-prompt-flood bench-demo performance clean-model
 setup: $(STAMP)
 setup-033: $(STAMP_033)
 
@@ -106,6 +106,7 @@ bench-server: setup model bench-model
 	$(BIN)/python benchmarks/idle_cpu.py --users 50 --streams 1 --engines 2 --rate 10 --out docs/benchmarks/idle_cpu_50u_2e
 	$(BIN)/python benchmarks/idle_cpu.py --users 50 --streams 1 --engines 2 --store --rate 10 --out docs/benchmarks/idle_cpu_store_50u_2e
 	$(BIN)/python benchmarks/kv_pressure.py
+	$(BIN)/python benchmarks/prompt_flood.py
 	$(BIN)/python benchmarks/throughput_ratio.py --model $(BENCH_MODEL_DIR)
 	$(BIN)/python benchmarks/itl_single.py
 	$(BIN)/python benchmarks/itl_single.py --instructions
@@ -119,6 +120,10 @@ bench-server: setup model bench-model
 MODES ?=
 bench-fair-share: setup model
 	$(BIN)/python benchmarks/fair_share.py $(MODES)
+
+# A prompt flood beside a light user, prompt tokens free and at weight 0.5 (~2-3 min).
+bench-prompt-flood: setup model
+	$(BIN)/python benchmarks/prompt_flood.py
 
 # The two demos, kept for the performance page.
 bench-demo: demo demo-cluster

@@ -49,6 +49,7 @@ MAKES = {
     "itl_single": "python benchmarks/itl_single.py",
     "itl_single_instructions": "python benchmarks/itl_single.py --instructions",
     "kv_pressure": "python benchmarks/kv_pressure.py",
+    "prompt_flood": "python benchmarks/prompt_flood.py",
     "soak": "python benchmarks/soak.py",
     "shared_store": "python benchmarks/shared_store.py --cluster",
     "fair_share": "python benchmarks/fair_share.py",
@@ -416,6 +417,38 @@ def kv_lines(doc: Doc, extra: dict[str, Doc | None], image: str | None) -> list[
     return lines
 
 
+def prompt_flood_lines(doc: Doc, extra: dict[str, Doc | None], image: str | None) -> list[str]:
+    cfg, phases = doc["config"], doc["phases"]
+    alone = phases[0]["light_tok_per_s"]
+    lines = [
+        f"User `flood` at {cfg['flood_rate']:g} output tok/s keeps {cfg['flood_streams']} requests of "
+        f"{cfg['flood_prompt_tokens']}-token distinct prompts with `max_tokens` 1 in flight; user `light` "
+        f"(never limited) streams one request after another. `--max-num-batched-tokens "
+        f"{cfg['max_num_batched_tokens']}` (the chunk size C); {cfg['reps']} rounds of three {cfg['duration']:g} s "
+        "phases on one server, the weight changed by rewriting the limits file (reloaded live).",
+        "",
+        "| phase | runs | light tok/s (median; each run) | × alone | flood prompt tok/s (median) | "
+        "worst flood cost − bound |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for phase in phases:
+        ratio = phase["light_tok_per_s"] / alone if alone else None
+        runs = ", ".join(f"{v:.0f}" for v in phase["light_tok_per_s_all"])
+        worst = phase["worst_cost_over_bound"]
+        verdict = "-" if worst is None else f"{worst:.0f}" + ("" if worst <= 0 else " **over**")
+        lines.append(f"| {phase['phase']} | {phase['n']} | {phase['light_tok_per_s']:.1f} ({runs}) | "
+                     f"{_num(ratio, '.2f')} | {phase['flood_prompt_tok_per_s']:.0f} | {verdict} |")
+    lines += ["", "Flood cost = output + weight × prompt tokens the engine charged it in a run; bound = "
+              "(W + 0.1) × N + 1 + ⌈weight × C⌉ over the run (≤ 0: held). At weight 0 prompt tokens are "
+              "free, so only output tokens count. Light-user rates are wall-clock figures on a shared "
+              "machine: 1-min load average "
+              f"{min(t['load'][0] for t in doc['trials']):.0f}–{max(t['load'][0] for t in doc['trials']):.0f} "
+              f"on {doc['machine']['nproc']} cores during the runs."]
+    if image:
+        lines += ["", f"![The light user's rate beside a prompt flood, weight 0 and {cfg['weight']:g}]({image})"]
+    return lines
+
+
 def soak_lines(doc: Doc, extra: dict[str, Doc | None], image: str | None) -> list[str]:
     cfg, churn = doc["config"], doc.get("churn") or {}
     users = doc.get("per_user", {})
@@ -592,6 +625,8 @@ SECTIONS = (
     Section("itl_single", "Single-stream inter-token latency (`benchmarks/itl_single.py`)", itl_lines,
             ("itl_single_instructions",)),
     Section("kv_pressure", "KV cache held by a throttled user (`benchmarks/kv_pressure.py`)", kv_lines),
+    Section("prompt_flood", "A prompt flood beside a light user (`benchmarks/prompt_flood.py`)",
+            prompt_flood_lines),
     Section("soak", "Soak: many users, cancellations, preemption churn (`benchmarks/soak.py`)", soak_lines),
     Section("shared_store", "Cost of the shared Redis store (`benchmarks/shared_store.py`)", shared_store_lines),
     Section("fair_share", "Fair share of spare capacity: stock vs hard caps vs rate/ceil/weight "

@@ -39,7 +39,7 @@ settings.load_profile("suite")
 
 #: Modules with a ``server_context(tmp_path_factory, model_dir)`` whose
 #: server(s) start when the session begins.
-PRESTARTED = ("test_e2e_server", "test_operate_server", "test_lora_server")
+PRESTARTED = ("test_e2e_server", "test_operate_server", "test_lora_server", "test_prompt_cost_server")
 #: Modules that run last, when no other server is up.
 RUN_LAST = ("test_cluster_server",)
 #: Modules with a ``server_context`` whose server(s) start in the background
@@ -83,6 +83,24 @@ def tiny_model_dir() -> str:
     if not is_tiny_model_dir(TINY_MODEL_DIR):
         write_tiny_model(TINY_MODEL_DIR)
     return str(TINY_MODEL_DIR)
+
+
+@pytest.fixture(scope="session")
+def long_context_model_dir(tiny_model_dir, tmp_path_factory) -> str:
+    """The tiny model's config and tokenizer with 8192 positions (no weights):
+    for scheduler-only tests with prompts longer than the tiny model's 2048."""
+    import json
+    import shutil
+
+    folder = tmp_path_factory.mktemp("long-context-model")
+    for name in os.listdir(tiny_model_dir):
+        if not name.endswith(".safetensors"):
+            shutil.copy(os.path.join(tiny_model_dir, name), folder)
+    config_path = folder / "config.json"
+    config = json.loads(config_path.read_text())
+    config["max_position_embeddings"] = 8192
+    config_path.write_text(json.dumps(config))
+    return str(folder)
 
 
 @pytest.fixture(scope="module")

@@ -51,9 +51,12 @@ STORE_KEY = "store"
 #: cost (``vllm_output_rate.policy.eviction``).
 RECOMPUTE_BUDGET_KEY = "recompute_budget"
 RECOMPUTE_BUDGET_FLAG = "--output-rate-recompute-budget"
+#: Tokens of quota each computed prompt token costs (0: prompt tokens are free).
+INPUT_TOKEN_WEIGHT_KEY = "input_token_weight"
+INPUT_TOKEN_WEIGHT_FLAG = "--output-rate-input-token-weight"
 _SECTION_KEYS = {
     DEFAULT_KEY, OVERRIDES_KEY, LIMITS_FILE_KEY, METRICS_MAX_USERS_KEY, STORE_KEY,
-    RECOMPUTE_BUDGET_KEY,
+    RECOMPUTE_BUDGET_KEY, INPUT_TOKEN_WEIGHT_KEY,
 }
 
 
@@ -75,6 +78,8 @@ class OutputRateSettings:
     configured rate (the others are summed under ``__other__``).
     ``recompute_budget``: recomputed tokens per output token that evicting
     throttled requests for waiting ones may cost (0: never).
+    ``input_token_weight``: tokens of quota each computed prompt token costs
+    (0: prompt tokens are free; see ``policy/prompt_cost.py``).
     """
 
     default_rate: float
@@ -83,6 +88,7 @@ class OutputRateSettings:
     metrics_max_users: int = DEFAULT_METRICS_MAX_USERS
     store: StoreSettings | None = None  # shared quota store; None: in-memory
     recompute_budget: float = DEFAULT_RECOMPUTE_RATIO
+    input_token_weight: float = 0.0
 
     def to_config(self) -> dict[str, Any]:
         """The ``additional_config["output_rate"]`` form of these settings."""
@@ -98,6 +104,8 @@ class OutputRateSettings:
             config[STORE_KEY] = self.store.to_config()
         if self.recompute_budget != DEFAULT_RECOMPUTE_RATIO:
             config[RECOMPUTE_BUDGET_KEY] = self.recompute_budget
+        if self.input_token_weight:
+            config[INPUT_TOKEN_WEIGHT_KEY] = self.input_token_weight
         return config
 
     @classmethod
@@ -126,6 +134,9 @@ class OutputRateSettings:
             section.get(RECOMPUTE_BUDGET_KEY, DEFAULT_RECOMPUTE_RATIO),
             f"{where}[{RECOMPUTE_BUDGET_KEY!r}]",
         )
+        input_token_weight = validate_input_token_weight(
+            section.get(INPUT_TOKEN_WEIGHT_KEY, 0), f"{where}[{INPUT_TOKEN_WEIGHT_KEY!r}]"
+        )
         try:
             store = parse_store_section(section.get(STORE_KEY))
         except ValueError as exc:
@@ -137,7 +148,7 @@ class OutputRateSettings:
                 raise OutputRateConfigError(
                     f"{where}[{LIMITS_FILE_KEY!r}]: must be a file path"
                 )
-            rates = load_limits_file(limits_file)
+            rates = load_limits_file(limits_file, input_token_weight)
             return cls(
                 default_rate=rates.default_rate,
                 user_rates=rates.user_rates,
@@ -145,6 +156,7 @@ class OutputRateSettings:
                 metrics_max_users=max_users,
                 store=store,
                 recompute_budget=recompute_budget,
+                input_token_weight=rates.input_token_weight,
             )
         default = section.get(DEFAULT_KEY)
         overrides = section.get(OVERRIDES_KEY)
@@ -160,6 +172,7 @@ class OutputRateSettings:
             metrics_max_users=max_users,
             store=store,
             recompute_budget=recompute_budget,
+            input_token_weight=input_token_weight,
         )
 
     def rate_of(self, user: str) -> float:
@@ -264,6 +277,22 @@ def validate_max_users(value: Any, what: str) -> int:
     return value
 
 
+def validate_input_token_weight(value: Any, what: str) -> float:
+    """A finite, non-negative number of quota tokens per computed prompt token."""
+    if isinstance(value, str):  # a flag's text; JSON and YAML give numbers
+        try:
+            value = float(value.strip())
+        except ValueError:
+            raise OutputRateConfigError(f"{what}: must be a number, got {value!r}") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise OutputRateConfigError(f"{what}: must be a number, got {value!r}")
+    if not 0 <= value < float("inf"):
+        raise OutputRateConfigError(
+            f"{what}: must be a non-negative finite number, got {value!r}"
+        )
+    return float(value)
+
+
 def validate_recompute_budget(value: Any, what: str) -> float:
     """A finite, non-negative number of recomputed tokens per output token."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
@@ -304,19 +333,21 @@ def read_mapping_file(path: str, what: str) -> Mapping[str, Any]:
     return data
 
 
-def load_limits_file(path: str) -> OutputRateSettings:
+def load_limits_file(path: str, input_token_weight: float = 0.0) -> OutputRateSettings:
     """Rates from a limits file, validated as a whole.
 
-    The file holds the same two keys as ``additional_config["output_rate"]``::
+    The file holds the same keys as ``additional_config["output_rate"]``::
 
         default_user_output_tokens_per_second: 100
         user_output_tokens_per_second: {user-a: 20, user-b: 500}
+        input_token_weight: 0.5        # optional
 
-    The default is required (the file alone turns the feature on).
+    The default is required (the file alone turns the feature on).  A file
+    without ``input_token_weight`` keeps ``input_token_weight`` (the flag's).
     """
     what = f"{LIMITS_FILE_FLAG}"
     data = read_mapping_file(path, what)
-    unknown = sorted(set(data) - {DEFAULT_KEY, OVERRIDES_KEY}, key=repr)
+    unknown = sorted(set(data) - {DEFAULT_KEY, OVERRIDES_KEY, INPUT_TOKEN_WEIGHT_KEY}, key=repr)
     if unknown:
         raise OutputRateConfigError(f"{what} {path!r}: unknown keys {unknown}")
     if data.get(DEFAULT_KEY) is None:
@@ -330,6 +361,10 @@ def load_limits_file(path: str) -> OutputRateSettings:
         default_rate=validate_rate(default, f"{what} {path!r}[{DEFAULT_KEY!r}]"),
         user_rates=validate_overrides(
             data.get(OVERRIDES_KEY) or {}, f"{what} {path!r}[{OVERRIDES_KEY!r}]"
+        ),
+        input_token_weight=validate_input_token_weight(
+            data.get(INPUT_TOKEN_WEIGHT_KEY, input_token_weight),
+            f"{what} {path!r}[{INPUT_TOKEN_WEIGHT_KEY!r}]",
         ),
     )
 

@@ -17,7 +17,7 @@ from prometheus_client.exposition import generate_latest
 
 from vllm_output_rate.adapter.metrics import OutputRateExporter
 from vllm_output_rate.policy.monitor import (
-    ACTIVE, CHARGED, LIMIT, OTHER_USERS, THROTTLED, THROTTLED_S, WAITING, ChargeHistory,
+    ACTIVE, CHARGED, LIMIT, OTHER_USERS, PROMPT, THROTTLED, THROTTLED_S, WAITING, ChargeHistory,
     UserMonitor,
 )
 
@@ -155,6 +155,30 @@ def test_exporter_series_and_removal():
         (("model_name", "tiny"),): 120}
     exporter.observe({"users": {}, "removed": ["alice"], "engine": {}})
     assert not any(dict(l)["user"] == "alice" for l in series(registry, "vllm:output_rate_output_tokens_charged_total"))
+
+
+def test_prompt_tokens_charged_are_reported_and_exported_with_the_same_cap():
+    mon = UserMonitor(max_users=1)
+    registry = CollectorRegistry()
+    exporter = OutputRateExporter("tiny", registry=registry)
+    name = "vllm:output_rate_prompt_tokens_charged_total"
+    rep = mon.report(S, {}, {}, {}, CONFIGURED, rate_of, prompt_charged={"alice": 400, "carol": 90, "dave": 10})
+    users = rep["users"]
+    assert users["alice"][PROMPT] == 400 and users["bob"][PROMPT] == 0
+    # One labelled user beyond the configured ones; the rest under __other__.
+    assert len(users) == len(CONFIGURED) + 1 + 1
+    assert users[OTHER_USERS][PROMPT] + sum(
+        row[PROMPT] for user, row in users.items() if user not in CONFIGURED and user != OTHER_USERS
+    ) == 100
+    exporter.observe(rep)
+    rep = mon.report(2 * S, {}, {}, {}, CONFIGURED, rate_of, prompt_charged={"alice": 1000, "carol": 90, "dave": 10})
+    assert rep["users"]["alice"][PROMPT] == 600
+    exporter.observe(rep)
+    exported = {dict(labels)["user"]: value for labels, value in series(registry, name).items()}
+    assert exported["alice"] == 1000 and "bob" not in exported  # no series before a prompt charge
+    assert len(exported) <= len(CONFIGURED) + 1 + 1
+    exporter.observe({"users": {}, "removed": ["alice"], "engine": {}})
+    assert "alice" not in {dict(labels)["user"] for labels in series(registry, name)}
 
 
 def test_charge_history_window():

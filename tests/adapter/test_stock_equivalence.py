@@ -289,3 +289,52 @@ def test_kv_pressure_victims_are_the_newest_like_stock(async_):
     stock = run(None)
     assert any(stock)
     assert run(NEVER_HIT) == stock
+
+
+# -- prompt cost: weight 0 is today, an unreached weight is stock ---------------------
+
+#: Limits that throttle: user "b" at 5 tok/s, everyone else at 30.
+HIT = {"default_user_output_tokens_per_second": 30, "user_output_tokens_per_second": {"b": 5}}
+PROMPT_CASES = [("fcfs", True, False), ("priority", True, True), ("fcfs", False, True)]
+
+
+@pytest.mark.parametrize(
+    "policy,chunked,async_",
+    PROMPT_CASES,
+    ids=[f"{p}-{'chunked' if c else 'whole'}-{'async' if a else 'sync'}" for p, c, a in PROMPT_CASES],
+)
+def test_input_token_weight_0_decides_exactly_as_without_it(policy, chunked, async_):
+    """With limits that are hit, ``input_token_weight: 0`` changes no decision."""
+    @settings(
+        max_examples=8,
+        deadline=None,
+        derandomize=True,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+    @given(workloads(policy, chunked))
+    def check(workload):
+        without = trace(workload, HIT, async_)
+        with_zero = trace(workload, {**HIT, "input_token_weight": 0}, async_)
+        difference = first_difference(without, with_zero)
+        assert difference is None, difference
+
+    check()
+
+
+@pytest.mark.parametrize("chunked", [True, False], ids=["chunked", "whole"])
+def test_an_input_token_weight_never_reached_decides_like_stock(chunked):
+    """Prompt cost at weight 0.5 with a quota it never exhausts: stock decisions."""
+    @settings(
+        max_examples=8,
+        deadline=None,
+        derandomize=True,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+    @given(workloads("fcfs", chunked))
+    def check(workload):
+        stock = trace(workload, None, False)
+        ours = trace(workload, {**NEVER_HIT, "input_token_weight": 0.5}, False)
+        difference = first_difference(stock, ours)
+        assert difference is None, difference
+
+    check()

@@ -408,6 +408,14 @@ BAD_ADDITIONAL = [
      [f"{P}['recompute_budget']", "non-negative number"]),
     ("recompute-budget-nan", {"output_rate": {DEFAULT_KEY: 5, "recompute_budget": float("nan")}},
      [f"{P}['recompute_budget']", "non-negative number"]),
+    ("input-token-weight-negative", {"output_rate": {DEFAULT_KEY: 5, "input_token_weight": -0.5}},
+     [f"{P}['input_token_weight']", "non-negative finite number"]),
+    ("input-token-weight-string", {"output_rate": {DEFAULT_KEY: 5, "input_token_weight": "half"}},
+     [f"{P}['input_token_weight']", "must be a number"]),
+    ("input-token-weight-bool", {"output_rate": {DEFAULT_KEY: 5, "input_token_weight": True}},
+     [f"{P}['input_token_weight']", "must be a number"]),
+    ("input-token-weight-inf", {"output_rate": {DEFAULT_KEY: 5, "input_token_weight": float("inf")}},
+     [f"{P}['input_token_weight']", "non-negative finite number"]),
     (
         "overrides-without-default",
         {"output_rate": {OVERRIDES_KEY: {"u": 1}}},
@@ -602,6 +610,39 @@ def test_recompute_budget_flag_rejects_bad_values(cli_parser, tiny_model_dir, ca
 def test_recompute_budget_flag_needs_the_feature_on(cli_parser, tiny_model_dir):
     with pytest.raises(OutputRateConfigError, match="need the feature on"):
         _from_cli(cli_parser, ["--model", tiny_model_dir, "--output-rate-recompute-budget", "0"])
+
+
+def test_input_token_weight_flag_lands_in_the_section(cli_parser, tiny_model_dir):
+    from vllm_output_rate.settings import OutputRateSettings
+
+    engine_args = _from_cli(
+        cli_parser, ["--model", tiny_model_dir, D, "3", "--output-rate-input-token-weight", "0.5"]
+    )
+    assert engine_args.additional_config["output_rate"]["input_token_weight"] == 0.5
+    settings = OutputRateSettings.from_additional_config(engine_args.additional_config)
+    assert settings.input_token_weight == 0.5
+    assert settings.to_config()["input_token_weight"] == 0.5
+    default = OutputRateSettings.from_additional_config({"output_rate": {DEFAULT_KEY: 3}})
+    assert default.input_token_weight == 0 and "input_token_weight" not in default.to_config()
+
+
+@pytest.mark.parametrize(
+    "value,problem",
+    [("-0.5", "non-negative finite number"), ("half", "must be a number"),
+     ("inf", "non-negative finite number"), ("nan", "non-negative finite number")],
+)
+def test_input_token_weight_flag_rejects_bad_values(cli_parser, tiny_model_dir, capsys, value, problem):
+    with pytest.raises(SystemExit):
+        cli_parser.parse_args(
+            ["--model", tiny_model_dir, D, "3", f"--output-rate-input-token-weight={value}"]
+        )
+    err = capsys.readouterr().err
+    assert "--output-rate-input-token-weight" in err and problem in err
+
+
+def test_input_token_weight_flag_needs_the_feature_on(cli_parser, tiny_model_dir):
+    with pytest.raises(OutputRateConfigError, match="--output-rate-input-token-weight needs"):
+        _from_cli(cli_parser, ["--model", tiny_model_dir, "--output-rate-input-token-weight", "1"])
 
 
 def test_default_flag_alone(cli_parser, tiny_model_dir):

@@ -182,3 +182,20 @@ def _drain(fd: int) -> bytes:
 
     ready, _, _ = select.select([fd], [], [], 0.1)
     return os.read(fd, 65536) if ready else b""
+
+
+def test_prompt_tokens_charged_show_as_a_rate_per_user():
+    def text(prompt):
+        return exposition({"flood": 10.0}, {}, {}, {"flood": 20.0}) + (
+            f'vllm:output_rate_prompt_tokens_charged_total{{model_name="m",user="flood"}} {prompt}\n'
+        )
+
+    model = TopModel()
+    model.update(0.0, parse_metrics(text(1000.0)))
+    model.update(2.0, parse_metrics(text(1800.0)))
+    (row,) = model.rows()
+    assert row.user == "flood" and row.prompt_rate == 400.0
+    console = Console(width=140, record=True)
+    console.print(render(model, "http://127.0.0.1:8000"))
+    shown = console.export_text()
+    assert "PROMPT/S" in shown and "400" in shown

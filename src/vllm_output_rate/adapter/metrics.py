@@ -19,6 +19,9 @@ Series (labels ``model_name``, ``user``):
 
 * ``vllm:output_rate_output_tokens_charged_total`` -- output tokens charged
   to the user's quota (net of refunds);
+* ``vllm:output_rate_prompt_tokens_charged_total`` -- prompt tokens charged
+  at ``input_token_weight`` (net of refunds; each costs the weight in quota
+  tokens); a user's series appears with its first charged prompt token;
 * ``vllm:output_rate_throttled_seconds_total`` -- time the user had runnable
   requests and no quota;
 * ``vllm:output_rate_requests{state="active|throttled|waiting"}``;
@@ -55,7 +58,15 @@ from __future__ import annotations
 from typing import Any
 
 from vllm_output_rate.adapter.install import add_field, wrap
-from vllm_output_rate.policy.monitor import ACTIVE, CHARGED, LIMIT, THROTTLED, THROTTLED_S, WAITING
+from vllm_output_rate.policy.monitor import (
+    ACTIVE,
+    CHARGED,
+    LIMIT,
+    PROMPT,
+    THROTTLED,
+    THROTTLED_S,
+    WAITING,
+)
 from vllm_output_rate.stores.backend import MODES as STORE_MODES
 
 PREFIX = "vllm:output_rate_"
@@ -98,6 +109,12 @@ class OutputRateExporter:
         self.charged = Counter(
             f"{PREFIX}output_tokens_charged",
             "Output tokens charged to the user's quota (net of refunds).",
+            labels, registry=registry,
+        )
+        self.prompt_charged = Counter(
+            f"{PREFIX}prompt_tokens_charged",
+            "Prompt tokens charged to the user's quota at the input token weight "
+            "(computed ones only; net of refunds).",
             labels, registry=registry,
         )
         self.throttled_seconds = Counter(
@@ -160,7 +177,7 @@ class OutputRateExporter:
     def observe(self, report: dict) -> None:
         model = self._model
         for user in report.get("removed", ()):
-            for metric in (self.charged, self.throttled_seconds, self.limit):
+            for metric in (self.charged, self.throttled_seconds, self.limit, self.prompt_charged):
                 _remove(metric, model, user)
             for state in STATES:
                 _remove(self.requests, model, user, state)
@@ -169,6 +186,8 @@ class OutputRateExporter:
                 self.charged.labels(model, user).inc(row[CHARGED])
             else:
                 self.charged.labels(model, user)  # the series exists from the start
+            if len(row) > PROMPT and row[PROMPT]:
+                self.prompt_charged.labels(model, user).inc(row[PROMPT])
             if row[THROTTLED_S]:
                 self.throttled_seconds.labels(model, user).inc(row[THROTTLED_S])
             else:

@@ -30,6 +30,8 @@ from typing import Any, Callable
 
 from vllm_output_rate.policy.monitor import ChargeHistory, UserMonitor
 from vllm_output_rate.settings import (
+    CONFIG_KEY,
+    INPUT_TOKEN_WEIGHT_KEY,
     OutputRateConfigError,
     OutputRateSettings,
     file_signature,
@@ -57,8 +59,11 @@ class LimitsFileWatcher:
         on_good: Callable[[OutputRateSettings], None],
         on_bad: Callable[[str], None],
         interval_s: float = FILE_CHECK_S,
+        input_token_weight: float = 0.0,
     ) -> None:
         self.path = path
+        #: The weight a file without ``input_token_weight`` means (the flag's).
+        self.input_token_weight = input_token_weight
         self._on_good = on_good
         self._on_bad = on_bad
         self._interval_s = interval_s
@@ -73,7 +78,7 @@ class LimitsFileWatcher:
             return False
         self._signature = signature
         try:
-            settings = load_limits_file(self.path)
+            settings = load_limits_file(self.path, self.input_token_weight)
         except OutputRateConfigError as exc:
             self._on_bad(str(exc))
         else:
@@ -117,8 +122,10 @@ class OperateSchedulerMixin:
         self._output_rate_was_busy = False
         self._output_rate_watcher: LimitsFileWatcher | None = None
         if settings.limits_file:
+            section = self.vllm_config.additional_config[CONFIG_KEY]
             self._output_rate_watcher = LimitsFileWatcher(
-                settings.limits_file, self._limits_changed, self._limits_rejected
+                settings.limits_file, self._limits_changed, self._limits_rejected,
+                input_token_weight=section.get(INPUT_TOKEN_WEIGHT_KEY, 0.0),
             )
             self._output_rate_watcher.start()
 
@@ -136,13 +143,15 @@ class OperateSchedulerMixin:
         """Switch to ``new`` rates now (engine thread, between steps)."""
         changed = self.output_rate_limiter.update_rates(new.default_rate, new.user_rates)
         self.output_rate_settings = dataclasses.replace(
-            self.output_rate_settings, default_rate=new.default_rate, user_rates=dict(new.user_rates)
+            self.output_rate_settings, default_rate=new.default_rate, user_rates=dict(new.user_rates),
+            input_token_weight=new.input_token_weight,
         )
+        self.set_input_token_weight(new.input_token_weight)
         self.output_rate_reloads += 1
         logger.info(
-            "vllm-output-rate: limits reloaded (default %s tok/s, %d override(s); "
-            "%d active user(s) changed rate)",
-            new.default_rate, len(new.user_rates), len(changed),
+            "vllm-output-rate: limits reloaded (default %s tok/s, %d override(s), "
+            "input token weight %s; %d active user(s) changed rate)",
+            new.default_rate, len(new.user_rates), new.input_token_weight, len(changed),
         )
 
     def schedule(self, *args: Any, **kwargs: Any):
@@ -220,6 +229,7 @@ class OperateSchedulerMixin:
             counts=counts,
             configured=settings.user_rates,
             rate_of=settings.rate_of,
+            prompt_charged=self.output_rate_prompt_cost.prompt_tokens,
             engine={
                 "throttled_requests": sum(c[1] for c in counts.values()),
                 "idle_steps_total": ledger.idle_steps,
@@ -235,7 +245,8 @@ class OperateSchedulerMixin:
         # every name ever seen.  Their reported counters are unaffected.
         forgotten = monitor.idle_users(now_ns, FORGET_IDLE_S)
         if forgotten:
-            for totals in (ledger.charged_tokens, ledger.throttled_ns):
+            prompt_totals = self.output_rate_prompt_cost.prompt_tokens
+            for totals in (ledger.charged_tokens, ledger.throttled_ns, prompt_totals):
                 for user in forgotten:
                     totals.pop(user, None)
             monitor.forget(forgotten)
@@ -250,6 +261,7 @@ class OperateSchedulerMixin:
         limiter = self.output_rate_limiter
         counts = self.output_rate_counts()
         charged = self._output_rate_charged()
+        prompt_charged = self.output_rate_prompt_cost.prompt_tokens
         users = set(counts) | set(settings.user_rates)
         users.update(u for u, n in self._output_rate_history.tokens_in_window(now, charged, charged).items() if n)
         recent = self._output_rate_history.tokens_in_window(now, charged, users)
@@ -264,6 +276,7 @@ class OperateSchedulerMixin:
                 "configured": user in settings.user_rates,
                 "tokens_last_10s": recent.get(user, 0),
                 "tokens_charged_total": charged.get(user, 0),
+                "prompt_tokens_charged_total": prompt_charged.get(user, 0),
                 "throttled_seconds_total": throttled_ns.get(user, 0) / NS_PER_S,
                 "active": active,
                 "throttled": throttled,
@@ -272,6 +285,7 @@ class OperateSchedulerMixin:
             }
         return {
             "default_rate": settings.default_rate,
+            "input_token_weight": settings.input_token_weight,
             "limits_file": settings.limits_file,
             "reloads": self.output_rate_reloads,
             "reload_failures": self.output_rate_reload_failures,

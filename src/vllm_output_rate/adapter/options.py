@@ -16,6 +16,8 @@ from typing import Any
 from vllm_output_rate.settings import (
     DEFAULT_FLAG,
     DEFAULT_METRICS_MAX_USERS,
+    INPUT_TOKEN_WEIGHT_FLAG,
+    INPUT_TOKEN_WEIGHT_KEY,
     LIMITS_FILE_FLAG,
     LIMITS_FILE_KEY,
     METRICS_MAX_USERS_FLAG,
@@ -24,6 +26,7 @@ from vllm_output_rate.settings import (
     RECOMPUTE_BUDGET_KEY,
     OutputRateConfigError,
     load_limits_file,
+    validate_input_token_weight,
     validate_recompute_budget,
 )
 from vllm_output_rate.policy.eviction import DEFAULT_RECOMPUTE_RATIO
@@ -52,6 +55,13 @@ def _recompute_budget_arg(text: str) -> float:
         value = text  # refused by the validator, with the text in its message
     try:
         return validate_recompute_budget(value, "value")
+    except OutputRateConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("value: ")) from None
+
+
+def _input_token_weight_arg(text: str) -> float:
+    try:
+        return validate_input_token_weight(text, "value")
     except OutputRateConfigError as exc:
         raise argparse.ArgumentTypeError(str(exc).removeprefix("value: ")) from None
 
@@ -124,6 +134,16 @@ def add_operate_args(parser: argparse.ArgumentParser) -> None:
         f"(default {DEFAULT_RECOMPUTE_RATIO}); 0 never evicts for a waiting request.",
     )
     group.add_argument(
+        INPUT_TOKEN_WEIGHT_FLAG,
+        dest="output_rate_input_token_weight",
+        type=_input_token_weight_arg,
+        default=None,
+        metavar="WEIGHT",
+        help="Tokens of the user's quota each computed prompt token costs, charged "
+        "at dispatch (prefix-cache hits and recompute after preemption are free); "
+        "default 0: prompt tokens are free. A limits file's input_token_weight wins.",
+    )
+    group.add_argument(
         ADMIN_KEY_FLAG,
         dest="output_rate_admin_key",
         default=None,
@@ -146,6 +166,7 @@ def merge_operate_args(args: argparse.Namespace, section: dict | None) -> dict |
         section[LIMITS_FILE_KEY] = os.path.abspath(limits_file)
     max_users = getattr(args, "output_rate_metrics_max_users", None)
     recompute_budget = getattr(args, "output_rate_recompute_budget", None)
+    input_token_weight = getattr(args, "output_rate_input_token_weight", None)
     identity = getattr(args, "output_rate_identity", None) or "body"
     if section is None:
         if identity != "body" or max_users is not None or recompute_budget is not None:
@@ -153,7 +174,13 @@ def merge_operate_args(args: argparse.Namespace, section: dict | None) -> dict |
                 f"{IDENTITY_FLAG} / {METRICS_MAX_USERS_FLAG} / {RECOMPUTE_BUDGET_FLAG} need "
                 f"the feature on ({DEFAULT_FLAG} or {LIMITS_FILE_FLAG})"
             )
+        if input_token_weight is not None:
+            raise OutputRateConfigError(
+                f"{INPUT_TOKEN_WEIGHT_FLAG} needs the feature on ({DEFAULT_FLAG} or {LIMITS_FILE_FLAG})"
+            )
         return None
+    if input_token_weight is not None:
+        section[INPUT_TOKEN_WEIGHT_KEY] = input_token_weight
     if max_users is not None:
         section[METRICS_MAX_USERS_KEY] = max_users
     if recompute_budget is not None:

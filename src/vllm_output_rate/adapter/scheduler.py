@@ -45,11 +45,12 @@ the gate, its lanes and ledger, and :class:`..policy.displacement.Displacement`)
 N+1 scheduled before step N's output arrives) works unchanged.
 
 The scheduler mixin is :class:`OutputRateSchedulerMixin` (the step) over
-four hook classes, one concern each: :class:`MembershipHooks` (the lanes
+five hook classes, one concern each: :class:`MembershipHooks` (the lanes
 follow vLLM's request lifecycle), :class:`ChargingHooks` (per-request
 charges and waiting-queue skips), :class:`AdapterHooks` (hidden requests'
-LoRA adapters stay counted against ``max_loras``) and :class:`EvictionHooks`
-(slot and KV pressure).
+LoRA adapters stay counted against ``max_loras``), :class:`EvictionHooks`
+(slot and KV pressure) and :class:`~.prompt_cost.PromptCostHooks` (prompt
+tokens charged at ``input_token_weight``; idle at weight 0).
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ from vllm.v1.core.sched.utils import remove_all
 from vllm.v1.request import Request, RequestStatus
 
 from vllm_output_rate.adapter.operate import OperateSchedulerMixin
+from vllm_output_rate.adapter.prompt_cost import PromptCostHooks
 from vllm_output_rate.factory import make_limiter
 from vllm_output_rate.policy.displacement import Displacement, fits_in_free_kv
 from vllm_output_rate.policy.eviction import EvictionBudget
@@ -334,7 +336,9 @@ class EvictionHooks:
         self._evicted_in_step.append(victim)
 
 
-class OutputRateSchedulerMixin(MembershipHooks, ChargingHooks, AdapterHooks, EvictionHooks):
+class OutputRateSchedulerMixin(
+    PromptCostHooks, MembershipHooks, ChargingHooks, AdapterHooks, EvictionHooks
+):
     """Per-user output-rate limiting on top of vLLM's V1 ``Scheduler``.
 
     This class runs the step (plan, hand vLLM the visible requests, settle);
@@ -405,6 +409,8 @@ class OutputRateSchedulerMixin(MembershipHooks, ChargingHooks, AdapterHooks, Evi
         # CPython's attribute caches in vLLM's loop rely on).
         self._reserve_prefill_lookahead = self._charging_reserve_prefill_lookahead
         self._tracks_sessions = False
+        # Prompt cost (input_token_weight): at weight 0 the hook stays as set above.
+        self._init_prompt_cost(settings.input_token_weight)
 
     # -- the active cap, seen through vLLM's own admission check -----------
 
@@ -438,6 +444,8 @@ class OutputRateSchedulerMixin(MembershipHooks, ChargingHooks, AdapterHooks, Evi
         lanes = self._lanes
         slots = self._active_cap - self.num_waiting_for_streaming_input
         now_ns = self.output_rate_clock()
+        if self._prompt_debts:
+            self.output_rate_prompt_cost.repay(now_ns)
         if gate.steady(now_ns, slots):
             return self._schedule_repeat(args, kwargs)
         plan = gate.plan(now_ns, slots)
@@ -487,6 +495,8 @@ class OutputRateSchedulerMixin(MembershipHooks, ChargingHooks, AdapterHooks, Evi
             and len(num_scheduled) - len(admitted) == num_visible
         )
         self._ledger.settle(_SampledView(num_scheduled), all_prepaid_sampled=undisturbed)
+        if self._prompt_cost_on:
+            self._settle_prompt_cost(output)
         self.output_rate_eviction_budget.earn(len(num_scheduled))
         self._set_idle_wait(output)
         return output
@@ -518,6 +528,8 @@ class OutputRateSchedulerMixin(MembershipHooks, ChargingHooks, AdapterHooks, Evi
             and len(num_scheduled) - len(admitted) == num_resident
         )
         self._ledger.settle_repeat(resident, _SampledView(num_scheduled), all_sampled)
+        if self._prompt_cost_on:
+            self._settle_prompt_cost(output)
         self.output_rate_eviction_budget.earn(len(num_scheduled))
         self._set_idle_wait(output)
         return output

@@ -207,6 +207,8 @@ TOUCHPOINTS: tuple[TouchPoint, ...] = (
     _tp(REQUEST, "priority", "instance attribute", "read: eviction under PRIORITY"),
     _tp(REQUEST, "sampling_params", "instance attribute", "read: extra_args['output_rate_user']"),
     _tp(REQUEST, "num_computed_tokens", "instance attribute", "read: charge position"),
+    _tp(REQUEST, "num_prompt_tokens", "instance attribute",
+        "read (prompt_cost.py): prompt positions charged at the input token weight"),
     _tp(REQUEST, "num_output_placeholders", "instance attribute",
         "read: async-scheduling tokens in flight count towards the sampling position"),
     _tp(REQUEST, "is_prefill_chunk", "instance attribute",

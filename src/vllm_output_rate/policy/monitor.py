@@ -30,8 +30,9 @@ NS_PER_S = 1_000_000_000
 OTHER_USERS = "__other__"
 
 #: Report fields per user: [charged tokens (increment), throttled seconds
-#: (increment), active, throttled, waiting requests, limit tokens/s or None].
-CHARGED, THROTTLED_S, ACTIVE, THROTTLED, WAITING, LIMIT = range(6)
+#: (increment), active, throttled, waiting requests, limit tokens/s or None,
+#: prompt tokens charged (increment; only with an input token weight)].
+CHARGED, THROTTLED_S, ACTIVE, THROTTLED, WAITING, LIMIT, PROMPT = range(7)
 
 
 class UserMonitor:
@@ -42,6 +43,7 @@ class UserMonitor:
         self._idle_evict_ns = int(idle_evict_s * NS_PER_S)
         self._last_charged: dict[str, int] = {}
         self._last_throttled: dict[str, int] = {}
+        self._last_prompt: dict[str, int] = {}
         self._labelled: dict[str, int] = {}  # non-configured user -> last active ns
         self._configured: frozenset[str] = frozenset()
         self._last_engine: dict[str, int] = {}
@@ -51,7 +53,7 @@ class UserMonitor:
         """Entries held (for memory checks): bounded by the callers' dicts plus max_users."""
         return (
             len(self._last_charged) + len(self._last_throttled) + len(self._labelled)
-            + len(self._idle_since)
+            + len(self._idle_since) + len(self._last_prompt)
         )
 
     def report(
@@ -63,17 +65,20 @@ class UserMonitor:
         configured: Mapping[str, float],
         rate_of: Callable[[str], float],
         engine: Mapping[str, int] | None = None,
+        prompt_charged: Mapping[str, int] | None = None,
     ) -> dict:
         """One report; see the module doc.  ``engine`` holds engine-wide totals.
 
-        ``charged`` / ``throttled_ns`` are cumulative per user (a user may
-        disappear when its owner forgets it); ``counts`` is user ->
-        (active, throttled, waiting) requests now.
+        ``charged`` / ``throttled_ns`` / ``prompt_charged`` are cumulative
+        per user (a user may disappear when its owner forgets it);
+        ``counts`` is user -> (active, throttled, waiting) requests now.
         """
         charged_inc = _increments(charged, self._last_charged)
         throttled_inc = _increments(throttled_ns, self._last_throttled)
+        prompt_inc = _increments(prompt_charged or {}, self._last_prompt)
         self._last_charged = dict(charged)
         self._last_throttled = dict(throttled_ns)
+        self._last_prompt = dict(prompt_charged or {})
 
         removed: list[str] = []
         new_configured = frozenset(configured)
@@ -84,7 +89,7 @@ class UserMonitor:
             for user in new_configured & set(self._labelled):
                 del self._labelled[user]
 
-        active_users = set(charged_inc) | set(throttled_inc) | {
+        active_users = set(charged_inc) | set(throttled_inc) | set(prompt_inc) | {
             u for u, c in counts.items() if any(c)
         }
         labelled = self._labelled
@@ -120,8 +125,9 @@ class UserMonitor:
                 throttled,
                 waiting,
                 rate_of(user),
+                prompt_inc.get(user, 0),
             ]
-        other = [0, 0.0, 0, 0, 0, None]
+        other = [0, 0.0, 0, 0, 0, None, 0]
         for user in active_users:
             if user in users:
                 continue
@@ -131,6 +137,7 @@ class UserMonitor:
             other[ACTIVE] += active
             other[THROTTLED] += throttled
             other[WAITING] += waiting
+            other[PROMPT] += prompt_inc.get(user, 0)
         users[OTHER_USERS] = other
 
         engine_inc: dict[str, int] = {}
@@ -155,6 +162,7 @@ class UserMonitor:
         for user in users:
             self._last_charged.pop(user, None)
             self._last_throttled.pop(user, None)
+            self._last_prompt.pop(user, None)
             self._idle_since.pop(user, None)
 
 

@@ -36,6 +36,7 @@ READ_TIMEOUT_S = 5.0
 @dataclass
 class UserSample:
     charged: float = 0.0
+    prompt: float = 0.0  # prompt tokens charged (input token weight > 0)
     throttled_s: float = 0.0
     limit: float | None = None
     active: int = 0
@@ -73,6 +74,8 @@ def _add_sample(snap: Snapshot, name: str, labels: dict[str, str], value: float)
     row = snap.users.setdefault(user, UserSample())
     if key == "output_tokens_charged_total":
         row.charged += value
+    elif key == "prompt_tokens_charged_total":
+        row.prompt += value
     elif key == "throttled_seconds_total":
         row.throttled_s += value
     elif key == "limit_tokens_per_second":
@@ -93,6 +96,7 @@ class Row:
     waiting: int
     throttled_pct: float
     spark: str
+    prompt_rate: float = 0.0  # prompt tokens charged per second
 
 
 class TopModel:
@@ -120,10 +124,12 @@ class TopModel:
             before = base.users.get(user, UserSample())
             rate = max(0.0, cur.charged - before.charged) / dt if dt > 0 else 0.0
             thr = max(0.0, cur.throttled_s - before.throttled_s) / dt if dt > 0 else 0.0
+            prompt = max(0.0, cur.prompt - before.prompt) / dt if dt > 0 else 0.0
             rows.append(Row(
                 user=user, limit=cur.limit, rate=rate, active=cur.active,
                 throttled=cur.throttled, waiting=cur.waiting,
                 throttled_pct=min(100.0, 100.0 * thr), spark=self._spark(user, cur.limit),
+                prompt_rate=prompt,
             ))
         rows.sort(key=lambda r: (-r.rate, r.user))
         return rows
@@ -183,14 +189,15 @@ def render(model: TopModel, url: str, error: str | None = None):
         ("USER", {"no_wrap": True}), ("LIMIT", {"justify": "right"}),
         ("TOK/S", {"justify": "right"}), ("ACTIVE", {"justify": "right"}),
         ("THROTTLED", {"justify": "right"}), ("WAITING", {"justify": "right"}),
-        ("THR%", {"justify": "right"}), (f"LAST {HISTORY_S}s", {"no_wrap": True}),
+        ("THR%", {"justify": "right"}), ("PROMPT/S", {"justify": "right"}),
+        (f"LAST {HISTORY_S}s", {"no_wrap": True}),
     ):
         table.add_column(name, **kw)
     for row in model.rows():
         style = "red" if row.throttled_pct >= 50 else None
         table.add_row(
             row.user, _fmt(row.limit), _fmt(row.rate), str(row.active), str(row.throttled),
-            str(row.waiting), f"{row.throttled_pct:.0f}%", row.spark, style=style,
+            str(row.waiting), f"{row.throttled_pct:.0f}%", _fmt(row.prompt_rate), row.spark, style=style,
         )
     if error:
         table.caption = Text(error, style="yellow")

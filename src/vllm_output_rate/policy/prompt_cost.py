@@ -1,0 +1,205 @@
+"""Prompt cost: computed prompt tokens charged to the user at a weight.
+
+One part of the per-step gate, used only with ``input_token_weight`` > 0
+(at weight 0 the scheduler never calls it, and decides exactly as without
+it).  Requests are opaque keys, users strings, positions plain integers.
+
+The rule.  Each prompt position a dispatched chunk *computes* costs its
+user ``weight`` tokens of the same quota as output tokens, charged at
+dispatch and refunded at the step's end when the chunk was not scheduled
+after all (the ledger's one refund point, :meth:`PromptCost.settle`).
+Positions served from the prefix cache are never dispatched, so never
+charged; positions computed again after a preemption lie below the
+request's high-water mark (:attr:`PromptCost.charged_upto`) and are not
+charged again: recompute is the engine's cost, not the user's.
+
+Dispatch and debt.  A chunk that computes uncharged prompt positions is
+dispatched only when its user can pay: no debt outstanding, not refused in
+this step, and at least one token available now (or this request's own
+output token already paid for in the step).  Its whole cost is then
+charged: what the quota holds is taken from the limiter, the rest becomes
+the user's *debt*.  At the start of every step each debt is repaid from the
+limiter first (:meth:`PromptCost.repay`), so a user in debt finds its quota
+empty -- its decodes, prefills and admissions all wait -- until the debt is
+paid off.  A chunk is never split to what the quota allows: tiny chunks
+would cost the engine a step each, and without chunked prefill a prompt
+longer than the burst could never be dispatched at all.
+
+Bound.  Debt is only ever incurred by a chunk dispatched without debt, so
+it never exceeds one chunk's cost.  Let ``C`` be the most prompt tokens one
+chunk computes.  Tokens taken from the limiter obey GCRA's bound; what was
+charged in a window is what was taken in it plus the debt still open at its
+end, so over any window of ``W`` seconds::
+
+    output tokens + weight x prompt tokens charged <= (W + burst) x N + 1 + ceil(weight x C)
+
+Exactness.  The weight is a fraction; each user keeps a *credit* below one
+token: a chunk costs ``ceil(weight x n - credit)`` whole tokens and leaves
+the overpaid fraction as credit, so whole tokens charged are always at
+least the exact weighted cost and exceed it by less than one token.
+Refunds are settled per user, against the exact cost of the chunks kept.
+
+Invariants (``tests/policy/test_prompt_cost.py``):
+
+* a prompt position of a request is charged at most once while the
+  request is tracked, however often it is computed;
+* after :meth:`PromptCost.settle`, for every user: whole tokens charged
+  (cumulative) = weight x prompt tokens kept + credit, 0 <= credit < 1;
+* a user's debt never exceeds the cost of one chunk.
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+from typing import Callable, Hashable
+
+from vllm_output_rate.policy.ledger import Ledger
+from vllm_output_rate.policy.rates import exact_rate
+
+Key = Hashable
+_ZERO = Fraction(0)
+
+
+def exact_weight(value: object) -> Fraction:
+    """``value`` as an exact non-negative fraction (``ValueError`` otherwise)."""
+    if not isinstance(value, bool) and isinstance(value, (int, float, Fraction)) and value == 0:
+        return _ZERO
+    return exact_rate(value, "input token weight")
+
+
+class PromptCost:
+    """Prompt positions charged at ``weight`` tokens each, per user.
+
+    ``charged_upto``: key -> prompt positions below which nothing is
+    charged again.  ``debt``: user -> whole tokens charged and not yet taken
+    from the limiter.  ``credit``: user -> fraction of a token paid ahead.
+    ``prompt_tokens``: user -> prompt tokens charged and kept, cumulative
+    (metrics read it).
+    """
+
+    def __init__(self, ledger: Ledger, weight: object = 0) -> None:
+        self._ledger = ledger
+        self.weight = exact_weight(weight)
+        self.charged_upto: dict[Key, int] = {}
+        self.debt: dict[str, int] = {}
+        self.credit: dict[str, Fraction] = {}
+        self.prompt_tokens: dict[str, int] = {}
+        #: This step's charges: key -> (user, first charged position, chunk start, end).
+        self.step_charges: dict[Key, tuple[str, int, int, int]] = {}
+        #: user -> (credit before its first charge of the step, whole tokens charged).
+        self._step_users: dict[str, tuple[Fraction, int]] = {}
+
+    def set_weight(self, weight: object) -> None:
+        """A new weight, from the next charge on (debts and credits stay)."""
+        self.weight = exact_weight(weight)
+
+    def uncharged(self, key: Key, start: int, count: int, num_prompt: int) -> int:
+        """Prompt positions of ``[start, start + count)`` not charged before."""
+        first = self.charged_upto.get(key, 0)
+        if first < start:
+            first = start
+        end = start + count
+        if end > num_prompt:
+            end = num_prompt
+        return end - first if end > first else 0
+
+    def can_pay(self, key: Key, user: str) -> bool:
+        """May a chunk of ``key`` that computes uncharged prompt positions go now?
+
+        A no is remembered for the step (the user is refused and blocked,
+        as the ledger does for output tokens).
+        """
+        ledger = self._ledger
+        if user not in ledger.refused and not self.debt.get(user):
+            if ledger.is_charged(key) or ledger.limiter.available(user, ledger.now_ns) > 0:
+                return True
+        ledger.refused.add(user)
+        ledger.blocked.add(user)
+        return False
+
+    def charge(self, key: Key, user: str, start: int, count: int, num_prompt: int) -> int:
+        """Charge the chunk ``[start, start + count)`` of ``key`` (after
+        :meth:`can_pay` said yes); return the whole tokens it cost.
+
+        Takes what the quota holds; the rest becomes debt.
+        """
+        first = max(start, self.charged_upto.get(key, 0))
+        end = min(start + count, num_prompt)
+        if end <= first:
+            return 0
+        credit = self.credit.get(user, _ZERO)
+        if user not in self._step_users:
+            self._step_users[user] = (credit, 0)
+        owed = self.weight * (end - first) - credit
+        whole = -((-owed.numerator) // owed.denominator) if owed > 0 else 0
+        self.credit[user] = whole - owed
+        if whole:
+            ledger = self._ledger
+            got = ledger.limiter.take_up_to(user, ledger.now_ns, whole)
+            if got < whole:
+                self.debt[user] = self.debt.get(user, 0) + whole - got
+        before, charged = self._step_users[user]
+        self._step_users[user] = (before, charged + whole)
+        self.step_charges[key] = (user, first, start, end)
+        return whole
+
+    def repay(self, now_ns: int) -> None:
+        """Pay debts from the limiter, as far as each user's quota allows."""
+        take_up_to = self._ledger.limiter.take_up_to
+        for user, owed in list(self.debt.items()):
+            got = take_up_to(user, now_ns, owed)
+            if got >= owed:
+                del self.debt[user]
+            elif got:
+                self.debt[user] = owed - got
+
+    def settle(self, scheduled: Callable[[Key], int], now_ns: int) -> int:
+        """End the step: keep what was scheduled, refund the rest.
+
+        ``scheduled(key)`` is how many positions vLLM scheduled for the key
+        in the step (0: not scheduled).  Returns whole tokens refunded.
+        """
+        if not self.step_charges:
+            return 0
+        kept_by_user: dict[str, int] = {}
+        for key, (user, first, start, end) in self.step_charges.items():
+            kept_end = min(end, start + scheduled(key))
+            kept = kept_end - first if kept_end > first else 0
+            kept_by_user[user] = kept_by_user.get(user, 0) + kept
+            if kept:
+                self.charged_upto[key] = kept_end
+        refunded = 0
+        refund = self._ledger.limiter.refund
+        for user, (before, charged) in self._step_users.items():
+            kept = kept_by_user.get(user, 0)
+            owed = self.weight * kept - before
+            whole = -((-owed.numerator) // owed.denominator) if owed > 0 else 0
+            self.credit[user] = whole - owed
+            if kept:
+                self.prompt_tokens[user] = self.prompt_tokens.get(user, 0) + kept
+            back = charged - whole
+            if back <= 0:
+                continue
+            refunded += back
+            debt = self.debt.get(user, 0)
+            if debt:  # what was never taken is given back first
+                cancel = min(debt, back)
+                back -= cancel
+                if debt > cancel:
+                    self.debt[user] = debt - cancel
+                else:
+                    del self.debt[user]
+            if back:
+                refund(user, now_ns, back)
+        self.step_charges.clear()
+        self._step_users.clear()
+        return refunded
+
+    def forget(self, key: Key) -> None:
+        """The request left for good."""
+        self.charged_upto.pop(key, None)
+
+    def forget_user(self, user: str) -> None:
+        """The user has no request left: drop its credit (it paid that ahead;
+        dropping it never under-charges).  Debt is kept until paid."""
+        self.credit.pop(user, None)

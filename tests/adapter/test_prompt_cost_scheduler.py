@@ -1,0 +1,253 @@
+"""Prompt cost (``input_token_weight``) on vLLM's real scheduler, fake clock.
+
+The bound checked (policy/prompt_cost.py): over any window of W seconds a
+user's output tokens + weight x prompt tokens charged stay within
+(W + 0.1) x N + 1 + ceil(weight x C), C the most prompt tokens one chunk
+computes (the token budget here).
+"""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+import pytest
+
+from vllm_output_rate.settings import OutputRateSettings
+from vllm_output_rate.tools.scheduler_sim import MS, Harness
+
+S = 1_000_000_000
+BUDGET = 512
+
+
+def limits(default, weight, **users):
+    return {
+        "default_user_output_tokens_per_second": default,
+        "user_output_tokens_per_second": users,
+        "input_token_weight": weight,
+    }
+
+
+def distinct_prompt(seed: int, length: int) -> list[int]:
+    """A prompt sharing no 16-token block with another seed's (no cache hits)."""
+    return [100 + (seed * 7919 + i * 31) % 900 for i in range(length)]
+
+
+def cost_series(h: Harness, user: str, weight, steps: int, dt_ns: int = 10 * MS, on_step=None):
+    """Run ``steps`` steps; return [(time of step, cumulative output + weight x prompt charged)]."""
+    sched = h.sched
+    series = []
+    for index in range(steps):
+        if on_step is not None:
+            on_step(index)
+        now = h.clock.now_ns
+        h.step(dt_ns)
+        prompt = sched.output_rate_prompt_cost.prompt_tokens.get(user, 0)
+        output = sched.output_rate_gate.ledger.charged_tokens.get(user, 0)
+        series.append((now, output + Fraction(weight) * prompt))
+    return series
+
+
+def worst_excess(series, rate, extra) -> Fraction:
+    """Max over windows [t_i, t_j] of cost charged in it minus its bound (<= 0: held)."""
+    worst = Fraction(-10**9)
+    previous = [Fraction(0)] + [c for _, c in series[:-1]]
+    for i, (t0, _) in enumerate(series):
+        before = previous[i]
+        for t1, cumulative in series[i:]:
+            window = Fraction(t1 - t0, S)
+            excess = (cumulative - before) - ((window + Fraction(1, 10)) * rate + 1 + extra)
+            worst = max(worst, excess)
+    return worst
+
+
+@pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
+def test_prompt_flood_is_held_to_its_rate_and_the_light_users_decodes_are_not_slowed(
+    async_, long_context_model_dir
+):
+    """8 prompts of 4,000 tokens with max_tokens 1 at weight 0.5, rate 100 tok/s,
+    beside a light user decoding: the flood's cost stays within its bound in
+    every window, and the light user samples in exactly the steps it would alone."""
+    def run(with_flood: bool):
+        h = Harness(
+            limits(100, 0.5, light=1000), async_=async_, max_num_batched_tokens=BUDGET,
+            max_model_len=8192, num_blocks=4000, model_dir=long_context_model_dir,
+        )
+        light = h.add("light", prompt_len=8, max_tokens=250, request_id="light")
+        h.step(10 * MS)
+        if with_flood:
+            for i in range(8):
+                h.add("flood", max_tokens=1, prompt=distinct_prompt(i, 4000))
+        series = cost_series(h, "flood", Fraction(1, 2), 300)
+        h.drain()
+        return h, light, series
+
+    alone, _, _ = run(False)
+    h, _, series = run(True)
+    assert h.records["light"].sample_times == alone.records["light"].sample_times
+    assert len(h.records["light"].sample_times) == 250
+    extra = math.ceil(Fraction(1, 2) * BUDGET)
+    assert worst_excess(series, 100, extra) <= 0
+    # Held, not starved: over 3 s it was charged about its rate's worth.
+    window_s = Fraction(series[-1][0] - series[0][0], S)
+    assert series[-1][1] >= (window_s - 1) * 100
+    pc = h.sched.output_rate_prompt_cost
+    assert pc.prompt_tokens["flood"] >= 512 and not pc.prompt_tokens.get("light", 0) > 8
+
+
+def test_a_prompt_flood_at_weight_0_is_free_and_at_0_5_stops_blocking_admissions(
+    long_context_model_dir,
+):
+    """A light user's new request arrives behind eight queued 4,000-token
+    prompts: at weight 0 it waits for their prefills; at 0.5 the flood is in
+    debt and skipped, and the light request is admitted at once."""
+    def first_token_step(weight) -> int:
+        h = Harness(
+            limits(100, weight, light=1000), max_num_batched_tokens=BUDGET,
+            max_model_len=8192, num_blocks=4000, model_dir=long_context_model_dir,
+        )
+        for i in range(8):
+            h.add("flood", max_tokens=1, prompt=distinct_prompt(i, 4000))
+        for _ in range(3):
+            h.step(10 * MS)
+        h.add("light", prompt_len=8, max_tokens=4, request_id="late")
+        for step in range(200):
+            h.step(10 * MS)
+            if "late" in h.sampled_log[-1]:
+                return step
+        return 200
+
+    assert first_token_step(0.5) <= 1
+    assert first_token_step(0) > 20
+
+
+def test_prefix_cache_hits_are_not_charged():
+    h = Harness(limits(10_000, 1), max_num_batched_tokens=BUDGET)
+    first = distinct_prompt(1, 640)
+    h.add("a", max_tokens=1, prompt=first)
+    h.run_until_done()
+    pc = h.sched.output_rate_prompt_cost
+    assert pc.prompt_tokens["a"] == 640
+    # The same 640 tokens (40 full blocks, cached) and 64 new ones.
+    h.add("a", max_tokens=1, prompt=first + distinct_prompt(2, 64))
+    h.run_until_done()
+    assert pc.prompt_tokens["a"] == 640 + 64
+    assert h.sched.output_rate_gate.ledger.charged_tokens["a"] == 2
+
+
+def test_recompute_after_preemption_is_not_charged():
+    """A KV cache too small for every request: vLLM preempts and recomputes,
+    the user is charged each prompt position once."""
+    h = Harness(limits(10_000, 1), num_blocks=24, max_num_batched_tokens=128, prefix_caching=False)
+    prompts = [distinct_prompt(i, 60) for i in range(6)]
+    requests = [h.add("a", max_tokens=60, prompt=p) for p in prompts]
+    h.run_until_done()
+    assert all(r.finished for r in h.records.values())
+    assert sum(r.num_preemptions for r in requests) > 0
+    # vLLM computed more positions than the requests hold: the recompute.
+    computed = sum(sum(o.num_scheduled_tokens.values()) for o in h.step_outputs)
+    assert computed > sum(len(p) + 60 - 1 for p in prompts)
+    pc = h.sched.output_rate_prompt_cost
+    assert pc.prompt_tokens["a"] == sum(map(len, prompts))
+    assert not pc.charged_upto  # forgotten with their requests
+
+
+def test_whole_prefill_takes_the_user_into_debt_of_one_prompt():
+    """Without chunked prefill a prompt is one chunk: it goes when the user
+    can pay one token, and its cost beyond the quota is debt."""
+    budget = 2048
+    h = Harness(limits(400, 0.5, light=1000), chunked=False, max_num_batched_tokens=budget)
+    h.add("light", prompt_len=8, max_tokens=200, request_id="light")
+    for i in range(3):
+        h.add("flood", max_tokens=1, prompt=distinct_prompt(i, 2000))
+    series = cost_series(h, "flood", Fraction(1, 2), 350)
+    assert worst_excess(series, 400, math.ceil(Fraction(1, 2) * budget)) <= 0
+    done = sorted(r.sample_times[0] for r in h.records.values() if r.user == "flood" and r.finished)
+    # Each prompt costs 1 + 1000 tokens: at 400 tok/s the next one waits about 2.5 s.
+    assert len(done) == 2 and done[1] - done[0] >= (1001 - 41) * S // 400
+    assert len(h.records["light"].sample_times) == 200
+
+
+def test_reload_changes_the_weight_live():
+    h = Harness(limits(10_000, 0), max_num_batched_tokens=BUDGET)
+    pc = h.sched.output_rate_prompt_cost
+    h.add("a", max_tokens=1, prompt=distinct_prompt(1, 100))
+    h.run_until_done()
+    assert not pc.prompt_tokens
+    h.sched.apply_output_rate_limits(
+        OutputRateSettings(default_rate=10_000, input_token_weight=0.25)
+    )
+    assert h.sched.output_rate_settings.input_token_weight == 0.25
+    h.add("a", max_tokens=1, prompt=distinct_prompt(2, 100))
+    h.run_until_done()
+    assert pc.prompt_tokens == {"a": 100}
+    assert h.sched.output_rate_users()["users"]["a"]["prompt_tokens_charged_total"] == 100
+    h.sched.apply_output_rate_limits(OutputRateSettings(default_rate=10_000))
+    h.add("a", max_tokens=1, prompt=distinct_prompt(3, 100))
+    h.run_until_done()
+    assert pc.prompt_tokens == {"a": 100}
+
+
+def test_limits_file_weight_is_reloaded_and_a_file_without_it_means_the_flags(tmp_path):
+    import json
+    import os
+
+    path = tmp_path / "limits.json"
+
+    def write(data, bump):
+        path.write_text(json.dumps(data))
+        st = os.stat(path)
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + bump * S))
+
+    write({"default_user_output_tokens_per_second": 1000, "input_token_weight": 1}, 0)
+    h = Harness({"limits_file": str(path), "default_user_output_tokens_per_second": 7,
+                 "input_token_weight": 0.25})
+    watcher = h.sched._output_rate_watcher
+    watcher.stop()  # checked by hand below
+    sched = h.sched
+    assert sched.output_rate_prompt_cost.weight == 1  # the file wins
+    write({"default_user_output_tokens_per_second": 1000, "input_token_weight": 0.5}, 1)
+    assert watcher.check()
+    h.step(10 * MS)
+    assert sched.output_rate_prompt_cost.weight == Fraction(1, 2)
+    write({"default_user_output_tokens_per_second": 1000}, 2)  # no key: the flag's 0.25
+    assert watcher.check()
+    h.step(10 * MS)
+    assert sched.output_rate_prompt_cost.weight == Fraction(1, 4)
+    failures = sched.output_rate_reload_failures
+    write({"default_user_output_tokens_per_second": 1000, "input_token_weight": -1}, 3)
+    assert watcher.check()
+    h.step(10 * MS)
+    assert sched.output_rate_reload_failures == failures + 1
+    assert sched.output_rate_prompt_cost.weight == Fraction(1, 4)
+
+
+def test_a_user_in_debt_does_not_take_the_visible_room_of_others(long_context_model_dir):
+    """Active cap 4 and four resident prefills of a user that falls into prompt
+    debt (weight raised by a reload while they prefill 64 tokens a step): the
+    light user admitted beside them samples in every step, its stream is not
+    hidden behind prefills that cannot pay."""
+    h = Harness(
+        limits(100, 0, light=1000), max_num_seqs=16, max_num_active_seqs=4,
+        max_num_batched_tokens=BUDGET, max_model_len=8192, num_blocks=4000,
+        model_dir=long_context_model_dir,
+    )
+    h.sched.scheduler_config.long_prefill_token_threshold = 64  # many prefills at once
+    for i in range(8):
+        h.add("flood", max_tokens=1, prompt=distinct_prompt(i, 4000))
+    for _ in range(5):
+        h.step(10 * MS)
+    prefilling = [r for r in h.sched.running if r.num_computed_tokens < r.num_prompt_tokens]
+    assert len(prefilling) == 4
+    h.sched.apply_output_rate_limits(
+        OutputRateSettings(default_rate=100, user_rates={"light": 1000}, input_token_weight=0.5)
+    )
+    h.step(10 * MS)
+    assert h.sched.output_rate_prompt_cost.debt.get("flood")
+    h.add("light", prompt_len=8, max_tokens=100, request_id="light")
+    steps = 0
+    while not h.records["light"].finished and steps < 300:
+        h.step(10 * MS)
+        steps += 1
+    # Admitted in the first step, then one token per step.
+    assert h.records["light"].finished and steps <= 101
