@@ -114,7 +114,7 @@ class GatewayProcess:
     """
 
     def __init__(self, command: str | os.PathLike, config: Path, log_path: Path) -> None:
-        self.command = str(command)
+        self.command = os.path.abspath(command)  # the proxy runs in the config's folder
         self.config = config
         self.log_path = log_path
         self.port = free_port()
