@@ -229,18 +229,43 @@ def user_figures(records: list[RequestRecord], reads: list[dict], user: str, lim
     }
 
 
+def request_row(record: RequestRecord) -> dict:
+    """One request without its per-token times (those would make the JSON megabytes)."""
+    return {"user": record.user, "stream": record.stream, "start": round(record.start, 4),
+            "end": None if record.end is None else round(record.end, 4), "status": record.status,
+            "http_status": record.http_status, "tokens": record.n_tokens,
+            "first_token": round(record.token_times[0], 4) if record.token_times else None,
+            "completion_tokens": record.completion_tokens}
+
+
+def engine_rate_series(reads: list[dict], user: str, seconds: int) -> list[float]:
+    """Tokens the engine charged ``user`` in each whole second, the counter interpolated
+    between reads (each read placed midway between its send and its answer)."""
+    import numpy
+
+    if len(reads) < 2:
+        return []
+    mids = [(r["sent"] + r["done"]) / 2 for r in reads]
+    values = [r["charged"].get(user, 0) for r in reads]
+    at = numpy.interp(range(seconds + 1), mids, values)
+    return [round(float(b - a), 2) for a, b in zip(at, at[1:])]
+
+
 def side_result(run: dict, args) -> dict:
     limits = {HEAVY: args.heavy_limit, LIGHT: args.default_limit}
     records, reads = run["records"], run["reads"]
+    seconds = int(args.duration)
     return {
         "users": {user: user_figures(records, reads, user, limit, args.duration) for user, limit in limits.items()},
         "heavy_tokens_per_s_series": rate_series([r for r in records if r.user == HEAVY], 1.0,
-                                                 args.duration).get(HEAVY, []),
+                                                 args.duration).get(HEAVY, [])[:seconds],
+        "heavy_engine_tokens_per_s_series": engine_rate_series(reads, HEAVY, seconds),
         "load_before": run["load_before"],
         "load_after": run["load_after"],
         "warm_up": run["warm_up"],
-        "counter_reads": len(reads),
-        "requests": [r.to_dict() for r in records],
+        "counter_reads": [{"sent": round(r["sent"], 4), "done": round(r["done"], 4), "charged": r["charged"]}
+                          for r in reads],
+        "requests": [request_row(r) for r in records],
     }
 
 
@@ -282,16 +307,21 @@ def plot(doc: dict, path: Path) -> None:
             continue
         xs = [i + 0.5 for i in range(len(series))]
         for ax in (full, zoom):
-            ax.step(xs, series, where="mid", color=color, label=SIDE_LABELS[side])
+            ax.step(xs, series, where="mid", color=color, label=f"{SIDE_LABELS[side]} (client)")
+        engine = doc["sides"][side].get("heavy_engine_tokens_per_s_series")
+        if engine:
+            zoom.step([i + 0.5 for i in range(len(engine))], engine, where="mid", color="C2", linestyle=":",
+                      label=f"{SIDE_LABELS[side]} (engine counter)")
     for ax in (full, zoom):
         ax.axhline(limit, color="k", linestyle="--", linewidth=1, label=f"limit {limit:g} tok/s")
         ax.set_ylabel("tok/s")
     zoom.set_ylim(0, limit * 4)
-    zoom.set_xlabel("seconds since the load started (1 s bins, client receive times)")
+    zoom.set_xlabel("seconds since the load started (1 s bins; client: receive times, engine: charged tokens)")
     full.set_title(f"Heavy user ({doc['config']['heavy_streams']} streams, limit {limit:g} tok/s): "
                    "tokens received per second")
     zoom.set_title(f"the same, 0-{limit * 4:g} tok/s", fontsize="small")
     full.legend(fontsize="small", loc="upper right")
+    zoom.legend(fontsize="x-small", loc="upper right")
     fig.tight_layout()
     fig.savefig(str(path))
 
@@ -345,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     token_id = single_char_token(model_dir)
     log_dir = benchkit.log_dir_for("gateway-compare", args.log_dir)
     doc = benchkit.start_report(SCHEMA, args, {STOCK: server_args(args, False), PLUGIN: server_args(args, True)})
-    doc.update(heavy_user=HEAVY, light_user=LIGHT, allowed_token_id=token_id, sides={}, startup_s={},
+    doc.update(heavy_user=HEAVY, light_user=LIGHT, allowed_token_id=token_id, sides={}, startups_s={},
                window_clocks={STOCK: CLIENT, GATEWAY: CLIENT, PLUGIN: ENGINE})
 
     def run_side(side: str, base_url: str, model: str, through_gateway: bool = False,
@@ -359,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if STOCK in sides or GATEWAY in sides:
         with benchkit.running_engines([(STOCK, server_args(args, False))], log_dir, model=args.model) as (server,):
-            doc["startup_s"][STOCK] = server.startup_s
+            doc["startups_s"][STOCK] = server.startup_s
             model = benchkit.served_model(server.base_url)
             if STOCK in sides:
                 run_side(STOCK, server.base_url, model)
@@ -371,19 +401,19 @@ def main(argv: list[str] | None = None) -> int:
                     server.base_url, model)
                 proxy = gateway.GatewayProcess(args.gateway_bin, config, log_dir / "gateway.log")
                 with proxy:
-                    doc["startup_s"][GATEWAY] = proxy.startup_s
+                    doc["startups_s"][GATEWAY] = proxy.startup_s
                     doc["gateway_config"] = gateway.gateway_config(server.base_url, model)
                     run_side(GATEWAY, proxy.base_url, model, through_gateway=True)
     if PLUGIN in sides:
         with benchkit.running_engines([(PLUGIN, server_args(args, True))], log_dir, model=args.model,
                                       env=ADMIN_ROUTE_ENV) as (server,):
-            doc["startup_s"][PLUGIN] = server.startup_s
+            doc["startups_s"][PLUGIN] = server.startup_s
             run_side(PLUGIN, server.base_url, benchkit.served_model(server.base_url),
                      counters_url=server.base_url)
     doc["gateway_version"] = gateway_version(args.gateway_bin) if GATEWAY in sides else None
     benchkit.finish_report(doc)
-    print("\n" + report(doc))
     benchkit.write_outputs(doc, args.out, plot=plot)
+    print("\n" + report(doc))
     return 0
 
 
