@@ -491,11 +491,12 @@ def gateway_lines(doc: Doc, extra: dict[str, Doc | None], image: str | None) -> 
         "returned by its `custom_auth` hook and `token_rate_limit_type: output`, in front of the same stock "
         "server; the plugin runs on a fresh server with the same limits.",
         "",
-        "Clocks: tok/s and the stock and gateway windows are on this client's receive times (streams here stall "
-        "up to ~1 s under load, which matters little over 10 s and 60 s windows); the plugin's windows are on the "
-        "engine's own charged-token counter, read every "
-        f"{cfg['read_every']:g} s (growth between two reads at most W apart), with its client-side figure beside "
-        "it. The light user's first token: send to first token received, client clock, same pacing on every side.",
+        "Clocks: tok/s and the stock and gateway windows are on this client's receive times. Streams stall on "
+        "this loaded 2-core machine (the client sees gaps of seconds, then a bunch of tokens), so windows on "
+        "that clock overstate a paced rate; the plugin's windows are on the engine's own charged-token counter, "
+        f"read every {cfg['read_every']:g} s (growth between two reads at most W apart), with its client-side "
+        "figure beside it. The light user's first token: send to first token received, client clock, same "
+        "pacing on every side. One run per side, one after another: the load average differs between them.",
         "",
         "| | " + " | ".join(labels[side] for side in order) + " |",
         "| --- |" + " ---: |" * len(order),
@@ -507,9 +508,9 @@ def gateway_lines(doc: Doc, extra: dict[str, Doc | None], image: str | None) -> 
         "| light tok/s | " + cells(lambda s: f"{user(s, 'light')['tokens_per_s']:.1f}") + " |",
         "| light requests answered (429s) | "
         + cells(lambda s: f"{user(s, 'light')['answered']} ({user(s, 'light')['rejected_429']})") + " |",
-        "| light first token p50 / p99 | "
-        + cells(lambda s: f"{ms(user(s, 'light')['first_token_p50_s'])} / {ms(user(s, 'light')['first_token_p99_s'])}")
-        + " |",
+        "| light first token p50 / p99 (requests) | "
+        + cells(lambda s: f"{ms(user(s, 'light')['first_token_p50_s'])} / {ms(user(s, 'light')['first_token_p99_s'])}"
+                f" ({user(s, 'light')['first_tokens']})") + " |",
         "| answers whose token count ≠ usage | "
         + cells(lambda s: str(sum(u["usage_mismatches"] for u in sides[s]["users"].values()))) + " |",
         "| load average before the run (1 / 5 / 15 min) | "
