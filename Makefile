@@ -116,7 +116,7 @@ bench-server: setup model bench-model
 # The same load on stock vLLM, through LiteLLM's proxy (per-key TPM limit) in
 # front of stock vLLM, and with the plugin. The proxy gets its own venv from the
 # [compare] extra (it would move packages vLLM needs) and runs from there as a
-# child process; the driver runs in $(VENV). About 8-12 min.
+# child process; the driver runs in $(VENV). Two server startups and 3 x 60 s of load.
 COMPARE_VENV ?= .venv-compare
 COMPARE_STAMP := $(COMPARE_VENV)/.vllm-output-rate-compare
 $(COMPARE_STAMP): pyproject.toml

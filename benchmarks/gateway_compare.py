@@ -32,11 +32,11 @@ What
 
 How (clocks)
     * Client receive times (all sides): tokens as this client received them,
-      its own ``time.monotonic()``.  On this 2-core machine streams stall
-      (receive gaps up to ~1 s under load), so short windows on this clock
-      can overstate a paced rate; the 10 s and 60 s windows are long enough
-      for that to matter little, and the page says which clock each figure
-      is on.
+      its own ``time.monotonic()``.  On this loaded 2-core machine streams
+      stall (receive gaps of a second and more, then a bunch of tokens), so
+      windows on this clock can overstate a paced rate, the shorter the
+      more; the plugin's client figure beside its engine figure shows by
+      how much, and the page says which clock each figure is on.
     * Engine counters (plugin only): the engine's own charged-token total
       per user (``GET /v1/output_rate/users``, read every
       ``--read-every`` s); a window's count is the growth between two reads
@@ -71,7 +71,7 @@ Dependencies
 
 Writes ``docs/benchmarks/gateway_compare.json`` and ``.png`` (``--out PREFIX``
 elsewhere); two server startups, one proxy startup and three runs of
-``--duration``: about 8-12 minutes on this machine.
+``--duration``; the JSON's ``wall_s`` says how long a run took.
 """
 
 from __future__ import annotations
