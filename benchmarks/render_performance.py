@@ -463,6 +463,11 @@ def shared_store_lines(doc: Doc, extra: dict[str, Doc | None], image: str | None
     return lines
 
 
+def _reads(side: Doc | None) -> str:
+    reads = (side or {}).get("counter_reads")
+    return str(len(reads)) if isinstance(reads, list) else "-"
+
+
 def gateway_lines(doc: Doc, extra: dict[str, Doc | None], image: str | None) -> list[str]:
     cfg, sides = doc["config"], doc["sides"]
     order = [side for side in ("stock", "gateway", "plugin") if side in sides]
@@ -494,7 +499,8 @@ def gateway_lines(doc: Doc, extra: dict[str, Doc | None], image: str | None) -> 
         "Clocks: tok/s and the stock and gateway windows are on this client's receive times. Streams stall on "
         "this loaded 2-core machine (the client sees gaps of seconds, then a bunch of tokens), so windows on "
         "that clock overstate a paced rate; the plugin's windows are on the engine's own charged-token counter, "
-        f"read every {cfg['read_every']:g} s (growth between two reads at most W apart), with its client-side "
+        f"read {_reads(sides.get('plugin'))} times in the run ({cfg['read_every']:g} s apart plus each read's own "
+        "time; growth between two reads at most W apart), with its client-side "
         "figure beside it. The light user's first token: send to first token received, client clock, same "
         "pacing on every side. One run per side, one after another: the load average differs between them.",
         "",
