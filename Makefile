@@ -36,7 +36,7 @@ SERIES_TESTS ?= tests/policy/test_limiter.py tests/policy/test_gate.py tests/con
 # vllm serve subprocesses cannot start on the GPU wheel (no CPU kernels).
 SERIES_TEST_ARGS ?= -m 'not server'
 
-.PHONY: setup setup-033 test-033 model bench-model serve test demo demo-cluster bench-step bench-server bench-fair-share bench-prompt-flood bench-demo performance clean-model
+.PHONY: setup setup-033 test-033 model bench-model serve test demo demo-cluster bench-step bench-server bench-fair-share bench-prompt-flood bench-demo bench-gateway performance clean-model
 setup: $(STAMP)
 setup-033: $(STAMP_033)
 
@@ -124,6 +124,21 @@ bench-fair-share: setup model
 # A prompt flood beside a light user, prompt tokens free and at weight 0.5 (~2-3 min).
 bench-prompt-flood: setup model
 	$(BIN)/python benchmarks/prompt_flood.py
+
+# The same load on stock vLLM, through LiteLLM's proxy (per-key TPM limit) in
+# front of stock vLLM, and with the plugin. The proxy gets its own venv from the
+# [compare] extra (it would move packages vLLM needs) and runs from there as a
+# child process; the driver runs in $(VENV). Two server startups and 3 x 60 s of load.
+COMPARE_VENV ?= .venv-compare
+COMPARE_STAMP := $(COMPARE_VENV)/.vllm-output-rate-compare
+$(COMPARE_STAMP): pyproject.toml
+	test -x $(COMPARE_VENV)/bin/python || $(PYTHON) -m venv $(COMPARE_VENV)
+	$(COMPARE_VENV)/bin/pip install -q --disable-pip-version-check '.[compare]' 2>&1 | grep -v '^WARNING: Location' || true
+	test -x $(COMPARE_VENV)/bin/litellm || { echo "LiteLLM proxy install failed" >&2; exit 1; }
+	touch $@
+
+bench-gateway: setup model $(COMPARE_STAMP)
+	$(BIN)/python benchmarks/gateway_compare.py --gateway-bin $(COMPARE_VENV)/bin/litellm
 
 # The two demos, kept for the performance page.
 bench-demo: demo demo-cluster

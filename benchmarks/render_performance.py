@@ -53,6 +53,7 @@ MAKES = {
     "soak": "python benchmarks/soak.py",
     "shared_store": "python benchmarks/shared_store.py --cluster",
     "fair_share": "python benchmarks/fair_share.py",
+    "gateway_compare": "make bench-gateway",
 }
 
 
@@ -604,6 +605,70 @@ def fair_share_lines(doc: Doc, extra: dict[str, Doc | None], image: str | None) 
     return lines
 
 
+def _reads(side: Doc | None) -> str:
+    reads = (side or {}).get("counter_reads")
+    return str(len(reads)) if isinstance(reads, list) else "-"
+
+
+def gateway_lines(doc: Doc, extra: dict[str, Doc | None], image: str | None) -> list[str]:
+    cfg, sides = doc["config"], doc["sides"]
+    order = [side for side in ("stock", "gateway", "plugin") if side in sides]
+    labels = {"stock": "stock vLLM", "gateway": f"LiteLLM {doc.get('gateway_version') or ''} TPM → stock vLLM",
+              "plugin": "plugin"}
+    ms = lambda x: "-" if x is None else f"{1000 * x:.0f} ms"  # noqa: E731
+
+    def window(side: str, w: str) -> str:
+        row = sides[side]["users"]["heavy"]["windows"][w]
+        if "engine_ratio" in row:
+            return f"{row['engine_ratio']:.2f} (engine; client {row['client_ratio']:.2f})"
+        return f"{row['client_ratio']:.2f} (client)"
+
+    def cells(fn: Callable[[str], str]) -> str:
+        return " | ".join(fn(side) for side in order)
+
+    def user(side: str, who: str) -> dict:
+        return sides[side]["users"][who]
+
+    lines = [
+        f"The same load on each side for {cfg['duration']:g} s: user `heavy` keeps {cfg['heavy_streams']} streams "
+        f"in flight (limit {cfg['heavy_limit']:g} tok/s), user `light` one stream with a {cfg['light_pause']:g} s "
+        f"pause after each answer (limit {cfg['default_limit']:g} tok/s); every request asks for "
+        f"{cfg['max_tokens']} tokens, a 429 is retried after {cfg['retry_after']:g} s, requests in flight at the "
+        "end are cancelled. The gateway is LiteLLM's proxy with no database, each key's `tpm_limit` (limit × 60) "
+        "returned by its `custom_auth` hook and `token_rate_limit_type: output`, in front of the same stock "
+        "server; the plugin runs on a fresh server with the same limits.",
+        "",
+        "Clocks: tok/s and the stock and gateway windows are on this client's receive times. Streams stall on "
+        "this loaded 2-core machine (the client sees gaps of seconds, then a bunch of tokens), so windows on "
+        "that clock overstate a paced rate; the plugin's windows are on the engine's own charged-token counter, "
+        f"read {_reads(sides.get('plugin'))} times in the run ({cfg['read_every']:g} s apart plus each read's own "
+        "time; growth between two reads at most W apart), with its client-side "
+        "figure beside it. The light user's first token: send to first token received, client clock, same "
+        "pacing on every side. One run per side, one after another: the load average differs between them.",
+        "",
+        "| | " + " | ".join(labels[side] for side in order) + " |",
+        "| --- |" + " ---: |" * len(order),
+        "| heavy tok/s | " + cells(lambda s: f"{user(s, 'heavy')['tokens_per_s']:.1f}") + " |",
+        "| heavy, most tokens in any 10 s ÷ limit | " + cells(lambda s: window(s, "10s")) + " |",
+        "| heavy, most tokens in any 60 s ÷ limit | " + cells(lambda s: window(s, "60s")) + " |",
+        "| heavy 429s | " + cells(lambda s: str(user(s, "heavy")["rejected_429"])) + " |",
+        "| heavy requests answered | " + cells(lambda s: str(user(s, "heavy")["answered"])) + " |",
+        "| light tok/s | " + cells(lambda s: f"{user(s, 'light')['tokens_per_s']:.1f}") + " |",
+        "| light requests answered (429s) | "
+        + cells(lambda s: f"{user(s, 'light')['answered']} ({user(s, 'light')['rejected_429']})") + " |",
+        "| light first token p50 / p99 (requests) | "
+        + cells(lambda s: f"{ms(user(s, 'light')['first_token_p50_s'])} / {ms(user(s, 'light')['first_token_p99_s'])}"
+                f" ({user(s, 'light')['first_tokens']})") + " |",
+        "| answers whose token count ≠ usage | "
+        + cells(lambda s: str(sum(u["usage_mismatches"] for u in sides[s]["users"].values()))) + " |",
+        "| load average before the run (1 / 5 / 15 min) | "
+        + cells(lambda s: "/".join(f"{x:.1f}" for x in sides[s]["load_before"])) + " |",
+    ]
+    if image:
+        lines += ["", f"![The heavy user's tokens per second on the three sides]({image})"]
+    return lines
+
+
 @dataclass(frozen=True)
 class Section:
     name: str  # the result's stem under docs/benchmarks/
@@ -631,6 +696,8 @@ SECTIONS = (
     Section("shared_store", "Cost of the shared Redis store (`benchmarks/shared_store.py`)", shared_store_lines),
     Section("fair_share", "Fair share of spare capacity: stock vs hard caps vs rate/ceil/weight "
             "(`benchmarks/fair_share.py`)", fair_share_lines),
+    Section("gateway_compare", "The same load through a gateway limiter (`benchmarks/gateway_compare.py`)",
+            gateway_lines),
 )
 
 

@@ -166,14 +166,16 @@ def _extra(obj: Any, name: str) -> Any:
     return value
 
 
-def _apply_chunk(record: RequestRecord, chunk: Any, received: float, keep_ids: bool) -> None:
+def _apply_chunk(record: RequestRecord, chunk: Any, received: float, keep_ids: bool,
+                 count_chars: bool = False) -> None:
     for choice in chunk.choices or []:
         ids = _extra(choice, "token_ids")
         if ids is None:
             text = getattr(choice, "text", None) or getattr(getattr(choice, "delta", None), "content", None)
-            if text:
+            if text and not count_chars:
                 raise ValueError("chunk without token_ids (does the server support return_token_ids?)")
-            ids = []
+            # count_chars: the caller made every token one character (see stream_completion).
+            ids = [None] * len(text or "")
         index = getattr(choice, "index", 0) or 0
         record.token_times.extend([received] * len(ids))
         if keep_ids:
@@ -202,6 +204,8 @@ async def stream_completion(
     endpoint: str = "completions",
     cancel_after: int | None = None,
     keep_ids: bool = False,
+    headers: Mapping[str, str] | None = None,
+    count_chars: bool = False,
 ) -> RequestRecord:
     """Stream one request and fill ``record`` as chunks arrive.
 
@@ -210,7 +214,12 @@ async def stream_completion(
     asked for unless ``stream_options`` says otherwise.  With
     ``cancel_after`` the stream is closed once that many tokens arrived
     (status CANCELLED).  Errors end up in the record, never raised, except
-    ``asyncio.CancelledError`` (the record is then CANCELLED).
+    ``asyncio.CancelledError`` (the record is then CANCELLED).  ``headers``
+    are sent with the request (a gateway's per-user key).  ``count_chars``
+    counts one token per character of a chunk that carries no token ids (a
+    proxy that drops vLLM's fields); it is exact only when the request makes
+    every token one character (``allowed_token_ids``), which the usage check
+    then confirms.
     """
     import openai
 
@@ -223,12 +232,12 @@ async def stream_completion(
     create = oa.chat.completions.create if endpoint == "chat" else oa.completions.create
     record.start = time.monotonic() - t0
     try:
-        stream = await create(**named, extra_body=extra)
+        stream = await create(**named, extra_body=extra, extra_headers=dict(headers or {}) or None)
         record.http_status = 200
         try:
             async for chunk in stream:
                 received = time.monotonic() - t0
-                _apply_chunk(record, chunk, received, keep_ids)
+                _apply_chunk(record, chunk, received, keep_ids, count_chars)
                 if cancel_after is not None and record.n_tokens >= cancel_after:
                     record.status = CANCELLED
                     break

@@ -128,7 +128,8 @@ class Server:
         return httpx.get(f"{self.base_url}/metrics", timeout=10, trust_env=False).text
 
 
-def _stop(proc: subprocess.Popen) -> None:
+def stop_group(proc: subprocess.Popen) -> None:
+    """Stop a child started with ``start_new_session``: SIGTERM to its process group, then SIGKILL."""
     if proc.poll() is not None:
         return
     try:
@@ -188,7 +189,7 @@ def running_server(
             time.sleep(1)
         yield server
     finally:
-        _stop(proc)
+        stop_group(proc)
 
 
 def run_cli(
