@@ -21,6 +21,9 @@ Series (labels ``model_name``, ``user``):
   to the user's quota (net of refunds);
 * ``vllm:output_rate_throttled_seconds_total`` -- time the user had runnable
   requests and no quota;
+* ``vllm:output_rate_borrowed_tokens_total`` -- output tokens the user got
+  on spare capacity beyond its rate (only while some user's ceiling is above
+  its rate; also counted in ``..._output_tokens_charged_total``);
 * ``vllm:output_rate_requests{state="active|throttled|waiting"}``;
 * ``vllm:output_rate_limit_tokens_per_second``;
 
@@ -55,7 +58,9 @@ from __future__ import annotations
 from typing import Any
 
 from vllm_output_rate.adapter.install import add_field, wrap
-from vllm_output_rate.policy.monitor import ACTIVE, CHARGED, LIMIT, THROTTLED, THROTTLED_S, WAITING
+from vllm_output_rate.policy.monitor import (
+    ACTIVE, BORROWED, CHARGED, LIMIT, THROTTLED, THROTTLED_S, WAITING,
+)
 from vllm_output_rate.stores.backend import MODES as STORE_MODES
 
 PREFIX = "vllm:output_rate_"
@@ -103,6 +108,12 @@ class OutputRateExporter:
         self.throttled_seconds = Counter(
             f"{PREFIX}throttled_seconds",
             "Seconds during which the user had runnable requests and no quota.",
+            labels, registry=registry,
+        )
+        self.borrowed = Counter(
+            f"{PREFIX}borrowed_tokens",
+            "Output tokens the user got on spare capacity beyond its rate, up to its "
+            "ceiling (also counted in output_tokens_charged).",
             labels, registry=registry,
         )
         self.requests = Gauge(
@@ -160,7 +171,7 @@ class OutputRateExporter:
     def observe(self, report: dict) -> None:
         model = self._model
         for user in report.get("removed", ()):
-            for metric in (self.charged, self.throttled_seconds, self.limit):
+            for metric in (self.charged, self.throttled_seconds, self.limit, self.borrowed):
                 _remove(metric, model, user)
             for state in STATES:
                 _remove(self.requests, model, user, state)
@@ -178,6 +189,10 @@ class OutputRateExporter:
             self.requests.labels(model, user, "waiting").set(row[WAITING])
             if row[LIMIT] is not None:
                 self.limit.labels(model, user).set(row[LIMIT])
+            if len(row) > BORROWED:  # some user may borrow
+                child = self.borrowed.labels(model, user)
+                if row[BORROWED]:
+                    child.inc(row[BORROWED])
         engine = report.get("engine", {})
         self.throttled_requests.labels(model).set(engine.get("throttled_requests", 0))
         for metric, key in (

@@ -45,10 +45,11 @@ the gate, its lanes and ledger, and :class:`..policy.displacement.Displacement`)
 N+1 scheduled before step N's output arrives) works unchanged.
 
 The scheduler mixin is :class:`OutputRateSchedulerMixin` (the step) over
-three hook classes, one concern each: :class:`MembershipHooks` (the lanes
+four hook classes, one concern each: :class:`MembershipHooks` (the lanes
 follow vLLM's request lifecycle), :class:`ChargingHooks` (per-request
-charges and waiting-queue skips) and :class:`EvictionHooks` (slot and KV
-pressure).
+charges and waiting-queue skips), :class:`EvictionHooks` (slot and KV
+pressure) and :class:`BorrowingHooks` (spare capacity for users with a
+ceiling above their rate, handed to vLLM after every guaranteed request).
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ from vllm.v1.core.sched.utils import remove_all
 from vllm.v1.request import Request, RequestStatus
 
 from vllm_output_rate.adapter.operate import OperateSchedulerMixin
-from vllm_output_rate.factory import make_limiter
+from vllm_output_rate.factory import make_borrowing, make_limiter
 from vllm_output_rate.policy.displacement import Displacement, fits_in_free_kv
 from vllm_output_rate.policy.eviction import EvictionBudget
 from vllm_output_rate.policy.gate import StepGate, StepPlan
@@ -288,7 +289,67 @@ class EvictionHooks:
         self._evicted_in_step.append(victim)
 
 
-class OutputRateSchedulerMixin(MembershipHooks, ChargingHooks, EvictionHooks):
+class BorrowingHooks:
+    """Spare capacity for users whose ceiling is above their rate (see
+    :mod:`vllm_output_rate.policy.borrow`): set up from the settings, and
+    offered after the plan, when the step has room left."""
+
+    def apply_output_rate_shares(self, settings: OutputRateSettings) -> None:
+        """Ceilings and weights from ``settings`` (at start and on reload).
+
+        While nobody has a ceiling above its rate the gate keeps the rate
+        limiter itself and no borrowing runs: hard caps take today's path.
+        """
+        borrowing, limiter = make_borrowing(settings, self.output_rate_limiter, self._borrowing)
+        self._borrowing = borrowing
+        gate = self.output_rate_gate
+        gate.borrowing = borrowing
+        gate.limiter = gate.ledger.limiter = limiter
+
+    def _offer_spare_to_borrowers(self, plan: StepPlan, slots: int) -> None:
+        """Room the plan left, less what waiting requests the active cap
+        would admit need, goes to borrowers."""
+        room = slots - len(plan.visible) - plan.reserved
+        if room > 0 and self._ledger.short:
+            room -= self._waiting_demand(room)
+        # Also with no room or nobody short: then it only keeps the counters.
+        self.output_rate_gate.borrow(plan, room)
+
+    def _waiting_demand(self, limit: int) -> int:
+        """Admittable waiting requests that get room before borrowed streams,
+        up to ``limit``: those whose user can pay now, and, while model-runner
+        slots are free, those of users who may borrow (admitted, they join
+        the borrowing as resident streams)."""
+        lanes = self._lanes
+        user_of, in_turn = lanes.user_of, lanes.in_turn
+        quota_now = self._ledger.quota_now
+        borrows = self._borrowing.table.borrows
+        free_slots = self.max_num_running_reqs - len(self.running) - self.num_waiting_for_streaming_input
+        quota: dict[str, int] = {}
+        count = 0
+        for request in self.waiting:
+            if request.status not in _ADMITTABLE or request in in_turn:
+                continue  # held elsewhere, or its quota is reserved already
+            user = user_of.get(request)
+            if user is None:
+                continue
+            left = quota.get(user)
+            if left is None:
+                left = quota_now(user)
+            if left > 0:
+                quota[user] = left - 1
+            elif free_slots > 0 and borrows(user):
+                free_slots -= 1
+            else:
+                quota[user] = 0
+                continue
+            count += 1
+            if count >= limit:
+                break
+        return count
+
+
+class OutputRateSchedulerMixin(MembershipHooks, ChargingHooks, EvictionHooks, BorrowingHooks):
     """Per-user output-rate limiting on top of vLLM's V1 ``Scheduler``.
 
     This class runs the step (plan, hand vLLM the visible requests, settle);
@@ -359,6 +420,8 @@ class OutputRateSchedulerMixin(MembershipHooks, ChargingHooks, EvictionHooks):
         # CPython's attribute caches in vLLM's loop rely on).
         self._reserve_prefill_lookahead = self._charging_reserve_prefill_lookahead
         self._tracks_sessions = False
+        self._borrowing = None
+        self.apply_output_rate_shares(settings)
 
     # -- the active cap, seen through vLLM's own admission check -----------
 
@@ -383,7 +446,8 @@ class OutputRateSchedulerMixin(MembershipHooks, ChargingHooks, EvictionHooks):
     def shutdown(self) -> None:
         super().shutdown()
         self.output_rate_limiter.close()  # a shared-store limiter stops its lease thread
-
+        if self._borrowing is not None:
+            self._borrowing.ceiling.close()
 
     # -- one step ------------------------------------------------------------
 
@@ -395,12 +459,19 @@ class OutputRateSchedulerMixin(MembershipHooks, ChargingHooks, EvictionHooks):
         if gate.steady(now_ns, slots):
             return self._schedule_repeat(args, kwargs)
         plan = gate.plan(now_ns, slots)
+        if gate.borrowing is not None and not plan.over_cap:
+            self._offer_spare_to_borrowers(plan, slots)
         resident = self.running
-        num_visible = len(plan.visible)
+        num_visible = len(plan.visible) + len(plan.borrowed)
         # The gate decides which requests vLLM sees; vLLM's own order among
         # them (admission order) decides who gets the token budget first and
         # who is preempted first, exactly as in stock vLLM.
-        if plan.hidden:
+        if plan.borrowed:
+            # Borrowers last: the token budget and vLLM's preemption (from
+            # the end of `running`) reach them before any guaranteed request.
+            lanes.in_admission_order(plan.visible)
+            self.running = plan.visible + plan.borrowed
+        elif plan.hidden:
             lanes.in_admission_order(plan.visible)
             self.running = plan.visible  # vLLM appends admissions to it
         else:
@@ -440,7 +511,10 @@ class OutputRateSchedulerMixin(MembershipHooks, ChargingHooks, EvictionHooks):
             and not self._preempted_in_step
             and len(num_scheduled) - len(admitted) == num_visible
         )
-        self._ledger.settle(_SampledView(num_scheduled), all_prepaid_sampled=undisturbed)
+        sampled = _SampledView(num_scheduled)
+        self._ledger.settle(sampled, all_prepaid_sampled=undisturbed)
+        if plan.borrowed:
+            gate.borrowing.settle(lanes, self._ledger, sampled)
         self.output_rate_eviction_budget.earn(len(num_scheduled))
         self._set_idle_wait(output)
         return output

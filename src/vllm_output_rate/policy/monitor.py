@@ -30,8 +30,9 @@ NS_PER_S = 1_000_000_000
 OTHER_USERS = "__other__"
 
 #: Report fields per user: [charged tokens (increment), throttled seconds
-#: (increment), active, throttled, waiting requests, limit tokens/s or None].
-CHARGED, THROTTLED_S, ACTIVE, THROTTLED, WAITING, LIMIT = range(6)
+#: (increment), active, throttled, waiting requests, limit tokens/s or None,
+#: and -- only while some user may borrow -- borrowed tokens (increment)].
+CHARGED, THROTTLED_S, ACTIVE, THROTTLED, WAITING, LIMIT, BORROWED = range(7)
 
 
 class UserMonitor:
@@ -42,6 +43,7 @@ class UserMonitor:
         self._idle_evict_ns = int(idle_evict_s * NS_PER_S)
         self._last_charged: dict[str, int] = {}
         self._last_throttled: dict[str, int] = {}
+        self._last_borrowed: dict[str, int] = {}
         self._labelled: dict[str, int] = {}  # non-configured user -> last active ns
         self._configured: frozenset[str] = frozenset()
         self._last_engine: dict[str, int] = {}
@@ -63,17 +65,24 @@ class UserMonitor:
         configured: Mapping[str, float],
         rate_of: Callable[[str], float],
         engine: Mapping[str, int] | None = None,
+        borrowed: Mapping[str, int] | None = None,
     ) -> dict:
         """One report; see the module doc.  ``engine`` holds engine-wide totals.
 
         ``charged`` / ``throttled_ns`` are cumulative per user (a user may
         disappear when its owner forgets it); ``counts`` is user ->
-        (active, throttled, waiting) requests now.
+        (active, throttled, waiting) requests now.  ``borrowed`` (cumulative
+        borrowed tokens per user) is given only while some user may borrow;
+        then every row has a :data:`BORROWED` field.
         """
         charged_inc = _increments(charged, self._last_charged)
         throttled_inc = _increments(throttled_ns, self._last_throttled)
         self._last_charged = dict(charged)
         self._last_throttled = dict(throttled_ns)
+        borrowed_inc = None
+        if borrowed is not None:
+            borrowed_inc = _increments(borrowed, self._last_borrowed)
+            self._last_borrowed = dict(borrowed)
 
         removed: list[str] = []
         new_configured = frozenset(configured)
@@ -121,7 +130,11 @@ class UserMonitor:
                 waiting,
                 rate_of(user),
             ]
+            if borrowed_inc is not None:
+                users[user].append(borrowed_inc.get(user, 0))
         other = [0, 0.0, 0, 0, 0, None]
+        if borrowed_inc is not None:
+            other.append(0)
         for user in active_users:
             if user in users:
                 continue
@@ -131,6 +144,8 @@ class UserMonitor:
             other[ACTIVE] += active
             other[THROTTLED] += throttled
             other[WAITING] += waiting
+            if borrowed_inc is not None:
+                other[BORROWED] += borrowed_inc.get(user, 0)
         users[OTHER_USERS] = other
 
         engine_inc: dict[str, int] = {}
@@ -155,6 +170,7 @@ class UserMonitor:
         for user in users:
             self._last_charged.pop(user, None)
             self._last_throttled.pop(user, None)
+            self._last_borrowed.pop(user, None)
             self._idle_since.pop(user, None)
 
 

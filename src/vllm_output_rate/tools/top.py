@@ -2,7 +2,8 @@
 
 Reads the server's ``/metrics`` once a second (the ``vllm:output_rate_*``
 series the plugin exports) and shows one row per user: limit, current tok/s,
-active / throttled / waiting requests, throttled %, and a spark-line of the
+active / throttled / waiting requests, throttled %, borrowed tok/s (spare
+capacity beyond the rate, "-" while nobody may borrow) and a spark-line of the
 last minute; sorted by current rate.  ``q`` quits.  Drawn with ``rich``.
 
 The parsing and the per-user model (:func:`parse_metrics`, :class:`TopModel`)
@@ -41,6 +42,7 @@ class UserSample:
     active: int = 0
     throttled: int = 0
     waiting: int = 0
+    borrowed: float | None = None  # None: the server exports no borrowed series
 
 
 @dataclass
@@ -75,6 +77,8 @@ def _add_sample(snap: Snapshot, name: str, labels: dict[str, str], value: float)
         row.charged += value
     elif key == "throttled_seconds_total":
         row.throttled_s += value
+    elif key == "borrowed_tokens_total":
+        row.borrowed = (row.borrowed or 0.0) + value
     elif key == "limit_tokens_per_second":
         row.limit = value
     elif key == "requests":
@@ -93,6 +97,7 @@ class Row:
     waiting: int
     throttled_pct: float
     spark: str
+    borrowed: float | None = None  # tok/s beyond the rate; None: not exported
 
 
 class TopModel:
@@ -120,10 +125,15 @@ class TopModel:
             before = base.users.get(user, UserSample())
             rate = max(0.0, cur.charged - before.charged) / dt if dt > 0 else 0.0
             thr = max(0.0, cur.throttled_s - before.throttled_s) / dt if dt > 0 else 0.0
+            borrowed = None
+            if cur.borrowed is not None:
+                gained = cur.borrowed - (before.borrowed or 0.0)
+                borrowed = max(0.0, gained) / dt if dt > 0 else 0.0
             rows.append(Row(
                 user=user, limit=cur.limit, rate=rate, active=cur.active,
                 throttled=cur.throttled, waiting=cur.waiting,
                 throttled_pct=min(100.0, 100.0 * thr), spark=self._spark(user, cur.limit),
+                borrowed=borrowed,
             ))
         rows.sort(key=lambda r: (-r.rate, r.user))
         return rows
@@ -183,14 +193,16 @@ def render(model: TopModel, url: str, error: str | None = None):
         ("USER", {"no_wrap": True}), ("LIMIT", {"justify": "right"}),
         ("TOK/S", {"justify": "right"}), ("ACTIVE", {"justify": "right"}),
         ("THROTTLED", {"justify": "right"}), ("WAITING", {"justify": "right"}),
-        ("THR%", {"justify": "right"}), (f"LAST {HISTORY_S}s", {"no_wrap": True}),
+        ("THR%", {"justify": "right"}), ("BORROWED", {"justify": "right"}),
+        (f"LAST {HISTORY_S}s", {"no_wrap": True}),
     ):
         table.add_column(name, **kw)
     for row in model.rows():
         style = "red" if row.throttled_pct >= 50 else None
         table.add_row(
             row.user, _fmt(row.limit), _fmt(row.rate), str(row.active), str(row.throttled),
-            str(row.waiting), f"{row.throttled_pct:.0f}%", row.spark, style=style,
+            str(row.waiting), f"{row.throttled_pct:.0f}%", _fmt(row.borrowed), row.spark,
+            style=style,
         )
     if error:
         table.caption = Text(error, style="yellow")
