@@ -77,11 +77,16 @@ def _set_frontend_active(active: bool) -> None:
 # -- engine_args.cli -------------------------------------------------------------
 
 
-def _default_rate_arg(text: str) -> float:
+def _default_rate_arg(text: str) -> float | str:
     try:
+        if text.strip().startswith("{"):  # {"rate": .., "ceil": .., "weight": ..}
+            parse_cli(text, None)
+            return text  # parsed again, with the overrides, by parse_cli
         return validate_rate(text, "value")
     except OutputRateConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc).removeprefix("value: ")) from None
+        raise argparse.ArgumentTypeError(
+            str(exc).removeprefix("value: ").removeprefix(f"{DEFAULT_FLAG}: ")
+        ) from None
 
 
 def _overrides_arg(text: str) -> str:
