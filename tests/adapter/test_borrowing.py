@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from vllm_output_rate.policy.monitor import BORROWED
 from vllm_output_rate.settings import OutputRateSettings
 from vllm_output_rate.tools.scheduler_sim import MS, Harness, max_in_window
@@ -34,21 +38,23 @@ def borrowed_of(h: Harness, user: str) -> int:
     return h.sched.output_rate_gate.borrowing.borrowed_tokens.get(user, 0)
 
 
-def test_lone_borrower_without_ceiling_fills_the_active_cap_every_step():
-    h = Harness(limits(1, b={"rate": 10, "ceil": None}), max_num_seqs=8)
+@pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
+def test_lone_borrower_without_ceiling_fills_the_active_cap_every_step(async_):
+    h = Harness(limits(1, b={"rate": 10, "ceil": None}), max_num_seqs=8, async_=async_)
     for _ in range(12):
         h.add("b", max_tokens=400)
     for _ in range(200):
         h.step(10 * MS)
         h.check_resident_consistent()
-    # From the second step on (the first one prefills), every step samples
-    # as many requests as the active cap allows: 80 tok/s, not 10.
-    assert all(len(log) == 8 for log in h.sampled_log[1:])
+    # From the second step on (the first one prefills; async: one more),
+    # every step samples as many requests as the active cap allows: 80 tok/s, not 10.
+    assert all(len(log) == 8 for log in h.sampled_log[2:])
     assert borrowed_of(h, "b") >= 199 * 8 - bound(2, 10)
 
 
-def test_with_a_ceiling_the_bound_holds_over_every_window():
-    h = Harness(limits(1, c={"rate": 10, "ceil": 30}), max_num_seqs=8)
+@pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
+def test_with_a_ceiling_the_bound_holds_over_every_window(async_):
+    h = Harness(limits(1, c={"rate": 10, "ceil": 30}), max_num_seqs=8, async_=async_)
     for _ in range(8):
         h.add("c", max_tokens=800)
     steps = 600  # 6 s at 10 ms
@@ -224,3 +230,50 @@ def test_settings_survive_the_round_trip_through_additional_config():
     )
     again = OutputRateSettings.from_additional_config({"output_rate": s.to_config()})
     assert dataclasses.asdict(again) == dataclasses.asdict(s)
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    plan=st.lists(
+        st.tuples(st.sampled_from(["c", "n", "h"]), st.sampled_from(["add", "abort", "steps"]),
+                  st.integers(1, 30)),
+        min_size=1, max_size=25,
+    ),
+    num_blocks=st.sampled_from([12, 20, 200]),
+)
+def test_both_bounds_hold_under_random_arrivals_aborts_and_kv_pressure(plan, num_blocks):
+    """c: rate 10, ceil 30; n: rate 5, no ceiling; h: a hard cap at 20."""
+    rates = {"c": 10, "n": 5, "h": 20}
+    ceils = {"c": 30, "h": 20}
+    h = Harness(
+        limits(1, c={"rate": 10, "ceil": 30}, n={"rate": 5, "ceil": None, "weight": 2}, h=20),
+        max_num_seqs=8, max_num_active_seqs=6, num_blocks=num_blocks, max_model_len=256,
+    )
+    borrowing = h.sched.output_rate_gate.borrowing
+    guaranteed: dict[str, list[int]] = {u: [] for u in rates}
+    live: dict[str, list[str]] = {u: [] for u in rates}
+    for user, action, n in plan:
+        if action == "add":
+            for _ in range(min(n, 4)):
+                live[user].append(h.add(user, prompt_len=n, max_tokens=8 * n).request_id)
+        elif action == "abort":
+            for rid in live[user][:1]:
+                if not h.records[rid].finished:
+                    h.abort(rid)
+            live[user] = live[user][1:]
+        else:
+            for _ in range(n):
+                before = dict(borrowing.borrowed_tokens)
+                now = h.clock.now_ns
+                h.step(10 * MS)
+                for u in rates:
+                    ran = sum(1 for rid in h.sampled_log[-1] if h.records[rid].user == u)
+                    lent = borrowing.borrowed_tokens.get(u, 0) - before.get(u, 0)
+                    guaranteed[u].extend([now] * (ran - lent))
+                h.check_resident_consistent()
+    for user, rate in rates.items():
+        for window_s in (0.01, 0.1, 0.5):
+            window = int(window_s * S)
+            assert max_in_window(guaranteed[user], window) <= bound(window_s, rate), user
+            if user in ceils:
+                assert max_in_window(h.charges[user], window) <= bound(window_s, ceils[user]), user
