@@ -118,7 +118,9 @@ def add_output_rate_args(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="Turn per-user output rate limiting on: every user without its own "
         "entry gets N output tokens/s, shared by all of its requests. "
-        "Positive, may be fractional. Off when not given.",
+        "Positive, may be fractional. Off when not given. Also "
+        '\'{"rate": N, "ceil": C, "weight": W}\': beyond N, up to C tok/s of spare '
+        "capacity (null: no ceiling), shared by weight.",
     )
     group.add_argument(
         OVERRIDES_FLAG,

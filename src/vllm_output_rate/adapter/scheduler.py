@@ -324,7 +324,9 @@ class BorrowingHooks:
         user_of, in_turn = lanes.user_of, lanes.in_turn
         quota_now = self._ledger.quota_now
         borrows = self._borrowing.table.borrows
-        free_slots = self.max_num_running_reqs - len(self.running) - self.num_waiting_for_streaming_input
+        free_slots = (
+            self.max_num_running_reqs - len(self.running) - self.num_waiting_for_streaming_input
+        )
         quota: dict[str, int] = {}
         count = 0
         for request in self.waiting:
@@ -467,8 +469,8 @@ class OutputRateSchedulerMixin(MembershipHooks, ChargingHooks, EvictionHooks, Bo
         # them (admission order) decides who gets the token budget first and
         # who is preempted first, exactly as in stock vLLM.
         if plan.borrowed:
-            # Borrowers last: the token budget and vLLM's preemption (from
-            # the end of `running`) reach them before any guaranteed request.
+            # Borrowers last: vLLM's token budget reaches them last, and its
+            # preemption (from the end of `running`) first.
             lanes.in_admission_order(plan.visible)
             self.running = plan.visible + plan.borrowed
         elif plan.hidden:

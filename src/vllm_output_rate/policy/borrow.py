@@ -285,6 +285,10 @@ class Borrowing:
             lane = lanes.order.get(user)
             if lane is not None:
                 lane.served_to_back(served)
+                if ledger.ran[user] >= len(lane.decoding) - lane.waiting:
+                    # Every stream ran: it was not held back, so this step
+                    # counts in neither its throttled time nor its held requests.
+                    ledger.blocked.discard(user)
         self.step = []
         if len(counters) > 2 * len(lanes.order) + 16:
             for user in [u for u in counters if u not in lanes.order]:
