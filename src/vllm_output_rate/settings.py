@@ -22,6 +22,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from vllm_output_rate.policy.borrow import Share, ShareTable
 from vllm_output_rate.policy.eviction import DEFAULT_RECOMPUTE_RATIO
 from vllm_output_rate.stores.config import StoreSettings, parse_store_section
 
@@ -89,12 +90,17 @@ class OutputRateSettings:
     store: StoreSettings | None = None  # shared quota store; None: in-memory
     recompute_budget: float = DEFAULT_RECOMPUTE_RATIO
     input_token_weight: float = 0.0
+    default_share: Share | None = None
+    user_shares: Mapping[str, Share] = field(default_factory=dict)
 
     def to_config(self) -> dict[str, Any]:
         """The ``additional_config["output_rate"]`` form of these settings."""
         config: dict[str, Any] = {
-            DEFAULT_KEY: self.default_rate,
-            OVERRIDES_KEY: dict(self.user_rates),
+            DEFAULT_KEY: _limit_value(self.default_rate, self.default_share),
+            OVERRIDES_KEY: {
+                user: _limit_value(rate, self.user_shares.get(user))
+                for user, rate in self.user_rates.items()
+            },
         }
         if self.limits_file is not None:
             config[LIMITS_FILE_KEY] = self.limits_file
@@ -152,6 +158,8 @@ class OutputRateSettings:
             return cls(
                 default_rate=rates.default_rate,
                 user_rates=rates.user_rates,
+                default_share=rates.default_share,
+                user_shares=rates.user_shares,
                 limits_file=limits_file,
                 metrics_max_users=max_users,
                 store=store,
@@ -166,9 +174,13 @@ class OutputRateSettings:
                     f"{where}[{OVERRIDES_KEY!r}] requires {DEFAULT_KEY!r}"
                 )
             return None
+        default_rate, default_share = validate_limit(default, f"{where}[{DEFAULT_KEY!r}]")
+        user_rates, user_shares = validate_limits(overrides or {}, f"{where}[{OVERRIDES_KEY!r}]")
         return cls(
-            default_rate=validate_rate(default, f"{where}[{DEFAULT_KEY!r}]"),
-            user_rates=validate_overrides(overrides or {}, f"{where}[{OVERRIDES_KEY!r}]"),
+            default_rate=default_rate,
+            user_rates=user_rates,
+            default_share=default_share,
+            user_shares=user_shares,
             metrics_max_users=max_users,
             store=store,
             recompute_budget=recompute_budget,
@@ -177,6 +189,90 @@ class OutputRateSettings:
 
     def rate_of(self, user: str) -> float:
         return self.user_rates.get(user, self.default_rate)
+
+    def default_limit(self) -> tuple[float, float | None, float]:
+        """(rate, ceil, weight) of every user without an entry of its own."""
+        share = self.default_share
+        rate = self.default_rate
+        return (rate, rate, rate) if share is None else (rate, share.ceil, share.weight)
+
+    def limit_of(self, user: str) -> tuple[float, float | None, float]:
+        """``user``'s (rate, ceil, weight); ceil None: no ceiling."""
+        if user in self.user_rates:
+            rate, share = self.user_rates[user], self.user_shares.get(user)
+        else:
+            rate, share = self.default_rate, self.default_share
+        return (rate, rate, rate) if share is None else (rate, share.ceil, share.weight)
+
+    def share_table(self) -> ShareTable:
+        """The rates with their ceilings and weights, for borrowing."""
+        return ShareTable(self.default_rate, self.user_rates, self.default_share, self.user_shares)
+
+    def borrows(self) -> bool:
+        """Does any user have a ceiling above its rate (or none)?"""
+        return self.share_table().any_borrower()
+
+
+#: Keys of a rate given as a mapping.
+LIMIT_KEYS = ("rate", "ceil", "weight")
+
+
+def _limit_value(rate: float, share: Share | None) -> Any:
+    """A rate as written in the config: a number, or ``{rate, ceil, weight}``."""
+    if share is None:
+        return rate
+    return {"rate": rate, "ceil": share.ceil, "weight": share.weight}
+
+
+def validate_limit(value: Any, what: str) -> tuple[float, Share | None]:
+    """A rate (a number: a hard cap) or ``{rate, ceil, weight}``.
+
+    ``ceil`` defaults to the rate (a hard cap), ``null`` is no ceiling;
+    ``weight`` defaults to the rate.  Errors name ``what`` and the key.
+    """
+    if not isinstance(value, Mapping):
+        return validate_rate(value, what), None
+    unknown = sorted((str(k) for k in value if k not in LIMIT_KEYS))
+    if unknown:
+        raise OutputRateConfigError(
+            f"{what}: must be a number or {{rate, ceil, weight}}; unknown keys {unknown}"
+        )
+    if value.get("rate") is None:
+        raise OutputRateConfigError(f"{what}: 'rate' is required")
+    rate = validate_rate(_no_text(value["rate"], f"{what}['rate']"), f"{what}['rate']")
+    ceil: float | None = rate
+    if "ceil" in value:
+        raw = value["ceil"]
+        ceil = None if raw is None else validate_rate(_no_text(raw, f"{what}['ceil']"), f"{what}['ceil']")
+        if ceil is not None and ceil < rate:
+            raise OutputRateConfigError(f"{what}['ceil']: must be at least the rate {rate:g}, got {raw!r}")
+    weight = rate
+    if "weight" in value:
+        weight = validate_rate(_no_text(value["weight"], f"{what}['weight']"), f"{what}['weight']")
+    return rate, Share(ceil, weight)
+
+
+def _no_text(value: Any, what: str) -> Any:
+    if isinstance(value, str):
+        raise OutputRateConfigError(f"{what}: must be a number, got {value!r}")
+    return value
+
+
+def validate_limits(value: Any, what: str) -> tuple[dict[str, float], dict[str, Share]]:
+    """Per-user limits: (user -> rate, user -> share for those given as mappings)."""
+    if not isinstance(value, Mapping):
+        validate_overrides(value, what)  # raises: not a mapping
+    user_rates: dict[str, float] = {}
+    shares: dict[str, Share] = {}
+    for user, limit in value.items():
+        validate_overrides({user: 1}, what)  # the checks of a user name
+        if isinstance(limit, str):
+            raise OutputRateConfigError(f"{what}[{user!r}]: must be a number, got {limit!r}")
+        rate, share = validate_limit(limit, f"{what}[{user!r}]")
+        user_rates[user] = rate
+        if share is not None:
+            shares[user] = share
+    return user_rates, shares
 
 
 def validate_rate(value: Any, what: str) -> float:
@@ -236,14 +332,23 @@ def parse_cli(default: str | None, overrides: str | None) -> dict[str, Any] | No
             raise OutputRateConfigError(f"{OVERRIDES_FLAG} requires {DEFAULT_FLAG}")
         return None
     rates: dict[str, float] = {}
+    shares: dict[str, Share] = {}
     if overrides is not None:
         try:
             decoded = json.loads(overrides, parse_constant=_reject_json_constant)
         except ValueError as exc:
             raise OutputRateConfigError(f"{OVERRIDES_FLAG}: malformed JSON ({exc})") from None
-        rates = validate_overrides(decoded, OVERRIDES_FLAG)
+        rates, shares = validate_limits(decoded, OVERRIDES_FLAG)
+    default_value: Any = default
+    if default.strip().startswith("{"):  # {"rate": .., "ceil": .., "weight": ..}
+        try:
+            default_value = json.loads(default, parse_constant=_reject_json_constant)
+        except ValueError as exc:
+            raise OutputRateConfigError(f"{DEFAULT_FLAG}: malformed JSON ({exc})") from None
+    default_rate, default_share = validate_limit(default_value, DEFAULT_FLAG)
     settings = OutputRateSettings(
-        default_rate=validate_rate(default, DEFAULT_FLAG), user_rates=rates
+        default_rate=default_rate, user_rates=rates,
+        default_share=default_share, user_shares=shares,
     )
     return settings.to_config()
 
@@ -339,7 +444,7 @@ def load_limits_file(path: str, input_token_weight: float = 0.0) -> OutputRateSe
     The file holds the same keys as ``additional_config["output_rate"]``::
 
         default_user_output_tokens_per_second: 100
-        user_output_tokens_per_second: {user-a: 20, user-b: 500}
+        user_output_tokens_per_second: {user-a: 20, user-b: {rate: 10, ceil: 500}}
         input_token_weight: 0.5        # optional
 
     The default is required (the file alone turns the feature on).  A file
@@ -357,11 +462,13 @@ def load_limits_file(path: str, input_token_weight: float = 0.0) -> OutputRateSe
         raise OutputRateConfigError(
             f"{what} {path!r}[{DEFAULT_KEY!r}]: must be a number, got {default!r}"
         )
+    default_rate, default_share = validate_limit(default, f"{what} {path!r}[{DEFAULT_KEY!r}]")
+    user_rates, user_shares = validate_limits(
+        data.get(OVERRIDES_KEY) or {}, f"{what} {path!r}[{OVERRIDES_KEY!r}]"
+    )
     return OutputRateSettings(
-        default_rate=validate_rate(default, f"{what} {path!r}[{DEFAULT_KEY!r}]"),
-        user_rates=validate_overrides(
-            data.get(OVERRIDES_KEY) or {}, f"{what} {path!r}[{OVERRIDES_KEY!r}]"
-        ),
+        default_rate=default_rate, user_rates=user_rates,
+        default_share=default_share, user_shares=user_shares,
         input_token_weight=validate_input_token_weight(
             data.get(INPUT_TOKEN_WEIGHT_KEY, input_token_weight),
             f"{what} {path!r}[{INPUT_TOKEN_WEIGHT_KEY!r}]",

@@ -6,7 +6,8 @@ when the session begins, ``conftest.PRESTARTED``):
 * ``keyed``: ``--output-rate-identity api-key --output-rate-unknown-users
   reject``, limits from a file (re-read live), the admin route
   (``VLLM_PLUGINS``) behind an admin key, and ``--api-server-count 2``;
-* ``headed``: ``--output-rate-identity header`` (default unknown-user policy).
+* ``headed``: ``--output-rate-identity header`` (default unknown-user policy),
+  with one borrower (``dora``: ``{rate: 5, ceil: null}``, issue 21).
 
 Rates are judged on the engine's own charge counter read through the admin
 route, against the guarantee's upper bound over the widest window the two
@@ -39,6 +40,10 @@ DEFAULT_RATE = 50
 BURST_S = 0.1  # the default burst (policy's DEFAULT_BURST_NS)
 COMMON = ["--enforce-eager", "--max-model-len", "512", "--max-num-seqs", "16"]
 HEADER = "x-gateway-inference-fairness-id"
+#: The headed server's borrower: guaranteed 5 tok/s, no ceiling; and a user
+#: whose rate this engine can never reach (it fills every slot by itself).
+BORROWER, BORROWER_RATE = "dora", 5
+UNCAPPED = "erin"
 
 
 def write_limits(path, users, default=DEFAULT_RATE):
@@ -68,7 +73,9 @@ def server_context(tmp_path_factory, model_dir):
         "--api-server-count", "2",
     ]
     headed_args = [*COMMON, "--default-user-output-tokens-per-second", "50",
-                   "--user-output-tokens-per-second", json.dumps(LIMITS),
+                   "--user-output-tokens-per-second",
+                   json.dumps({**LIMITS, BORROWER: {"rate": BORROWER_RATE, "ceil": None},
+                               UNCAPPED: 1_000_000}),
                    "--output-rate-identity", "header"]
     with contextlib.ExitStack() as stack:
         # With the admin route; each waits for its own health check.  Side by
@@ -375,3 +382,89 @@ def test_top_in_tmux(servers):
         for t in load:
             t.join(timeout=60)
     assert not errors, errors
+
+
+# -- borrowing (rate, ceil, weight) ---------------------------------------------------------
+
+
+def _stream_as_header(server, user, stop, errors):
+    """Streams of ``user`` (header identity), one after another, until ``stop``."""
+    body = {"model": server.model, "prompt": "Go on", "max_tokens": 400, "ignore_eos": True,
+            "stream": True}
+    while not stop.is_set():
+        try:
+            with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body,
+                              headers={HEADER: user}, timeout=300) as r:
+                if r.status_code != 200:
+                    errors.append(r.status_code)
+                    return
+                for _ in r.iter_lines():
+                    if stop.is_set():
+                        return
+        except httpx.HTTPError as exc:
+            errors.append(repr(exc))
+            return
+
+
+def _counters(server, user):
+    text = server.metrics()
+    charged = metric(text, "vllm:output_rate_output_tokens_charged_total", user=user) or 0
+    borrowed = metric(text, "vllm:output_rate_borrowed_tokens_total", user=user) or 0
+    return time.monotonic(), charged, borrowed
+
+
+def test_borrower_exceeds_its_rate_alone_and_falls_back_when_another_user_arrives(servers):
+    """Judged on the engine's own counters: charged (every output token) and
+    borrowed (those beyond the rate) of the borrower."""
+    server = servers["headed"]
+    wait_engine_empty(server)
+    errors: list = []
+    stop_dora, stop_carol = threading.Event(), threading.Event()
+    threads = [threading.Thread(target=_stream_as_header, args=(server, BORROWER, stop_dora, errors))
+               for _ in range(4)]
+    carol = [threading.Thread(target=_stream_as_header, args=(server, UNCAPPED, stop_carol, errors))
+             for _ in range(32)]  # more than the 16 slots, also while some resubmit
+    try:
+        for t in threads:
+            t.start()
+        time.sleep(3)  # admitted, prefilled, borrowing
+        t0, charged0, borrowed0 = _counters(server, BORROWER)
+        time.sleep(4)
+        t1, charged1, borrowed1 = _counters(server, BORROWER)
+        # Reports reach /metrics about once a second: the counts may span up
+        # to one more second at each end.
+        alone_window = t1 - t0 + 2
+        alone = charged1 - charged0
+        assert alone > (alone_window + 0.1) * BORROWER_RATE + 1, (alone, alone_window)
+        assert borrowed1 - borrowed0 > 0
+        # erin, within her rate whatever she gets, has more requests than
+        # there are slots: no spare capacity is left (her waiting requests
+        # come first), and the borrower falls back to its rate.
+        for t in carol:
+            t.start()
+        # Measured once erin's requests are in (some of them waiting: every
+        # slot is taken); on a loaded machine the clients take a while.
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            text = server.metrics()
+            if (metric(text, "vllm:output_rate_requests", user=UNCAPPED, state="waiting") or 0) >= 4:
+                break
+            time.sleep(0.5)
+        time.sleep(2)
+        t2, charged2, borrowed2 = _counters(server, BORROWER)
+        time.sleep(4)
+        t3, charged3, borrowed3 = _counters(server, BORROWER)
+        beside = charged3 - charged2
+        beside_borrowed = borrowed3 - borrowed2
+        assert not errors, errors
+        assert beside_borrowed / (t3 - t2) <= 0.2 * (borrowed1 - borrowed0) / (t1 - t0), (
+            beside_borrowed, borrowed1 - borrowed0)
+        assert beside - beside_borrowed <= (t3 - t2 + 2 + 0.1) * BORROWER_RATE + 1
+        assert beside / (t3 - t2) < 0.5 * alone / (t1 - t0), (beside, alone)
+    finally:
+        stop_dora.set()
+        stop_carol.set()
+        for t in threads + carol:
+            if t.is_alive() or t.ident is not None:
+                t.join(timeout=60)
+    wait_engine_empty(server, timeout=60)

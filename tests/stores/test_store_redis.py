@@ -311,6 +311,40 @@ def test_make_limiter_with_a_store_url(server, prefix):
         lim.close()
 
 
+def test_ceiling_is_shared_through_the_store_under_keys_of_its_own(server, prefix):
+    """Issue 21: with a store, the ceiling quota is leased like the rate,
+    under ``{prefix}:ceil:...`` so it never collides with the rate's keys."""
+    from vllm_output_rate.factory import make_borrowing
+
+    settings = OutputRateSettings.from_additional_config(
+        {
+            "output_rate": {
+                "default_user_output_tokens_per_second": 20,
+                "user_output_tokens_per_second": {"b": {"rate": 5, "ceil": 50}},
+                "store": {"url": server.url, "prefix": prefix, "fallback": "closed"},
+            }
+        }
+    )
+    rate = make_limiter(settings)
+    borrowing, limiter = make_borrowing(settings, rate)
+    try:
+        ceiling = borrowing.ceiling
+        assert isinstance(ceiling, LeasedOutputRateLimiter)
+        assert ceiling.backend.prefix == prefix + ":ceil" and ceiling.rate_of("b") == 50
+        deadline = time.monotonic_ns() + LIVENESS_S * S
+        got = 0
+        while not got and time.monotonic_ns() < deadline:
+            got = limiter.take_up_to("b", time.monotonic_ns(), 1)  # paid on both quotas
+            time.sleep(0.002)
+        assert got == 1
+        client = server.client()
+        assert client.exists(user_key(prefix, "b"))
+        assert client.exists(user_key(prefix + ":ceil", "b"))
+    finally:
+        rate.close()
+        borrowing.ceiling.close()
+
+
 def test_store_mode_and_totals_reach_prometheus_and_follow_an_outage(prefix):
     """Real lease limiter + real Redis -> the engine's report -> the exporter's /metrics text.
 

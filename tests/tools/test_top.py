@@ -46,6 +46,24 @@ def test_parse_metrics_reads_the_plugin_series():
     assert snap.engine["num_requests_running"] == 3 and snap.engine["throttled_requests"] == 2
 
 
+def test_borrowed_column_from_the_borrowed_series():
+    from vllm_output_rate.tools.top import TopModel
+
+    def text(charged, borrowed):
+        return (
+            f'vllm:output_rate_output_tokens_charged_total{{model_name="m",user="b"}} {charged}\n'
+            f'vllm:output_rate_borrowed_tokens_total{{model_name="m",user="b"}} {borrowed}\n'
+            f'vllm:output_rate_output_tokens_charged_total{{model_name="m",user="h"}} {charged}\n'
+        )
+
+    model = TopModel()
+    model.update(0.0, parse_metrics(text(0, 0)))
+    model.update(4.0, parse_metrics(text(400, 300)))
+    rows = {row.user: row for row in model.rows()}
+    assert rows["b"].borrowed == 75.0 and rows["b"].rate == 100.0
+    assert rows["h"].borrowed is None  # no borrowed series: shown as "-"
+
+
 def test_parse_metrics_unescapes_user_names():
     # Prometheus escapes backslash, double quote and newline in label values;
     # a user is shown under the name its requests carried.

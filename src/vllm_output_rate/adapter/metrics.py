@@ -24,6 +24,9 @@ Series (labels ``model_name``, ``user``):
   tokens); a user's series appears with its first charged prompt token;
 * ``vllm:output_rate_throttled_seconds_total`` -- time the user had runnable
   requests and no quota;
+* ``vllm:output_rate_borrowed_tokens_total`` -- output tokens the user got
+  on spare capacity beyond its rate (only while some user's ceiling is above
+  its rate; also counted in ``..._output_tokens_charged_total``);
 * ``vllm:output_rate_requests{state="active|throttled|waiting"}``;
 * ``vllm:output_rate_limit_tokens_per_second``;
 
@@ -60,6 +63,7 @@ from typing import Any
 from vllm_output_rate.adapter.install import add_field, wrap
 from vllm_output_rate.policy.monitor import (
     ACTIVE,
+    BORROWED,
     CHARGED,
     LIMIT,
     PROMPT,
@@ -122,6 +126,12 @@ class OutputRateExporter:
             "Seconds during which the user had runnable requests and no quota.",
             labels, registry=registry,
         )
+        self.borrowed = Counter(
+            f"{PREFIX}borrowed_tokens",
+            "Output tokens the user got on spare capacity beyond its rate, up to its "
+            "ceiling (also counted in output_tokens_charged).",
+            labels, registry=registry,
+        )
         self.requests = Gauge(
             f"{PREFIX}requests",
             "The user's requests: active (ran in the last step), throttled (resident, "
@@ -177,7 +187,7 @@ class OutputRateExporter:
     def observe(self, report: dict) -> None:
         model = self._model
         for user in report.get("removed", ()):
-            for metric in (self.charged, self.throttled_seconds, self.limit, self.prompt_charged):
+            for metric in (self.charged, self.throttled_seconds, self.limit, self.prompt_charged, self.borrowed):
                 _remove(metric, model, user)
             for state in STATES:
                 _remove(self.requests, model, user, state)
@@ -197,6 +207,10 @@ class OutputRateExporter:
             self.requests.labels(model, user, "waiting").set(row[WAITING])
             if row[LIMIT] is not None:
                 self.limit.labels(model, user).set(row[LIMIT])
+            if len(row) > BORROWED:  # some user may borrow
+                child = self.borrowed.labels(model, user)
+                if row[BORROWED]:
+                    child.inc(row[BORROWED])
         engine = report.get("engine", {})
         self.throttled_requests.labels(model).set(engine.get("throttled_requests", 0))
         for metric, key in (

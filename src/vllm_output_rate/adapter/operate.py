@@ -145,8 +145,10 @@ class OperateSchedulerMixin:
         self.output_rate_settings = dataclasses.replace(
             self.output_rate_settings, default_rate=new.default_rate, user_rates=dict(new.user_rates),
             input_token_weight=new.input_token_weight,
+            default_share=new.default_share, user_shares=dict(new.user_shares),
         )
         self.set_input_token_weight(new.input_token_weight)
+        self.apply_output_rate_shares(self.output_rate_settings)
         self.output_rate_reloads += 1
         logger.info(
             "vllm-output-rate: limits reloaded (default %s tok/s, %d override(s), "
@@ -230,6 +232,7 @@ class OperateSchedulerMixin:
             configured=settings.user_rates,
             rate_of=settings.rate_of,
             prompt_charged=self.output_rate_prompt_cost.prompt_tokens,
+            borrowed=_borrowed_tokens(self.output_rate_gate),
             engine={
                 "throttled_requests": sum(c[1] for c in counts.values()),
                 "idle_steps_total": ledger.idle_steps,
@@ -246,7 +249,8 @@ class OperateSchedulerMixin:
         forgotten = monitor.idle_users(now_ns, FORGET_IDLE_S)
         if forgotten:
             prompt_totals = self.output_rate_prompt_cost.prompt_tokens
-            for totals in (ledger.charged_tokens, ledger.throttled_ns, prompt_totals):
+            borrowed = _borrowed_tokens(self.output_rate_gate) or {}
+            for totals in (ledger.charged_tokens, ledger.throttled_ns, prompt_totals, borrowed):
                 for user in forgotten:
                     totals.pop(user, None)
             monitor.forget(forgotten)
@@ -266,13 +270,18 @@ class OperateSchedulerMixin:
         users.update(u for u, n in self._output_rate_history.tokens_in_window(now, charged, charged).items() if n)
         recent = self._output_rate_history.tokens_in_window(now, charged, users)
         throttled_ns = self.output_rate_gate.ledger.throttled_ns
+        borrowed = _borrowed_tokens(self.output_rate_gate) or {}
         limiter_now = self.output_rate_clock()
         rows = {}
         for user in sorted(users):
             active, throttled, waiting = counts.get(user, (0, 0, 0))
             ready_ns = limiter.ready_at_ns(user, limiter_now)
+            rate, ceil, weight = settings.limit_of(user)
             rows[user] = {
-                "rate": settings.rate_of(user),
+                "rate": rate,
+                "ceil": ceil,
+                "weight": weight,
+                "tokens_borrowed_total": borrowed.get(user, 0),
                 "configured": user in settings.user_rates,
                 "tokens_last_10s": recent.get(user, 0),
                 "tokens_charged_total": charged.get(user, 0),
@@ -286,8 +295,16 @@ class OperateSchedulerMixin:
         return {
             "default_rate": settings.default_rate,
             "input_token_weight": settings.input_token_weight,
+            "default_ceil": settings.default_limit()[1],
+            "default_weight": settings.default_limit()[2],
             "limits_file": settings.limits_file,
             "reloads": self.output_rate_reloads,
             "reload_failures": self.output_rate_reload_failures,
             "users": rows,
         }
+
+
+def _borrowed_tokens(gate: Any) -> dict[str, int] | None:
+    """Borrowed tokens per user; None while nobody may borrow."""
+    borrowing = gate.borrowing
+    return None if borrowing is None else borrowing.borrowed_tokens

@@ -77,11 +77,16 @@ def _set_frontend_active(active: bool) -> None:
 # -- engine_args.cli -------------------------------------------------------------
 
 
-def _default_rate_arg(text: str) -> float:
+def _default_rate_arg(text: str) -> float | str:
     try:
+        if text.strip().startswith("{"):  # {"rate": .., "ceil": .., "weight": ..}
+            parse_cli(text, None)
+            return text  # parsed again, with the overrides, by parse_cli
         return validate_rate(text, "value")
     except OutputRateConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc).removeprefix("value: ")) from None
+        raise argparse.ArgumentTypeError(
+            str(exc).removeprefix("value: ").removeprefix(f"{DEFAULT_FLAG}: ")
+        ) from None
 
 
 def _overrides_arg(text: str) -> str:
@@ -113,7 +118,9 @@ def add_output_rate_args(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="Turn per-user output rate limiting on: every user without its own "
         "entry gets N output tokens/s, shared by all of its requests. "
-        "Positive, may be fractional. Off when not given.",
+        "Positive, may be fractional. Off when not given. Also "
+        '\'{"rate": N, "ceil": C, "weight": W}\': beyond N, up to C tok/s of spare '
+        "capacity (null: no ceiling), shared by weight.",
     )
     group.add_argument(
         OVERRIDES_FLAG,

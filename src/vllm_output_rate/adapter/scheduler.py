@@ -45,12 +45,14 @@ the gate, its lanes and ledger, and :class:`..policy.displacement.Displacement`)
 N+1 scheduled before step N's output arrives) works unchanged.
 
 The scheduler mixin is :class:`OutputRateSchedulerMixin` (the step) over
-five hook classes, one concern each: :class:`MembershipHooks` (the lanes
+six hook classes, one concern each: :class:`MembershipHooks` (the lanes
 follow vLLM's request lifecycle), :class:`ChargingHooks` (per-request
 charges and waiting-queue skips), :class:`AdapterHooks` (hidden requests'
 LoRA adapters stay counted against ``max_loras``), :class:`EvictionHooks`
-(slot and KV pressure) and :class:`~.prompt_cost.PromptCostHooks` (prompt
-tokens charged at ``input_token_weight``; idle at weight 0).
+(slot and KV pressure), :class:`BorrowingHooks` (spare capacity for users
+with a ceiling above their rate, handed to vLLM after every guaranteed
+request) and :class:`~.prompt_cost.PromptCostHooks` (prompt tokens charged
+at ``input_token_weight``; idle at weight 0).
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ from vllm.v1.request import Request, RequestStatus
 
 from vllm_output_rate.adapter.operate import OperateSchedulerMixin
 from vllm_output_rate.adapter.prompt_cost import PromptCostHooks
-from vllm_output_rate.factory import make_limiter
+from vllm_output_rate.factory import make_borrowing, make_limiter
 from vllm_output_rate.policy.displacement import Displacement, fits_in_free_kv
 from vllm_output_rate.policy.eviction import EvictionBudget
 from vllm_output_rate.policy.gate import StepGate, StepPlan
@@ -336,8 +338,70 @@ class EvictionHooks:
         self._evicted_in_step.append(victim)
 
 
+class BorrowingHooks:
+    """Spare capacity for users whose ceiling is above their rate (see
+    :mod:`vllm_output_rate.policy.borrow`): set up from the settings, and
+    offered after the plan, when the step has room left."""
+
+    def apply_output_rate_shares(self, settings: OutputRateSettings) -> None:
+        """Ceilings and weights from ``settings`` (at start and on reload).
+
+        While nobody has a ceiling above its rate the gate keeps the rate
+        limiter itself and no borrowing runs: hard caps take today's path.
+        """
+        borrowing, limiter = make_borrowing(settings, self.output_rate_limiter, self._borrowing)
+        self._borrowing = borrowing
+        gate = self.output_rate_gate
+        gate.borrowing = borrowing
+        gate.limiter = gate.ledger.limiter = limiter
+
+    def _offer_spare_to_borrowers(self, plan: StepPlan, slots: int) -> None:
+        """Room the plan left, less what waiting requests the active cap
+        would admit need, goes to borrowers."""
+        room = slots - len(plan.visible) - plan.reserved
+        if room > 0 and self._ledger.short:
+            room -= self._waiting_demand(room)
+        # Also with no room or nobody short: then it only keeps the counters.
+        self.output_rate_gate.borrow(plan, room)
+
+    def _waiting_demand(self, limit: int) -> int:
+        """Admittable waiting requests that get room before borrowed streams,
+        up to ``limit``: those whose user can pay now, and, while model-runner
+        slots are free, those of users who may borrow (admitted, they join
+        the borrowing as resident streams)."""
+        lanes = self._lanes
+        user_of, in_turn = lanes.user_of, lanes.in_turn
+        quota_now = self._ledger.quota_now
+        borrows = self._borrowing.table.borrows
+        free_slots = (
+            self.max_num_running_reqs - len(self.running) - self.num_waiting_for_streaming_input
+        )
+        quota: dict[str, int] = {}
+        count = 0
+        for request in self.waiting:
+            if request.status not in _ADMITTABLE or request in in_turn:
+                continue  # held elsewhere, or its quota is reserved already
+            user = user_of.get(request)
+            if user is None:
+                continue
+            left = quota.get(user)
+            if left is None:
+                left = quota_now(user)
+            if left > 0:
+                quota[user] = left - 1
+            elif free_slots > 0 and borrows(user):
+                free_slots -= 1
+            else:
+                quota[user] = 0
+                continue
+            count += 1
+            if count >= limit:
+                break
+        return count
+
+
 class OutputRateSchedulerMixin(
-    PromptCostHooks, MembershipHooks, ChargingHooks, AdapterHooks, EvictionHooks
+    PromptCostHooks, MembershipHooks, ChargingHooks, AdapterHooks, EvictionHooks, BorrowingHooks
 ):
     """Per-user output-rate limiting on top of vLLM's V1 ``Scheduler``.
 
@@ -411,6 +475,8 @@ class OutputRateSchedulerMixin(
         self._tracks_sessions = False
         # Prompt cost (input_token_weight): at weight 0 the hook stays as set above.
         self._init_prompt_cost(settings.input_token_weight)
+        self._borrowing = None
+        self.apply_output_rate_shares(settings)
 
     # -- the active cap, seen through vLLM's own admission check -----------
 
@@ -435,7 +501,8 @@ class OutputRateSchedulerMixin(
     def shutdown(self) -> None:
         super().shutdown()
         self.output_rate_limiter.close()  # a shared-store limiter stops its lease thread
-
+        if self._borrowing is not None:
+            self._borrowing.ceiling.close()
 
     # -- one step ------------------------------------------------------------
 
@@ -449,12 +516,19 @@ class OutputRateSchedulerMixin(
         if gate.steady(now_ns, slots):
             return self._schedule_repeat(args, kwargs)
         plan = gate.plan(now_ns, slots)
+        if gate.borrowing is not None and not plan.over_cap:
+            self._offer_spare_to_borrowers(plan, slots)
         resident = self.running
-        num_visible = len(plan.visible)
+        num_visible = len(plan.visible) + len(plan.borrowed)
         # The gate decides which requests vLLM sees; vLLM's own order among
         # them (admission order) decides who gets the token budget first and
         # who is preempted first, exactly as in stock vLLM.
-        if plan.hidden:
+        if plan.borrowed:
+            # Borrowers last: vLLM's token budget reaches them last, and its
+            # preemption (from the end of `running`) first.
+            lanes.in_admission_order(plan.visible)
+            self.running = plan.visible + plan.borrowed
+        elif plan.hidden:
             lanes.in_admission_order(plan.visible)
             self.running = plan.visible  # vLLM appends admissions to it
         else:
@@ -494,7 +568,10 @@ class OutputRateSchedulerMixin(
             and not self._preempted_in_step
             and len(num_scheduled) - len(admitted) == num_visible
         )
-        self._ledger.settle(_SampledView(num_scheduled), all_prepaid_sampled=undisturbed)
+        sampled = _SampledView(num_scheduled)
+        self._ledger.settle(sampled, all_prepaid_sampled=undisturbed)
+        if plan.borrowed:
+            gate.borrowing.settle(lanes, self._ledger, sampled)
         if self._prompt_cost_on:
             self._settle_prompt_cost(output)
         self.output_rate_eviction_budget.earn(len(num_scheduled))

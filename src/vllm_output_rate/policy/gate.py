@@ -68,6 +68,7 @@ from __future__ import annotations
 
 from typing import Hashable
 
+from vllm_output_rate.policy.borrow import Borrowing
 from vllm_output_rate.policy.lanes import Lanes
 from vllm_output_rate.policy.ledger import Ledger
 from vllm_output_rate.policy.limiter import Limiter
@@ -111,6 +112,9 @@ class StepGate:
         # The last plan offered every resident request, all of them decoding
         # streams, and nobody was short of quota (see steady()).
         self._plan_was_full = False
+        #: Spare capacity for users with a ceiling above their rate; None
+        #: while nobody has one (then nothing of it runs).
+        self.borrowing: Borrowing | None = None
 
     # -- one step ----------------------------------------------------------
 
@@ -122,6 +126,16 @@ class StepGate:
             plan.prefills or plan.hidden or plan.over_cap or plan.throttled or self.lanes.in_turn
         )
         return plan
+
+    def borrow(self, plan: StepPlan, spare: int) -> None:
+        """After :meth:`plan`: run up to ``spare`` hidden streams of short
+        users on spare capacity (:mod:`~vllm_output_rate.policy.borrow`);
+        they are listed in ``plan.borrowed``, not in ``plan.visible``."""
+        borrowed = self.borrowing.offer(self.lanes, self.ledger, spare)
+        if borrowed:
+            plan.borrowed = borrowed
+            plan.hidden -= len(borrowed)
+            self._plan_was_full = False  # a step that borrowed is never repeated
 
     def _start_step(self, now_ns: int, repeat: bool) -> None:
         self._steps += 1

@@ -31,8 +31,9 @@ OTHER_USERS = "__other__"
 
 #: Report fields per user: [charged tokens (increment), throttled seconds
 #: (increment), active, throttled, waiting requests, limit tokens/s or None,
-#: prompt tokens charged (increment; only with an input token weight)].
-CHARGED, THROTTLED_S, ACTIVE, THROTTLED, WAITING, LIMIT, PROMPT = range(7)
+#: prompt tokens charged (increment; only with an input token weight), and
+#: -- only while some user may borrow -- borrowed tokens (increment)].
+CHARGED, THROTTLED_S, ACTIVE, THROTTLED, WAITING, LIMIT, PROMPT, BORROWED = range(8)
 
 
 class UserMonitor:
@@ -44,6 +45,7 @@ class UserMonitor:
         self._last_charged: dict[str, int] = {}
         self._last_throttled: dict[str, int] = {}
         self._last_prompt: dict[str, int] = {}
+        self._last_borrowed: dict[str, int] = {}
         self._labelled: dict[str, int] = {}  # non-configured user -> last active ns
         self._configured: frozenset[str] = frozenset()
         self._last_engine: dict[str, int] = {}
@@ -66,12 +68,15 @@ class UserMonitor:
         rate_of: Callable[[str], float],
         engine: Mapping[str, int] | None = None,
         prompt_charged: Mapping[str, int] | None = None,
+        borrowed: Mapping[str, int] | None = None,
     ) -> dict:
         """One report; see the module doc.  ``engine`` holds engine-wide totals.
 
         ``charged`` / ``throttled_ns`` / ``prompt_charged`` are cumulative
         per user (a user may disappear when its owner forgets it);
         ``counts`` is user -> (active, throttled, waiting) requests now.
+        ``borrowed`` (cumulative borrowed tokens per user) is given only
+        while some user may borrow; then every row has a :data:`BORROWED` field.
         """
         charged_inc = _increments(charged, self._last_charged)
         throttled_inc = _increments(throttled_ns, self._last_throttled)
@@ -79,6 +84,10 @@ class UserMonitor:
         self._last_charged = dict(charged)
         self._last_throttled = dict(throttled_ns)
         self._last_prompt = dict(prompt_charged or {})
+        borrowed_inc = None
+        if borrowed is not None:
+            borrowed_inc = _increments(borrowed, self._last_borrowed)
+            self._last_borrowed = dict(borrowed)
 
         removed: list[str] = []
         new_configured = frozenset(configured)
@@ -127,7 +136,11 @@ class UserMonitor:
                 rate_of(user),
                 prompt_inc.get(user, 0),
             ]
+            if borrowed_inc is not None:
+                users[user].append(borrowed_inc.get(user, 0))
         other = [0, 0.0, 0, 0, 0, None, 0]
+        if borrowed_inc is not None:
+            other.append(0)
         for user in active_users:
             if user in users:
                 continue
@@ -138,6 +151,8 @@ class UserMonitor:
             other[THROTTLED] += throttled
             other[WAITING] += waiting
             other[PROMPT] += prompt_inc.get(user, 0)
+            if borrowed_inc is not None:
+                other[BORROWED] += borrowed_inc.get(user, 0)
         users[OTHER_USERS] = other
 
         engine_inc: dict[str, int] = {}
@@ -163,6 +178,7 @@ class UserMonitor:
             self._last_charged.pop(user, None)
             self._last_throttled.pop(user, None)
             self._last_prompt.pop(user, None)
+            self._last_borrowed.pop(user, None)
             self._idle_since.pop(user, None)
 
 

@@ -7,7 +7,7 @@ paid for in the step's ledger (:mod:`vllm_output_rate.policy.ledger`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import islice
 
 from vllm_output_rate.policy.lanes import Lane, Lanes
@@ -25,6 +25,7 @@ class StepPlan:
     prefills: list  # visible keys that are still prefilling
     throttled: bool  # some resident request waits for its user's quota
     reserved: int = 0  # waiting requests whose turn came: quota kept for their admission
+    borrowed: list = field(default_factory=list)  # keys run on spare capacity (policy.borrow)
 
 
 def plan_step(lanes: Lanes, ledger: Ledger, slots: int) -> StepPlan:

@@ -44,6 +44,7 @@ from vllm_output_rate.adapter.scheduler import (
     OutputRateScheduler,
 )
 from vllm_output_rate.policy.limiter import OutputRateLimiter
+from vllm_output_rate.settings import OutputRateSettings
 from vllm_output_rate.tools.serverproc import DEFAULT_MODEL_DIR
 
 BLOCK_SIZE = 16
@@ -169,12 +170,13 @@ class Harness:
         manager = self.sched.kv_cache_manager
         manager.log_stats = True
         manager.prefix_cache_stats = PrefixCacheStats()
-        if limits is not None:
-            # A limiter that only ever sees the samples that really happened.
-            self.shadow = OutputRateLimiter(
-                limits["default_user_output_tokens_per_second"],
-                limits.get("user_output_tokens_per_second"),
-            )
+        settings = None if limits is None else OutputRateSettings.from_additional_config(
+            {"output_rate": limits}
+        )
+        if settings is not None and not settings.borrows():
+            # A limiter that only ever sees the samples that really happened
+            # (with borrowing, users may go beyond their rates: no shadow).
+            self.shadow = OutputRateLimiter(settings.default_rate, settings.user_rates)
 
     # -- requests ------------------------------------------------------------
 

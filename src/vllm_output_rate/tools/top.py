@@ -2,7 +2,8 @@
 
 Reads the server's ``/metrics`` once a second (the ``vllm:output_rate_*``
 series the plugin exports) and shows one row per user: limit, current tok/s,
-active / throttled / waiting requests, throttled %, and a spark-line of the
+active / throttled / waiting requests, throttled %, borrowed tok/s (spare
+capacity beyond the rate, "-" while nobody may borrow) and a spark-line of the
 last minute; sorted by current rate.  ``q`` quits.  Drawn with ``rich``.
 
 The parsing and the per-user model (:func:`parse_metrics`, :class:`TopModel`)
@@ -42,6 +43,7 @@ class UserSample:
     active: int = 0
     throttled: int = 0
     waiting: int = 0
+    borrowed: float | None = None  # None: the server exports no borrowed series
 
 
 @dataclass
@@ -78,6 +80,8 @@ def _add_sample(snap: Snapshot, name: str, labels: dict[str, str], value: float)
         row.prompt += value
     elif key == "throttled_seconds_total":
         row.throttled_s += value
+    elif key == "borrowed_tokens_total":
+        row.borrowed = (row.borrowed or 0.0) + value
     elif key == "limit_tokens_per_second":
         row.limit = value
     elif key == "requests":
@@ -97,6 +101,7 @@ class Row:
     throttled_pct: float
     spark: str
     prompt_rate: float = 0.0  # prompt tokens charged per second
+    borrowed: float | None = None  # tok/s beyond the rate; None: not exported
 
 
 class TopModel:
@@ -125,11 +130,16 @@ class TopModel:
             rate = max(0.0, cur.charged - before.charged) / dt if dt > 0 else 0.0
             thr = max(0.0, cur.throttled_s - before.throttled_s) / dt if dt > 0 else 0.0
             prompt = max(0.0, cur.prompt - before.prompt) / dt if dt > 0 else 0.0
+            borrowed = None
+            if cur.borrowed is not None:
+                gained = cur.borrowed - (before.borrowed or 0.0)
+                borrowed = max(0.0, gained) / dt if dt > 0 else 0.0
             rows.append(Row(
                 user=user, limit=cur.limit, rate=rate, active=cur.active,
                 throttled=cur.throttled, waiting=cur.waiting,
                 throttled_pct=min(100.0, 100.0 * thr), spark=self._spark(user, cur.limit),
                 prompt_rate=prompt,
+                borrowed=borrowed,
             ))
         rows.sort(key=lambda r: (-r.rate, r.user))
         return rows
@@ -190,6 +200,7 @@ def render(model: TopModel, url: str, error: str | None = None):
         ("TOK/S", {"justify": "right"}), ("ACTIVE", {"justify": "right"}),
         ("THROTTLED", {"justify": "right"}), ("WAITING", {"justify": "right"}),
         ("THR%", {"justify": "right"}), ("PROMPT/S", {"justify": "right"}),
+        ("BORROWED", {"justify": "right"}),
         (f"LAST {HISTORY_S}s", {"no_wrap": True}),
     ):
         table.add_column(name, **kw)
@@ -197,7 +208,8 @@ def render(model: TopModel, url: str, error: str | None = None):
         style = "red" if row.throttled_pct >= 50 else None
         table.add_row(
             row.user, _fmt(row.limit), _fmt(row.rate), str(row.active), str(row.throttled),
-            str(row.waiting), f"{row.throttled_pct:.0f}%", _fmt(row.prompt_rate), row.spark, style=style,
+            str(row.waiting), f"{row.throttled_pct:.0f}%", _fmt(row.prompt_rate), _fmt(row.borrowed),
+            row.spark, style=style,
         )
     if error:
         table.caption = Text(error, style="yellow")

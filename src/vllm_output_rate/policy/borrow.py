@@ -1,0 +1,299 @@
+"""Borrowing: spare capacity shared by weight, up to each user's ceiling.
+
+One optional part of :class:`vllm_output_rate.policy.gate.StepGate`, present
+only when some user has a ceiling above its rate (``ceil > rate``, or no
+ceiling at all).  Plain Python, no vLLM.
+
+Every user has a guaranteed ``rate`` (the limiter, unchanged), a ``ceil``
+and a ``weight`` (:class:`Share`).  When a step has room left after every
+guaranteed request was offered, hidden streams of users that fell short of
+their rate quota may run anyway, *borrowing*:
+
+* **who**: users whose ceiling is above their rate, least weighted borrowed
+  service first -- a virtual counter per user (tokens borrowed / weight),
+  one stream at a time (water-filling).  A user that starts borrowing again
+  starts at the smallest counter among the current borrowers (those that
+  could borrow when spare capacity was last offered), so idle time is never
+  banked;
+* **how much**: a second GCRA at ``ceil`` (the *ceiling* limiter) counts
+  every output token of such a user, guaranteed ones too
+  (:class:`CeiledLimiter` pays a guaranteed token on both quotas), so over
+  any window ``W`` the user gets at most ``(W + burst) * ceil + 1`` tokens.
+  Borrowed tokens are paid on the ceiling only: they are not debt on the
+  rate quota.  No ceiling (``ceil: None``): borrowing is bounded by room only;
+* **refund**: a borrowed token whose request did not sample goes back to
+  the ceiling and the counter (:meth:`Borrowing.settle`), never to the rate.
+
+Invariants (checked by ``tests/policy/test_borrow.py``):
+
+* a borrowed key is resident, a decoding stream of a user the plan found
+  short, not paid for otherwise in the step, and listed once;
+* borrowing uses at most the room it is given, and a user with a ceiling
+  never borrows more than the ceiling has left;
+* after :meth:`Borrowing.settle` only sampled borrowed keys stay paid.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from typing import Container, Hashable, Mapping
+
+from vllm_output_rate.policy.lanes import Lanes
+from vllm_output_rate.policy.ledger import Ledger
+from vllm_output_rate.policy.limiter import Limiter
+
+Key = Hashable
+
+
+@dataclass(frozen=True, slots=True)
+class Share:
+    """What a user may take beyond its rate: up to ``ceil`` tokens/s (None:
+    no ceiling), spare capacity shared in proportion to ``weight``."""
+
+    ceil: float | None
+    weight: float
+
+
+class ShareTable:
+    """Every user's :class:`Share` and rate: ``default`` unless ``overrides``
+    names the user (as :class:`~.rates.RateTable`).
+
+    ``rates``/``default_rate`` are the guaranteed rates; a user *borrows* when
+    its ceiling is above its rate or absent.
+    """
+
+    def __init__(
+        self,
+        default_rate: float,
+        user_rates: Mapping[str, float],
+        default_share: Share | None,
+        user_shares: Mapping[str, Share],
+    ) -> None:
+        self._default = (default_rate, default_share)
+        self._users = {u: (r, user_shares.get(u)) for u, r in user_rates.items()}
+
+    def _of(self, user: str) -> tuple[float, Share | None]:
+        return self._users.get(user, self._default)
+
+    def borrows(self, user: str) -> bool:
+        rate, share = self._of(user)
+        return share is not None and (share.ceil is None or share.ceil > rate)
+
+    def ceiled(self, user: str) -> bool:
+        """Borrows and has a ceiling: its tokens are paid on the ceiling too."""
+        rate, share = self._of(user)
+        return share is not None and share.ceil is not None and share.ceil > rate
+
+    def weight(self, user: str) -> float:
+        rate, share = self._of(user)
+        return rate if share is None else share.weight
+
+    def ceilings(self) -> tuple[float, dict[str, float]]:
+        """Default and per-user ceilings for the ceiling limiter (a rate
+        where there is no finite ceiling: those users never ask it)."""
+        rate, share = self._default
+        default = share.ceil if share is not None and share.ceil is not None else rate
+        users = {
+            u: (s.ceil if s is not None and s.ceil is not None else r)
+            for u, (r, s) in self._users.items()
+        }
+        return default, users
+
+    def any_borrower(self) -> bool:
+        """Does anybody borrow: anyone unnamed (the default) or a named user?"""
+        rate, share = self._default
+        if share is not None and (share.ceil is None or share.ceil > rate):
+            return True
+        return any(self.borrows(u) for u in self._users)
+
+
+class CeiledLimiter:
+    """The guaranteed quota of users with a ceiling, paid on both quotas.
+
+    A :class:`~.limiter.Limiter` over the rate limiter ``rate`` and the
+    ceiling limiter ``ceiling``: for a user with a finite ceiling above its
+    rate a take succeeds only as far as both allow and is taken from both;
+    every other user is the rate limiter's alone.  Only used while some user
+    borrows (otherwise the gate holds the rate limiter itself).
+    """
+
+    def __init__(self, rate: Limiter, ceiling: Limiter, table: ShareTable) -> None:
+        self.rate = rate
+        self.ceiling = ceiling
+        self.table = table
+
+    def rate_of(self, user: str) -> float:
+        return self.rate.rate_of(user)
+
+    def available(self, user: str, now_ns: int) -> int:
+        got = self.rate.available(user, now_ns)
+        if got and self.table.ceiled(user):
+            return min(got, self.ceiling.available(user, now_ns))
+        return got
+
+    def try_take(self, user: str, now_ns: int, count: int = 1) -> bool:
+        if not self.table.ceiled(user):
+            return self.rate.try_take(user, now_ns, count)
+        if self.ceiling.available(user, now_ns) < count:
+            return False
+        if not self.rate.try_take(user, now_ns, count):
+            return False
+        if not self.ceiling.try_take(user, now_ns, count):
+            self.rate.refund(user, now_ns, count)
+            return False
+        return True
+
+    def take_up_to(self, user: str, now_ns: int, count: int) -> int:
+        if not self.table.ceiled(user):
+            return self.rate.take_up_to(user, now_ns, count)
+        room = self.ceiling.available(user, now_ns)
+        taken = self.rate.take_up_to(user, now_ns, min(count, room))
+        if taken:
+            paid = self.ceiling.take_up_to(user, now_ns, taken)
+            if paid < taken:
+                self.rate.refund(user, now_ns, taken - paid)
+                taken = paid
+        return taken
+
+    def refund(self, user: str, now_ns: int, count: int = 1) -> None:
+        self.rate.refund(user, now_ns, count)
+        if self.table.ceiled(user):
+            self.ceiling.refund(user, now_ns, count)
+
+    def ready_at_ns(self, user: str, now_ns: int) -> int:
+        """When the user can run anything again: its guaranteed quota for a
+        user that does not borrow, else when it may borrow (the ceiling's
+        time; now without a ceiling)."""
+        if not self.table.borrows(user):
+            return self.rate.ready_at_ns(user, now_ns)
+        if self.table.ceiled(user):
+            return self.ceiling.ready_at_ns(user, now_ns)
+        return now_ns
+
+    def cleanup_idle_users(self, now_ns: int) -> int:
+        self.ceiling.cleanup_idle_users(now_ns)
+        return self.rate.cleanup_idle_users(now_ns)
+
+    def update_rates(self, default_rate: float, user_rates: Mapping[str, float] | None = None) -> list[str]:
+        return self.rate.update_rates(default_rate, user_rates)
+
+    def figures(self) -> dict[str, int]:
+        return self.rate.figures()
+
+    def close(self) -> None:
+        """Nothing of its own: the owners of both limiters close them."""
+
+
+class Borrowing:
+    """Who borrows in a step, and the settling of what was borrowed.
+
+    ``borrowed_tokens`` (user -> borrowed tokens that sampled, cumulative)
+    is read by metrics.  Counters are kept for users with a lane only.
+    """
+
+    def __init__(self, table: ShareTable, ceiling: Limiter) -> None:
+        self.table = table
+        self.ceiling = ceiling
+        #: user -> borrowed tokens that sampled, cumulative.
+        self.borrowed_tokens: dict[str, int] = {}
+        #: user -> tokens borrowed / weight (the virtual counter).
+        self.counters: dict[str, float] = {}
+        #: The current borrowers: users that could borrow when spare
+        #: capacity was last offered.
+        self.active: set[str] = set()
+        #: (user, keys) borrowed in the current step.
+        self.step: list[tuple[str, list]] = []
+        self._now_ns = 0
+
+    def offer(self, lanes: Lanes, ledger: Ledger, room: int) -> list:
+        """Borrow at most ``room`` hidden streams of users the plan found
+        short; pay them on the ceiling and mark them paid in the ledger.
+        Returns the borrowed keys, in the order chosen."""
+        self.step = []
+        if not ledger.short:
+            self.active = set()  # nobody short, nobody borrows:
+            self.counters.clear()  # everyone starts level next time
+            return []
+        if room <= 0:
+            return []
+        table = self.table
+        now = self._now_ns = ledger.now_ns
+        prepaid = ledger.prepaid
+        lane_of = lanes.lane_of
+        counters = self.counters
+        floor = min((counters.get(u, 0.0) for u in self.active), default=None)
+        heap: list = []
+        streams: dict[str, list] = {}
+        for index, user in enumerate(ledger.short):
+            if user in streams or not table.borrows(user):
+                continue
+            lane = lanes.order.get(user)
+            if lane is None:
+                continue
+            hidden = [k for k in lane.decoding if lane_of.get(k) == user and k not in prepaid]
+            if table.ceiled(user) and hidden:
+                hidden = hidden[: self.ceiling.available(user, now)]
+            if not hidden:
+                continue
+            streams[user] = hidden
+            start = counters.get(user, 0.0)
+            if user not in self.active:
+                start = 0.0 if floor is None else max(start, floor)
+            counters[user] = start
+            heap.append((start, index, user))
+        # The candidates are the current borrowers from now on: one that wins
+        # no stream in a step keeps its counter (only newcomers are lifted).
+        self.active = set(streams)
+        if not streams:
+            counters.clear()  # nobody borrows: everyone starts level next time
+        heapq.heapify(heap)
+        taken: dict[str, int] = {}
+        order: list = []
+        while heap and room > 0:
+            counter, index, user = heapq.heappop(heap)
+            got = taken.get(user, 0)
+            order.append(streams[user][got])
+            taken[user] = got + 1
+            room -= 1
+            if got + 1 < len(streams[user]):
+                heapq.heappush(heap, (counter + 1 / table.weight(user), index, user))
+        for user, count in taken.items():
+            keys = streams[user][:count]
+            if table.ceiled(user):
+                self.ceiling.take_up_to(user, now, count)
+            self.step.append((user, keys))
+            prepaid.update(keys)
+        return order
+
+    def settle(self, lanes: Lanes, ledger: Ledger, sampled: Container[Key]) -> None:
+        """Keep the borrowed payments of keys that sampled; refund the rest to
+        the ceiling.  Served streams move behind their user's others."""
+        counters = self.counters
+        for user, keys in self.step:
+            served = {k for k in keys if k in sampled}
+            unserved = len(keys) - len(served)
+            if unserved and self.table.ceiled(user):
+                self.ceiling.refund(user, self._now_ns, unserved)
+            if not served:
+                continue
+            n = len(served)
+            counters[user] = counters.get(user, 0.0) + n / self.table.weight(user)
+            self.borrowed_tokens[user] = self.borrowed_tokens.get(user, 0) + n
+            ledger.ran[user] = ledger.ran.get(user, 0) + n
+            ledger.charged_tokens[user] = ledger.charged_tokens.get(user, 0) + n
+            lane = lanes.order.get(user)
+            if lane is not None:
+                lane.served_to_back(served)
+                if ledger.ran[user] >= len(lane.decoding) - lane.waiting:
+                    # Every stream ran: it was not held back, so this step
+                    # counts in neither its throttled time nor its held requests.
+                    ledger.blocked.discard(user)
+        self.step = []
+        if len(counters) > 2 * len(lanes.order) + 16:
+            for user in [u for u in counters if u not in lanes.order]:
+                del counters[user]
+
+    def update(self, table: ShareTable) -> None:
+        """New shares (a reload); counters and totals are kept."""
+        self.table = table

@@ -1,0 +1,279 @@
+"""Borrowing (rate, ceil, weight) on vLLM's real Scheduler and KV manager.
+
+The harness fabricates each step's sampled tokens and a fake clock drives
+both quotas, so every assertion is exact (issue 21, "Tests").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vllm_output_rate.policy.monitor import BORROWED
+from vllm_output_rate.settings import OutputRateSettings
+from vllm_output_rate.tools.scheduler_sim import MS, Harness, max_in_window
+
+S = 1_000_000_000
+
+
+def limits(default, **users):
+    return {
+        "default_user_output_tokens_per_second": default,
+        "user_output_tokens_per_second": users,
+    }
+
+
+def bound(window_s: float, rate: float) -> int:
+    return int((window_s + 0.1) * rate + 1 + 1e-9)
+
+
+def sampled_by(h: Harness, user: str, step: int) -> int:
+    return sum(1 for rid in h.sampled_log[step] if h.records[rid].user == user)
+
+
+def borrowed_of(h: Harness, user: str) -> int:
+    return h.sched.output_rate_gate.borrowing.borrowed_tokens.get(user, 0)
+
+
+@pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
+def test_lone_borrower_without_ceiling_fills_the_active_cap_every_step(async_):
+    h = Harness(limits(1, b={"rate": 10, "ceil": None}), max_num_seqs=8, async_=async_)
+    for _ in range(12):
+        h.add("b", max_tokens=400)
+    for _ in range(200):
+        h.step(10 * MS)
+        h.check_resident_consistent()
+    # From the second step on (the first one prefills; async: one more),
+    # every step samples as many requests as the active cap allows: 80 tok/s, not 10.
+    assert all(len(log) == 8 for log in h.sampled_log[2:])
+    assert borrowed_of(h, "b") >= 199 * 8 - bound(2, 10)
+
+
+@pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
+def test_with_a_ceiling_the_bound_holds_over_every_window(async_):
+    h = Harness(limits(1, c={"rate": 10, "ceil": 30}), max_num_seqs=8, async_=async_)
+    for _ in range(8):
+        h.add("c", max_tokens=800)
+    steps = 600  # 6 s at 10 ms
+    for _ in range(steps):
+        h.step(10 * MS)
+    times = h.charges["c"]
+    assert len(times) >= 0.95 * 30 * 6  # well above the rate: about the ceiling
+    for window_s in (0.01, 0.1, 0.5, 1, 2, 5):
+        assert max_in_window(times, int(window_s * S)) <= bound(window_s, 30), window_s
+
+
+def _backlogged(weights: dict[str, int], steps: int) -> dict[str, int]:
+    users = {u: {"rate": 0.01, "ceil": None, "weight": w} for u, w in weights.items()}
+    # Room for every stream to stay resident (16) and an active cap of 8:
+    # each step, who runs among the resident borrowers is the question.
+    h = Harness(limits(0.01, **users), max_num_seqs=32, max_num_active_seqs=8)
+    for user in weights:
+        for _ in range(8):
+            h.add(user, max_tokens=5000)
+    for _ in range(steps):
+        h.step(10 * MS)
+    return {u: len(h.charges[u]) for u in weights}
+
+
+def test_two_and_four_backlogged_borrowers_share_by_weight_over_1000_steps():
+    for weights in ({"x": 1, "y": 2}, {"p": 1, "q": 2, "r": 3, "s": 4}):
+        got = _backlogged(weights, 1000)
+        total = sum(got.values())
+        for user, weight in weights.items():
+            expected = total * weight / sum(weights.values())
+            # Within one request's worth of the weighted share (the prefill
+            # step gives each user one guaranteed token besides).
+            assert abs(got[user] - expected) <= 8, (weights, got)
+
+
+def test_returning_borrower_gets_no_banked_credit():
+    users = {u: {"rate": 0.01, "ceil": None, "weight": 1} for u in ("x", "y")}
+    h = Harness(limits(0.01, **users), max_num_seqs=16, max_num_active_seqs=8)
+    for _ in range(8):
+        h.add("x", max_tokens=5000)
+    y_reqs = [h.add("y", max_tokens=5000) for _ in range(8)]
+    for _ in range(100):
+        h.step(10 * MS)
+    for request in y_reqs:
+        h.abort(request.request_id)
+    for _ in range(300):  # x borrows alone
+        h.step(10 * MS)
+    first = len(h.sampled_log)
+    for _ in range(8):
+        h.add("y", max_tokens=5000)
+    for _ in range(200):
+        h.step(10 * MS)
+    x = sum(sampled_by(h, "x", i) for i in range(first, len(h.sampled_log)))
+    y = sum(sampled_by(h, "y", i) for i in range(first, len(h.sampled_log)))
+    # Level from its return: half each, not all of it until y "caught up".
+    assert abs(x - y) <= 16, (x, y)
+
+
+def test_user_within_its_rate_gets_through_borrowers_holding_every_slot():
+    h = Harness(limits(1, b={"rate": 1, "ceil": None}, a=50), max_num_seqs=8)
+    b_reqs = [h.add("b", max_tokens=2000) for _ in range(8)]
+    for _ in range(50):
+        h.step(10 * MS)
+    assert len(h.sched.running) == 8 and all(len(log) == 8 for log in h.sampled_log[-5:])
+    a = h.add("a", prompt_len=8, max_tokens=300)
+    arrived = len(h.sampled_log)
+    preempted = set()
+    for _ in range(2):
+        h.step(10 * MS)
+        preempted |= h.step_outputs[-1].preempted_req_ids
+    first = next(i for i in range(arrived, len(h.sampled_log)) if a.request_id in h.sampled_log[i])
+    assert first - arrived < 2  # its first token within 2 steps
+    assert len(preempted) <= 1 and preempted <= {r.request_id for r in b_reqs}
+    # ... and it keeps its rate beside the borrowers: 2 s at 50 tok/s.
+    start = len(h.sampled_log)
+    for _ in range(200):
+        h.step(10 * MS)
+    got = sum(sampled_by(h, "a", i) for i in range(start, len(h.sampled_log)))
+    assert got >= 0.95 * 50 * 2, got
+    # The borrower runs on what is left.
+    assert sum(sampled_by(h, "b", i) for i in range(start, len(h.sampled_log))) >= 200 * 6
+    h.check_resident_consistent()
+
+
+def test_a_ceiling_equal_to_the_rate_decides_exactly_as_a_plain_number():
+    def run(config):
+        h = Harness(config, max_num_seqs=6)
+        for user, n in (("a", 5), ("b", 3)):
+            for _ in range(n):
+                h.add(user, max_tokens=60)
+        for _ in range(150):
+            h.step(10 * MS)
+        return h.sampled_log
+
+    plain = run(limits(20, a=30))
+    shaped = run(limits({"rate": 20, "weight": 7}, a={"rate": 30, "ceil": 30, "weight": 2}))
+    assert plain == shaped
+
+
+def test_reload_changes_ceil_live_and_a_hard_cap_stops_borrowing():
+    h = Harness(limits(1, b={"rate": 5, "ceil": None}), max_num_seqs=8)
+    for _ in range(8):
+        h.add("b", max_tokens=3000)
+    for _ in range(100):
+        h.step(10 * MS)
+    assert all(len(log) == 8 for log in h.sampled_log[-10:])
+    sched = h.sched
+    new = OutputRateSettings.from_additional_config({"output_rate": limits(1, b=5)})
+    sched.apply_output_rate_limits(new)
+    assert sched.output_rate_gate.borrowing is None
+    assert sched.output_rate_gate.limiter is sched.output_rate_limiter
+    start = len(h.charges["b"])
+    for _ in range(200):  # 2 s
+        h.step(10 * MS)
+    assert len(h.charges["b"]) - start <= bound(2, 5)
+    again = OutputRateSettings.from_additional_config(
+        {"output_rate": limits(1, b={"rate": 5, "ceil": 20})}
+    )
+    sched.apply_output_rate_limits(again)
+    start = len(h.charges["b"])
+    for _ in range(300):  # 3 s
+        h.step(10 * MS)
+    got = len(h.charges["b"]) - start
+    assert 0.9 * 20 * 3 <= got <= bound(3, 20)
+
+
+def test_report_and_admin_rows_show_borrowing():
+    h = Harness(limits(2, b={"rate": 1, "ceil": None, "weight": 3}), max_num_seqs=4)
+    for _ in range(4):
+        h.add("b", max_tokens=500)
+    for _ in range(50):
+        h.step(10 * MS)
+    sched = h.sched
+    report = sched.output_rate_report(sched.output_rate_operate_clock())
+    assert report["users"]["b"][BORROWED] == borrowed_of(h, "b") > 100
+    row = sched.output_rate_users()["users"]["b"]
+    assert (row["rate"], row["ceil"], row["weight"]) == (1.0, None, 3.0)
+    assert row["tokens_borrowed_total"] == borrowed_of(h, "b")
+    assert row["tokens_charged_total"] >= row["tokens_borrowed_total"]
+
+
+def test_hard_caps_keep_the_report_rows_as_they_were():
+    h = Harness(limits(2, b=1), max_num_seqs=4)
+    h.add("b", max_tokens=20)
+    for _ in range(5):
+        h.step(10 * MS)
+    sched = h.sched
+    assert sched.output_rate_gate.borrowing is None
+    report = sched.output_rate_report(sched.output_rate_operate_clock())
+    assert len(report["users"]["b"]) == BORROWED  # no borrowed field
+
+
+def test_borrowers_are_preempted_before_guaranteed_requests_under_kv_pressure():
+    # Few KV blocks: growing streams must preempt someone.  Every victim
+    # vLLM picks is the borrower's (handed over last), never a's.
+    h = Harness(limits(1, b={"rate": 1, "ceil": None}, a=200), max_num_seqs=8, num_blocks=24)
+    a_reqs = [h.add("a", prompt_len=8, max_tokens=120) for _ in range(2)]
+    for _ in range(6):
+        h.add("b", prompt_len=8, max_tokens=120)
+    preempted = set()
+    for _ in range(300):
+        h.step(10 * MS)
+        preempted |= h.step_outputs[-1].preempted_req_ids
+        h.check_resident_consistent()
+    assert preempted  # the pressure was real
+    assert not preempted & {r.request_id for r in a_reqs}
+    assert all(h.records[r.request_id].finished for r in a_reqs)
+
+
+def test_settings_survive_the_round_trip_through_additional_config():
+    s = OutputRateSettings.from_additional_config(
+        {"output_rate": limits({"rate": 3, "ceil": 9}, b={"rate": 1, "ceil": None, "weight": 2})}
+    )
+    again = OutputRateSettings.from_additional_config({"output_rate": s.to_config()})
+    assert dataclasses.asdict(again) == dataclasses.asdict(s)
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    plan=st.lists(
+        st.tuples(st.sampled_from(["c", "n", "h"]), st.sampled_from(["add", "abort", "steps"]),
+                  st.integers(1, 30)),
+        min_size=1, max_size=25,
+    ),
+    num_blocks=st.sampled_from([12, 20, 200]),
+)
+def test_both_bounds_hold_under_random_arrivals_aborts_and_kv_pressure(plan, num_blocks):
+    """c: rate 10, ceil 30; n: rate 5, no ceiling; h: a hard cap at 20."""
+    rates = {"c": 10, "n": 5, "h": 20}
+    ceils = {"c": 30, "h": 20}
+    h = Harness(
+        limits(1, c={"rate": 10, "ceil": 30}, n={"rate": 5, "ceil": None, "weight": 2}, h=20),
+        max_num_seqs=8, max_num_active_seqs=6, num_blocks=num_blocks, max_model_len=256,
+    )
+    borrowing = h.sched.output_rate_gate.borrowing
+    guaranteed: dict[str, list[int]] = {u: [] for u in rates}
+    live: dict[str, list[str]] = {u: [] for u in rates}
+    for user, action, n in plan:
+        if action == "add":
+            for _ in range(min(n, 4)):
+                live[user].append(h.add(user, prompt_len=n, max_tokens=8 * n).request_id)
+        elif action == "abort":
+            for rid in live[user][:1]:
+                if not h.records[rid].finished:
+                    h.abort(rid)
+            live[user] = live[user][1:]
+        else:
+            for _ in range(n):
+                before = dict(borrowing.borrowed_tokens)
+                now = h.clock.now_ns
+                h.step(10 * MS)
+                for u in rates:
+                    ran = sum(1 for rid in h.sampled_log[-1] if h.records[rid].user == u)
+                    lent = borrowing.borrowed_tokens.get(u, 0) - before.get(u, 0)
+                    guaranteed[u].extend([now] * (ran - lent))
+                h.check_resident_consistent()
+    for user, rate in rates.items():
+        for window_s in (0.01, 0.1, 0.5):
+            window = int(window_s * S)
+            assert max_in_window(guaranteed[user], window) <= bound(window_s, rate), user
+            if user in ceils:
+                assert max_in_window(h.charges[user], window) <= bound(window_s, ceils[user]), user

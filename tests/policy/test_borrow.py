@@ -1,0 +1,240 @@
+"""Borrowing (:mod:`vllm_output_rate.policy.borrow`) over the plain-Python gate.
+
+A step follows the adapter's protocol: ``plan`` -> ``borrow(plan, room)``
+-> the sampled keys -> ``ledger.settle`` -> ``borrowing.settle``.  Time is a
+fake clock (integers); keys are strings.
+"""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vllm_output_rate.policy.borrow import Borrowing, CeiledLimiter, Share, ShareTable
+from vllm_output_rate.policy.gate import StepGate
+from vllm_output_rate.policy.limiter import OutputRateLimiter
+
+MS = 1_000_000
+S = 1_000_000_000
+
+
+def bound(window_s: float, rate: float) -> int:
+    return int((window_s + 0.1) * rate + 1 + 1e-9)
+
+
+class World:
+    """A gate with borrowing, plus the record of what sampled when."""
+
+    def __init__(self, default_rate, user_rates, shares, default_share=None):
+        table = ShareTable(default_rate, user_rates, default_share, shares)
+        self.rate = OutputRateLimiter(default_rate, user_rates)
+        self.ceiling = OutputRateLimiter(*table.ceilings())
+        self.borrowing = Borrowing(table, self.ceiling)
+        self.gate = StepGate(CeiledLimiter(self.rate, self.ceiling, table))
+        self.gate.borrowing = self.borrowing
+        self.now = 10 * S
+        self.times: dict[str, list[int]] = {}  # user -> time of every sampled token
+        self.guaranteed: dict[str, list[int]] = {}  # user -> time of every non-borrowed token
+        self.n = 0
+
+    def add(self, user: str, streams: int) -> list[str]:
+        keys = []
+        for _ in range(streams):
+            key = f"{user}-{self.n}"
+            self.n += 1
+            self.gate.lanes.track(key, user)
+            self.gate.lanes.admit(key, progressing=False)
+            keys.append(key)
+        return keys
+
+    def forget(self, key: str) -> None:
+        self.gate.lanes.forget(key)
+
+    def step(self, slots: int, dt: int = 10 * MS, drop=frozenset()):
+        gate = self.gate
+        plan = gate.plan(self.now, slots)
+        if plan.throttled and not plan.over_cap:
+            room = slots - len(plan.visible)
+            if room > 0:
+                gate.borrow(plan, room)
+        sampled = {k for k in plan.visible + plan.borrowed if k not in drop}
+        gate.ledger.settle(sampled)
+        if plan.borrowed:
+            self.borrowing.settle(gate.lanes, gate.ledger, sampled)
+        borrowed = set(plan.borrowed)
+        for key in sampled:
+            user = gate.lanes.user_of[key]
+            self.times.setdefault(user, []).append(self.now)
+            if key not in borrowed:
+                self.guaranteed.setdefault(user, []).append(self.now)
+        self.now += dt
+        return plan
+
+
+def max_in_window(times: list[int], window_ns: int) -> int:
+    times = sorted(times)
+    best = lo = 0
+    for hi, t in enumerate(times):
+        while t - times[lo] >= window_ns:
+            lo += 1
+        best = max(best, hi - lo + 1)
+    return best
+
+
+def test_lone_borrower_without_ceiling_fills_every_slot():
+    w = World(1, {"b": 1}, {"b": Share(None, 1)})
+    w.add("b", 12)
+    for _ in range(200):
+        plan = w.step(slots=8)
+        assert len(plan.visible) + len(plan.borrowed) == 8
+    assert w.borrowing.borrowed_tokens["b"] >= 200 * 8 - bound(2, 1)
+
+
+def test_borrowed_keys_are_hidden_unpaid_streams_listed_once_and_after_the_guaranteed_ones():
+    w = World(1, {"b": 5}, {"b": Share(None, 1)})
+    keys = set(w.add("b", 10))
+    for _ in range(50):
+        plan = w.step(slots=6)
+        assert len(set(plan.borrowed)) == len(plan.borrowed)
+        assert not set(plan.borrowed) & set(plan.visible)
+        assert set(plan.borrowed) <= keys
+        assert len(plan.visible) + len(plan.borrowed) <= 6
+
+
+def test_hard_caps_never_borrow_and_pay_the_rate_only():
+    w = World(5, {"a": 5}, {"a": Share(5, 3)})  # ceil == rate: a hard cap
+    w.add("a", 8)
+    for _ in range(300):
+        plan = w.step(slots=8)
+        assert not plan.borrowed
+    assert max_in_window(w.times["a"], S) <= bound(1, 5)
+    assert not w.ceiling.tracked_users()  # the ceiling is never asked
+
+
+def test_ceiling_bounds_every_window_and_rate_bounds_the_guaranteed_tokens():
+    w = World(1, {"c": 10}, {"c": Share(40, 1)})
+    w.add("c", 16)
+    for _ in range(1000):
+        w.step(slots=16)
+    times = w.times["c"]
+    assert len(times) >= 0.95 * 40 * 10  # about the ceiling, far above the rate
+    for window_s in (0.05, 0.1, 0.5, 1, 3):
+        assert max_in_window(times, int(window_s * S)) <= bound(window_s, 40)
+        assert max_in_window(w.guaranteed["c"], int(window_s * S)) <= bound(window_s, 10)
+
+
+def _shares_after(weights: dict[str, float], steps: int, slots: int = 8) -> dict[str, int]:
+    rates = {u: 0.01 for u in weights}
+    w = World(0.01, rates, {u: Share(None, wt) for u, wt in weights.items()})
+    for user in weights:
+        w.add(user, slots)
+    for _ in range(steps):
+        w.step(slots=slots)
+    return {u: len(w.times.get(u, ())) for u in weights}
+
+
+def test_two_and_four_backlogged_borrowers_share_by_weight():
+    for weights in ({"x": 1, "y": 2}, {"p": 1, "q": 2, "r": 3, "s": 4}):
+        got = _shares_after(weights, 1000)
+        total = sum(got.values())
+        for user, weight in weights.items():
+            expected = total * weight / sum(weights.values())
+            assert abs(got[user] - expected) <= 8, (user, got)  # one step's slots
+
+
+def test_returning_borrower_gets_no_banked_credit():
+    w = World(0.01, {"x": 0.01, "y": 0.01}, {"x": Share(None, 1), "y": Share(None, 1)})
+    w.add("x", 8)
+    y_keys = w.add("y", 8)
+    for _ in range(100):
+        w.step(slots=8)
+    for key in y_keys:  # y leaves; x borrows alone for a long while
+        w.forget(key)
+    for _ in range(500):
+        w.step(slots=8)
+    before = {u: len(w.times.get(u, ())) for u in ("x", "y")}
+    w.add("y", 8)
+    for _ in range(100):
+        w.step(slots=8)
+    x = len(w.times["x"]) - before["x"]
+    y = len(w.times["y"]) - before["y"]
+    # y starts level with x: half each, not everything until it caught up.
+    assert abs(x - y) <= 8, (x, y)
+
+
+def test_unsampled_borrowed_tokens_go_back_to_the_ceiling_and_counter_never_to_the_rate():
+    w = World(1, {"c": 1}, {"c": Share(100, 1)})
+    w.add("c", 4)
+    w.step(slots=4)
+    now = w.now
+    rate_before = (w.rate.available("c", now), w.rate.ready_at_ns("c", now))
+    ceiling_before = (w.ceiling.available("c", now), w.ceiling.ready_at_ns("c", now))
+    borrowed_before = dict(w.borrowing.borrowed_tokens)
+    counters_before = dict(w.borrowing.counters)
+    plan = w.gate.plan(now, 4)
+    w.gate.borrow(plan, 4 - len(plan.visible))
+    assert plan.borrowed
+    assert w.ceiling.available("c", now) < ceiling_before[0]
+    w.gate.ledger.settle(set())  # nothing sampled
+    w.borrowing.settle(w.gate.lanes, w.gate.ledger, set())
+    assert (w.rate.available("c", now), w.rate.ready_at_ns("c", now)) == rate_before
+    assert (w.ceiling.available("c", now), w.ceiling.ready_at_ns("c", now)) == ceiling_before
+    assert w.borrowing.borrowed_tokens == borrowed_before
+    assert w.borrowing.counters.get("c", 0) <= counters_before.get("c", 0)
+
+
+@settings(max_examples=40)
+@given(
+    users=st.lists(
+        st.tuples(
+            st.sampled_from([1, 5, 20]),  # rate
+            st.sampled_from([None, 0, 10, 60]),  # ceil above the rate by this much (None: none)
+            st.sampled_from([1, 2, 3]),  # weight
+        ),
+        min_size=1, max_size=4,
+    ),
+    events=st.lists(
+        st.tuples(st.integers(0, 3), st.sampled_from(["add", "abort", "drop", "step"])),
+        min_size=1, max_size=200,
+    ),
+    slots=st.integers(1, 12),
+)
+def test_both_bounds_hold_under_random_arrivals_aborts_and_lost_samples(users, events, slots):
+    names = [f"u{i}" for i in range(len(users))]
+    rates = {n: u[0] for n, u in zip(names, users)}
+    shares = {
+        n: Share(None if extra is None else rate + extra, wt)
+        for n, (rate, extra, wt) in zip(names, users)
+    }
+    w = World(1, rates, shares)
+    live: dict[str, list[str]] = {n: [] for n in names}
+    for index, action in events:
+        user = names[index % len(names)]
+        if action == "add":
+            live[user] += w.add(user, 3)
+        elif action == "abort" and live[user]:
+            w.forget(live[user].pop(0))
+        elif action == "drop":
+            # Some of the step's requests do not sample (preempted, or
+            # scheduled short of their sampling position).
+            w.step(slots, drop=frozenset(live[user][:2]))
+        else:
+            w.step(slots)
+    for user in names:
+        rate = rates[user]
+        ceil = shares[user].ceil
+        for window_s in (0.1, 0.5, 1):
+            window = int(window_s * S)
+            assert max_in_window(w.guaranteed.get(user, []), window) <= bound(window_s, rate)
+            if ceil is not None:
+                assert max_in_window(w.times.get(user, []), window) <= bound(window_s, ceil)
+
+
+@settings(max_examples=20)
+@given(weights=st.lists(st.integers(1, 4), min_size=2, max_size=4))
+def test_backlogged_counters_stay_proportional_to_weight(weights):
+    names = {f"w{i}": wt for i, wt in enumerate(weights)}
+    got = _shares_after(names, 300, slots=6)
+    total = sum(got.values())
+    for user, weight in names.items():
+        assert abs(got[user] - total * weight / sum(weights)) <= 6, got
