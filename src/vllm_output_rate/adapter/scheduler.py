@@ -42,7 +42,10 @@ the gate, its lanes and ledger, and :class:`..policy.displacement.Displacement`)
   request did not end up scheduled at a sampling position is refunded.
 
 ``update_from_output`` never touches the limiter, so async scheduling (step
-N+1 scheduled before step N's output arrives) works unchanged.
+N+1 scheduled before step N's output arrives) works unchanged -- except with
+speculative decoding, where it refunds the drafts the model rejected
+(:class:`SpecDecodeHooks`); those refunds are matched to the step that paid
+for them, so they are exact under async scheduling too.
 
 The scheduler mixin is :class:`OutputRateSchedulerMixin` (the step) over
 three hook classes, one concern each: :class:`MembershipHooks` (the lanes
@@ -66,6 +69,7 @@ from vllm.v1.request import Request, RequestStatus
 from vllm_output_rate.adapter.operate import OperateSchedulerMixin
 from vllm_output_rate.factory import make_limiter
 from vllm_output_rate.policy.displacement import Displacement, fits_in_free_kv
+from vllm_output_rate.policy.drafts import DraftAccount
 from vllm_output_rate.policy.eviction import EvictionBudget
 from vllm_output_rate.policy.gate import StepGate, StepPlan
 from vllm_output_rate.settings import (
@@ -288,7 +292,84 @@ class EvictionHooks:
         self._evicted_in_step.append(victim)
 
 
-class OutputRateSchedulerMixin(MembershipHooks, ChargingHooks, EvictionHooks):
+class SpecDecodeHooks:
+    """Speculative decoding: a step may emit its drafts too, so they are paid.
+
+    At dispatch a decoding request pays, besides its sampled token, for as
+    many of its scheduled drafts as its user's quota allows now; vLLM then
+    schedules only those drafts (it cuts ``spec_token_ids`` to the tokens
+    the hook returns).  Drafts of a request that did not end up scheduled are
+    refunded at the end of the step; drafts the model rejected are refunded
+    when the step's output arrives (:class:`~vllm_output_rate.policy.drafts.DraftAccount`).
+    Without speculative decoding none of this runs: the hook is not
+    installed and ``update_from_output`` only checks one attribute.
+    """
+
+    _draft_account: DraftAccount | None = None
+
+    def _init_drafts(self) -> None:
+        if not self.num_spec_tokens:
+            return
+        self._draft_account = DraftAccount(self.output_rate_limiter, self._ledger.charged_tokens)
+        self._charging_reserve_prefill_lookahead = self._charge_with_drafts
+        self._reserve_prefill_lookahead = self._charge_with_drafts
+
+    def _charge_with_drafts(
+        self, request: Request, num_computed_tokens: int, num_new_tokens: int
+    ) -> int:
+        """The charging hook when drafts are scheduled: the sampled token as
+        usual, then the drafts the user can pay for now."""
+        num_new_tokens = self._charge_at_sampling_position(
+            request, num_computed_tokens, num_new_tokens
+        )
+        if num_new_tokens <= 0 or self._prepaid is None:
+            return num_new_tokens
+        drafts = (
+            num_computed_tokens
+            + num_new_tokens
+            - request.num_tokens
+            - request.num_output_placeholders
+        )
+        if drafts <= 0 or request.status != RequestStatus.RUNNING:
+            # A waiting request reaching here with drafts is vLLM padding a
+            # new decode to the uniform draft count: -1 sentinels, which the
+            # model never accepts, so they cost nothing.
+            return num_new_tokens
+        paid = self._draft_account.pay(
+            request.request_id, self._lanes.user_of[request], self._ledger.now_ns, drafts
+        )
+        return num_new_tokens - (drafts - paid)
+
+    def _settle_drafts(self, output) -> None:
+        """The single refund point for drafts paid in this step."""
+        scheduled = output.num_scheduled_tokens
+        spec = output.scheduled_spec_decode_tokens
+
+        def drafts_dispatched(req_id: str) -> int:
+            return len(spec.get(req_id, ())) if req_id in scheduled else 0
+
+        self._draft_account.settle_step(output, self._ledger.now_ns, drafts_dispatched)
+
+    def update_from_output(self, scheduler_output, model_runner_output):
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        account = self._draft_account
+        if account is not None:
+            index = model_runner_output.req_id_to_index
+            sampled = model_runner_output.sampled_token_ids
+
+            def accepted(req_id: str) -> int:
+                # The step samples one token and emits the accepted drafts
+                # before it; no output for the request: nothing accepted.
+                i = index.get(req_id)
+                if i is None or not sampled or i >= len(sampled):
+                    return 0
+                return len(sampled[i]) - 1
+
+            account.settle_output(scheduler_output, self.output_rate_clock(), accepted)
+        return outputs
+
+
+class OutputRateSchedulerMixin(MembershipHooks, ChargingHooks, EvictionHooks, SpecDecodeHooks):
     """Per-user output-rate limiting on top of vLLM's V1 ``Scheduler``.
 
     This class runs the step (plan, hand vLLM the visible requests, settle);
@@ -301,6 +382,9 @@ class OutputRateSchedulerMixin(MembershipHooks, ChargingHooks, EvictionHooks):
     _step_plan: StepPlan | None = None
     _prepaid: set | None = None  # during a step: decoding requests already paid for
     _active_cap: int = 0
+    #: Builds the limiter from the settings; tests give a data-parallel rank
+    #: a leased limiter on a fake store and clock.
+    output_rate_limiter_factory: Callable[..., Any] = staticmethod(make_limiter)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -313,7 +397,7 @@ class OutputRateSchedulerMixin(MembershipHooks, ChargingHooks, EvictionHooks):
                 "it is selected automatically when the feature is configured"
             )
         self.output_rate_settings = settings
-        self.output_rate_limiter = make_limiter(settings)
+        self.output_rate_limiter = self.output_rate_limiter_factory(settings)
         self.output_rate_gate = gate = StepGate(self.output_rate_limiter)
         # The gate's parts, held directly: membership changes and per-request
         # payments go to them without a call through the gate.
@@ -359,6 +443,11 @@ class OutputRateSchedulerMixin(MembershipHooks, ChargingHooks, EvictionHooks):
         # CPython's attribute caches in vLLM's loop rely on).
         self._reserve_prefill_lookahead = self._charging_reserve_prefill_lookahead
         self._tracks_sessions = False
+        self._init_drafts()
+        # A data-parallel rank whose requests are all throttled must keep
+        # stepping (vLLM runs a dummy batch and syncs the ranks every step):
+        # waiting on its input queue would stall every other rank with it.
+        self._data_parallel = self.vllm_config.parallel_config.data_parallel_size > 1
 
     # -- the active cap, seen through vLLM's own admission check -----------
 
@@ -441,6 +530,8 @@ class OutputRateSchedulerMixin(MembershipHooks, ChargingHooks, EvictionHooks):
             and len(num_scheduled) - len(admitted) == num_visible
         )
         self._ledger.settle(_SampledView(num_scheduled), all_prepaid_sampled=undisturbed)
+        if self._draft_account is not None:
+            self._settle_drafts(output)
         self.output_rate_eviction_budget.earn(len(num_scheduled))
         self._set_idle_wait(output)
         return output
@@ -472,6 +563,8 @@ class OutputRateSchedulerMixin(MembershipHooks, ChargingHooks, EvictionHooks):
             and len(num_scheduled) - len(admitted) == num_resident
         )
         self._ledger.settle_repeat(resident, _SampledView(num_scheduled), all_sampled)
+        if self._draft_account is not None:
+            self._settle_drafts(output)
         self.output_rate_eviction_budget.earn(len(num_scheduled))
         self._set_idle_wait(output)
         return output
@@ -485,7 +578,7 @@ class OutputRateSchedulerMixin(MembershipHooks, ChargingHooks, EvictionHooks):
         self._held_for_other_reasons = False
         self._prepaid = prepaid
         self._step_plan = plan
-        if all_visible_prepaid:
+        if all_visible_prepaid and self._draft_account is None:
             # vLLM's running loop will only meet decoding streams already
             # paid for, so it may call its own hook directly, without this
             # class's per-request check.  Charging resumes before the waiting
@@ -511,7 +604,11 @@ class OutputRateSchedulerMixin(MembershipHooks, ChargingHooks, EvictionHooks):
         return admitted
 
     def _set_idle_wait(self, output) -> None:
-        if output.total_num_scheduled_tokens == 0 and not self._held_for_other_reasons:
+        if (
+            output.total_num_scheduled_tokens == 0
+            and not self._held_for_other_reasons
+            and not self._data_parallel
+        ):
             wait_ns = self.output_rate_gate.idle_wait_ns()
             self.output_rate_idle_wait_s = None if wait_ns is None else wait_ns / 1e9
         else:
