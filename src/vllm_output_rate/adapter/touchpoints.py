@@ -289,7 +289,8 @@ TOUCHPOINTS: tuple[TouchPoint, ...] = (
     _tp("vllm.v1.metrics.stats:SchedulerStats", "", "class",
         "a dataclass field `output_rate` is added to it"),
     _tp("vllm.v1.metrics.loggers:PrometheusStatLogger", "record", "own method",
-        "wrapped: exports the per-user report",
+        "wrapped: exports the per-user report (engine_idx read: data-parallel ranks' "
+        "gauges are summed)",
         ["scheduler_stats", "iteration_stats", "mm_cache_stats", "engine_idx"]),
     _tp("vllm.v1.metrics.loggers:PrometheusStatLogger", "vllm_config", "instance attribute",
         "read: served model name"),
