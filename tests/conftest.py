@@ -39,7 +39,7 @@ settings.load_profile("suite")
 
 #: Modules with a ``server_context(tmp_path_factory, model_dir)`` whose
 #: server(s) start when the session begins.
-PRESTARTED = ("test_e2e_server", "test_operate_server")
+PRESTARTED = ("test_e2e_server", "test_operate_server", "test_spec_decode_server")
 #: Modules that run last, when no other server is up.
 RUN_LAST = ("test_cluster_server",)
 #: Modules with a ``server_context`` whose server(s) start in the background

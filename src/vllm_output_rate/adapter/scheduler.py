@@ -335,9 +335,16 @@ class SpecDecodeHooks:
             # new decode to the uniform draft count: -1 sentinels, which the
             # model never accepts, so they cost nothing.
             return num_new_tokens
+        # Drafts past max_tokens can never be emitted: vLLM stops the request
+        # there.  (Tokens still in flight under async scheduling are not
+        # subtracted: they may be rejected, so this never under-charges.)
+        wanted = max(0, min(drafts, request.max_tokens - request.num_output_tokens - 1))
         paid = self._draft_account.pay(
-            request.request_id, self._lanes.user_of[request], self._ledger.now_ns, drafts
+            request.request_id, self._lanes.user_of[request], self._ledger.now_ns, wanted
         )
+        if paid == wanted:
+            return num_new_tokens  # any drafts left over lie past max_tokens
+        # vLLM keeps the first drafts: cut every draft past those paid for.
         return num_new_tokens - (drafts - paid)
 
     def _settle_drafts(self, output) -> None:
