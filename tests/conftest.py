@@ -39,14 +39,20 @@ settings.load_profile("suite")
 
 #: Modules with a ``server_context(tmp_path_factory, model_dir)`` whose
 #: server(s) start when the session begins.
-PRESTARTED = ("test_e2e_server", "test_operate_server", "test_lora_server", "test_prompt_cost_server")
+PRESTARTED = (
+    "test_e2e_server",
+    "test_operate_server",
+    "test_lora_server",
+    "test_prompt_cost_server",
+    "test_spec_decode_server",
+)
 #: Modules that run last, when no other server is up.
-RUN_LAST = ("test_cluster_server",)
+RUN_LAST = ("test_cluster_server", "test_data_parallel_server")
 #: Modules with a ``server_context`` whose server(s) start in the background
 #: as soon as every PRESTARTED module is done (their servers stopped): the
 #: startup then overlaps the model-free tests that remain instead of adding
 #: to the end of the suite.
-PRESTARTED_LATE = ("test_cluster_server",)
+PRESTARTED_LATE = ("test_cluster_server", "test_data_parallel_server")
 
 
 #: Where a real redis-server comes from: a module holding one of these

@@ -181,6 +181,34 @@ def test_prompt_tokens_charged_are_reported_and_exported_with_the_same_cap():
     assert "alice" not in {dict(labels)["user"] for labels in series(registry, name)}
 
 
+def test_exporter_sums_the_gauges_of_several_engines():
+    """Data-parallel ranks report to one logger: request gauges and the
+    engine-wide throttled count are the ranks' sum, counters add up, and a
+    user one rank dropped keeps its series while another rank has it."""
+    registry = CollectorRegistry()
+    exporter = OutputRateExporter("tiny", registry=registry)
+    exporter.observe({"users": {"alice": [3, 0.0, 2, 1, 0, 10.0]}, "removed": [],
+                      "engine": {"throttled_requests": 1}}, 0)
+    exporter.observe({"users": {"alice": [4, 0.0, 1, 2, 5, 10.0]}, "removed": [],
+                      "engine": {"throttled_requests": 2}}, 1)
+    exporter.observe({"users": {"alice": [1, 0.0, 1, 1, 0, 10.0]}, "removed": [],
+                      "engine": {"throttled_requests": 1}}, 0)
+    key = (("model_name", "tiny"), ("state", "{}"), ("user", "alice"))
+    req = series(registry, "vllm:output_rate_requests")
+    got = {state: req[tuple((k, v.format(state) if k == "state" else v) for k, v in key)]
+           for state in ("active", "throttled", "waiting")}
+    assert got == {"active": 2, "throttled": 3, "waiting": 5}
+    assert series(registry, "vllm:output_rate_throttled_requests") == {(("model_name", "tiny"),): 3}
+    charged = series(registry, "vllm:output_rate_output_tokens_charged_total")
+    assert charged[(("model_name", "tiny"), ("user", "alice"))] == 8
+    exporter.observe({"users": {}, "removed": ["alice"], "engine": {}}, 1)
+    req = series(registry, "vllm:output_rate_requests")
+    assert req[(("model_name", "tiny"), ("state", "waiting"), ("user", "alice"))] == 0
+    assert req[(("model_name", "tiny"), ("state", "active"), ("user", "alice"))] == 1
+    exporter.observe({"users": {}, "removed": ["alice"], "engine": {}}, 0)
+    assert not any(dict(l)["user"] == "alice" for l in series(registry, "vllm:output_rate_requests"))
+
+
 def test_charge_history_window():
     hist = ChargeHistory(window_s=10)
     for t in range(0, 30):

@@ -3,7 +3,8 @@
 Both schedulers are driven side by side on the same generated workload --
 arrivals, prompt lengths (some far longer than the token budget), shared
 prefixes (prefix-cache hits), ``max_tokens``, stop tokens, aborts, a KV cache
-small enough to force preemptions, FCFS and PRIORITY, sync and async -- and
+small enough to force preemptions, FCFS and PRIORITY, sync and async, with
+and without speculative decoding -- and
 every step's decisions are compared: which requests got how many tokens (in
 vLLM's order), which were preempted, which finished.  Fabricated model
 outputs depend only on the request and its output position, never on the
@@ -116,11 +117,12 @@ def _prompt(arrival: Arrival, index: int) -> list[int]:
     return shared + tail
 
 
-def trace(workload: Workload, limits: dict | None, async_: bool) -> list[dict]:
+def trace(workload: Workload, limits: dict | None, async_: bool, spec_tokens: int = 0) -> list[dict]:
     """Per-step decisions of one scheduler on ``workload``."""
     h = Harness(
         limits,
         async_=async_,
+        spec_tokens=spec_tokens,
         policy=workload.policy,
         chunked=workload.chunked,
         num_blocks=workload.num_blocks,
@@ -155,6 +157,7 @@ def trace(workload: Workload, limits: dict | None, async_: bool) -> list[dict]:
         steps.append(
             {
                 "scheduled": list(out.num_scheduled_tokens.items()),
+                "drafts": sorted(out.scheduled_spec_decode_tokens.items()),
                 "preempted": sorted(out.preempted_req_ids),
                 "finished": sorted(out.finished_req_ids),
                 "running": [r.request_id for r in h.sched.running],
@@ -174,9 +177,9 @@ def first_difference(stock: list[dict], ours: list[dict]) -> str | None:
     return None
 
 
-def assert_same_as_stock(workload: Workload, async_: bool) -> None:
-    stock = trace(workload, None, async_)
-    ours = trace(workload, NEVER_HIT, async_)
+def assert_same_as_stock(workload: Workload, async_: bool, spec_tokens: int = 0) -> None:
+    stock = trace(workload, None, async_, spec_tokens)
+    ours = trace(workload, NEVER_HIT, async_, spec_tokens)
     difference = first_difference(stock, ours)
     assert difference is None, difference
 
@@ -209,6 +212,7 @@ def test_never_hit_limits_decide_like_stock(policy, chunked, async_):
 
 
 LORA_CASES = [("fcfs", True, False), ("fcfs", True, True), ("priority", False, False)]
+SPEC_CASES = [("fcfs", True, False), ("fcfs", True, True), ("priority", False, False), ("priority", True, True)]
 
 
 @pytest.mark.parametrize(
@@ -249,6 +253,28 @@ def test_never_hit_limits_decide_like_stock_with_images(policy, chunked, async_)
     @given(workloads(policy, chunked, images=True))
     def check(workload):
         assert_same_as_stock(workload, async_)
+
+    check()
+
+
+@pytest.mark.parametrize(
+    "policy,chunked,async_",
+    SPEC_CASES,
+    ids=[f"{p}-{'chunked' if c else 'whole'}-{'async' if a else 'sync'}" for p, c, a in SPEC_CASES],
+)
+def test_never_hit_limits_decide_like_stock_with_speculative_decoding(policy, chunked, async_):
+    """ngram speculative decoding, 3 drafts per step, a varying number
+    proposed and accepted: the same tokens, drafts, preemptions and
+    finishes as stock, step for step (drafts are charged, never trimmed)."""
+    @settings(
+        max_examples=8,
+        deadline=None,
+        derandomize=True,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+    @given(workloads(policy, chunked))
+    def check(workload):
+        assert_same_as_stock(workload, async_, spec_tokens=3)
 
     check()
 

@@ -110,6 +110,10 @@ class OutputRateExporter:
         registry = REGISTRY if registry is None else registry
         labels = ["model_name", "user"]
         self._model = str(model_name)
+        #: engine index -> user -> (active, throttled, waiting), last reported.
+        self._per_engine: dict[int, dict[str, tuple]] = {}
+        #: engine index -> throttled requests, last reported.
+        self._throttled_of: dict[int, int] = {}
         self.charged = Counter(
             f"{PREFIX}output_tokens_charged",
             "Output tokens charged to the user's quota (net of refunds).",
@@ -184,9 +188,17 @@ class OutputRateExporter:
             for key, (name, text) in STORE_COUNTERS.items()
         }
 
-    def observe(self, report: dict) -> None:
+    def observe(self, report: dict, engine_idx: int = 0) -> None:
+        """Feed one engine's report.  Several engines (data-parallel ranks)
+        report to one logger: counters add up by themselves; the gauges are
+        kept per engine and exported as their sum."""
         model = self._model
+        mine = self._per_engine.setdefault(engine_idx, {})
         for user in report.get("removed", ()):
+            mine.pop(user, None)
+            if any(user in rows for rows in self._per_engine.values()):
+                self._set_request_gauges(model, user)
+                continue
             for metric in (self.charged, self.throttled_seconds, self.limit, self.prompt_charged, self.borrowed):
                 _remove(metric, model, user)
             for state in STATES:
@@ -202,9 +214,8 @@ class OutputRateExporter:
                 self.throttled_seconds.labels(model, user).inc(row[THROTTLED_S])
             else:
                 self.throttled_seconds.labels(model, user)
-            self.requests.labels(model, user, "active").set(row[ACTIVE])
-            self.requests.labels(model, user, "throttled").set(row[THROTTLED])
-            self.requests.labels(model, user, "waiting").set(row[WAITING])
+            mine[user] = (row[ACTIVE], row[THROTTLED], row[WAITING])
+            self._set_request_gauges(model, user)
             if row[LIMIT] is not None:
                 self.limit.labels(model, user).set(row[LIMIT])
             if len(row) > BORROWED:  # some user may borrow
@@ -212,7 +223,8 @@ class OutputRateExporter:
                 if row[BORROWED]:
                     child.inc(row[BORROWED])
         engine = report.get("engine", {})
-        self.throttled_requests.labels(model).set(engine.get("throttled_requests", 0))
+        self._throttled_of[engine_idx] = engine.get("throttled_requests", 0)
+        self.throttled_requests.labels(model).set(sum(self._throttled_of.values()))
         for metric, key in (
             (self.idle_steps, "idle_steps_total"),
             (self.reloads, "reloads_total"),
@@ -230,6 +242,12 @@ class OutputRateExporter:
                 child = counter.labels(model)
                 if engine.get(key):
                     child.inc(engine[key])
+
+
+    def _set_request_gauges(self, model: str, user: str) -> None:
+        rows = [rows[user] for rows in self._per_engine.values() if user in rows]
+        for i, state in enumerate(STATES):
+            self.requests.labels(model, user, state).set(sum(row[i] for row in rows))
 
 
 def _remove(metric: Any, *labels: str) -> None:
@@ -257,6 +275,7 @@ def _make_record(original):
                 # unregisters every "vllm:" collector, ours included.
                 exporter = OutputRateExporter(self.vllm_config.model_config.served_model_name)
                 self._output_rate_exporter = exporter
-            exporter.observe(report)
+            engine_idx = kwargs.get("engine_idx", args[2] if len(args) > 2 else 0)
+            exporter.observe(report, engine_idx)
 
     return record

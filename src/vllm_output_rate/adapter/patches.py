@@ -214,27 +214,29 @@ class Refusal:
         )
 
 
+def _has_store(additional_config: Any) -> bool:
+    """Does the configuration share the quota through a store?"""
+    settings = OutputRateSettings.from_additional_config(additional_config)
+    return settings is not None and settings.store is not None
+
+
 #: Every refused mode, in the order they are checked.  One message format:
 #: "per-user output rate limiting does not support MODE: WHY".
 REFUSALS: tuple[Refusal, ...] = (
     Refusal(
-        "data_parallel_size > 1",
+        "data_parallel_size > 1 without --output-rate-store",
         "each data-parallel rank has its own scheduler, so every user would "
-        "get one quota per rank",
-        on_args=lambda a: (a.data_parallel_size or 1) > 1,
-        on_config=lambda c: c.parallel_config.data_parallel_size > 1,
+        "get one quota per rank; with --output-rate-store the ranks share one",
+        on_args=lambda a: (a.data_parallel_size or 1) > 1 and not _has_store(a.additional_config),
+        on_config=lambda c: (
+            c.parallel_config.data_parallel_size > 1 and not _has_store(c.additional_config)
+        ),
     ),
     Refusal(
         "pipeline_parallel_size > 1",
         "several micro-batches in flight are not covered by the skip/refund logic",
         on_args=lambda a: (a.pipeline_parallel_size or 1) > 1,
         on_config=lambda c: c.parallel_config.pipeline_parallel_size > 1,
-    ),
-    Refusal(
-        "speculative decoding",
-        "one step can emit several tokens per request but is charged once",
-        on_args=lambda a: a.speculative_config,
-        on_config=lambda c: c.speculative_config is not None,
     ),
     Refusal(
         "KV connectors",
@@ -451,11 +453,11 @@ class Patch:
 
 
 _REFUSAL_ARGS = (
-    "data_parallel_size", "pipeline_parallel_size", "speculative_config", "kv_transfer_config",
+    "data_parallel_size", "pipeline_parallel_size", "kv_transfer_config",
     "ec_transfer_config", "kv_offloading_size", "scheduler_cls",
 )
 _REFUSAL_CONFIG = (
-    "model_config", "parallel_config", "scheduler_config", "speculative_config",
+    "model_config", "parallel_config", "scheduler_config",
     "kv_transfer_config", "ec_transfer_config", "additional_config",
 )
 _MODEL_KINDS = ("is_encoder_decoder", "is_hybrid", "is_attention_free")

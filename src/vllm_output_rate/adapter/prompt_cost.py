@@ -34,6 +34,8 @@ class PromptCostHooks:
         prompt_cost.set_weight(weight)
         self._prompt_cost_on = on = prompt_cost.weight > 0
         hook = self._charge_with_prompt_cost if on else self._charge_at_sampling_position
+        if self._draft_account is not None:
+            hook = self._charge_with_drafts  # it charges the prompt cost itself
         self._charging_reserve_prefill_lookahead = hook
         self._reserve_prefill_lookahead = hook
 

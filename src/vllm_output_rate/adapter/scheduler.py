@@ -42,7 +42,10 @@ the gate, its lanes and ledger, and :class:`..policy.displacement.Displacement`)
   request did not end up scheduled at a sampling position is refunded.
 
 ``update_from_output`` never touches the limiter, so async scheduling (step
-N+1 scheduled before step N's output arrives) works unchanged.
+N+1 scheduled before step N's output arrives) works unchanged -- except with
+speculative decoding, where it refunds the drafts the model rejected
+(:class:`SpecDecodeHooks`); those refunds are matched to the step that paid
+for them, so they are exact under async scheduling too.
 
 The scheduler mixin is :class:`OutputRateSchedulerMixin` (the step) over
 six hook classes, one concern each: :class:`MembershipHooks` (the lanes
@@ -71,6 +74,7 @@ from vllm_output_rate.adapter.operate import OperateSchedulerMixin
 from vllm_output_rate.adapter.prompt_cost import PromptCostHooks
 from vllm_output_rate.factory import make_borrowing, make_limiter
 from vllm_output_rate.policy.displacement import Displacement, fits_in_free_kv
+from vllm_output_rate.policy.drafts import DraftAccount
 from vllm_output_rate.policy.eviction import EvictionBudget
 from vllm_output_rate.policy.gate import StepGate, StepPlan
 from vllm_output_rate.settings import (
@@ -354,6 +358,8 @@ class BorrowingHooks:
         gate = self.output_rate_gate
         gate.borrowing = borrowing
         gate.limiter = gate.ledger.limiter = limiter
+        if self._draft_account is not None:
+            self._draft_account.limiter = limiter  # drafts count on a ceiling too
 
     def _offer_spare_to_borrowers(self, plan: StepPlan, slots: int) -> None:
         """Room the plan left, less what waiting requests the active cap
@@ -400,8 +406,97 @@ class BorrowingHooks:
         return count
 
 
+class SpecDecodeHooks:
+    """Speculative decoding: a step may emit its drafts too, so they are paid.
+
+    At dispatch a decoding request pays, besides its sampled token, for as
+    many of its scheduled drafts as its user's quota allows now; vLLM then
+    schedules only those drafts (it cuts ``spec_token_ids`` to the tokens
+    the hook returns).  Drafts of a request that did not end up scheduled are
+    refunded at the end of the step; drafts the model rejected are refunded
+    when the step's output arrives (:class:`~vllm_output_rate.policy.drafts.DraftAccount`).
+    Without speculative decoding none of this runs: the hook is not
+    installed and ``update_from_output`` only checks one attribute.
+    """
+
+    _draft_account: DraftAccount | None = None
+
+    def _init_drafts(self) -> None:
+        if not self.num_spec_tokens:
+            return
+        self._draft_account = DraftAccount(self.output_rate_limiter, self._ledger.charged_tokens)
+        self._charging_reserve_prefill_lookahead = self._charge_with_drafts
+        self._reserve_prefill_lookahead = self._charge_with_drafts
+
+    def _charge_with_drafts(
+        self, request: Request, num_computed_tokens: int, num_new_tokens: int
+    ) -> int:
+        """The charging hook when drafts are scheduled: the sampled token as
+        usual, then the drafts the user can pay for now."""
+        charge = self._charge_with_prompt_cost if self._prompt_cost_on else self._charge_at_sampling_position
+        num_new_tokens = charge(request, num_computed_tokens, num_new_tokens)
+        if num_new_tokens <= 0 or self._prepaid is None:
+            return num_new_tokens
+        drafts = (
+            num_computed_tokens
+            + num_new_tokens
+            - request.num_tokens
+            - request.num_output_placeholders
+        )
+        if drafts <= 0 or request.status != RequestStatus.RUNNING:
+            # A waiting request reaching here with drafts is vLLM padding a
+            # new decode to the uniform draft count: -1 sentinels, which the
+            # model never accepts, so they cost nothing.
+            return num_new_tokens
+        # Drafts past max_tokens can never be emitted: vLLM stops the request
+        # there.  (Tokens still in flight under async scheduling are not
+        # subtracted: they may be rejected, so this never under-charges.)
+        wanted = max(0, min(drafts, request.max_tokens - request.num_output_tokens - 1))
+        paid = self._draft_account.pay(
+            request.request_id, self._lanes.user_of[request], self._ledger.now_ns, wanted
+        )
+        if paid == wanted:
+            return num_new_tokens  # any drafts left over lie past max_tokens
+        # vLLM keeps the first drafts: cut every draft past those paid for.
+        return num_new_tokens - (drafts - paid)
+
+    def _settle_drafts(self, output) -> None:
+        """The single refund point for drafts paid in this step."""
+        scheduled = output.num_scheduled_tokens
+        spec = output.scheduled_spec_decode_tokens
+
+        def drafts_dispatched(req_id: str) -> int:
+            return len(spec.get(req_id, ())) if req_id in scheduled else 0
+
+        self._draft_account.settle_step(output, self._ledger.now_ns, drafts_dispatched)
+
+    def update_from_output(self, scheduler_output, model_runner_output):
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        account = self._draft_account
+        if account is not None:
+            index = model_runner_output.req_id_to_index
+            sampled = model_runner_output.sampled_token_ids
+
+            def accepted(req_id: str) -> int:
+                # The step samples one token and emits the accepted drafts
+                # before it; no output for the request: nothing accepted.
+                i = index.get(req_id)
+                if i is None or not sampled or i >= len(sampled):
+                    return 0
+                return len(sampled[i]) - 1
+
+            account.settle_output(scheduler_output, self.output_rate_clock(), accepted)
+        return outputs
+
+
 class OutputRateSchedulerMixin(
-    PromptCostHooks, MembershipHooks, ChargingHooks, AdapterHooks, EvictionHooks, BorrowingHooks
+    PromptCostHooks,
+    MembershipHooks,
+    ChargingHooks,
+    AdapterHooks,
+    EvictionHooks,
+    BorrowingHooks,
+    SpecDecodeHooks,
 ):
     """Per-user output-rate limiting on top of vLLM's V1 ``Scheduler``.
 
@@ -415,6 +510,9 @@ class OutputRateSchedulerMixin(
     _step_plan: StepPlan | None = None
     _prepaid: set | None = None  # during a step: decoding requests already paid for
     _active_cap: int = 0
+    #: Builds the limiter from the settings; tests give a data-parallel rank
+    #: a leased limiter on a fake store and clock.
+    output_rate_limiter_factory: Callable[..., Any] = staticmethod(make_limiter)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -427,7 +525,7 @@ class OutputRateSchedulerMixin(
                 "it is selected automatically when the feature is configured"
             )
         self.output_rate_settings = settings
-        self.output_rate_limiter = make_limiter(settings)
+        self.output_rate_limiter = self.output_rate_limiter_factory(settings)
         self.output_rate_gate = gate = StepGate(self.output_rate_limiter)
         # The gate's parts, held directly: membership changes and per-request
         # payments go to them without a call through the gate.
@@ -475,8 +573,13 @@ class OutputRateSchedulerMixin(
         self._tracks_sessions = False
         # Prompt cost (input_token_weight): at weight 0 the hook stays as set above.
         self._init_prompt_cost(settings.input_token_weight)
+        self._init_drafts()
         self._borrowing = None
         self.apply_output_rate_shares(settings)
+        # A data-parallel rank whose requests are all throttled must keep
+        # stepping (vLLM runs a dummy batch and syncs the ranks every step):
+        # waiting on its input queue would stall every other rank with it.
+        self._data_parallel = self.vllm_config.parallel_config.data_parallel_size > 1
 
     # -- the active cap, seen through vLLM's own admission check -----------
 
@@ -574,6 +677,8 @@ class OutputRateSchedulerMixin(
             gate.borrowing.settle(lanes, self._ledger, sampled)
         if self._prompt_cost_on:
             self._settle_prompt_cost(output)
+        if self._draft_account is not None:
+            self._settle_drafts(output)
         self.output_rate_eviction_budget.earn(len(num_scheduled))
         self._set_idle_wait(output)
         return output
@@ -607,6 +712,8 @@ class OutputRateSchedulerMixin(
         self._ledger.settle_repeat(resident, _SampledView(num_scheduled), all_sampled)
         if self._prompt_cost_on:
             self._settle_prompt_cost(output)
+        if self._draft_account is not None:
+            self._settle_drafts(output)
         self.output_rate_eviction_budget.earn(len(num_scheduled))
         self._set_idle_wait(output)
         return output
@@ -620,7 +727,7 @@ class OutputRateSchedulerMixin(
         self._held_for_other_reasons = False
         self._prepaid = prepaid
         self._step_plan = plan
-        if all_visible_prepaid:
+        if all_visible_prepaid and self._draft_account is None:
             # vLLM's running loop will only meet decoding streams already
             # paid for, so it may call its own hook directly, without this
             # class's per-request check.  Charging resumes before the waiting
@@ -646,7 +753,11 @@ class OutputRateSchedulerMixin(
         return admitted
 
     def _set_idle_wait(self, output) -> None:
-        if output.total_num_scheduled_tokens == 0 and not self._held_for_other_reasons:
+        if (
+            output.total_num_scheduled_tokens == 0
+            and not self._held_for_other_reasons
+            and not self._data_parallel
+        ):
             wait_ns = self.output_rate_gate.idle_wait_ns()
             self.output_rate_idle_wait_s = None if wait_ns is None else wait_ns / 1e9
         else:

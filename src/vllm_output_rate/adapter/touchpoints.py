@@ -122,7 +122,8 @@ TOUCHPOINTS: tuple[TouchPoint, ...] = (
         ["throttle_prefills"]),
     _tp(SCHED, "add_request", "method", "wrapped: the gate tracks each new request", ["request"]),
     _tp(SCHED, "update_from_output", "method",
-        "wrapped once a streaming-input session appears",
+        "overridden (speculative decoding: draft refunds); wrapped once a streaming-input "
+        "session appears",
         ["scheduler_output", "model_runner_output"]),
     _tp(SCHED, "_reserve_prefill_lookahead", "method",
         "replaced per instance: the charge at the sampling position",
@@ -225,6 +226,18 @@ TOUCHPOINTS: tuple[TouchPoint, ...] = (
         "read: what vLLM scheduled"),
     _tp("vllm.v1.core.sched.output:SchedulerOutput", "total_num_scheduled_tokens", "field",
         "read: an empty step arms the idle wait"),
+    # -- adapter/scheduler.py: speculative decoding (SpecDecodeHooks) ----------------
+    _tp(SCHED, "num_spec_tokens", "instance attribute",
+        "read: drafts per step; non-zero installs the draft-charging hook"),
+    _tp("vllm.v1.core.sched.output:SchedulerOutput", "scheduled_spec_decode_tokens", "field",
+        "read: drafts dispatched per request (kept charged until the output)"),
+    _tp(REQUEST, "max_tokens", "instance attribute",
+        "read: drafts past max_tokens cannot be emitted and are not charged"),
+    _tp(REQUEST, "num_output_tokens", "property", "read: tokens left before max_tokens"),
+    _tp("vllm.v1.outputs:ModelRunnerOutput", "req_id_to_index", "field",
+        "read: a request's row of sampled_token_ids"),
+    _tp("vllm.v1.outputs:ModelRunnerOutput", "sampled_token_ids", "field",
+        "read: accepted drafts + 1 per request; the rest of its drafts are refunded"),
     # -- adapter/patches.py: engine_args.cli -----------------------------------------
     _tp(ENGINE_ARGS, "add_cli_args", "staticmethod", "wrapped: adds the OutputRate group",
         ["parser"]),
@@ -260,7 +273,8 @@ TOUCHPOINTS: tuple[TouchPoint, ...] = (
         _tp(MODEL_CONFIG, name, "property", "read: model kinds that are refused")
         for name in ("is_encoder_decoder", "is_hybrid", "is_attention_free")
     ),
-    _tp("vllm.config.parallel:ParallelConfig", "data_parallel_size", "field", "read by a refusal"),
+    _tp("vllm.config.parallel:ParallelConfig", "data_parallel_size", "field",
+        "read by a refusal (without a store) and by the scheduler (no idle wait on a DP rank)"),
     _tp("vllm.config.parallel:ParallelConfig", "pipeline_parallel_size", "field",
         "read by a refusal"),
     _tp("vllm.config.scheduler:SchedulerConfig", "scheduler_cls", "field",
@@ -299,7 +313,8 @@ TOUCHPOINTS: tuple[TouchPoint, ...] = (
     _tp("vllm.v1.metrics.stats:SchedulerStats", "", "class",
         "a dataclass field `output_rate` is added to it"),
     _tp("vllm.v1.metrics.loggers:PrometheusStatLogger", "record", "own method",
-        "wrapped: exports the per-user report",
+        "wrapped: exports the per-user report (engine_idx read: data-parallel ranks' "
+        "gauges are summed)",
         ["scheduler_stats", "iteration_stats", "mm_cache_stats", "engine_idx"]),
     _tp("vllm.v1.metrics.loggers:PrometheusStatLogger", "vllm_config", "instance attribute",
         "read: served model name"),

@@ -9,6 +9,12 @@ back; the limiter reads a fake clock that the harness advances.
 With ``async_=True`` the harness runs like vLLM's async scheduling: step
 N+1 is scheduled before step N's output is fed back.
 
+With ``spec_tokens=k`` vLLM is configured for ngram speculative decoding
+with ``k`` drafts: after each synchronous step the harness proposes drafts
+(:attr:`Harness.draft_len` of them) as vLLM's engine would, and each step's
+fabricated output holds the accepted drafts (:attr:`Harness.accepted_of`)
+plus one token.
+
 Importing this module registers the plugin's patches (as vLLM's plugin
 loader would), so it belongs to tests and benchmarks, never to a server.
 The model folder defaults to ``TINY_MODEL_DIR`` or ``models/tiny-llama``
@@ -19,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import zlib
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
@@ -34,7 +41,7 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.metrics.stats import PrefixCacheStats
-from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
@@ -96,6 +103,9 @@ class Harness:
         max_loras: int | None = None,
         encoder_cache_size: int | None = None,
         disable_chunked_mm_input: bool = False,
+        spec_tokens: int = 0,
+        scheduler_cls: type | None = None,
+        clock: FakeClock | None = None,
     ) -> None:
         if not chunked:
             max_model_len = min(max_model_len, max_num_batched_tokens)
@@ -117,6 +127,11 @@ class Harness:
             **({} if max_loras is None else
                {"enable_lora": True, "max_loras": max_loras, "max_lora_rank": 8}),
             disable_chunked_mm_input=disable_chunked_mm_input,
+            speculative_config=(
+                {"method": "ngram", "num_speculative_tokens": spec_tokens, "prompt_lookup_max": 3}
+                if spec_tokens
+                else None
+            ),
         )
         config = args.create_engine_config()
         config.cache_config.num_gpu_blocks = num_blocks
@@ -136,6 +151,7 @@ class Harness:
             cls = AsyncScheduler if async_ else Scheduler
         else:
             cls = OutputRateAsyncScheduler if async_ else OutputRateScheduler
+        cls = scheduler_cls or cls
         self.config = config
         self.num_blocks = num_blocks
         self.async_ = async_
@@ -151,7 +167,7 @@ class Harness:
             # them for a vision-language model (a text model has neither).
             self.sched.max_num_encoder_input_tokens = encoder_cache_size
             self.sched.encoder_cache_manager = EncoderCacheManager(cache_size=encoder_cache_size)
-        self.clock = FakeClock()
+        self.clock = clock or FakeClock()
         if limits is not None:
             self.sched.output_rate_clock = self.clock
         self._block_hasher = get_request_block_hasher(BLOCK_SIZE, sha256)
@@ -164,6 +180,12 @@ class Harness:
         self.stop_at: dict[str, int] = {}  # request id -> output index that is the stop token
         self.step_outputs: list = []
         self.shadow = None
+        self.spec_tokens = spec_tokens
+        #: Speculative decoding: drafts offered per request and step, and how
+        #: many of them the "model" accepts; both depend only on the request
+        #: and its output position, never on the batch.
+        self.draft_len = _default_draft_len
+        self.accepted_of = _default_accepted
         # Tokens recomputed when preempted requests came back: vLLM's own
         # prefix-cache statistics keep re-admissions apart (queries - hits).
         self.recomputed_tokens = 0
@@ -173,9 +195,11 @@ class Harness:
         settings = None if limits is None else OutputRateSettings.from_additional_config(
             {"output_rate": limits}
         )
-        if settings is not None and not settings.borrows():
+        if settings is not None and not settings.borrows() and not spec_tokens:
             # A limiter that only ever sees the samples that really happened
-            # (with borrowing, users may go beyond their rates: no shadow).
+            # (with borrowing, users may go beyond their rates; with drafts a
+            # charge settles only when the output arrives, and the spec-decode
+            # tests check the bound on emitted tokens: no shadow).
             self.shadow = OutputRateLimiter(settings.default_rate, settings.user_rates)
 
     # -- requests ------------------------------------------------------------
@@ -227,7 +251,11 @@ class Harness:
 
     def step(self, dt_ns: int = 10 * MS):
         """Schedule one step; feed back outputs (async: the previous step's)."""
+        running_before = {r.request_id for r in self.sched.running}
         output = self.sched.schedule()
+        # Drafts vLLM pads a newly admitted decode with are -1 sentinels that
+        # the model never accepts.
+        padded = {rid for rid in output.scheduled_spec_decode_tokens if rid not in running_before}
         stats = self.sched.kv_cache_manager.make_prefix_cache_stats()
         self.recomputed_tokens += stats.preempted_queries - stats.preempted_hits
         sampling = self._sampling_ids(output)
@@ -238,7 +266,7 @@ class Harness:
             if self.shadow is not None:
                 assert self.shadow.try_take(user, self.clock.now_ns), "dispatched beyond quota"
         self.sampled_log.append(sampling)
-        self._in_flight.append((output, sampling, self.clock.now_ns))
+        self._in_flight.append((output, sampling, self.clock.now_ns, padded))
         self.step_outputs.append(output)
         depth = 2 if self.async_ else 1
         while len(self._in_flight) >= depth:
@@ -257,15 +285,38 @@ class Harness:
             if not self.sched.requests[rid].is_prefill_chunk
         ]
 
-    def _feed(self, output, sampling: list[str], sampled_at: int) -> None:
+    def _feed(self, output, sampling: list[str], sampled_at: int, padded: set) -> None:
         req_ids = list(output.num_scheduled_tokens)
         sampled = set(sampling)
+        spec = output.scheduled_spec_decode_tokens
         runner_output = ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
-            sampled_token_ids=[[self._next_token(rid)] if rid in sampled else [] for rid in req_ids],
+            sampled_token_ids=[
+                self._tokens_of(rid, 0 if rid in padded else len(spec.get(rid, ())))
+                if rid in sampled
+                else []
+                for rid in req_ids
+            ],
         )
         engine_outputs = self.sched.update_from_output(output, runner_output)
+        if self.spec_tokens and not self.async_:
+            # Sync scheduling: the engine hands the drafter's proposals to
+            # the scheduler after each step (async: vLLM uses placeholders).
+            proposing = [
+                rid for rid in sampling
+                if rid in self.sched.requests and not self.sched.requests[rid].is_finished()
+            ]
+            self.sched.update_draft_token_ids(
+                DraftTokenIds(
+                    proposing,
+                    [
+                        [TOKEN] * self.draft_len(rid, self.sched.requests[rid].num_output_tokens,
+                                                 self.spec_tokens)
+                        for rid in proposing
+                    ],
+                )
+            )
         for client_outputs in engine_outputs.values():
             for out in client_outputs.outputs:
                 record = self.records[out.request_id]
@@ -273,10 +324,13 @@ class Harness:
                 if out.finish_reason is not None:
                     record.finished = True
 
-    def _next_token(self, rid: str) -> int:
+    def _tokens_of(self, rid: str, drafts: int) -> list[int]:
+        """The step's sampled tokens: the accepted drafts, then one more."""
         request = self.sched.requests.get(rid)
         produced = request.num_output_tokens if request is not None else 0
-        return STOP if self.stop_at.get(rid) == produced else TOKEN
+        accepted = min(drafts, self.accepted_of(rid, produced, drafts)) if drafts else 0
+        stop = self.stop_at.get(rid)
+        return [STOP if stop == produced + i else TOKEN for i in range(accepted + 1)]
 
     def check_limiter_exact(self) -> None:
         """Every charge that did not sample was refunded, exactly."""
@@ -310,6 +364,14 @@ class Harness:
         assert running == resident
         assert all(r.status == RequestStatus.RUNNING for r in sched.running)
         assert len(sched.running) <= sched.max_num_running_reqs
+
+
+def _default_draft_len(rid: str, produced: int, k: int) -> int:
+    return zlib.crc32(f"d{rid}:{produced}".encode()) % (k + 1)
+
+
+def _default_accepted(rid: str, produced: int, drafts: int) -> int:
+    return zlib.crc32(f"a{rid}:{produced}".encode()) % (drafts + 1)
 
 
 def max_in_window(times: list[int], window_ns: int) -> int:

@@ -1,0 +1,108 @@
+"""DraftAccount: drafts paid at dispatch, refunded when rejected, on a fake clock."""
+
+from __future__ import annotations
+
+from collections import deque
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vllm_output_rate.policy.drafts import DraftAccount
+from vllm_output_rate.policy.limiter import OutputRateLimiter
+
+MS = 1_000_000
+RATE = 50.0
+K = 4
+
+
+def max_in_window(times: list[int], window_ns: int) -> int:
+    best, lo = 0, 0
+    for hi, t in enumerate(times):
+        while t - times[lo] >= window_ns:
+            lo += 1
+        best = max(best, hi - lo + 1)
+    return best
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(st.data())
+def test_emitted_tokens_stay_within_the_bound_and_charges_settle(data):
+    """Random steps of R requests of one user, each paying its sampled token
+    and up to K drafts, dispatched or not, outputs arriving one or two steps
+    later with a random number of drafts accepted: the tokens emitted by the
+    steps dispatched in any window stay within (W + 0.1) N + 1 + K R D (D
+    steps in flight per request), and once every output is in, the drafts
+    still charged are exactly the accepted ones."""
+    limiter = OutputRateLimiter(RATE)
+    charged: dict[str, int] = {}
+    account = DraftAccount(limiter, charged)
+    requests = data.draw(st.integers(1, 4))
+    depth = data.draw(st.integers(1, 2))  # steps in flight: sync 1, async 2
+    now = 10**12
+    in_flight: deque = deque()
+    emitted: list[int] = []
+    accepted_total = 0
+    for _ in range(data.draw(st.integers(5, 120))):
+        now += data.draw(st.integers(1, 30)) * MS
+        step = object()
+        dispatched: dict[int, int] = {}
+        for key in range(requests):
+            if not limiter.try_take("u", now):
+                continue
+            paid = account.pay(key, "u", now, data.draw(st.integers(0, K)))
+            if data.draw(st.integers(0, 9)) == 0:  # not scheduled after all
+                limiter.refund("u", now, 1)
+                continue
+            dispatched[key] = paid
+        account.settle_step(step, now, lambda key: dispatched.get(key, -1))
+        accepted = {key: data.draw(st.integers(0, drafts)) for key, drafts in dispatched.items()}
+        for key, count in accepted.items():
+            emitted.extend([now] * (1 + count))
+            accepted_total += count
+        in_flight.append((step, accepted))
+        while len(in_flight) >= depth:
+            done, acc = in_flight.popleft()
+            account.settle_output(done, now, lambda key: acc.get(key, 0))
+    while in_flight:
+        done, acc = in_flight.popleft()
+        account.settle_output(done, now, lambda key: acc.get(key, 0))
+    assert account.in_flight() == 0
+    assert charged.get("u", 0) == accepted_total
+    for window_ms in (1, 10, 50, 100, 300, 1000):
+        bound = (window_ms / 1000 + 0.1) * RATE + 1 + K * requests * depth
+        assert max_in_window(emitted, window_ms * MS) <= bound, window_ms
+
+
+def test_pay_takes_only_what_the_quota_allows_now():
+    limiter = OutputRateLimiter(10.0)  # burst 0.1 s: two tokens at once
+    account = DraftAccount(limiter, {})
+    assert account.pay("r", "u", 0, 5) == 2
+    assert account.pay("r2", "u", 0, 5) == 0
+    assert limiter.available("u", 0) == 0
+
+
+def test_undispatched_drafts_are_refunded_at_the_end_of_the_step():
+    limiter = OutputRateLimiter(10.0)
+    charged: dict[str, int] = {}
+    account = DraftAccount(limiter, charged)
+    account.pay("r", "u", 0, 2)
+    assert account.settle_step("s1", 0, lambda key: 0) == 2
+    assert limiter.available("u", 0) == 2 and charged == {}
+    assert account.in_flight() == 0
+
+
+def test_an_output_settles_only_its_own_step_and_older_ones_stay_charged():
+    limiter = OutputRateLimiter(100.0)
+    charged: dict[str, int] = {}
+    account = DraftAccount(limiter, charged)
+    for step in ("s1", "s2", "s3"):
+        account.pay("r", "u", 0, 2)
+        account.settle_step(step, 0, lambda key: 2)
+    assert charged == {"u": 6} and account.in_flight() == 6
+    # s2's output: one of its two drafts rejected.  s1's output never came.
+    assert account.settle_output("s2", 0, lambda key: 1) == 1
+    assert charged == {"u": 5} and account.unsettled_total == 2
+    assert account.in_flight() == 2  # s3 still due
+    assert account.settle_output("s1", 0, lambda key: 0) == 0  # gone: keeps its charge
+    assert account.settle_output("s3", 0, lambda key: 5) == 0  # all accepted
+    assert account.in_flight() == 0
