@@ -339,6 +339,25 @@ def per_engine(a: Sample, b: Sample, user: str, key: str = "tokens_charged_total
     return out
 
 
+#: The lease totals each engine keeps per user (the admin route's ``store`` row).
+STORE_FIELDS = ("asks", "refused", "leased", "spent", "returned", "expired")
+
+
+def store_split(a: Sample, b: Sample, user: str) -> str:
+    """Per engine, how ``user``'s lease totals grew between two reads (for
+    printing: they explain the charged split, see docs/design.md)."""
+    parts = []
+    for i, (before, after) in enumerate(zip(a.users, b.users)):
+        if after is None or a.starts[i] != b.starts[i]:
+            parts.append(f"engine {i}: restarted or down")
+            continue
+        old = ((before or {}).get(user) or {}).get("store", {})
+        new = (after.get(user) or {}).get("store", {})
+        parts.append(f"engine {i}: " + " ".join(
+            f"{k} {new.get(k, 0) - old.get(k, 0)}" for k in STORE_FIELDS))
+    return "; ".join(parts)
+
+
 def tokens_between(a: Sample, b: Sample, user: str) -> int:
     return sum(per_engine(a, b, user))
 
@@ -570,6 +589,7 @@ def check_rate(a: Sample, b: Sample, what: str) -> list[int]:
           f"(issue's range {RATE_RANGE[0]}-{RATE_RANGE[1]}) over {middle(a, b):.1f} s "
           f"({tokens} tokens, per engine {split}; counter reads took "
           f"{a.done - a.sent:.2f} / {b.done - b.sent:.2f} s)")
+    print(f"  leases: {store_split(a, b, 'heavy')}")
     assert tokens <= shared_bound(widest(a, b)), (tokens, widest(a, b), split)
     return split
 
@@ -739,6 +759,8 @@ def test_streams_moving_between_engines_keep_one_quota(shared_run):
     first = per_engine(labelled(samples, "move_01"), labelled(samples, "two_to"), "heavy")
     second = per_engine(labelled(samples, "resumed"), labelled(samples, "stop"), "heavy")
     print(f"per engine {first} (0+1) then, after the restart, {second} (1+2)")
+    print(f"  leases after the restart: "
+          f"{store_split(labelled(samples, 'resumed'), labelled(samples, 'stop'), 'heavy')}")
     # The moves really happened (new requests went only to the phase's
     # engines) and each phase's engines served the user.
     for r in load.rows:

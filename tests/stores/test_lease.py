@@ -105,6 +105,42 @@ def test_unspent_tokens_expire_and_go_back_to_the_store():
     assert lim.stats["handed_back"] == 2
 
 
+def test_each_engine_counts_a_users_leases_asks_and_spending():
+    """Per user and engine: asks, refused, leased, spent (net of refunds),
+    expired and returned -- the numbers that explain how a user's quota
+    split between engines; the engine-wide spent total adds them up."""
+    clock = Clock()
+    store = FakeStore(clock)
+    a, b = engine(store, clock, engine_id="a"), engine(store, clock, engine_id="b")
+    assert a.figures("u") == {}  # never asked for
+    a.available("u", clock.now)
+    a.rounds.run(clock.now, only_new=True)  # 3 tokens: the lease size at 30 tok/s
+    b.available("u", clock.now)
+    b.rounds.run(clock.now, only_new=True)  # a holds the whole burst: refused
+    assert a.take_up_to("u", clock.now, 3) == 3
+    a.refund("u", clock.now, 1)
+    clock.now += 26 * MS  # half a round later: less than a token interval of headroom
+    b.available("u", clock.now)
+    assert b.rounds.run(clock.now) == 1
+    assert b.take_up_to("u", clock.now, 1) == 1
+    assert b.figures("u") == {"asks": 2, "refused": 1, "leased": 1, "spent": 1,
+                              "returned": 0, "expired": 0}
+    clock.now += CFG.lifetime_ns
+    assert a.available("u", clock.now) == 0  # the refunded token expired unspent
+    a.rounds.run(clock.now)  # hands it back, and asks again (still short)
+    assert a.figures("u") == {"asks": 2, "refused": 0, "leased": 6, "spent": 2,
+                              "returned": 1, "expired": 1}
+    assert a.figures()["store_spent_tokens_total"] == 2
+    assert a.figures()["store_leased_tokens_total"] == 6
+    assert b.figures()["store_spent_tokens_total"] == 1
+    # Rows outlive the lease book's short memory, then go.
+    a.cleanup_idle_users(clock.now + S)
+    assert a.figures("u")["leased"] == 6
+    a.cleanup_idle_users(clock.now + 301 * S)
+    assert a.figures("u") == {}
+    assert a.figures()["store_spent_tokens_total"] == 2
+
+
 def test_refund_restores_until_the_lease_expires():
     clock = Clock()
     store = FakeStore(clock)

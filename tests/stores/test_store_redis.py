@@ -409,6 +409,8 @@ def test_store_mode_and_totals_reach_prometheus_and_follow_an_outage(prefix):
         assert trips >= 1
         assert first[("vllm:output_rate_store_commands_total", None)] >= trips
         assert first[("vllm:output_rate_store_leased_tokens_total", None)] >= spent > 0
+        assert first[("vllm:output_rate_store_spent_tokens_total", None)] == spent
+        assert lim.figures("u")["spent"] == spent and lim.figures("u")["leased"] >= spent
         srv.stop()
         spend(LIVENESS_S, until=lambda: lim.mode == LOCAL)
         assert lim.mode == LOCAL

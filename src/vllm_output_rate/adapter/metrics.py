@@ -50,6 +50,8 @@ With a shared store (``--output-rate-store``), engine-wide (label
   ``vllm:output_rate_store_commands_total`` (script calls sent: one per
   round trip on a single Redis, one per node on a cluster),
   ``vllm:output_rate_store_leased_tokens_total``,
+  ``vllm:output_rate_store_spent_tokens_total`` (leased tokens the scheduler
+  charged, net of refunds),
   ``vllm:output_rate_store_returned_tokens_total`` (unspent tokens handed
   back), ``vllm:output_rate_store_expired_tokens_total`` (leased tokens
   whose lease ran out unspent; handed back with the next round, or dropped
@@ -86,6 +88,8 @@ STORE_COUNTERS = {
     "store_commands_total": ("store_commands", "Commands sent to the shared store (script "
                              "calls: one per round trip, one per node on a Redis Cluster)."),
     "store_leased_tokens_total": ("store_leased_tokens", "Tokens leased from the shared store."),
+    "store_spent_tokens_total": ("store_spent_tokens",
+                                 "Leased tokens the scheduler spent (net of refunds)."),
     "store_returned_tokens_total": ("store_returned_tokens",
                                     "Unspent leased tokens handed back to the shared store."),
     "store_expired_tokens_total": ("store_expired_tokens",

@@ -292,6 +292,9 @@ class OperateSchedulerMixin:
                 "waiting": waiting,
                 "ready_in_s": max(0, ready_ns - limiter_now) / NS_PER_S,
             }
+            store = limiter.figures(user)
+            if store:  # with a shared store: this engine's lease totals for the user
+                rows[user]["store"] = store
         return {
             "default_rate": settings.default_rate,
             "input_token_weight": settings.input_token_weight,

@@ -74,8 +74,9 @@ class Limiter(Protocol):
     def update_rates(self, default_rate: float, user_rates: Mapping[str, float] | None = None) -> list[str]:
         """Replace the configured rates; return the active users whose rate changed."""
 
-    def figures(self) -> dict[str, int]:
-        """Counters for the metrics endpoint (empty for a limiter without a store)."""
+    def figures(self, user: str | None = None) -> dict[str, int]:
+        """Counters for the metrics endpoint, or with ``user`` that user's
+        (both empty for a limiter without a store)."""
 
     def close(self) -> None:
         """Release what the limiter holds (threads, connections)."""
@@ -193,7 +194,7 @@ class OutputRateLimiter:
             del self._tat[user]
         return len(idle)
 
-    def figures(self) -> dict[str, int]:
+    def figures(self, user: str | None = None) -> dict[str, int]:
         """No store, no store figures."""
         return {}
 

@@ -296,14 +296,19 @@ class LeasedOutputRateLimiter:
         with self.book.lock:
             return dropped + self.book.forget_idle(now_ns, self.config.active_ns)
 
-    def figures(self) -> dict[str, int]:
-        """Engine-wide store figures for the per-user report (exported to /metrics).
+    def figures(self, user: str | None = None) -> dict[str, int]:
+        """Engine-wide store figures for the per-user report (exported to /metrics);
+        with ``user``, that user's lease totals on this engine
+        (:class:`~.lease_book.LeaseTally`: asks, refused, leased, spent,
+        returned, expired), read by the admin route.
 
         ``store_mode`` is the index of :attr:`mode` in :data:`MODES` (a
         gauge); names ending in ``_total`` are running totals since start
         (the report turns them into increments).  Read without the lock: each
         figure is one int the lease thread replaces whole.
         """
+        if user is not None:
+            return self.book.tally.of(user)
         stats = self.stats
         return {
             "store_mode": MODES.index(self.health.mode),
@@ -312,6 +317,7 @@ class LeasedOutputRateLimiter:
             "store_failed_round_trips_total": stats["failed_rounds"],
             "store_commands_total": int(getattr(self.backend, "commands", 0)),
             "store_leased_tokens_total": stats["leased"],
+            "store_spent_tokens_total": self.book.tally.spent_total,
             "store_returned_tokens_total": stats["handed_back"],
             "store_expired_tokens_total": stats["expired"],
         }

@@ -26,6 +26,11 @@ from vllm_output_rate.policy.rates import RateTable
 from vllm_output_rate.stores.backend import LeaseAsk, LeaseConfig, LeaseGrant, interval_ns_of
 
 NEVER = -(10**18)
+#: Per-user counters of :class:`LeaseTally`, in the order of its rows.
+TALLY_FIELDS = ("asks", "refused", "leased", "spent", "returned", "expired")
+ASKS, REFUSED, LEASED, SPENT, RETURNED, EXPIRED = range(len(TALLY_FIELDS))
+#: A tally row is dropped once its user was not asked for this long (ns).
+TALLY_KEEP_NS = 300 * 10**9
 
 
 def ask_due_ns(book: "LeaseBook", user: str, round_ns: int) -> int:
@@ -43,6 +48,49 @@ def has_demand(book: "LeaseBook", user: str, since_ns: int) -> bool:
         book.short_at.get(user, NEVER) >= book.asked_at.get(user, NEVER)
         and book.wait_until.get(user, NEVER) >= since_ns
     )
+
+
+class LeaseTally:
+    """Per user, running totals of what this engine did with the user's leases.
+
+    ``asks``: rounds that asked the store for the user; ``refused``: those
+    answered with nothing; ``leased``: tokens granted; ``spent``: tokens the
+    scheduler took from leases, net of refunds; ``returned``: unspent tokens
+    handed back (expired or refunded after expiry); ``expired``: tokens whose
+    lease ran out unspent.  Read by the admin route, so how one user's quota
+    splits between engines can be explained from each engine's own numbers.
+    Rows are written by the thread that owns the event (the scheduler thread
+    spends, the lease thread files asks and grants), one int at a time; a
+    row lives until its user was not asked for in ``TALLY_KEEP_NS``.
+    """
+
+    def __init__(self) -> None:
+        self.rows: dict[str, list[int]] = {}
+        self.last_ask: dict[str, int] = {}
+        self.spent_total = 0  # every user's ``spent``, forgotten rows included
+
+    def spend(self, user: str, count: int) -> None:
+        """Tokens taken from leases (negative: refunded); scheduler thread only."""
+        self.spent_total += count
+        self.add(user, SPENT, count)
+
+    def add(self, user: str, field: int, count: int) -> None:
+        row = self.rows.get(user)
+        if row is None:
+            row = self.rows[user] = [0] * len(TALLY_FIELDS)
+        row[field] += count
+
+    def of(self, user: str) -> dict[str, int]:
+        """The user's totals by name (empty for a user without a row)."""
+        row = self.rows.get(user)
+        return {} if row is None else dict(zip(TALLY_FIELDS, row))
+
+    def forget_idle(self, now_ns: int, keep: set[str]) -> None:
+        """Drop rows of users not asked for lately and not in ``keep``."""
+        stale = now_ns - TALLY_KEEP_NS
+        for user in [u for u, t in self.last_ask.items() if t < stale and u not in keep]:
+            del self.last_ask[user]
+            self.rows.pop(user, None)
 
 
 class LeaseBook:
@@ -67,6 +115,7 @@ class LeaseBook:
         #: While the lease thread sleeps past its cadence (nobody to ask
         #: before then): when it will wake.  None: on the cadence, or woken.
         self.deferred_to: int | None = None
+        self.tally = LeaseTally()
 
     # -- the scheduler thread ----------------------------------------------
 
@@ -86,6 +135,7 @@ class LeaseBook:
             if oldest[0] > now_ns and oldest[1] > count:
                 oldest[1] -= count
                 self.last_expiry[user] = oldest[0]
+                self.tally.spend(user, count)
                 return True
         return False
 
@@ -99,10 +149,12 @@ class LeaseBook:
             if tokens:
                 self.give_back[user] = self.give_back.get(user, 0) + tokens
                 self._stats["expired"] += tokens
+                self.tally.add(user, EXPIRED, tokens)
         return sum(lease[1] for lease in leases)
 
     def spend(self, user: str, count: int) -> None:
         """Spend ``count`` held tokens (the caller checked they are held), oldest first."""
+        self.tally.spend(user, count)
         leases = self.leases[user]
         while count:
             lease = leases[0]
@@ -139,6 +191,7 @@ class LeaseBook:
         expiry = self.last_expiry.get(user)
         if expiry is None:
             return
+        self.tally.spend(user, -count)
         if expiry <= now_ns:
             self.give_back[user] = self.give_back.get(user, 0) + count
             return
@@ -163,6 +216,7 @@ class LeaseBook:
                 self.wait_until.pop(user, None)
                 self.last_expiry.pop(user, None)
                 dropped += 1
+        self.tally.forget_idle(now_ns, set(self.wanted_at) | set(self.leases))
         return dropped
 
     def users(self) -> set[str]:
@@ -200,7 +254,8 @@ class LeaseBook:
             back = self.give_back.pop(user, 0)
             if want or back:
                 if want:
-                    self.asked_at[user] = now_ns
+                    self.asked_at[user] = self.tally.last_ask[user] = now_ns
+                    self.tally.add(user, ASKS, 1)
                 asks.append(LeaseAsk(user, want, back, interval_ns_of(rate)))
         self._stats["asks"] += len(asks)
         return asks
@@ -235,8 +290,13 @@ class LeaseBook:
     ) -> int:
         """File a round trip's grants (valid ``lifetime_ns`` from ``sent_ns``); return tokens granted."""
         granted = 0
+        tally = self.tally
         for ask, grant in zip(asks, grants):
             self._stats["handed_back"] += ask.give_back
+            if ask.give_back:
+                tally.add(ask.user, RETURNED, ask.give_back)
+            if ask.want:
+                tally.add(ask.user, LEASED if grant.granted > 0 else REFUSED, grant.granted or 1)
             if grant.granted > 0:
                 self.leases.setdefault(ask.user, deque()).append([sent_ns + lifetime_ns, grant.granted])
                 granted += grant.granted
