@@ -14,20 +14,9 @@ from hypothesis import strategies as st
 
 from vllm_output_rate.policy.monitor import BORROWED
 from vllm_output_rate.settings import OutputRateSettings
-from vllm_output_rate.tools.scheduler_sim import MS, Harness, max_in_window
+from vllm_output_rate.tools.scheduler_sim import MS, Harness, max_in_window, bound, limits
 
 S = 1_000_000_000
-
-
-def limits(default, **users):
-    return {
-        "default_user_output_tokens_per_second": default,
-        "user_output_tokens_per_second": users,
-    }
-
-
-def bound(window_s: float, rate: float) -> int:
-    return int((window_s + 0.1) * rate + 1 + 1e-9)
 
 
 def sampled_by(h: Harness, user: str, step: int) -> int:

@@ -12,22 +12,11 @@ import pytest
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
-from vllm_output_rate.tools.scheduler_sim import MS, Harness, Record, max_in_window
+from vllm_output_rate.tools.scheduler_sim import MS, Harness, Record, max_in_window, bound, limits
 from vllm_output_rate.adapter.scheduler import OutputRateAsyncScheduler, OutputRateScheduler
 from vllm_output_rate.policy.gate import MAX_IDLE_WAIT_NS
 
 S = 1_000_000_000
-
-
-def limits(default, **users):
-    return {
-        "default_user_output_tokens_per_second": default,
-        "user_output_tokens_per_second": users,
-    }
-
-
-def bound(window_s: float, rate: float) -> int:
-    return int((window_s + 0.1) * rate + 1 + 1e-9)
 
 
 def assert_all_done(h: Harness, initial_free: int) -> None:

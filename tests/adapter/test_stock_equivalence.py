@@ -190,93 +190,56 @@ CASES = [
     for chunked in (True, False)
     for async_ in (False, True)
 ]
-
-
-@pytest.mark.parametrize(
-    "policy,chunked,async_",
-    CASES,
-    ids=[f"{p}-{'chunked' if c else 'whole'}-{'async' if a else 'sync'}" for p, c, a in CASES],
-)
-def test_never_hit_limits_decide_like_stock(policy, chunked, async_):
-    @settings(
-        max_examples=12,
-        deadline=None,
-        derandomize=True,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-    )
-    @given(workloads(policy, chunked))
-    def check(workload):
-        assert_same_as_stock(workload, async_)
-
-    check()
-
-
 LORA_CASES = [("fcfs", True, False), ("fcfs", True, True), ("priority", False, False)]
 SPEC_CASES = [("fcfs", True, False), ("fcfs", True, True), ("priority", False, False), ("priority", True, True)]
 
 
-@pytest.mark.parametrize(
-    "policy,chunked,async_",
-    LORA_CASES,
-    ids=[f"{p}-{'chunked' if c else 'whole'}-{'async' if a else 'sync'}" for p, c, a in LORA_CASES],
-)
+def cases(table):
+    """``table`` as parametrize arguments, each case named policy-prefill-scheduling."""
+    ids = [f"{p}-{'chunked' if c else 'whole'}-{'async' if a else 'sync'}" for p, c, a in table]
+    return pytest.mark.parametrize("policy,chunked,async_", table, ids=ids)
+
+
+def check_like_stock(policy, chunked, async_, max_examples, spec_tokens=0, **kind):
+    """Hypothesis over ``workloads(policy, chunked, **kind)``: every one decides like stock."""
+    @settings(
+        max_examples=max_examples,
+        deadline=None,
+        derandomize=True,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+    @given(workloads(policy, chunked, **kind))
+    def check(workload):
+        assert_same_as_stock(workload, async_, spec_tokens=spec_tokens)
+
+    check()
+
+
+@cases(CASES)
+def test_never_hit_limits_decide_like_stock(policy, chunked, async_):
+    check_like_stock(policy, chunked, async_, max_examples=12)
+
+
+@cases(LORA_CASES)
 def test_never_hit_limits_decide_like_stock_with_lora(policy, chunked, async_):
     """The same, with LoRA on: requests name adapters (or none), max_loras 1-3,
     so vLLM's adapter cap keeps requests waiting."""
-    @settings(
-        max_examples=10,
-        deadline=None,
-        derandomize=True,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-    )
-    @given(workloads(policy, chunked, lora=True))
-    def check(workload):
-        assert_same_as_stock(workload, async_)
-
-    check()
+    check_like_stock(policy, chunked, async_, max_examples=10, lora=True)
 
 
-@pytest.mark.parametrize(
-    "policy,chunked,async_",
-    LORA_CASES,
-    ids=[f"{p}-{'chunked' if c else 'whole'}-{'async' if a else 'sync'}" for p, c, a in LORA_CASES],
-)
+@cases(LORA_CASES)
 def test_never_hit_limits_decide_like_stock_with_images(policy, chunked, async_):
     """The same, with image placeholders (shared images too) and an encoder
     cache and budget of 1-4 images, so encoder room limits chunks."""
-    @settings(
-        max_examples=10,
-        deadline=None,
-        derandomize=True,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-    )
-    @given(workloads(policy, chunked, images=True))
-    def check(workload):
-        assert_same_as_stock(workload, async_)
-
-    check()
+    check_like_stock(policy, chunked, async_, max_examples=10, images=True)
 
 
-@pytest.mark.parametrize(
-    "policy,chunked,async_",
-    SPEC_CASES,
-    ids=[f"{p}-{'chunked' if c else 'whole'}-{'async' if a else 'sync'}" for p, c, a in SPEC_CASES],
-)
+@cases(SPEC_CASES)
 def test_never_hit_limits_decide_like_stock_with_speculative_decoding(policy, chunked, async_):
     """ngram speculative decoding, 3 drafts per step, a varying number
     proposed and accepted: the same tokens, drafts, preemptions and
     finishes as stock, step for step (drafts are charged, never trimmed)."""
-    @settings(
-        max_examples=8,
-        deadline=None,
-        derandomize=True,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-    )
-    @given(workloads(policy, chunked))
-    def check(workload):
-        assert_same_as_stock(workload, async_, spec_tokens=3)
-
-    check()
+    check_like_stock(policy, chunked, async_, max_examples=8, spec_tokens=3)
 
 
 @pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])

@@ -383,3 +383,16 @@ def max_in_window(times: list[int], window_ns: int) -> int:
             lo += 1
         best = max(best, hi - lo + 1)
     return best
+
+
+def limits(default: float, **users: object) -> dict:
+    """The ``output_rate`` section for a default rate and per-user limits."""
+    return {
+        "default_user_output_tokens_per_second": default,
+        "user_output_tokens_per_second": users,
+    }
+
+
+def bound(window_s: float, rate: float) -> int:
+    """One engine's guarantee: at most (W + 0.1) x rate + 1 tokens in W seconds."""
+    return int((window_s + 0.1) * rate + 1 + 1e-9)
