@@ -359,6 +359,7 @@ def test_store_mode_and_totals_reach_prometheus_and_follow_an_outage(prefix):
     from vllm_output_rate.adapter.metrics import OutputRateExporter
     from vllm_output_rate.adapter.operate import OperateSchedulerMixin
     from vllm_output_rate.policy.gate import StepGate
+    from vllm_output_rate.policy.prompt_cost import PromptCost
     from vllm_output_rate.policy.monitor import UserMonitor
 
     srv = RedisServer().start()
@@ -375,6 +376,7 @@ def test_store_mode_and_totals_reach_prometheus_and_follow_an_outage(prefix):
     engine.output_rate_settings = settings
     engine.output_rate_limiter = lim
     engine.output_rate_gate = StepGate(lim)
+    engine.output_rate_prompt_cost = PromptCost(engine.output_rate_gate.ledger, 0)
     engine.running, engine.waiting = [], []
     engine.output_rate_reloads = engine.output_rate_reload_failures = 0
     engine._output_rate_monitor = UserMonitor(settings.metrics_max_users)

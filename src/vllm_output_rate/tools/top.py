@@ -37,7 +37,7 @@ READ_TIMEOUT_S = 5.0
 @dataclass
 class UserSample:
     charged: float = 0.0
-    prompt: float = 0.0  # prompt tokens charged (input token weight > 0)
+    prompt: float | None = None  # prompt tokens charged; None: not exported
     throttled_s: float = 0.0
     limit: float | None = None
     active: int = 0
@@ -77,7 +77,7 @@ def _add_sample(snap: Snapshot, name: str, labels: dict[str, str], value: float)
     if key == "output_tokens_charged_total":
         row.charged += value
     elif key == "prompt_tokens_charged_total":
-        row.prompt += value
+        row.prompt = (row.prompt or 0.0) + value
     elif key == "throttled_seconds_total":
         row.throttled_s += value
     elif key == "borrowed_tokens_total":
@@ -100,7 +100,7 @@ class Row:
     waiting: int
     throttled_pct: float
     spark: str
-    prompt_rate: float = 0.0  # prompt tokens charged per second
+    prompt_rate: float | None = None  # prompt tokens charged per second; None: not exported
     borrowed: float | None = None  # tok/s beyond the rate; None: not exported
 
 
@@ -129,7 +129,9 @@ class TopModel:
             before = base.users.get(user, UserSample())
             rate = max(0.0, cur.charged - before.charged) / dt if dt > 0 else 0.0
             thr = max(0.0, cur.throttled_s - before.throttled_s) / dt if dt > 0 else 0.0
-            prompt = max(0.0, cur.prompt - before.prompt) / dt if dt > 0 else 0.0
+            prompt = None
+            if cur.prompt is not None:
+                prompt = max(0.0, cur.prompt - (before.prompt or 0.0)) / dt if dt > 0 else 0.0
             borrowed = None
             if cur.borrowed is not None:
                 gained = cur.borrowed - (before.borrowed or 0.0)
@@ -195,22 +197,27 @@ def render(model: TopModel, url: str, error: str | None = None):
         f" (failed {_fmt(engine.get('limit_reload_failures_total'))})   q quits",
     )
     table = Table(title=title, title_justify="left", expand=True)
+    rows = model.rows()
+    # Prompt and borrowed columns only when the engine exports those series
+    # (an input token weight; someone who may borrow): a narrow pane keeps room.
+    prompt = any(row.prompt_rate is not None for row in rows)
+    borrowed = any(row.borrowed is not None for row in rows)
+    right = {"justify": "right"}
     for name, kw in (
-        ("USER", {"no_wrap": True}), ("LIMIT", {"justify": "right"}),
-        ("TOK/S", {"justify": "right"}), ("ACTIVE", {"justify": "right"}),
-        ("THROTTLED", {"justify": "right"}), ("WAITING", {"justify": "right"}),
-        ("THR%", {"justify": "right"}), ("PROMPT/S", {"justify": "right"}),
-        ("BORROWED", {"justify": "right"}),
+        ("USER", {"no_wrap": True}), ("LIMIT", right), ("TOK/S", right), ("ACTIVE", right),
+        ("THROTTLED", right), ("WAITING", right), ("THR%", right),
+        *((("PROMPT/S", right),) if prompt else ()),
+        *((("BORROWED", right),) if borrowed else ()),
         (f"LAST {HISTORY_S}s", {"no_wrap": True}),
     ):
         table.add_column(name, **kw)
-    for row in model.rows():
+    for row in rows:
         style = "red" if row.throttled_pct >= 50 else None
-        table.add_row(
-            row.user, _fmt(row.limit), _fmt(row.rate), str(row.active), str(row.throttled),
-            str(row.waiting), f"{row.throttled_pct:.0f}%", _fmt(row.prompt_rate), _fmt(row.borrowed),
-            row.spark, style=style,
-        )
+        cells = [row.user, _fmt(row.limit), _fmt(row.rate), str(row.active), str(row.throttled),
+                 str(row.waiting), f"{row.throttled_pct:.0f}%"]
+        cells += [_fmt(row.prompt_rate)] if prompt else []
+        cells += [_fmt(row.borrowed)] if borrowed else []
+        table.add_row(*cells, row.spark, style=style)
     if error:
         table.caption = Text(error, style="yellow")
     return table
