@@ -7,10 +7,12 @@ stopped by PID (the whole group) when the context exits.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -31,7 +33,40 @@ STARTUP_TIMEOUT_S = 300
 ADMIN_ROUTE_ENV = {"VLLM_PLUGINS": "output_rate,output_rate_admin"}
 
 
+_handed_out: set[int] = set()
+_handed_out_lock = threading.Lock()
+
+
+def _ephemeral_floor() -> int:
+    """The lowest port the kernel hands to ``bind(0)`` and outgoing connections."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
+    """A port on 127.0.0.1 that nothing listens on, for a server this process starts.
+
+    Chosen below the kernel's ephemeral range: a port from ``bind(0)`` is free only
+    until it is released, and while a server starts, vLLM's own sockets (ZMQ, RPC)
+    and every outgoing connection take ephemeral ports and can take that one.  Never
+    the same port twice in one process, so servers started side by side differ.
+    """
+    floor = min(_ephemeral_floor(), 65536)
+    low = max(1024, floor - 12000)
+    with _handed_out_lock:
+        for _ in range(200):
+            port = random.randrange(low, floor)
+            if port in _handed_out:
+                continue
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            _handed_out.add(port)
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -158,9 +193,34 @@ def running_server(
     ``command`` replaces ``vllm-output-rate serve`` (e.g. :data:`SERVE_WITH_CHURN`);
     ``env`` adds to (or overrides) this process's environment for the server only.
     """
-    port = port or free_port()
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
+    # A port picked here can still be taken before the server binds it; only then,
+    # and only when the caller left the port to us, start again on another one.
+    attempts = 1 if port else 3
+    for attempt in range(attempts):
+        server = _spawn(args, log_dir, name, model, port or free_port(), command, env)
+        try:
+            _wait_healthy(server)
+        except _PortTaken:
+            if attempt + 1 == attempts:
+                raise RuntimeError(f"server could not bind its port:\n{server.log_tail()}") from None
+            continue
+        except BaseException:
+            stop_group(server.proc)
+            raise
+        break
+    try:
+        yield server
+    finally:
+        stop_group(server.proc)
+
+
+class _PortTaken(Exception):
+    """The server exited at startup because its port was in use."""
+
+
+def _spawn(args, log_dir: Path, name: str, model, port: int, command, env) -> Server:
     log_path = log_dir / f"{name}-{port}.log"
     cmd = [*(command or SERVE), str(model), "--host", "127.0.0.1", "--port", str(port), *args]
     with open(log_path, "wb") as log:
@@ -171,25 +231,27 @@ def running_server(
             env={**server_env(), **(env or {})},
             start_new_session=True,  # own process group: stop it and its children by PID
         )
-    server = Server(proc, f"http://127.0.0.1:{port}", log_path, str(model))
-    try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(
-                    f"server exited with {proc.returncode} during startup:\n{server.log_tail()}"
-                )
-            try:
-                if httpx.get(f"{server.base_url}/health", timeout=2, trust_env=False).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"server not healthy after {STARTUP_TIMEOUT_S}s:\n{server.log_tail()}")
-            time.sleep(1)
-        yield server
-    finally:
-        stop_group(proc)
+    return Server(proc, f"http://127.0.0.1:{port}", log_path, str(model))
+
+
+def _wait_healthy(server: Server) -> None:
+    proc = server.proc
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while True:
+        if proc.poll() is not None:
+            if "Address already in use" in server.log_tail(30):
+                raise _PortTaken()
+            raise RuntimeError(
+                f"server exited with {proc.returncode} during startup:\n{server.log_tail()}"
+            )
+        try:
+            if httpx.get(f"{server.base_url}/health", timeout=2, trust_env=False).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"server not healthy after {STARTUP_TIMEOUT_S}s:\n{server.log_tail()}")
+        time.sleep(1)
 
 
 def run_cli(
