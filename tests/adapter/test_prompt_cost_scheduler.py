@@ -14,6 +14,7 @@ from fractions import Fraction
 import pytest
 
 from vllm_output_rate.settings import OutputRateSettings
+from vllm_output_rate.adapter.scheduler import OutputRateScheduler
 from vllm_output_rate.tools.scheduler_sim import MS, Harness
 
 S = 1_000_000_000
@@ -31,6 +32,22 @@ def limits(default, weight, **users):
 def distinct_prompt(seed: int, length: int) -> list[int]:
     """A prompt sharing no 16-token block with another seed's (no cache hits)."""
     return [100 + (seed * 7919 + i * 31) % 900 for i in range(length)]
+
+
+class LookupCountingScheduler(OutputRateScheduler):
+    """Counts vLLM's prefix-cache lookups of waiting requests: the per-request
+    work its waiting loop does before our skip hook after the lookup."""
+
+    lookups = 0
+
+    def _get_local_prefix_cache_hit(self, request, *args):  # 0.33 adds a length
+        self.lookups += 1
+        return super()._get_local_prefix_cache_hit(request, *args)
+
+    def lookups_in_step(self) -> int:
+        """Lookups since the last call."""
+        count, self.lookups = self.lookups, 0
+        return count
 
 
 def cost_series(h: Harness, user: str, weight, steps: int, dt_ns: int = 10 * MS, on_step=None):
@@ -93,6 +110,39 @@ def test_prompt_flood_is_held_to_its_rate_and_the_light_users_decodes_are_not_sl
     assert series[-1][1] >= (window_s - 1) * 100
     pc = h.sched.output_rate_prompt_cost
     assert pc.prompt_tokens["flood"] >= 512 and not pc.prompt_tokens.get("light", 0) > 8
+
+
+def test_waiting_prompts_of_a_user_in_debt_cost_no_per_step_lookups():
+    """The benchmark's flood (eight 525-token prompts, max_tokens 1, weight
+    0.5) beside a decoding light user: while the flood is in debt its
+    waiting requests are skipped before vLLM looks them up in the prefix
+    cache, so the steps cost what they cost without them (the lookups are
+    counted by a subclass of our scheduler); once the debt is paid the next
+    prompt goes."""
+    h = Harness(limits(100, 0.5, light=100_000), max_num_batched_tokens=2048, max_model_len=2048,
+                scheduler_cls=LookupCountingScheduler)
+    pc = h.sched.output_rate_prompt_cost
+    light = h.add("light", prompt_len=16, max_tokens=1000, request_id="light")
+    h.step(10 * MS)
+    for i in range(8):
+        h.add("flood", max_tokens=1, prompt=distinct_prompt(i, 525))
+    h.step(10 * MS)  # the first prompt goes, into debt; the other seven wait
+    h.sched.lookups_in_step()
+    assert pc.prompt_tokens["flood"] == 525 and pc.debt.get("flood")
+    steps_in_debt = steps = 0
+    while pc.prompt_tokens["flood"] == 525 and steps < 400:
+        h.step(10 * MS)
+        steps += 1
+        assert "light" in h.sampled_log[-1]
+        if pc.debt.get("flood") and pc.prompt_tokens["flood"] == 525:  # no prompt went, still in debt
+            steps_in_debt += 1
+            assert h.sched.lookups_in_step() == 0
+        h.sched.lookups_in_step()
+    # 263 tokens of cost at 100 tok/s: about 2.6 s of 10 ms steps, then the
+    # next prompt goes (into debt again).
+    assert 200 <= steps_in_debt <= 300 and steps <= steps_in_debt + 2
+    assert pc.prompt_tokens["flood"] == 2 * 525
+    assert not light.is_finished()
 
 
 def test_a_prompt_flood_at_weight_0_is_free_and_at_0_5_stops_blocking_admissions(

@@ -65,6 +65,30 @@ class PromptCostHooks:
             return num_new_tokens
         return self._charge_at_sampling_position(request, num_computed_tokens, num_new_tokens)
 
+    def _handle_blocked_waiting_request(self, request: Request) -> bool:
+        # A new request of a user in prompt debt cannot go in this step:
+        # whatever the prefix cache holds, it computes at least its last
+        # prompt position, never charged, and a user in debt cannot pay.
+        # Skipped here, before vLLM's prefix-cache lookup, rather than in
+        # _ec_transfer_pending after it: a flood's queued prompts would
+        # otherwise cost a lookup each in every step until the debt is paid
+        # (same decision, same refusal recorded).  Preempted requests take
+        # the full path: their recompute below the charged mark is free.
+        if (
+            self._prompt_debts
+            and self._prompt_cost_on
+            and self._step_plan is not None
+            and request.status == RequestStatus.WAITING
+            and request.num_computed_tokens == 0
+        ):
+            user = self._lanes.user_of[request]
+            if user in self._prompt_debts and request not in self.output_rate_prompt_cost.charged_upto:
+                self._resume_charging()  # as every waiting-loop hook does first
+                self.output_rate_prompt_cost.can_pay(request, user)  # records the refusal
+                self._behind_others(user)
+                return False
+        return super()._handle_blocked_waiting_request(request)
+
     def _ec_transfer_pending(self, request: Request, num_computed_tokens: int) -> bool:
         if super()._ec_transfer_pending(request, num_computed_tokens):
             return True

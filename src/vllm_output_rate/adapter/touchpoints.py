@@ -133,7 +133,8 @@ TOUCHPOINTS: tuple[TouchPoint, ...] = (
     _tp(SCHED, "_preempt_request", "method", "overridden and called: release, evict",
         ["request", "timestamp", "drop_stale_output"]),
     _tp(SCHED, "_handle_blocked_waiting_request", "method",
-        "overridden: skip a waiting request whose user cannot pay", ["request"]),
+        "overridden: skip a waiting request whose user cannot pay (a new one of a user in "
+        "prompt debt before vLLM's prefix-cache lookup)", ["request"]),
     _tp(SCHED, "_ec_transfer_pending", "method",
         "overridden: skip after the prefix-cache lookup when only the sampled position is left",
         ["request", "num_computed_tokens"]),
