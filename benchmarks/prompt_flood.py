@@ -23,6 +23,14 @@ What
     the bound ``(W + 0.1) x N + 1 + ceil(w x C)`` (C = ``--max-num-batched-tokens``,
     W = the phase from its first request to the counters' read).
 
+    Why the light user's rate moves, per phase: engine steps per second
+    (the count of vLLM's ``vllm:iteration_tokens_total`` histogram, one per
+    step with output), the light user's tokens per step (vLLM's generated
+    tokens less the flood's, over those steps), and CPU seconds per second
+    by process (engine core, model worker, API server, this client, the rest
+    of the machine).  The light user's rate is steps/s x tokens/step: the
+    scheduler's share shows in the second factor, the machine in the first.
+
 How
     Each phase cancels what is still in flight at its end and waits for the
     engine to drain before the counters are read.  The weighted phase starts
@@ -68,6 +76,12 @@ BURST_S = 0.1
 PROMPT_CHARGED = "vllm:output_rate_prompt_tokens_charged_total"
 OUTPUT_CHARGED = "vllm:output_rate_output_tokens_charged_total"
 RELOADS = "vllm:output_rate_limit_reloads_total"
+# vLLM's own per-step series: one histogram observation per engine step that
+# produced output (the light user decodes in nearly every step), its sum the
+# prompt positions computed plus tokens generated in those steps.
+STEPS = "vllm:iteration_tokens_total_count"
+STEP_TOKENS = "vllm:iteration_tokens_total_sum"
+GENERATED = "vllm:generation_tokens_total"
 
 
 def write_limits(path: Path, flood_rate: float, weight: float) -> None:
@@ -87,6 +101,10 @@ def counters(text: str) -> dict:
         "flood_output": metric_sum(m, OUTPUT_CHARGED, user=FLOOD) or 0.0,
         "reloads": metric_sum(m, RELOADS) or 0.0,
         "idle_steps": metric_sum(m, "vllm:output_rate_idle_steps_total") or 0.0,
+        "light_output": metric_sum(m, OUTPUT_CHARGED, user=LIGHT) or 0.0,
+        "steps": metric_sum(m, STEPS) or 0.0,
+        "step_tokens": metric_sum(m, STEP_TOKENS) or 0.0,
+        "generated": metric_sum(m, GENERATED) or 0.0,
         "running": metric_sum(m, measure.RUNNING_GAUGE) or 0.0,
         "waiting": metric_sum(m, measure.WAITING_GAUGE) or 0.0,
     }
@@ -112,8 +130,9 @@ async def loop_requests(client, model, user, make_prompt, max_tokens, records, t
         await run_request(client, measure.stream_body(model, user, max_tokens, make_prompt()), record, t0)
 
 
-async def phase(client, model, name: str, args, rng: random.Random, vocab: int) -> dict:
+async def phase(client, model, name: str, args, rng: random.Random, vocab: int, cpu) -> dict:
     before = await read_counters(client)
+    cpu.start()
     t0 = time.monotonic()
     stop = asyncio.Event()
     light: list[RequestRecord] = []
@@ -127,6 +146,10 @@ async def phase(client, model, name: str, args, rng: random.Random, vocab: int) 
                 lambda: [rng.randrange(3, vocab) for _ in range(args.flood_prompt_tokens)],
                 1, flood, t0, stop)))
     await asyncio.sleep(args.duration)
+    # vLLM's step and token counters are updated as each step's output reaches
+    # the API server: read them before anything is cancelled.
+    at_end = await read_counters(client)
+    used = cpu.stop()
     stop.set()
     end = time.monotonic() - t0
     for task in tasks:
@@ -154,14 +177,52 @@ async def phase(client, model, name: str, args, rng: random.Random, vocab: int) 
         # Steps that ran nothing because every runnable request was throttled.
         "idle_steps": after["idle_steps"] - before["idle_steps"],
         "light_requests": len(light),
+        **engine_figures(before, at_end, used, len(flood_done)),
     }
     result["flood_prompt_tok_per_s"] = round(result["flood_prompt_tokens_finished"] / end, 1)
     print(f"  {name:>10s}: light {result['light_tok_per_s']:7.1f} tok/s; flood finished "
           f"{len(flood_done)} requests, {result['flood_prompt_tok_per_s']:.0f} prompt tok/s; engine charged "
           f"{result['flood_prompt_charged']:.0f} prompt + {result['flood_output_charged']:.0f} output tokens; "
           f"{result['idle_steps']:.0f} idle steps, {len(light)} light requests; "
+          f"{result['steps_per_s']:.0f} steps/s, light {result['light_tokens_per_step']:.2f} tok/step, "
+          f"{result['step_ms']:.2f} ms/step; CPU cores: engine {result['cpu']['engine_core']:.2f} "
+          f"worker {result['cpu']['worker']:.2f} api {result['cpu']['api_server']:.2f} "
+          f"client {result['cpu']['client']:.2f} other {result['cpu']['foreign']:.2f}; "
           f"load {fmt_load(result['load'])}", flush=True)
     return result
+
+
+def engine_figures(before: dict, after: dict, used: dict, flood_finished: int) -> dict:
+    """Engine steps and where the CPU went, over the phase (counters read at its end).
+
+    Rates are per second of the client's monotonic clock over the whole phase
+    (never short windows of receive times); tokens per step are on the
+    engine's own counters.  The light user's tokens: every generated token
+    minus one per finished flood request (max_tokens 1).
+    """
+    wall = used["wall_s"]
+    steps = after["steps"] - before["steps"]
+    light = after["generated"] - before["generated"] - flood_finished
+    roles = used["servers"][0]
+    return {
+        "engine_steps": steps,
+        "steps_per_s": round(steps / wall, 1) if wall else 0.0,
+        "step_ms": round(1000 * wall / steps, 3) if steps else None,
+        "light_engine_tokens": light,
+        "light_engine_tok_per_s": round(light / wall, 1) if wall else 0.0,
+        "light_tokens_per_step": round(light / steps, 3) if steps else 0.0,
+        "tokens_per_step": round((after["step_tokens"] - before["step_tokens"]) / steps, 1) if steps else 0.0,
+        # CPU in cores (CPU seconds / wall seconds) by process role; "foreign"
+        # is the rest of the machine (other tenants of the 2 cores).
+        "cpu": {
+            **{role: benchkit.as_share(roles[role], wall) for role in roles},
+            "client": benchkit.as_share(used["client"], wall),
+            "foreign": benchkit.as_share(used["foreign"], wall),
+            "busy": benchkit.as_share(used["busy"], wall),
+        },
+        "engine_core_ms_per_step": round(1000 * roles["engine_core"] / steps, 3) if steps else None,
+        "worker_ms_per_step": round(1000 * roles["worker"] / steps, 3) if steps else None,
+    }
 
 
 def bound_check(result: dict, weight: float, rate: float, chunk: int) -> dict:
@@ -185,6 +246,7 @@ async def run_all(server, args, limits: Path, vocab: int) -> list[dict]:
     """``--reps`` rounds of the three phases, in turn (the machine's load hits all alike)."""
     rng = random.Random(args.seed)
     client = benchkit.async_http(server.base_url, connections=args.flood_streams + 8)
+    cpu = benchkit.CpuMeter([server.pid])
     results = []
     async with client:
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
@@ -196,14 +258,22 @@ async def run_all(server, args, limits: Path, vocab: int) -> list[dict]:
                 if weight is not None and weight != current:
                     await set_weight(client, limits, args, weight)
                     current = weight
-                result = await phase(client, model, name, args, rng, vocab)
+                result = await phase(client, model, name, args, rng, vocab, cpu)
                 result["rep"], result["weight"] = rep, weight
                 results.append(result)
     return results
 
 
 def summarise(trials: list[dict], args) -> list[dict]:
-    """Per phase: medians over the repetitions, and the bound checked in every trial."""
+    """Per phase: medians over the repetitions, and the bound checked in every trial.
+
+    ``x_alone_per_round``: the light user's rate over its rate alone in the
+    same round (the machine's load drifts between rounds more than within one).
+    """
+    alone_of = {t["rep"]: t["light_tok_per_s"] for t in trials if t["phase"] == ALONE}
+    for t in trials:
+        alone = alone_of.get(t["rep"])
+        t["x_alone_same_round"] = round(t["light_tok_per_s"] / alone, 3) if alone else None
     out = []
     for name in dict.fromkeys(t["phase"] for t in trials):
         ts = [t for t in trials if t["phase"] == name]
@@ -219,6 +289,13 @@ def summarise(trials: list[dict], args) -> list[dict]:
             "flood_prompt_tok_per_s": statistics.median(t["flood_prompt_tok_per_s"] for t in ts),
             "flood_prompt_charged": statistics.median(t["flood_prompt_charged"] for t in ts),
             "flood_output_charged": statistics.median(t["flood_output_charged"] for t in ts),
+            "x_alone_per_round": statistics.median(t["x_alone_same_round"] or 0 for t in ts),
+            "steps_per_s": statistics.median(t["steps_per_s"] for t in ts),
+            "light_tokens_per_step": statistics.median(t["light_tokens_per_step"] for t in ts),
+            "light_engine_tok_per_s": statistics.median(t["light_engine_tok_per_s"] for t in ts),
+            "tokens_per_step": statistics.median(t["tokens_per_step"] for t in ts),
+            "engine_core_ms_per_step": statistics.median(t["engine_core_ms_per_step"] or 0 for t in ts),
+            "cpu": {role: statistics.median(t["cpu"][role] for t in ts) for role in ts[0]["cpu"]},
             "worst_cost_over_bound": max((c["cost"] - c["bound"] for c in checks), default=None),
             "all_within_bound": all(c["within"] for c in checks) if checks else None,
             "checks": checks,
@@ -250,6 +327,13 @@ def report(doc: dict) -> str:
                "output charged", "idle steps", "load 1/5/15"], trial_rows),
         table(["phase", "runs", "light tok/s (median)", "x alone", "flood prompt tok/s (median)",
                "worst cost - bound (<= 0: held)"], rows),
+        table(["phase", "steps/s", "light tok/step", "tokens/step", "engine-core ms CPU/step",
+               "cores: engine", "worker", "api", "client", "rest of machine"],
+              [[p["phase"], f"{p['steps_per_s']:.0f}", f"{p['light_tokens_per_step']:.2f}",
+                f"{p['tokens_per_step']:.0f}", f"{p['engine_core_ms_per_step']:.2f}",
+                *(f"{p['cpu'][role]:.2f}" for role in ("engine_core", "worker", "api_server", "client",
+                                                        "foreign"))]
+               for p in doc["phases"]]),
         machine_line(doc),
     ]
     return "\n\n".join(parts)

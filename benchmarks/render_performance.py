@@ -445,6 +445,41 @@ def prompt_flood_lines(doc: Doc, extra: dict[str, Doc | None], image: str | None
               "machine: 1-min load average "
               f"{min(t['load'][0] for t in doc['trials']):.0f}–{max(t['load'][0] for t in doc['trials']):.0f} "
               f"on {doc['machine']['nproc']} cores during the runs."]
+    if "steps_per_s" in phases[0]:
+        lines += [
+            "",
+            "Where the light user's rate goes (medians per phase): engine steps per second (vLLM's "
+            "`vllm:iteration_tokens_total` count over the phase, wall clock), the light user's tokens "
+            "per step (vLLM's generated tokens less the flood's, per step), the light rate over the same "
+            "round's alone phase, and CPU in cores by process (CPU seconds over the phase's wall seconds; "
+            "\"rest\" is everything else on the machine).",
+            "",
+            "| phase | steps/s | light tok/step | × alone (same round) | prompt + output tokens/step | "
+            "engine core ms CPU/step | engine core | model worker | API server | client | rest |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for phase in phases:
+            cpu = phase["cpu"]
+            lines.append(
+                f"| {phase['phase']} | {phase['steps_per_s']:.0f} | {phase['light_tokens_per_step']:.2f} | "
+                f"{phase['x_alone_per_round']:.2f} | {phase['tokens_per_step']:.0f} | "
+                f"{phase['engine_core_ms_per_step']:.2f} | {cpu['engine_core']:.2f} | {cpu['worker']:.2f} | "
+                f"{cpu['api_server']:.2f} | {cpu['client']:.2f} | {cpu['foreign']:.2f} |")
+        lines += [
+            "",
+            "Each run: steps/s = the engine core's CPU share ÷ its CPU per step, so the step rate follows "
+            "what the rest of the machine leaves the engine core.",
+            "",
+            "| round | phase | light tok/s | × alone (same round) | steps/s | light tok/step | "
+            "engine core ms CPU/step | engine core | rest |",
+            "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for t in doc["trials"]:
+            lines.append(
+                f"| {t['rep']} | {t['phase']} | {t['light_tok_per_s']:.0f} | {_num(t['x_alone_same_round'], '.2f')} | "
+                f"{t['steps_per_s']:.0f} | {t['light_tokens_per_step']:.2f} | "
+                f"{_num(t['engine_core_ms_per_step'], '.2f')} | {t['cpu']['engine_core']:.2f} | "
+                f"{t['cpu']['foreign']:.2f} |")
     if image:
         lines += ["", f"![The light user's rate beside a prompt flood, weight 0 and {cfg['weight']:g}]({image})"]
     return lines
