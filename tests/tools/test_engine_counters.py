@@ -88,3 +88,29 @@ def test_longest_silence_counts_only_unmoved_counters_between_reads():
     # A restart in between is no silence either.
     restarted = [read(0, [{"u": 0}], [0]), read(5, [{"u": 0}], [1])]
     assert longest_silence(restarted, 0, 0, 10) == 0.0
+
+
+# -- demo-cluster's per-run figures ------------------------------------------------------
+
+
+def test_demo_cluster_run_figures_judge_rate_and_silence_on_the_counters():
+    from vllm_output_rate.tools.demo_cluster import counter_figures, runs_lines
+
+    # Heavy charged 28 tok/s summed over two engines; engine 2 stays silent 2.5 s once.
+    samples, heavy = [], [0, 0]
+    for step in range(41):
+        t = step * 0.25
+        if not 6.0 <= t <= 8.5:
+            heavy[1] += 3
+        heavy[0] = round(28 * t) - heavy[1] if t > 0 else 0
+        samples.append(read(t, [{"heavy": max(heavy[0], 0), "light": step}, {"heavy": heavy[1]}]))
+    figures = counter_figures(samples, 0.0, 10.01, 30.0)
+    assert 0.85 < figures["share_of_limit"] < 1.0
+    # Unmoved from the read at 5.75 (done at 5.76) to the one sent at 8.5.
+    assert math.isclose(figures["longest_silence_s"][1], 8.5 - 5.76)
+    assert figures["longest_silence_s"][0] == 0.0
+    assert not figures["meets_targets"]  # the silence is over 2 s
+    run = {"started_at": "2026-01-01T00:00:00+00:00", "load_before": [1.0, 1.0, 1.0],
+           "load_after": [2.0, 2.0, 2.0], "counters": figures}
+    table = "\n".join(runs_lines([run, run], 30.0))
+    assert table.count("**missed**") == 2 and "1.00/1.00/1.00 / 2.00/2.00/2.00" in table
