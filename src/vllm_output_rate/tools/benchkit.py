@@ -38,6 +38,7 @@ import os
 import platform
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
@@ -322,6 +323,18 @@ class RestartableEngine:
         manager, self._manager, self.server = self._manager, None, None
         if manager is not None:
             manager.__exit__(None, None, None)
+
+    def kill(self) -> None:
+        """SIGKILL to the whole process group at once (a crash: nothing drains)."""
+        server = self.server
+        self.server = None  # routed around from now on
+        if server is not None and server.proc.poll() is None:
+            try:
+                os.killpg(server.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            server.proc.wait(timeout=30)
+        self.stop()
 
     def log_text(self) -> str:
         """Every start's log."""
