@@ -449,6 +449,10 @@ class ChaosMarks:
     engine_stop_sent: float | None = None
     engine_stopped: float | None = None
     engine_healthy: float | None = None
+    #: Requests done when Redis was killed, when it answered again and when the engine was back.
+    done_at_redis_kill: int | None = None
+    done_at_redis_answering: int | None = None
+    done_at_engine_healthy: int | None = None
 
     def outages(self) -> list[Outage]:
         if self.redis_killed is None:
@@ -458,7 +462,9 @@ class ChaosMarks:
                        self.all_shared_again if self.all_shared_again is not None else float("inf"))]
 
     def relative(self, t0: float) -> dict:
-        return {k: (None if v is None else round(v - t0, 3)) for k, v in asdict(self).items()}
+        """The times as seconds after ``t0`` (the counts as they are)."""
+        return {k: (v if v is None or k.startswith("done_at") else round(v - t0, 3))
+                for k, v in asdict(self).items()}
 
 
 def pick_engine(engines, turn: int):
@@ -540,11 +546,13 @@ async def chaos(args, redis_srv, engines, reader: CounterReader, plan_size: int,
         marks.redis_kill_sent = time.monotonic()
         await asyncio.to_thread(redis_srv.stop)
         marks.redis_killed = time.monotonic()
+        marks.done_at_redis_kill = progress["done"]
         log(f"chaos: redis-server killed after {progress['done']} requests")
         await asyncio.sleep(args.redis_down_s)
         marks.redis_restart_sent = time.monotonic()
         await asyncio.to_thread(redis_srv.start)
         marks.redis_answering = time.monotonic()
+        marks.done_at_redis_answering = progress["done"]
         log(f"chaos: redis-server answering again after {marks.redis_answering - marks.redis_killed:.1f} s")
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -568,6 +576,7 @@ async def chaos(args, redis_srv, engines, reader: CounterReader, plan_size: int,
         log(f"chaos: engine {engine.index + 1} killed after {progress['done']} requests")
         await asyncio.to_thread(engine.start)
         marks.engine_healthy = time.monotonic()
+        marks.done_at_engine_healthy = progress["done"]
         log(f"chaos: engine {engine.index + 1} healthy again after "
             f"{marks.engine_healthy - marks.engine_stopped:.0f} s at {engine.base_url}")
 
@@ -707,6 +716,12 @@ def run_cluster(args, plan, rates, default_rate, config, doc) -> dict:
     })
     if redis_srv is not None and marks.all_shared_again is None:
         summary["failures"].insert(0, "the engines were not all back on the shared store within 60 s")
+    # The chaos counts only while requests are still coming: say so when it came too late.
+    for what, done in (("Redis answered again", marks.done_at_redis_answering),
+                       ("the killed engine was back", marks.done_at_engine_healthy)):
+        if done is not None and done >= len(plan):
+            summary["failures"].append(f"{what} only after every request was done (the chaos came too late)")
+    summary["ok"] = summary["ok"] and not summary["failures"]
     return summary, outcomes
 
 
