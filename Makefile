@@ -115,7 +115,7 @@ bench-server: setup model bench-model
 	$(BIN)/python benchmarks/itl_single.py
 	$(BIN)/python benchmarks/itl_single.py --instructions
 	$(BIN)/python benchmarks/soak.py
-	$(BIN)/python benchmarks/soak.py --engines 2 --store redis-server --out docs/benchmarks/soak_cluster
+	$(BIN)/python benchmarks/soak.py --engines 2 --store redis-server --max-tokens 256 --out docs/benchmarks/soak_cluster
 	$(BIN)/python benchmarks/offline_throughput.py
 	$(BIN)/python benchmarks/shared_store.py --cluster
 
@@ -129,7 +129,7 @@ bench-fair-share: setup model
 # Chaos soak: two engines and a real redis-server; Redis killed and restarted,
 # one engine restarted during 600 requests from 24 users (~4-8 min).
 bench-soak-cluster: setup model
-	$(BIN)/python benchmarks/soak.py --engines 2 --store redis-server --out docs/benchmarks/soak_cluster
+	$(BIN)/python benchmarks/soak.py --engines 2 --store redis-server --max-tokens 256 --out docs/benchmarks/soak_cluster
 
 # A prompt flood beside a light user, prompt tokens free and at weight 0.5 (~2-3 min).
 bench-prompt-flood: setup model

@@ -51,7 +51,7 @@ MAKES = {
     "kv_pressure": "python benchmarks/kv_pressure.py",
     "prompt_flood": "python benchmarks/prompt_flood.py",
     "soak": "python benchmarks/soak.py",
-    "soak_cluster": "python benchmarks/soak.py --engines 2 --store redis-server --out docs/benchmarks/soak_cluster",
+    "soak_cluster": "python benchmarks/soak.py --engines 2 --store redis-server --max-tokens 256 --out docs/benchmarks/soak_cluster",
     "shared_store": "python benchmarks/shared_store.py --cluster",
     "fair_share": "python benchmarks/fair_share.py",
     "gateway_compare": "make bench-gateway",
@@ -514,7 +514,8 @@ def soak_cluster_lines(doc: Doc, extra: dict[str, Doc | None], image: str | None
         f"{cfg['max_window']:g} s apart (the window from the first read's sending to the second's answer). "
         "The bound is the documented one across engines, (W + 0.4) × N + 1 + E × L, for each store process "
         "the window touches (Redis restarted empty: a fresh burst), plus the local fallback's (W + 0.1) × N "
-        "+ E over the part of the window from the kill until every engine showed the shared store again. "
+        "+ E over the part of the window from the kill until every engine showed the shared store again; "
+        "windows around the engine's kill and restart get no widening (its users' debt stays in the store). "
         "Tokens the killed engine charged after its last read (taken just before the kill) are not counted.",
     ]
     return lines
