@@ -487,6 +487,7 @@ def soak_cluster_lines(doc: Doc, extra: dict[str, Doc | None], image: str | None
     lines = [
         f"{doc['requests']} streamed requests from {len(cfg.get('user_rates', {}))} named users with limits "
         f"{cfg['min_rate']:g}–{cfg['max_rate']:g} tok/s plus anonymous traffic, "
+        f"`max_tokens` up to {cfg['max_tokens']}, "
         f"{100 * cfg['cancel_fraction']:g} % planned as client cancellations, {cfg['concurrency']} at a time "
         f"over {doc['engines']} engines sharing one real redis-server (request i to engine i mod "
         f"{doc['engines']}, or the other one while it is down), `--max-num-seqs {cfg['max_num_seqs']} "
@@ -498,7 +499,7 @@ def soak_cluster_lines(doc: Doc, extra: dict[str, Doc | None], image: str | None
         f"{_num(chaos['all_shared_again'], '.1f')}. "
         f"Load average before / after: {'/'.join(f'{x:g}' for x in doc['load_before'])} / "
         f"{'/'.join(f'{x:g}' for x in doc['load_after'])} on {doc['machine']['nproc']} cores; "
-        f"{doc['runtime_s']:g} s of load.",
+        f"{doc['runtime_s']:g} s of load, {doc['wall_s']:g} s in all with the servers' startup.",
         "",
         "| result | finished | cancelled | errors | retried (their engine killed under them) | truncated or "
         "miscounted | users over the bound (engines' counters) | worst excess, tokens | gauges not 0 at the end |",
@@ -737,7 +738,7 @@ SECTIONS = (
             prompt_flood_lines),
     Section("soak", "Soak: many users, cancellations, preemption churn (`benchmarks/soak.py`)", soak_lines),
     Section("soak_cluster", "Chaos soak: two engines, one Redis killed and restarted, one engine restarted "
-            "(`benchmarks/soak.py --engines 2 --store redis-server`)", soak_cluster_lines),
+            "(`benchmarks/soak.py --engines 2 --store redis-server --max-tokens 256`)", soak_cluster_lines),
     Section("shared_store", "Cost of the shared Redis store (`benchmarks/shared_store.py`)", shared_store_lines),
     Section("fair_share", "Fair share of spare capacity: stock vs hard caps vs rate/ceil/weight "
             "(`benchmarks/fair_share.py`)", fair_share_lines),
