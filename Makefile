@@ -39,7 +39,7 @@ SERIES_TESTS ?= tests/policy/test_limiter.py tests/policy/test_gate.py tests/con
 # vllm serve subprocesses cannot start on the GPU wheel (no CPU kernels).
 SERIES_TEST_ARGS ?= -m 'not server'
 
-.PHONY: setup setup-033 test-033 model bench-model serve test demo demo-cluster bench-step bench-server bench-fair-share bench-prompt-flood bench-demo bench-gateway performance clean-model
+.PHONY: setup setup-033 test-033 model bench-model serve test demo demo-cluster bench-step bench-server bench-fair-share bench-prompt-flood bench-soak-cluster bench-demo bench-gateway performance clean-model
 setup: $(STAMP)
 setup-033: $(STAMP_033)
 
@@ -87,10 +87,11 @@ demo: setup model
 	$(BIN)/vllm-output-rate demo --model $(MODEL) --out results/demo
 
 # One real redis-server and two engines sharing it (127.0.0.1): a heavy user
-# spread over both engines, a light user on one; 30 s of bench, 2-6 min in all
-# (engine startup dominates and grows with the load of the machine).
+# spread over both engines, a light user on one; 30 s of bench per run, three
+# consecutive runs (fresh Redis and engines each), 2-6 min per run (engine
+# startup dominates and grows with the load of the machine).
 demo-cluster: setup model
-	$(BIN)/vllm-output-rate demo-cluster --model $(MODEL) --out results/demo-cluster
+	$(BIN)/vllm-output-rate demo-cluster --model $(MODEL) --runs 3 --out results/demo-cluster
 
 # Benchmarks write their JSON under docs/benchmarks/; `make performance` turns
 # whatever is there into docs/performance.md (commit both).
@@ -114,6 +115,7 @@ bench-server: setup model bench-model
 	$(BIN)/python benchmarks/itl_single.py
 	$(BIN)/python benchmarks/itl_single.py --instructions
 	$(BIN)/python benchmarks/soak.py
+	$(BIN)/python benchmarks/soak.py --engines 2 --store redis-server --max-tokens 256 --out docs/benchmarks/soak_cluster
 	$(BIN)/python benchmarks/offline_throughput.py
 	$(BIN)/python benchmarks/shared_store.py --cluster
 
@@ -123,6 +125,11 @@ bench-server: setup model bench-model
 MODES ?=
 bench-fair-share: setup model
 	$(BIN)/python benchmarks/fair_share.py $(MODES)
+
+# Chaos soak: two engines and a real redis-server; Redis killed and restarted,
+# one engine restarted during 600 requests from 24 users (~4-8 min).
+bench-soak-cluster: setup model
+	$(BIN)/python benchmarks/soak.py --engines 2 --store redis-server --max-tokens 256 --out docs/benchmarks/soak_cluster
 
 # A prompt flood beside a light user, prompt tokens free and at weight 0.5 (~2-3 min).
 bench-prompt-flood: setup model

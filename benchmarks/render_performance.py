@@ -31,7 +31,7 @@ Doc = dict[str, Any]
 MAKES = {
     "demo": "vllm-output-rate demo --out results/demo && python -m vllm_output_rate.tools.report "
             "--demo results/demo.json --png results/demo.png --out docs/benchmarks/demo",
-    "demo-cluster": "vllm-output-rate demo-cluster --out results/demo-cluster && python -m "
+    "demo-cluster": "vllm-output-rate demo-cluster --runs 3 --out results/demo-cluster && python -m "
                     "vllm_output_rate.tools.report --demo-cluster results/demo-cluster.json "
                     "--png results/demo-cluster.png --out docs/benchmarks/demo-cluster",
     "scheduler_step": "python benchmarks/scheduler_step.py --instructions",
@@ -51,6 +51,7 @@ MAKES = {
     "kv_pressure": "python benchmarks/kv_pressure.py",
     "prompt_flood": "python benchmarks/prompt_flood.py",
     "soak": "python benchmarks/soak.py",
+    "soak_cluster": "python benchmarks/soak.py --engines 2 --store redis-server --max-tokens 256 --out docs/benchmarks/soak_cluster",
     "shared_store": "python benchmarks/shared_store.py --cluster",
     "fair_share": "python benchmarks/fair_share.py",
     "gateway_compare": "make bench-gateway",
@@ -513,6 +514,49 @@ def soak_lines(doc: Doc, extra: dict[str, Doc | None], image: str | None) -> lis
     return lines
 
 
+def soak_cluster_lines(doc: Doc, extra: dict[str, Doc | None], image: str | None) -> list[str]:
+    cfg, chaos = doc["config"], doc["chaos"]
+    users = doc["counter_checks"]["per_user"]
+    worst = max((u["worst_excess"] for u in users.values()), default=None)
+    gauges_on = {k: v for k, v in doc["gauges_end"].items() if v}
+    lines = [
+        f"{doc['requests']} streamed requests from {len(cfg.get('user_rates', {}))} named users with limits "
+        f"{cfg['min_rate']:g}–{cfg['max_rate']:g} tok/s plus anonymous traffic, "
+        f"`max_tokens` up to {cfg['max_tokens']}, "
+        f"{100 * cfg['cancel_fraction']:g} % planned as client cancellations, {cfg['concurrency']} at a time "
+        f"over {doc['engines']} engines sharing one real redis-server (request i to engine i mod "
+        f"{doc['engines']}, or the other one while it is down), `--max-num-seqs {cfg['max_num_seqs']} "
+        f"--max-num-active-seqs {cfg['max_num_active_seqs']}`, each model worker on its own CPU. Chaos (s "
+        f"after the load began, monotonic clock): engine {doc['engines']} killed (SIGKILL to its process "
+        f"group) at {chaos['engine_stop_sent']:.1f}, healthy again at {chaos['engine_healthy']:.1f}; Redis "
+        f"killed (SIGKILL) at {chaos['redis_killed']:.1f} and started again, empty, at "
+        f"{chaos['redis_answering']:.1f}; every engine's /metrics showed the shared store again at "
+        f"{_num(chaos['all_shared_again'], '.1f')}. "
+        f"Load average before / after: {'/'.join(f'{x:g}' for x in doc['load_before'])} / "
+        f"{'/'.join(f'{x:g}' for x in doc['load_after'])} on {doc['machine']['nproc']} cores; "
+        f"{doc['runtime_s']:g} s of load, {doc['wall_s']:g} s in all with the servers' startup.",
+        "",
+        "| result | finished | cancelled | errors | retried (their engine killed under them) | truncated or "
+        "miscounted | users over the bound (engines' counters) | worst excess, tokens | gauges not 0 at the end |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        f"| {'PASS' if doc['ok'] else '**FAIL**'} | {doc['finished']} | {doc['cancelled']} | {doc['errors']} | "
+        f"{doc['retried_requests']} | {doc['truncated_or_miscounted']} | "
+        f"{doc['counter_checks']['users_over_the_bound']} | {_num(worst, '.1f')} | "
+        f"{', '.join(f'{k} = {v:g}' for k, v in gauges_on.items()) or 'none'} |",
+        "",
+        "The bound is judged on each engine's own per-user counter (`tokens_charged_total` of "
+        f"`/v1/output_rate/users`, read every {cfg['read_every']:g} s, {doc['counter_checks']['reads']} reads), "
+        "summed over the engines and over the restarted engine's two processes, for every pair of reads up to "
+        f"{cfg['max_window']:g} s apart (the window from the first read's sending to the second's answer). "
+        "The bound is the documented one across engines, (W + 0.4) × N + 1 + E × L, for each store process "
+        "the window touches (Redis restarted empty: a fresh burst), plus the local fallback's (W + 0.1) × N "
+        "+ E over the part of the window from the kill until every engine showed the shared store again; "
+        "windows around the engine's kill and restart get no widening (its users' debt stays in the store). "
+        "Tokens the killed engine charged after its last read (taken just before the kill) are not counted.",
+    ]
+    return lines
+
+
 def shared_store_lines(doc: Doc, extra: dict[str, Doc | None], image: str | None) -> list[str]:
     calls = doc["calls"]
     lines = [
@@ -728,6 +772,8 @@ SECTIONS = (
     Section("prompt_flood", "A prompt flood beside a light user (`benchmarks/prompt_flood.py`)",
             prompt_flood_lines),
     Section("soak", "Soak: many users, cancellations, preemption churn (`benchmarks/soak.py`)", soak_lines),
+    Section("soak_cluster", "Chaos soak: two engines, one Redis killed and restarted, one engine restarted "
+            "(`benchmarks/soak.py --engines 2 --store redis-server --max-tokens 256`)", soak_cluster_lines),
     Section("shared_store", "Cost of the shared Redis store (`benchmarks/shared_store.py`)", shared_store_lines),
     Section("fair_share", "Fair share of spare capacity: stock vs hard caps vs rate/ceil/weight "
             "(`benchmarks/fair_share.py`)", fair_share_lines),

@@ -40,6 +40,21 @@ model, 127.0.0.1 only, stopped by PID at the end) with random per-user limits;
 ``--url`` targets an existing server instead, whose limits must then be given
 with ``--default-rate`` and ``--user-rates``.
 
+``--engines 2 --store redis-server`` is the chaos soak: a real redis-server
+and two engines sharing it (each model worker on its own CPU, the admin route
+on), request i sent to engine i mod 2 (or the other one while it is down).
+Once 5 % of the requests are done the second engine is killed (SIGKILL to
+its process group) and started again; requests that fail because of that are
+sent again to an engine that is up (the failed attempts are counted apart).
+Once 50 % are done and the engine is back, Redis is killed and started again,
+empty, 5 s later.  The bound is then judged on the engines' own counters, not
+on client times (``vllm_output_rate.tools.engine_counters``): every user's
+tokens charged, summed over engines and restarts, between every two reads of
+the admin route, against the bound across engines widened by the local
+fallback while Redis was down; the gauges at the end include the store mode
+(no engine left on a fallback).  A store URL instead of ``redis-server``
+skips the Redis kill.
+
 Exit status 0 when every check passes, 1 otherwise.  Writes the summary to
 ``docs/benchmarks/soak.json`` (``--out PREFIX`` elsewhere).  Count-bounded (``--requests``) and time-bounded (``--time-limit``).
 
@@ -63,8 +78,10 @@ from vllm_output_rate.tools import benchkit, measure
 from vllm_output_rate.tools.analysis import envelope_worst, guarantee_bound, sliding_excess
 from vllm_output_rate.tools.benchkit import RESULTS_DIR
 from vllm_output_rate.tools.churn import churn_costs, churn_line, recompute_figures
+from vllm_output_rate.tools.engine_counters import CounterReader, Outage, cumulative, widened_bound, worst_window
 from vllm_output_rate.tools.measure import max_in_window
-from vllm_output_rate.tools.serverproc import DEFAULT_MODEL_DIR, SERVE_WITH_CHURN
+from vllm_output_rate.tools.redisproc import RedisProcess
+from vllm_output_rate.tools.serverproc import ADMIN_ROUTE_ENV, DEFAULT_MODEL_DIR, SERVE_WITH_CHURN
 
 benchkit.use_cpu_testbed_env()
 
@@ -106,6 +123,8 @@ class Outcome:
     finish_reason: str | None = None
     completion_tokens: int | None = None
     generation_time_s: float | None = None
+    engine: int | None = None  # with --engines > 1: which engine served it
+    engine_start: int | None = None  # ... and which start of that engine
 
 
 def make_rates(rng: random.Random, n_users: int, lo: float, hi: float) -> dict[str, float]:
@@ -227,7 +246,12 @@ def envelope_excess(outs: list, rate: float) -> tuple[float, float, int]:
     return worst if worst is not None else (float("-inf"), 0.0, 0)
 
 
-def check(plan, outcomes, rates_of, args, gauges_end, runtime_s) -> dict:
+def check(plan, outcomes, rates_of, args, gauges_end, runtime_s, client_windows: bool = True) -> dict:
+    """The single-engine checks; ``client_windows`` False (several engines:
+    the bound is judged on the engines' counters instead, see
+    :func:`counter_checks`) leaves out those on client times and the
+    per-request one (a request's tokens on one engine are bounded only
+    by the bound across engines)."""
     failures: list[str] = []
     by_idx = {p.idx: p for p in plan}
     errors = truncated = finished = cancelled = server_side = 0
@@ -256,7 +280,7 @@ def check(plan, outcomes, rates_of, args, gauges_end, runtime_s) -> dict:
                 problems.append(
                     f"finish {o.finish_reason} with {o.n_tokens}/{p.max_tokens} tokens (no ignore_eos)"
                 )
-        if o.generation_time_s is not None and o.n_tokens > 1:
+        if client_windows and o.generation_time_s is not None and o.n_tokens > 1:
             rate = rates_of(o.user)
             allowed = guarantee_bound(o.generation_time_s + SERVER_TS_TOLERANCE_S, rate)
             if o.n_tokens > allowed:
@@ -313,6 +337,8 @@ def check(plan, outcomes, rates_of, args, gauges_end, runtime_s) -> dict:
             "worst_envelope_tokens": env_n,
         }
         per_user[user] = entry
+        if not client_windows:
+            continue
         if env > 1e-9:
             guarantee_violations += 1
             failures.append(
@@ -325,7 +351,7 @@ def check(plan, outcomes, rates_of, args, gauges_end, runtime_s) -> dict:
                 f"user {user} (N={rate}): {excess:.1f} tokens over the bound in a {w:.3f}s "
                 f"window of receive timestamps (jitter allowance {allowance:.2f}s)"
             )
-    if gauges_end.get("vllm:num_requests_running") or gauges_end.get("vllm:num_requests_waiting"):
+    if any(v for k, v in gauges_end.items() if k != measure.PREEMPTIONS):
         failures.append(f"gauges not back to 0 at the end: {gauges_end}")
     if len(outcomes) < len(plan):
         failures.append(f"only {len(outcomes)} of {len(plan)} requests completed within the time limit")
@@ -401,6 +427,308 @@ def wait_gauges_zero(base_url: str, timeout_s: float) -> dict:
         time.sleep(0.25)
 
 
+# -- several engines sharing a store, with chaos ------------------------------------
+
+
+#: A request whose engine was killed under it is sent again, at most this often.
+MAX_ATTEMPTS = 3
+STORE_MODE = "vllm:output_rate_store_mode"
+
+
+@dataclass
+class ChaosMarks:
+    """When the chaos happened (``time.monotonic``, the clock every process
+    on this machine shares; the engines' counters are read on it too)."""
+
+    redis_kill_sent: float | None = None
+    redis_killed: float | None = None
+    redis_restart_sent: float | None = None
+    redis_answering: float | None = None
+    all_shared_again: float | None = None
+    engine_last_read: float | None = None
+    engine_stop_sent: float | None = None
+    engine_stopped: float | None = None
+    engine_healthy: float | None = None
+    #: Requests done when Redis was killed, when it answered again and when the engine was back.
+    done_at_redis_kill: int | None = None
+    done_at_redis_answering: int | None = None
+    done_at_engine_healthy: int | None = None
+
+    def outages(self) -> list[Outage]:
+        if self.redis_killed is None:
+            return []
+        # Never seen back on the shared store: the fallback's bound to the end.
+        return [Outage(self.redis_kill_sent, self.redis_killed, self.redis_restart_sent,
+                       self.all_shared_again if self.all_shared_again is not None else float("inf"))]
+
+    def relative(self, t0: float) -> dict:
+        """The times as seconds after ``t0`` (the counts as they are)."""
+        return {k: (v if v is None or k.startswith("done_at") else round(v - t0, 3))
+                for k, v in asdict(self).items()}
+
+
+def pick_engine(engines, turn: int):
+    """Engine ``turn`` mod E, or the next one that is up (None: none is)."""
+    for step in range(len(engines)):
+        engine = engines[(turn + step) % len(engines)]
+        if engine.server is not None:
+            return engine
+    return None
+
+
+async def drive_cluster(args, engines, model: str, plan: list[Planned], progress: dict):
+    """Send the plan over the engines (request i to engine i mod E, or the
+    next one up); a request that fails because its engine was killed under
+    it is sent again to an engine that is up, and the failed attempt kept."""
+    sem = asyncio.Semaphore(args.concurrency)
+    outcomes: list[Outcome] = []
+    retried: list[Outcome] = []
+    clients: dict[str, object] = {}
+    t0 = time.monotonic()
+
+    def client_for(url: str):
+        if url not in clients:
+            clients[url] = measure.openai_client(url, max_connections=args.concurrency + 8, timeout=600)
+        return clients[url]
+
+    async def one(p: Planned) -> Outcome:
+        for attempt in range(MAX_ATTEMPTS):
+            engine = pick_engine(engines, p.idx + attempt)
+            while engine is None:
+                await asyncio.sleep(0.1)
+                engine = pick_engine(engines, p.idx + attempt)
+            start, url = engine.starts, engine.base_url
+            if url is None:
+                continue
+            o = await run_one(client_for(url), model, p)
+            o.engine, o.engine_start = engine.index, start
+            failed = bool(o.error) or bool(o.status and o.status != 200)
+            if failed and attempt + 1 < MAX_ATTEMPTS and (engine.server is None or engine.starts != start):
+                retried.append(o)  # its engine was killed under it
+                continue
+            return o
+        return o
+
+    async def worker(p: Planned):
+        async with sem:
+            o = await one(p)
+        outcomes.append(o)
+        progress["done"] += 1
+        if progress["done"] % max(1, len(plan) // 10) == 0:
+            print(f"  {progress['done']}/{len(plan)} requests done, {time.monotonic() - t0:.0f}s", flush=True)
+
+    try:
+        tasks = [asyncio.create_task(worker(p)) for p in plan]
+        _, pending = await asyncio.wait(tasks, timeout=args.time_limit)
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+    finally:
+        for client in clients.values():
+            await client.close()
+    return outcomes, retried, time.monotonic() - t0
+
+
+async def chaos(args, redis_srv, engines, reader: CounterReader, plan_size: int, progress: dict,
+                marks: ChaosMarks, log) -> None:
+    """Once ``--restart-at`` of the requests are done, kill the last engine
+    (SIGKILL to its process group: requests in flight on it fail) and start
+    it again; once ``--redis-down-at`` are done (and the step before is
+    over), kill Redis (SIGKILL) and start it again ``--redis-down-s`` later
+    (same port, empty)."""
+
+    async def until_done(fraction: float) -> None:
+        while progress["done"] < fraction * plan_size:
+            await asyncio.sleep(0.1)
+
+    async def redis_outage() -> None:
+        await until_done(args.redis_down_at)
+        marks.redis_kill_sent = time.monotonic()
+        await asyncio.to_thread(redis_srv.stop)
+        marks.redis_killed = time.monotonic()
+        marks.done_at_redis_kill = progress["done"]
+        log(f"chaos: redis-server killed after {progress['done']} requests")
+        await asyncio.sleep(args.redis_down_s)
+        marks.redis_restart_sent = time.monotonic()
+        await asyncio.to_thread(redis_srv.start)
+        marks.redis_answering = time.monotonic()
+        marks.done_at_redis_answering = progress["done"]
+        log(f"chaos: redis-server answering again after {marks.redis_answering - marks.redis_killed:.1f} s")
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            last = reader.samples[-1] if reader.samples else None
+            # No store-mode gauge yet (an engine that has not stepped since its
+            # start exports none) is no fallback either.
+            if last is not None and last.sent > marks.redis_answering and all(
+                    mode in ("shared", None) for mode, charged in zip(last.modes, last.charged)
+                    if charged is not None):
+                marks.all_shared_again = last.done
+                log(f"chaos: every engine on the shared store again "
+                    f"{marks.all_shared_again - marks.redis_answering:.1f} s after Redis answered")
+                return
+            await asyncio.sleep(0.1)
+
+    async def engine_restart() -> None:
+        await until_done(args.restart_at)
+        engine = engines[-1]
+        await asyncio.to_thread(reader.sample_now, "before engine kill")
+        marks.engine_last_read = reader.samples[-1].done
+        marks.engine_stop_sent = time.monotonic()
+        await asyncio.to_thread(engine.kill)
+        marks.engine_stopped = time.monotonic()
+        log(f"chaos: engine {engine.index + 1} killed after {progress['done']} requests")
+        await asyncio.to_thread(engine.start)
+        marks.engine_healthy = time.monotonic()
+        marks.done_at_engine_healthy = progress["done"]
+        log(f"chaos: engine {engine.index + 1} healthy again after "
+            f"{marks.engine_healthy - marks.engine_stopped:.0f} s at {engine.base_url}")
+
+    # One after the other, in the order of their thresholds, so that the two never overlap.
+    steps = []
+    if redis_srv is not None and args.redis_down_s > 0:
+        steps.append((args.redis_down_at, redis_outage))
+    if args.restart_at < 1 and len(engines) > 1:
+        steps.append((args.restart_at, engine_restart))
+    for _, step in sorted(steps, key=lambda s: s[0]):
+        await step()
+
+
+def end_gauges(engines, timeout_s: float) -> dict[str, float]:
+    """Per engine: requests running / waiting, and its store mode other than
+    shared (1 = on a fallback), once all are 0 or after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        out: dict[str, float] = {}
+        for engine in engines:
+            samples = measure.fetch_metrics(engine.base_url)
+            name = f"engine{engine.index + 1}"
+            for key, value in measure.gauges(samples).items():
+                out[f"{name} {key}"] = value
+            for mode in ("local", "closed"):
+                out[f"{name} {STORE_MODE}{{mode={mode}}}"] = measure.metric_sum(samples, STORE_MODE, mode=mode) or 0.0
+            out[f"{name} vllm:output_rate_throttled_requests"] = measure.metric_sum(
+                samples, "vllm:output_rate_throttled_requests") or 0.0
+        if not any(out.values()) or time.monotonic() > deadline:
+            return out
+        time.sleep(0.5)
+
+
+def counter_checks(samples, users: dict[str, float], engines: int, marks: ChaosMarks,
+                   max_window_s: float) -> dict:
+    """Every user's tokens charged on the engines (summed over engines and
+    restarts) in every window between two reads, against the documented
+    bound widened by the local fallback while the store was down
+    (:func:`~vllm_output_rate.tools.engine_counters.widened_bound`)."""
+    outages = marks.outages()
+    per_user, failures = {}, []
+    for user, rate in sorted(users.items()):
+        totals = cumulative(samples, user)
+        if not totals or totals[-1] == 0:
+            continue
+        worst = worst_window(samples, totals, lambda a, b: widened_bound(a, b, rate, engines, outages),
+                             max_window_s)
+        per_user[user] = {"rate": rate, "charged": totals[-1] - totals[0],
+                          "worst_excess": round(worst.excess, 2), "worst_tokens": worst.tokens,
+                          "worst_bound": round(worst.bound, 1), "worst_window_s": round(worst.window_s, 3)}
+        if worst.excess > 1e-9:
+            failures.append(f"user {user} (N={rate}): {worst.tokens} tokens charged on the engines within "
+                            f"{worst.window_s:.3f} s, bound {worst.bound:.1f}")
+    return {"per_user": per_user, "failures": failures,
+            "users_over_the_bound": len(failures), "reads": len(samples)}
+
+
+def run_cluster(args, plan, rates, default_rate, config, doc) -> dict:
+    """``--engines E`` engines sharing one store, with the chaos; the bound
+    judged on the engines' counters."""
+    all_rates = {**rates, ANON: default_rate}
+    log_dir = benchkit.log_dir_for("soak", args.log_dir)
+    marks = ChaosMarks()
+    with ExitStack() as stack:
+        redis_srv = None
+        store_url = args.store
+        if args.store == "redis-server":
+            redis_srv = stack.enter_context(RedisProcess())
+            store_url = redis_srv.url
+            print(f"redis-server on 127.0.0.1:{redis_srv.port} (pid {redis_srv.pid})", flush=True)
+        server_args = [
+            "--default-user-output-tokens-per-second", str(default_rate),
+            "--user-output-tokens-per-second", json.dumps(rates),
+            "--max-num-seqs", str(args.max_num_seqs),
+            "--max-num-active-seqs", str(args.max_num_active_seqs),
+            "--max-model-len", str(args.max_model_len),
+            "--max-num-batched-tokens", "512",
+            "--enforce-eager",
+            "--enable-per-request-metrics",
+            "--output-rate-store", store_url,
+            "--output-rate-expected-engines", str(args.engines),
+            "--output-rate-store-prefix", "soak",
+            *args.server_arg,
+        ]
+        doc["server_args"] = server_args
+        engines = stack.enter_context(benchkit.restartable_engines(
+            [(f"soak-engine{i + 1}", server_args) for i in range(args.engines)], log_dir,
+            model=args.model, env=ADMIN_ROUTE_ENV))
+        doc["startup_s"] = max(e.startup_s[0] for e in engines)
+        doc["worker_cpus"] = [benchkit.worker_cpus(e.server.pid) for e in engines]
+        print("engines up: " + ", ".join(f"{e.base_url} (pid {e.server.pid}, model worker on CPUs "
+                                         f"{doc['worker_cpus'][e.index]})" for e in engines), flush=True)
+        model = engines[0].server.model
+        reader = stack.enter_context(CounterReader(
+            lambda: [(e.base_url, e.starts) for e in engines], period_s=args.read_every, read_modes=True))
+        t0 = time.monotonic()
+        progress = {"done": 0}
+
+        async def scenario():
+            chaos_task = asyncio.create_task(chaos(args, redis_srv, engines, reader, len(plan), progress,
+                                                   marks, lambda m: print(f"  {m}", flush=True)))
+            result = await drive_cluster(args, engines, model, plan, progress)
+            await chaos_task  # re-raises a failed chaos step
+            return result
+
+        outcomes, retried, runtime = asyncio.run(scenario())
+        gauges_end = end_gauges(engines, 30.0)
+        reader.sample_now("end")
+        samples = reader.stop()
+        summary = check(plan, outcomes, lambda u: all_rates.get(u, default_rate), args, gauges_end, runtime,
+                        client_windows=False)
+        counters = counter_checks(samples, all_rates, args.engines, marks, args.max_window)
+        logs = [e.log_text() for e in engines]
+    summary["failures"] = counters["failures"] + summary["failures"]
+    summary["ok"] = summary["ok"] and not counters["failures"] and (
+        redis_srv is None or marks.all_shared_again is not None)
+    stopped_engine = len(engines) - 1
+    retried_on_restarted = [o for o in retried if o.engine == stopped_engine]
+    summary.update({
+        "engines": args.engines,
+        "guarantee_violations": counters["users_over_the_bound"],
+        "retried_requests": len(retried),
+        "retried_not_on_the_restarted_engine": len(retried) - len(retried_on_restarted),
+        "retried_errors": sorted({o.error[:120] for o in retried})[:5],
+        "counter_checks": counters,
+        "counter_read_failures": reader.failed_reads,
+        "chaos": marks.relative(t0),
+        "engine_startup_s": [e.startup_s for e in engines],
+        "store_outages_logged": [text.count("unreachable") for text in logs],
+        "store_back_logged": [text.count("answers again") for text in logs],
+        "requests_per_engine": {f"engine{i + 1}": sum(1 for o in outcomes if o.engine == i)
+                                for i in range(args.engines)},
+        # When each read was taken (s after the load began) and what it saw of
+        # the engines' starts and store modes (the charged totals are in the checks).
+        "counter_reads": [[round(s.sent - t0, 3), round(s.done - t0, 3), s.starts, s.modes] for s in samples],
+        "first_token_wait_client": first_token_waits(outcomes),
+    })
+    if redis_srv is not None and marks.all_shared_again is None:
+        summary["failures"].insert(0, "the engines were not all back on the shared store within 60 s")
+    # The chaos counts only while requests are still coming: say so when it came too late.
+    for what, done in (("Redis answered again", marks.done_at_redis_answering),
+                       ("the killed engine was back", marks.done_at_engine_healthy)):
+        if done is not None and done >= len(plan):
+            summary["failures"].append(f"{what} only after every request was done (the chaos came too late)")
+    summary["ok"] = summary["ok"] and not summary["failures"]
+    return summary, outcomes
+
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--url", help="existing server (needs --default-rate and --user-rates)")
@@ -431,11 +759,27 @@ def parse_args(argv=None):
     ap.add_argument("--out", default=str(RESULTS_DIR / "soak"), metavar="PREFIX",
                     help="writes the summary to PREFIX.json (default: %(default)s)")
     ap.add_argument("--model", default=str(DEFAULT_MODEL_DIR), help="own server's model (default: tiny model)")
+    ap.add_argument("--engines", type=int, default=1,
+                    help="engines sharing one store (needs --store); > 1 runs the chaos below")
+    ap.add_argument("--store", default=None, metavar="URL|redis-server",
+                    help="the engines' --output-rate-store; 'redis-server' starts a real one on 127.0.0.1 "
+                    "that the chaos kills and starts again")
+    ap.add_argument("--redis-down-at", type=float, default=0.5,
+                    help="kill Redis once this fraction of the requests is done (own redis-server)")
+    ap.add_argument("--redis-down-s", type=float, default=5.0, help="seconds Redis stays down (0: no kill)")
+    ap.add_argument("--restart-at", type=float, default=0.05,
+                    help="kill and start again the last engine once this fraction is done (1: never); "
+                    "early, so that it serves again while the load runs (a restart took 45-95 s here)")
+    ap.add_argument("--read-every", type=float, default=0.5, help="seconds between reads of the engines' counters")
+    ap.add_argument("--max-window", type=float, default=60.0,
+                    help="longest window of the counter check (s)")
     ap.add_argument("--dump-requests", default=None,
                     help="write every request's plan and outcome (JSON lines) here")
     args = ap.parse_args(argv)
     if args.url and (args.default_rate is None or args.user_rates is None):
         ap.error("--url needs --default-rate and --user-rates matching the server")
+    if args.engines > 1 and (args.store is None or args.url):
+        ap.error("--engines > 1 needs --store and its own servers (no --url)")
     if args.users < 1 or args.requests < 1 or args.concurrency < 1:
         ap.error("--users, --requests and --concurrency must be positive")
     return args
@@ -475,45 +819,49 @@ def main(argv=None) -> int:
     config = {k: v for k, v in vars(args).items() if k != "out"} | {
         "default_rate": default_rate, "user_rates": rates}
     doc = benchkit.start_report(SCHEMA)
-    with ExitStack() as stack:
-        if args.url:
-            base_url = args.url.rstrip("/")
-            model = benchkit.served_model(base_url)
-            server = None
-        else:
-            log_dir = benchkit.log_dir_for("soak", args.log_dir)
-            server_args = [
-                "--default-user-output-tokens-per-second", str(default_rate),
-                "--user-output-tokens-per-second", json.dumps(rates),
-                "--max-num-seqs", str(args.max_num_seqs),
-                "--max-num-active-seqs", str(args.max_num_active_seqs),
-                "--max-model-len", str(args.max_model_len),
-                "--max-num-batched-tokens", "512",
-                "--enforce-eager",
-                "--enable-per-request-metrics",
-                *args.server_arg,
-            ]
-            doc["server_args"] = server_args
-            (server,) = stack.enter_context(benchkit.running_engines(
-                [("soak", server_args)], log_dir, model=args.model, command=SERVE_WITH_CHURN))
-            base_url, model = server.base_url, server.model
-            doc["startup_s"] = server.startup_s
-            print(f"server pid {server.pid} at {base_url} up in {server.startup_s:.0f}s; "
-                  f"log {server.log_path}", flush=True)
-
-        m0 = measure.fetch_metrics(base_url)
-        outcomes, runtime = asyncio.run(drive(args, base_url, model, plan))
-        gauges_end = wait_gauges_zero(base_url, 15.0)
-        summary = check(plan, outcomes, rates_of, args, gauges_end, runtime)
-        churn = recompute_figures(m0, measure.fetch_metrics(base_url))
-        summary["preemptions"] = churn["preemptions"] or 0.0
-        summary["churn"] = churn_costs(churn, summary["finished"], summary["tokens_received"])
-        summary["first_token_wait_client"] = first_token_waits(outcomes)
+    if args.store:
+        summary, outcomes = run_cluster(args, plan, rates, default_rate, config, doc)
         summary["config"] = config
-        if server is not None:
-            summary["server_log"] = str(server.log_path)
-            if not summary["ok"]:
-                summary["server_log_tail"] = server.log_tail(40)
+    else:
+        with ExitStack() as stack:
+            if args.url:
+                base_url = args.url.rstrip("/")
+                model = benchkit.served_model(base_url)
+                server = None
+            else:
+                log_dir = benchkit.log_dir_for("soak", args.log_dir)
+                server_args = [
+                    "--default-user-output-tokens-per-second", str(default_rate),
+                    "--user-output-tokens-per-second", json.dumps(rates),
+                    "--max-num-seqs", str(args.max_num_seqs),
+                    "--max-num-active-seqs", str(args.max_num_active_seqs),
+                    "--max-model-len", str(args.max_model_len),
+                    "--max-num-batched-tokens", "512",
+                    "--enforce-eager",
+                    "--enable-per-request-metrics",
+                    *args.server_arg,
+                ]
+                doc["server_args"] = server_args
+                (server,) = stack.enter_context(benchkit.running_engines(
+                    [("soak", server_args)], log_dir, model=args.model, command=SERVE_WITH_CHURN))
+                base_url, model = server.base_url, server.model
+                doc["startup_s"] = server.startup_s
+                print(f"server pid {server.pid} at {base_url} up in {server.startup_s:.0f}s; "
+                      f"log {server.log_path}", flush=True)
+
+            m0 = measure.fetch_metrics(base_url)
+            outcomes, runtime = asyncio.run(drive(args, base_url, model, plan))
+            gauges_end = wait_gauges_zero(base_url, 15.0)
+            summary = check(plan, outcomes, rates_of, args, gauges_end, runtime)
+            churn = recompute_figures(m0, measure.fetch_metrics(base_url))
+            summary["preemptions"] = churn["preemptions"] or 0.0
+            summary["churn"] = churn_costs(churn, summary["finished"], summary["tokens_received"])
+            summary["first_token_wait_client"] = first_token_waits(outcomes)
+            summary["config"] = config
+            if server is not None:
+                summary["server_log"] = str(server.log_path)
+                if not summary["ok"]:
+                    summary["server_log_tail"] = server.log_tail(40)
 
     # -- report --
     print(f"\nruntime {summary['runtime_s']}s: {summary['finished']} finished, "
@@ -521,19 +869,32 @@ def main(argv=None) -> int:
           f"{summary['truncated_or_miscounted']} truncated/miscounted, "
           f"{summary['server_side_request_violations']} over the bound per request (server-side), "
           f"{summary['guarantee_violations']} users over the bound, "
-          f"{summary['tokens_received']} tokens, {summary['preemptions']:.0f} preemptions; "
+          f"{summary['tokens_received']} tokens, {summary.get('preemptions') or 0:.0f} preemptions; "
           f"gauges at end {summary['gauges_end']}")
-    print(churn_line(summary["churn"]))
+    if "churn" in summary:
+        print(churn_line(summary["churn"]))
+    if "counter_checks" in summary:
+        print(f"{summary['engines']} engines: {summary['retried_requests']} requests retried "
+              f"({summary['retried_not_on_the_restarted_engine']} not on the restarted engine); chaos "
+              f"(s after the load began): {summary['chaos']}; outages logged per engine "
+              f"{summary['store_outages_logged']}, back {summary['store_back_logged']}")
+        print("on the engines' counters (worst window between two reads vs the bound widened by the "
+              "fallback while Redis was down):")
+        print(f"{'user':<16}{'N':>7}{'charged':>9}{'worst W s':>11}{'tokens':>8}{'bound':>8}{'excess':>8}")
+        for user, e in summary["counter_checks"]["per_user"].items():
+            print(f"{user:<16}{e['rate']:>7}{e['charged']:>9}{e['worst_window_s']:>11}{e['worst_tokens']:>8}"
+                  f"{e['worst_bound']:>8}{e['worst_excess']:>8}")
     ttft = summary["first_token_wait_client"]
     if ttft:
         print(f"first token after send (client clock, upper bound): p50 {ttft['p50_s']}s, "
               f"p90 {ttft['p90_s']}s, max {ttft['max_s']}s over {ttft['requests']} requests")
-    print(f"delivery jitter measured {summary['measured_delivery_jitter_s']}s; sliding-window "
-          f"allowance {summary['sliding_window_allowance_s']}s.  Excess = tokens over "
-          f"(W + 0.1 [+ allowance]) * N + 1 in the worst window (<= 0 is within the guarantee)")
-    print(f"{'user':<16}{'N':>7}{'reqs':>6}{'tokens':>8}{'mean':>8}{'max1s':>7}{'bnd1s':>7}"
-          f"{'envelope':>10}{'sliding':>9}{'strict':>8}")
-    for user, e in summary["per_user"].items():
+    if "counter_checks" not in summary:
+        print(f"delivery jitter measured {summary['measured_delivery_jitter_s']}s; sliding-window "
+              f"allowance {summary['sliding_window_allowance_s']}s.  Excess = tokens over "
+              f"(W + 0.1 [+ allowance]) * N + 1 in the worst window (<= 0 is within the guarantee)")
+        print(f"{'user':<16}{'N':>7}{'reqs':>6}{'tokens':>8}{'mean':>8}{'max1s':>7}{'bnd1s':>7}"
+              f"{'envelope':>10}{'sliding':>9}{'strict':>8}")
+    for user, e in ({} if "counter_checks" in summary else summary["per_user"]).items():
         print(f"{user:<16}{e['rate']:>7}{e['requests']:>6}{e['tokens']:>8}{str(e['mean_rate']):>8}"
               f"{e['max_tokens_in_1s']:>7}{e['bound_1s']:>7}{e['worst_excess_envelope']:>10}"
               f"{e['worst_excess_sliding']:>9}{e['worst_excess_sliding_strict']:>8}")

@@ -38,6 +38,7 @@ import os
 import platform
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
@@ -280,6 +281,82 @@ def running_engines(
                 stack.push(manager.__exit__)
                 started.append(server)
         yield started
+
+
+class RestartableEngine:
+    """One engine of a cluster that a benchmark stops and starts again.
+
+    Keeps its CPU binding (engine ``index`` of ``engines``, as
+    :func:`running_engines` would give it) across starts; each start gets a
+    port of its own.  ``starts`` counts the starts so far; :attr:`server` is
+    ``None`` while the engine is down, which is what a client routing
+    requests reads.  :meth:`stop` stops the process group by PID.
+    """
+
+    def __init__(self, index: int, engines: int, name: str, args: list[str], log_dir: Path,
+                 model: str | os.PathLike = DEFAULT_MODEL_DIR, command: list[str] | None = None,
+                 env: Mapping[str, str] | None = None) -> None:
+        self.index, self.name, self.args, self.log_dir = index, name, args, log_dir
+        self.model, self.command = model, command
+        self.env = engine_env(index, engines, env)
+        self.starts = 0
+        self.startup_s: list[float] = []
+        self.server: Server | None = None
+        self._manager: Any = None
+
+    @property
+    def base_url(self) -> str | None:
+        server = self.server
+        return None if server is None else server.base_url
+
+    def start(self) -> "RestartableEngine":
+        began = time.monotonic()
+        manager = running_server(self.args, self.log_dir, f"{self.name}-start{self.starts}",
+                                 model=self.model, command=self.command, env=self.env)
+        server = manager.__enter__()
+        self._manager, self.server = manager, server
+        self.starts += 1
+        self.startup_s.append(round(time.monotonic() - began, 1))
+        return self
+
+    def stop(self) -> None:
+        manager, self._manager, self.server = self._manager, None, None
+        if manager is not None:
+            manager.__exit__(None, None, None)
+
+    def kill(self) -> None:
+        """SIGKILL to the whole process group at once (a crash: nothing drains)."""
+        server = self.server
+        self.server = None  # routed around from now on
+        if server is not None and server.proc.poll() is None:
+            try:
+                os.killpg(server.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            server.proc.wait(timeout=30)
+        self.stop()
+
+    def log_text(self) -> str:
+        """Every start's log."""
+        return "".join(p.read_text(errors="replace") for p in sorted(self.log_dir.glob(f"{self.name}-start*.log")))
+
+
+@contextlib.contextmanager
+def restartable_engines(specs: Sequence[tuple[str, list[str]]], log_dir: Path,
+                        model: str | os.PathLike = DEFAULT_MODEL_DIR, command: list[str] | None = None,
+                        env: Mapping[str, str] | None = None) -> Iterator[list[RestartableEngine]]:
+    """Like :func:`running_engines` side by side, each engine with its own
+    CPUs, but each one can be stopped and started again; all are stopped on exit."""
+    engines = [RestartableEngine(i, len(specs), name, args, log_dir, model, command, env)
+               for i, (name, args) in enumerate(specs)]
+    try:
+        with ThreadPoolExecutor(len(engines)) as pool:
+            for future in [pool.submit(engine.start) for engine in engines]:
+                future.result()
+        yield engines
+    finally:
+        for engine in engines:
+            engine.stop()
 
 
 class RedisClusterProcess:

@@ -23,11 +23,13 @@ import argparse
 import json
 import shlex
 import sys
+import time
 from pathlib import Path
 from typing import Any, Mapping
 
 from vllm_output_rate.tools import bench, benchkit, serverproc
 from vllm_output_rate.tools.analysis import UserSummary, bound_terms
+from vllm_output_rate.tools.engine_counters import CounterReader, CounterSample, cumulative, longest_silence
 from vllm_output_rate.tools.measure import RequestRecord
 from vllm_output_rate.tools.redisproc import RedisProcess
 from vllm_output_rate.tools.render import markdown_table, num, plot_engines, plot_label, tightest
@@ -50,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="limit of every other user (the light user): high, so it is not throttled")
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--max-num-active-seqs", type=int, default=8)
+    p.add_argument("--runs", type=int, default=1,
+                   help="consecutive runs, each with a fresh Redis and fresh engines; the tables and "
+                        "figure show the last, the targets are judged on each (default 1)")
     p.add_argument("--out", default="results/demo-cluster", help="prefix of the .json/.png outputs (logs next to them)")
     p.add_argument("--render-only", action="store_true",
                    help="start nothing: redraw OUT.png and print the tables from an earlier OUT.json")
@@ -196,7 +201,74 @@ def markdown(document: Mapping[str, Any], dated: bool = True) -> str:
     placement = worker_placement(document["cluster"].get("worker_cpus"), urls)
     if placement:
         lines += ["", placement]
+    runs = document["cluster"].get("runs") or []
+    if runs:
+        lines += ["", f"The tables above show run {len(runs)} of {len(runs)}.", "", *runs_lines(runs, heavy_limit)]
     return "\n".join(lines)
+
+
+#: Targets judged per run on the engines' counters (issue 22).
+TARGET_SHARE = 0.9
+TARGET_SILENCE_S = 2.0
+#: Reads of the engines' counters while the load runs, and the start of the
+#: load left out of the rate (every stream has its first tokens by then).
+READ_EVERY_S = 0.25
+RATE_WARMUP_S = 3.0
+
+
+def counter_figures(samples: list[CounterSample], load_from: float, load_to: float,
+                    heavy_limit: float) -> dict[str, Any]:
+    """One run's figures on the engines' own counters: the heavy user's
+    charged rate summed over the engines (between the reads closest to
+    ``load_from + RATE_WARMUP_S`` and ``load_to``, over the time between the
+    middles of the two reads) and each engine's longest sure silence while
+    the load ran."""
+    inside = [s for s in samples if s.sent >= load_from + RATE_WARMUP_S and s.done <= load_to
+              and all(c is not None for c in s.charged)]
+    out: dict[str, Any] = {"reads": len(samples), "load_s": round(load_to - load_from, 2)}
+    if len(inside) >= 2:
+        a, b = inside[0], inside[-1]
+        totals = cumulative([a, b], HEAVY)
+        window = (b.sent + b.done) / 2 - (a.sent + a.done) / 2
+        rate = (totals[1] - totals[0]) / window
+        out.update({"heavy_charged_tokens": totals[1] - totals[0], "rate_window_s": round(window, 2),
+                    "heavy_charged_rate": round(rate, 2), "share_of_limit": round(rate / heavy_limit, 3)})
+    engines = len(samples[0].charged) if samples else 0
+    out["longest_silence_s"] = [round(longest_silence(samples, i, load_from, load_to), 2)
+                                for i in range(engines)]
+    gaps = [b.sent - a.sent for a, b in zip(samples, samples[1:]) if load_from <= a.sent <= load_to]
+    out["longest_read_gap_s"] = round(max(gaps), 2) if gaps else None
+    out["meets_targets"] = bool(
+        out.get("share_of_limit") is not None and out["share_of_limit"] >= TARGET_SHARE
+        and max(out["longest_silence_s"], default=0.0) <= TARGET_SILENCE_S)
+    return out
+
+
+def runs_lines(runs: list[Mapping[str, Any]], heavy_limit: float) -> list[str]:
+    """The per-run table of the targets (engines' counters)."""
+    if not runs:
+        return []
+    lines = [
+        f"Each of {len(runs)} consecutive runs (fresh Redis and engines each), judged on the engines' own "
+        f"counters (admin route read every {READ_EVERY_S:g} s): `{HEAVY}`'s charged tokens summed over the "
+        f"engines from {RATE_WARMUP_S:g} s into the load to its end (target ≥ {TARGET_SHARE:g} × "
+        f"{heavy_limit:g} tok/s), and each engine's longest time with no token charged while the load ran "
+        f"(target ≤ {TARGET_SILENCE_S:g} s).",
+        "",
+        "| run | started (UTC) | load avg before / after | heavy charged tok/s | of the limit | "
+        "longest engine silence s | longest gap between reads s | targets |",
+        "| ---: | --- | --- | ---: | ---: | --- | ---: | --- |",
+    ]
+    for i, run in enumerate(runs, 1):
+        c = run["counters"]
+        rate, share = c.get("heavy_charged_rate"), c.get("share_of_limit")
+        lines.append(
+            f"| {i} | {run['started_at']} | {benchkit.fmt_load(run['load_before'])} / "
+            f"{benchkit.fmt_load(run['load_after'])} | {num(rate)} | "
+            f"{'-' if share is None else format(share, '.2f')} | "
+            f"{' / '.join(f'{x:.2f}' for x in c['longest_silence_s'])} | {num(c.get('longest_read_gap_s'))} | "
+            f"{'met' if c['meets_targets'] else '**missed**'} |")
+    return lines
 
 
 def worker_placement(worker_cpus: Mapping[str, Any] | None, urls: list[str]) -> str:
@@ -211,35 +283,43 @@ def worker_placement(worker_cpus: Mapping[str, Any] | None, urls: list[str]) -> 
     return f"Model workers: {where}." if where else ""
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
-    if args.engines < 1:
-        raise SystemExit("vllm-output-rate demo-cluster: error: --engines must be >= 1")
-    out = Path(args.out)
-    if args.render_only:
-        document = json.loads(out.with_name(out.name + ".json").read_text())
-        print(f"wrote {render_outputs(document, out)}")
-        return document
-    out.parent.mkdir(parents=True, exist_ok=True)
+def run_figures(document: Mapping[str, Any]) -> dict[str, Any]:
+    """What the per-run table keeps of one run."""
+    cluster = document["cluster"]
+    return {"started_at": cluster["started_at"], "load_before": cluster["load_before"],
+            "load_after": cluster["load_after"], "counters": cluster["counters"],
+            "worker_cpus": cluster["worker_cpus"]}
+
+
+def run_once(args: argparse.Namespace, argv: list[str], out: Path) -> dict[str, Any]:
+    """One run: a fresh redis-server and engines, the bench, the engines' counters."""
+    started_at = benchkit.start_report(SCHEMA)  # prints the machine and the load
     with RedisProcess() as redis_srv:
         print(f"redis-server on 127.0.0.1:{redis_srv.port} (pid {redis_srv.pid})", flush=True)
         server_args = engine_args(args, redis_srv.url)
         print(f"starting {args.engines} engines: vllm-output-rate serve {args.model} "
               f"{shlex.join(server_args)}", flush=True)
         names = [f"demo-cluster-engine{i + 1}" for i in range(args.engines)]
+        # The admin route: the engines' own per-user counters, read while the bench runs.
         with benchkit.running_engines([(name, server_args) for name in names], out.parent,
-                                      model=args.model, side_by_side=True) as servers:
+                                      model=args.model, side_by_side=True,
+                                      env=serverproc.ADMIN_ROUTE_ENV) as servers:
             urls = [srv.base_url for srv in servers]
             worker_cpus = {srv.base_url: benchkit.worker_cpus(srv.pid) for srv in servers}
             print("engines ready: " + ", ".join(
                 f"{srv.base_url} (pid {srv.pid}, model worker on CPUs {worker_cpus[srv.base_url]})"
                 for srv in servers) + f"; bench for {args.duration:g} s", flush=True)
-            document = bench.main(bench_argv(args, urls))
+            reader = CounterReader(lambda: [(url, 0) for url in urls], period_s=READ_EVERY_S).start()
+            load_from = time.monotonic()
+            try:
+                document = bench.main(bench_argv(args, urls))
+            finally:
+                samples = reader.stop()
             outages = {srv.base_url: srv.log_path.read_text(errors="replace").count("unreachable")
                        for srv in servers}
         print("engines stopped", flush=True)
     print("redis-server stopped", flush=True)
+    head = benchkit.finish_report(started_at)
     document = dict(document)
     document["schema_cluster"] = SCHEMA
     document["machine"] = benchkit.machine_facts()
@@ -251,7 +331,37 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "worker_cpus": worker_cpus,
         "heavy_user": HEAVY, "light_user": LIGHT, "heavy_limit": args.heavy_limit,
         "store_outages_logged": outages,
+        "started_at": head["started_at"], "load_before": head["load_before"], "load_after": head["load_after"],
+        "counters": counter_figures(samples, load_from, load_from + args.duration, args.heavy_limit),
+        "counter_read_failures": reader.failed_reads,
     }
+    return document
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    if args.engines < 1 or args.runs < 1:
+        raise SystemExit("vllm-output-rate demo-cluster: error: --engines and --runs must be >= 1")
+    out = Path(args.out)
+    if args.render_only:
+        document = json.loads(out.with_name(out.name + ".json").read_text())
+        print(f"wrote {render_outputs(document, out)}")
+        return document
+    out.parent.mkdir(parents=True, exist_ok=True)
+    runs: list[dict[str, Any]] = []
+    for run in range(1, args.runs + 1):
+        if args.runs > 1:
+            print(f"\n== run {run} of {args.runs} ==", flush=True)
+        document = run_once(args, argv, out)
+        runs.append(run_figures(document))
+        c = runs[-1]["counters"]
+        print(f"run {run}: {HEAVY} charged {num(c.get('heavy_charged_rate'))} tok/s on the engines "
+              f"({num(c.get('share_of_limit'), 2)} of the limit), longest engine silence "
+              f"{c['longest_silence_s']} s, load avg {benchkit.fmt_load(runs[-1]['load_before'])} -> "
+              f"{benchkit.fmt_load(runs[-1]['load_after'])}: "
+              f"{'targets met' if c['meets_targets'] else 'TARGETS MISSED'}", flush=True)
+    document["cluster"]["runs"] = runs
     document = with_rates_under_load(document)
     path = out.with_name(out.name + ".json")
     path.write_text(json.dumps(document, indent=1) + "\n")
