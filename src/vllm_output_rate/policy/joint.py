@@ -44,7 +44,9 @@ class JointLimiter:
         """How many tokens both quotas could pay for in a row."""
         got = self.own.available(user, now_ns)
         key = self.shared_key(user)
-        if got and key is not None:
+        if key is not None:
+            # Both asked even when one has nothing: a leased quota asks its
+            # store for tokens of whoever was found short.
             return min(got, self.shared.available(key, now_ns))
         return got
 
@@ -55,7 +57,10 @@ class JointLimiter:
             return self.own.try_take(user, now_ns, count)
         if count <= 0:
             return True
-        if self.shared.available(key, now_ns) < count or not self.own.try_take(user, now_ns, count):
+        if self.shared.available(key, now_ns) < count:
+            self.own.available(user, now_ns)  # asked all the same (see available)
+            return False
+        if not self.own.try_take(user, now_ns, count):
             return False
         if self.shared.try_take(key, now_ns, count):
             return True
@@ -68,6 +73,9 @@ class JointLimiter:
         if key is None:
             return self.own.take_up_to(user, now_ns, count)
         room = self.shared.available(key, now_ns)
+        if room <= 0 < count:
+            self.own.available(user, now_ns)  # asked all the same (see available)
+            return 0
         taken = self.own.take_up_to(user, now_ns, min(count, room))
         if taken:
             paid = self.shared.take_up_to(key, now_ns, taken)
@@ -100,12 +108,9 @@ class JointLimiter:
         """Replace the users' own rates (the shared quota's owner updates its own)."""
         return self.own.update_rates(default_rate, user_rates)
 
-    def figures(self) -> dict[str, int]:
-        """Both limiters' store counters, summed."""
-        total = dict(self.own.figures())
-        for name, value in self.shared.figures().items():
-            total[name] = total.get(name, 0) + value
-        return total
+    def figures(self, user: str | None = None) -> dict[str, int]:
+        """The own limiter's store figures (a mode is a gauge: two do not add)."""
+        return self.own.figures(user)
 
     def close(self) -> None:
         """Close both limiters."""
