@@ -32,9 +32,11 @@ VENV_033 ?= .venv-vllm0.33
 STAMP_033 := $(VENV_033)/.vllm-output-rate-setup
 SERIES_TESTS ?= tests/policy/test_limiter.py tests/policy/test_gate.py tests/config/test_settings.py \
 	tests/policy/test_borrow.py tests/policy/test_drafts.py tests/policy/test_prompt_cost.py \
+	tests/policy/test_joint.py tests/policy/test_groups.py tests/config/test_group_settings.py \
 	tests/adapter/test_scheduler.py tests/adapter/test_stock_equivalence.py tests/adapter/test_touchpoints.py tests/adapter/test_engine_step.py \
 	tests/adapter/test_lora.py tests/adapter/test_multimodal.py tests/adapter/test_spec_decode.py tests/adapter/test_data_parallel.py \
 	tests/adapter/test_borrowing.py tests/adapter/test_prompt_cost_scheduler.py tests/adapter/test_combined_modes.py \
+	tests/adapter/test_groups_scheduler.py \
 	tests/adapter/test_series.py tests/tools/test_cli_config.py
 # vllm serve subprocesses cannot start on the GPU wheel (no CPU kernels).
 SERIES_TEST_ARGS ?= -m 'not server'

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from vllm_output_rate.policy.borrow import Borrowing, CeiledLimiter
+from vllm_output_rate.policy.groups import CapLimiter, GroupQuotas, GroupShareTable
 from vllm_output_rate.policy.limiter import Limiter, OutputRateLimiter
 from vllm_output_rate.settings import OutputRateSettings
 from vllm_output_rate.stores.backend import LeaseConfig
@@ -32,6 +33,23 @@ def make_limiter(settings: OutputRateSettings, **kwargs: Any) -> Limiter:
 #: Suffix of the ceiling quota's key prefix in a shared store: the ceiling of
 #: a user lives under ``{prefix}:ceil:user:{<user>}``, apart from its rate.
 CEILING_PREFIX_SUFFIX = ":ceil"
+#: Suffix of the groups' key prefix in a shared store: a group's rate lives
+#: under ``{prefix}:group:user:{<group>}``, its ceiling under
+#: ``{prefix}:group:ceil:user:{<group>}``, apart from every user's keys.
+GROUP_PREFIX_SUFFIX = ":group"
+
+
+def _quota(
+    settings: OutputRateSettings, default: float, rates: dict, suffix: str, **kwargs: Any
+) -> Limiter:
+    """A quota at these rates: in memory without a store; with one, shared
+    through it under ``{prefix}{suffix}``."""
+    store = settings.store
+    if store is None:
+        return OutputRateLimiter(default, rates)
+    backend = RedisLeaseBackend(store.url, prefix=store.prefix + suffix)
+    config = LeaseConfig(fallback=store.fallback, expected_engines=store.expected_engines)
+    return LeasedOutputRateLimiter(default, rates, backend, config=config, **kwargs)
 
 
 def make_ceiling_limiter(settings: OutputRateSettings, **kwargs: Any) -> Limiter:
@@ -39,29 +57,78 @@ def make_ceiling_limiter(settings: OutputRateSettings, **kwargs: Any) -> Limiter
     memory without a store; with one, shared through it like the rates, under
     keys of its own."""
     default, ceilings = settings.share_table().ceilings()
-    store = settings.store
-    if store is None:
-        return OutputRateLimiter(default, ceilings)
-    backend = RedisLeaseBackend(store.url, prefix=store.prefix + CEILING_PREFIX_SUFFIX)
-    config = LeaseConfig(fallback=store.fallback, expected_engines=store.expected_engines)
-    return LeasedOutputRateLimiter(default, ceilings, backend, config=config, **kwargs)
+    return _quota(settings, default, ceilings, CEILING_PREFIX_SUFFIX, **kwargs)
+
+
+def make_group_quotas(
+    settings: OutputRateSettings, groups: GroupQuotas | None = None, **kwargs: Any
+) -> GroupQuotas | None:
+    """The groups' membership and quotas (:mod:`..policy.groups`); None
+    without groups.  An existing ``groups`` (a reload) keeps its quotas'
+    state, with the new rates, ceilings and members."""
+    if not settings.group_rates:
+        if groups is not None:
+            groups.close()
+        return None
+    table = settings.group_table()
+    members = {user: settings.user_groups.get(user) for user in settings.user_rates}
+    # Every group is named: the default is never asked.
+    default, rates = settings.default_rate, dict(settings.group_rates)
+    if groups is None:
+        rate = _quota(settings, default, rates, GROUP_PREFIX_SUFFIX, **kwargs)
+        groups = GroupQuotas(members, settings.default_group, table, rate)
+    else:
+        groups.rate.update_rates(default, rates)
+        groups.update(members, settings.default_group, table)
+    if table.any_borrower():
+        if groups.ceiling is None:
+            groups.ceiling = _quota(
+                settings, *table.ceilings(), GROUP_PREFIX_SUFFIX + CEILING_PREFIX_SUFFIX, **kwargs
+            )
+        else:
+            groups.ceiling.update_rates(*table.ceilings())
+    elif groups.ceiling is not None:
+        groups.ceiling.close()
+        groups.ceiling = None
+    return groups
 
 
 def make_borrowing(
-    settings: OutputRateSettings, rate_limiter: Limiter, borrowing: Borrowing | None = None
+    settings: OutputRateSettings,
+    rate_limiter: Limiter,
+    borrowing: Borrowing | None = None,
+    groups: GroupQuotas | None = None,
 ) -> tuple[Borrowing | None, Limiter]:
     """Borrowing for ``settings`` and the limiter guaranteed tokens are paid
-    from: (None, ``rate_limiter``) when nobody borrows, so hard caps run
-    exactly as without the feature.  An existing ``borrowing`` (a reload)
-    keeps its ceiling state and counters, with the new ceilings."""
+    from: (None, ``rate_limiter``) when nobody borrows and there are no
+    groups, so hard caps run exactly as without the feature.  An existing
+    ``borrowing`` (a reload) keeps its ceiling state and counters, with the
+    new ceilings.  With ``groups`` every token is also paid on the user's
+    group (:mod:`..policy.groups`)."""
     table = settings.share_table()
-    if not table.any_borrower():
-        if borrowing is not None:
-            borrowing.ceiling.close()
-        return None, rate_limiter
-    if borrowing is None:
-        borrowing = Borrowing(table, make_ceiling_limiter(settings))
+    users_borrow = table.any_borrower()
+    ceiling = None if borrowing is None else borrowing.ceiling
+    if users_borrow:
+        if ceiling is None:
+            ceiling = make_ceiling_limiter(settings)
+        else:
+            ceiling.update_rates(*table.ceilings())
+        own: Limiter = CeiledLimiter(rate_limiter, ceiling, table)
     else:
-        borrowing.update(table)
-        borrowing.ceiling.update_rates(*table.ceilings())
-    return borrowing, CeiledLimiter(rate_limiter, borrowing.ceiling, table)
+        if ceiling is not None:
+            ceiling.close()
+            ceiling = None
+        own = rate_limiter
+    if groups is None:
+        shares, cap, limiter = table, None, own
+    else:
+        shares = GroupShareTable(table, groups)
+        cap = CapLimiter(rate_limiter, ceiling, table, groups)
+        limiter = groups.joint(own)
+    if not shares.any_borrower():
+        return None, limiter
+    if borrowing is None:
+        borrowing = Borrowing(shares, ceiling, cap)
+    else:
+        borrowing.update(shares, ceiling, cap)
+    return borrowing, limiter

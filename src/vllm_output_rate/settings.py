@@ -15,6 +15,7 @@ the flag (or key) and what is wrong with it.  No vLLM import here.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -55,9 +56,14 @@ RECOMPUTE_BUDGET_FLAG = "--output-rate-recompute-budget"
 #: Tokens of quota each computed prompt token costs (0: prompt tokens are free).
 INPUT_TOKEN_WEIGHT_KEY = "input_token_weight"
 INPUT_TOKEN_WEIGHT_FLAG = "--output-rate-input-token-weight"
+#: Groups of users: ``{group: limit}``, each limit as a user's; a user joins
+#: one with the key ``group`` of its own limit (see ``policy/groups.py``).
+GROUPS_KEY = "groups"
+GROUPS_FLAG = "--output-rate-groups"
+GROUP_KEY = "group"
 _SECTION_KEYS = {
     DEFAULT_KEY, OVERRIDES_KEY, LIMITS_FILE_KEY, METRICS_MAX_USERS_KEY, STORE_KEY,
-    RECOMPUTE_BUDGET_KEY, INPUT_TOKEN_WEIGHT_KEY,
+    RECOMPUTE_BUDGET_KEY, INPUT_TOKEN_WEIGHT_KEY, GROUPS_KEY,
 }
 
 
@@ -81,6 +87,9 @@ class OutputRateSettings:
     throttled requests for waiting ones may cost (0: never).
     ``input_token_weight``: tokens of quota each computed prompt token costs
     (0: prompt tokens are free; see ``policy/prompt_cost.py``).
+    ``group_rates`` / ``group_shares``: each group's limit, as a user's;
+    ``user_groups``: the group of each named user that has one;
+    ``default_group``: the group of every user without an entry (None: none).
     """
 
     default_rate: float
@@ -92,16 +101,25 @@ class OutputRateSettings:
     input_token_weight: float = 0.0
     default_share: Share | None = None
     user_shares: Mapping[str, Share] = field(default_factory=dict)
+    group_rates: Mapping[str, float] = field(default_factory=dict)
+    group_shares: Mapping[str, Share] = field(default_factory=dict)
+    user_groups: Mapping[str, str] = field(default_factory=dict)
+    default_group: str | None = None
 
     def to_config(self) -> dict[str, Any]:
         """The ``additional_config["output_rate"]`` form of these settings."""
         config: dict[str, Any] = {
-            DEFAULT_KEY: _limit_value(self.default_rate, self.default_share),
+            DEFAULT_KEY: _limit_value(self.default_rate, self.default_share, self.default_group),
             OVERRIDES_KEY: {
-                user: _limit_value(rate, self.user_shares.get(user))
+                user: _limit_value(rate, self.user_shares.get(user), self.user_groups.get(user))
                 for user, rate in self.user_rates.items()
             },
         }
+        if self.group_rates:
+            config[GROUPS_KEY] = {
+                group: _limit_value(rate, self.group_shares.get(group))
+                for group, rate in self.group_rates.items()
+            }
         if self.limits_file is not None:
             config[LIMITS_FILE_KEY] = self.limits_file
         if self.metrics_max_users != DEFAULT_METRICS_MAX_USERS:
@@ -155,32 +173,26 @@ class OutputRateSettings:
                     f"{where}[{LIMITS_FILE_KEY!r}]: must be a file path"
                 )
             rates = load_limits_file(limits_file, input_token_weight)
-            return cls(
-                default_rate=rates.default_rate,
-                user_rates=rates.user_rates,
-                default_share=rates.default_share,
-                user_shares=rates.user_shares,
+            return dataclasses.replace(
+                rates,
                 limits_file=limits_file,
                 metrics_max_users=max_users,
                 store=store,
                 recompute_budget=recompute_budget,
-                input_token_weight=rates.input_token_weight,
             )
         default = section.get(DEFAULT_KEY)
         overrides = section.get(OVERRIDES_KEY)
         if default is None:
-            if overrides:
-                raise OutputRateConfigError(
-                    f"{where}[{OVERRIDES_KEY!r}] requires {DEFAULT_KEY!r}"
-                )
+            for key in (OVERRIDES_KEY, GROUPS_KEY):
+                if section.get(key):
+                    raise OutputRateConfigError(f"{where}[{key!r}] requires {DEFAULT_KEY!r}")
             return None
-        default_rate, default_share = validate_limit(default, f"{where}[{DEFAULT_KEY!r}]")
-        user_rates, user_shares = validate_limits(overrides or {}, f"{where}[{OVERRIDES_KEY!r}]")
+        limits = validate_all_limits(
+            default, overrides or {}, section.get(GROUPS_KEY) or {},
+            (f"{where}[{DEFAULT_KEY!r}]", f"{where}[{OVERRIDES_KEY!r}]", f"{where}[{GROUPS_KEY!r}]"),
+        )
         return cls(
-            default_rate=default_rate,
-            user_rates=user_rates,
-            default_share=default_share,
-            user_shares=user_shares,
+            **limits,
             metrics_max_users=max_users,
             store=store,
             recompute_budget=recompute_budget,
@@ -208,6 +220,22 @@ class OutputRateSettings:
         """The rates with their ceilings and weights, for borrowing."""
         return ShareTable(self.default_rate, self.user_rates, self.default_share, self.user_shares)
 
+    def group_of(self, user: str) -> str | None:
+        """``user``'s group (None: it belongs to none)."""
+        if user in self.user_rates:
+            return self.user_groups.get(user)
+        return self.default_group
+
+    def group_limit_of(self, group: str) -> tuple[float, float | None, float]:
+        """``group``'s (rate, ceil, weight), as :meth:`limit_of`."""
+        rate, share = self.group_rates[group], self.group_shares.get(group)
+        return (rate, rate, rate) if share is None else (rate, share.ceil, share.weight)
+
+    def group_table(self) -> ShareTable:
+        """The groups' rates, ceilings and weights (every group is named: the
+        table's default is never asked)."""
+        return ShareTable(self.default_rate, self.group_rates, None, self.group_shares)
+
     def borrows(self) -> bool:
         """Does any user have a ceiling above its rate (or none)?"""
         return self.share_table().any_borrower()
@@ -217,11 +245,17 @@ class OutputRateSettings:
 LIMIT_KEYS = ("rate", "ceil", "weight")
 
 
-def _limit_value(rate: float, share: Share | None) -> Any:
-    """A rate as written in the config: a number, or ``{rate, ceil, weight}``."""
-    if share is None:
+def _limit_value(rate: float, share: Share | None, group: str | None = None) -> Any:
+    """A rate as written in the config: a number, or ``{rate, ceil, weight}``
+    (with ``group`` for a user in one)."""
+    if share is None and group is None:
         return rate
-    return {"rate": rate, "ceil": share.ceil, "weight": share.weight}
+    value: dict[str, Any] = {"rate": rate}
+    if share is not None:
+        value.update(ceil=share.ceil, weight=share.weight)
+    if group is not None:
+        value[GROUP_KEY] = group
+    return value
 
 
 def validate_limit(value: Any, what: str) -> tuple[float, Share | None]:
@@ -234,6 +268,11 @@ def validate_limit(value: Any, what: str) -> tuple[float, Share | None]:
         return validate_rate(value, what), None
     unknown = sorted((str(k) for k in value if k not in LIMIT_KEYS))
     if unknown:
+        if GROUP_KEY in unknown:
+            raise OutputRateConfigError(
+                f"{what}: a group cannot belong to a group (one level of groups); "
+                f"'{GROUP_KEY}' is a key of users' limits"
+            )
         raise OutputRateConfigError(
             f"{what}: must be a number or {{rate, ceil, weight}}; unknown keys {unknown}"
         )
@@ -260,19 +299,101 @@ def _no_text(value: Any, what: str) -> Any:
 
 def validate_limits(value: Any, what: str) -> tuple[dict[str, float], dict[str, Share]]:
     """Per-user limits: (user -> rate, user -> share for those given as mappings)."""
+    user_rates, shares, _ = validate_grouped_limits(value, what, ANY_GROUP)
+    return user_rates, shares
+
+
+class _AnyGroup:
+    """Accept every group name (a flag checked alone, before the groups are known)."""
+
+    def __contains__(self, group: object) -> bool:
+        return True
+
+
+#: ``groups`` argument of the validators that checks no group reference.
+ANY_GROUP: Any = _AnyGroup()
+
+
+def _user_group(value: Any, what: str, groups: Any) -> tuple[Any, str | None]:
+    """``value`` without its ``group`` key, and that group (checked against ``groups``)."""
+    if not isinstance(value, Mapping) or GROUP_KEY not in value:
+        return value, None
+    group = value[GROUP_KEY]
+    where = f"{what}[{GROUP_KEY!r}]"
+    if not isinstance(group, str) or not group:
+        raise OutputRateConfigError(f"{where}: must be a group name, got {group!r}")
+    if group not in groups:
+        known = sorted(groups)
+        raise OutputRateConfigError(
+            f"{where}: unknown group {group!r} ("
+            + (f"groups: {known}" if known else f"no {GROUPS_KEY!r} configured") + ")"
+        )
+    return {k: v for k, v in value.items() if k != GROUP_KEY}, group
+
+
+def validate_grouped_limits(
+    value: Any, what: str, groups: Any = ()
+) -> tuple[dict[str, float], dict[str, Share], dict[str, str]]:
+    """Per-user limits, each may name one of ``groups``: (user -> rate, user ->
+    share for those given as mappings, user -> group for those in one)."""
     if not isinstance(value, Mapping):
         validate_overrides(value, what)  # raises: not a mapping
     user_rates: dict[str, float] = {}
     shares: dict[str, Share] = {}
+    user_groups: dict[str, str] = {}
     for user, limit in value.items():
         validate_overrides({user: 1}, what)  # the checks of a user name
         if isinstance(limit, str):
             raise OutputRateConfigError(f"{what}[{user!r}]: must be a number, got {limit!r}")
+        limit, group = _user_group(limit, f"{what}[{user!r}]", groups)
         rate, share = validate_limit(limit, f"{what}[{user!r}]")
         user_rates[user] = rate
         if share is not None:
             shares[user] = share
-    return user_rates, shares
+        if group is not None:
+            user_groups[user] = group
+    return user_rates, shares, user_groups
+
+
+def validate_groups(value: Any, what: str) -> tuple[dict[str, float], dict[str, Share]]:
+    """Groups: ``{group: limit}``, names and limits checked as users' (a
+    group names no group: one level)."""
+    if not isinstance(value, Mapping):
+        raise OutputRateConfigError(
+            f"{what}: must be an object of group -> limit, got {type(value).__name__}"
+        )
+    rates: dict[str, float] = {}
+    shares: dict[str, Share] = {}
+    for group, limit in value.items():
+        if not isinstance(group, str) or not group:
+            raise OutputRateConfigError(f"{what}: group names must be non-empty strings")
+        if len(group) > MAX_USER_LEN:
+            raise OutputRateConfigError(f"{what}: group name longer than {MAX_USER_LEN} characters")
+        if isinstance(limit, str):
+            raise OutputRateConfigError(f"{what}[{group!r}]: must be a number, got {limit!r}")
+        rates[group], share = validate_limit(limit, f"{what}[{group!r}]")
+        if share is not None:
+            shares[group] = share
+    return rates, shares
+
+
+def validate_all_limits(
+    default: Any, overrides: Any, groups: Any, what: tuple[str, str, str], check_groups: bool = True
+) -> dict[str, Any]:
+    """The default, per-user limits and groups, validated together (a user's
+    group must be one of the groups): keyword arguments of
+    :class:`OutputRateSettings`."""
+    where_default, where_users, where_groups = what
+    group_rates, group_shares = validate_groups(groups, where_groups)
+    known = group_rates if check_groups else ANY_GROUP
+    default, default_group = _user_group(default, where_default, known)
+    default_rate, default_share = validate_limit(default, where_default)
+    user_rates, user_shares, user_groups = validate_grouped_limits(overrides, where_users, known)
+    return dict(
+        default_rate=default_rate, default_share=default_share, default_group=default_group,
+        user_rates=user_rates, user_shares=user_shares, user_groups=user_groups,
+        group_rates=group_rates, group_shares=group_shares,
+    )
 
 
 def validate_rate(value: Any, what: str) -> float:
@@ -325,32 +446,40 @@ def _reject_json_constant(name: str) -> float:
     raise ValueError(f"{name} is not a valid rate")
 
 
-def parse_cli(default: str | None, overrides: str | None) -> dict[str, Any] | None:
-    """Parse the two flags into the ``additional_config`` dict (None when off)."""
+def _json_flag(text: str, flag: str) -> Any:
+    try:
+        return json.loads(text, parse_constant=_reject_json_constant)
+    except ValueError as exc:
+        raise OutputRateConfigError(f"{flag}: malformed JSON ({exc})") from None
+
+
+def parse_cli(
+    default: str | None,
+    overrides: str | None,
+    groups: str | None = None,
+    check_groups: bool = True,
+) -> dict[str, Any] | None:
+    """Parse the rate flags into the ``additional_config`` dict (None when off).
+
+    ``check_groups=False`` accepts any group a user names (a flag checked
+    alone, before the groups flag is seen); the whole command line is parsed
+    again with it on.
+    """
     if default is None:
-        if overrides is not None:
-            raise OutputRateConfigError(f"{OVERRIDES_FLAG} requires {DEFAULT_FLAG}")
+        for flag, value in ((OVERRIDES_FLAG, overrides), (GROUPS_FLAG, groups)):
+            if value is not None:
+                raise OutputRateConfigError(f"{flag} requires {DEFAULT_FLAG}")
         return None
-    rates: dict[str, float] = {}
-    shares: dict[str, Share] = {}
-    if overrides is not None:
-        try:
-            decoded = json.loads(overrides, parse_constant=_reject_json_constant)
-        except ValueError as exc:
-            raise OutputRateConfigError(f"{OVERRIDES_FLAG}: malformed JSON ({exc})") from None
-        rates, shares = validate_limits(decoded, OVERRIDES_FLAG)
+    decoded = {} if overrides is None else _json_flag(overrides, OVERRIDES_FLAG)
+    decoded_groups = {} if groups is None else _json_flag(groups, GROUPS_FLAG)
     default_value: Any = default
     if default.strip().startswith("{"):  # {"rate": .., "ceil": .., "weight": ..}
-        try:
-            default_value = json.loads(default, parse_constant=_reject_json_constant)
-        except ValueError as exc:
-            raise OutputRateConfigError(f"{DEFAULT_FLAG}: malformed JSON ({exc})") from None
-    default_rate, default_share = validate_limit(default_value, DEFAULT_FLAG)
-    settings = OutputRateSettings(
-        default_rate=default_rate, user_rates=rates,
-        default_share=default_share, user_shares=shares,
+        default_value = _json_flag(default, DEFAULT_FLAG)
+    limits = validate_all_limits(
+        default_value, decoded, decoded_groups, (DEFAULT_FLAG, OVERRIDES_FLAG, GROUPS_FLAG),
+        check_groups=check_groups,
     )
-    return settings.to_config()
+    return OutputRateSettings(**limits).to_config()
 
 
 def resolve_user(extra_args: Mapping[str, Any] | None) -> str:
@@ -444,7 +573,8 @@ def load_limits_file(path: str, input_token_weight: float = 0.0) -> OutputRateSe
     The file holds the same keys as ``additional_config["output_rate"]``::
 
         default_user_output_tokens_per_second: 100
-        user_output_tokens_per_second: {user-a: 20, user-b: {rate: 10, ceil: 500}}
+        user_output_tokens_per_second: {user-a: 20, user-b: {rate: 10, ceil: 500, group: team}}
+        groups: {team: {rate: 300, ceil: 600}}   # optional
         input_token_weight: 0.5        # optional
 
     The default is required (the file alone turns the feature on).  A file
@@ -452,7 +582,9 @@ def load_limits_file(path: str, input_token_weight: float = 0.0) -> OutputRateSe
     """
     what = f"{LIMITS_FILE_FLAG}"
     data = read_mapping_file(path, what)
-    unknown = sorted(set(data) - {DEFAULT_KEY, OVERRIDES_KEY, INPUT_TOKEN_WEIGHT_KEY}, key=repr)
+    unknown = sorted(
+        set(data) - {DEFAULT_KEY, OVERRIDES_KEY, INPUT_TOKEN_WEIGHT_KEY, GROUPS_KEY}, key=repr
+    )
     if unknown:
         raise OutputRateConfigError(f"{what} {path!r}: unknown keys {unknown}")
     if data.get(DEFAULT_KEY) is None:
@@ -462,13 +594,12 @@ def load_limits_file(path: str, input_token_weight: float = 0.0) -> OutputRateSe
         raise OutputRateConfigError(
             f"{what} {path!r}[{DEFAULT_KEY!r}]: must be a number, got {default!r}"
         )
-    default_rate, default_share = validate_limit(default, f"{what} {path!r}[{DEFAULT_KEY!r}]")
-    user_rates, user_shares = validate_limits(
-        data.get(OVERRIDES_KEY) or {}, f"{what} {path!r}[{OVERRIDES_KEY!r}]"
+    limits = validate_all_limits(
+        default, data.get(OVERRIDES_KEY) or {}, data.get(GROUPS_KEY) or {},
+        tuple(f"{what} {path!r}[{key!r}]" for key in (DEFAULT_KEY, OVERRIDES_KEY, GROUPS_KEY)),
     )
     return OutputRateSettings(
-        default_rate=default_rate, user_rates=user_rates,
-        default_share=default_share, user_shares=user_shares,
+        **limits,
         input_token_weight=validate_input_token_weight(
             data.get(INPUT_TOKEN_WEIGHT_KEY, input_token_weight),
             f"{what} {path!r}[{INPUT_TOKEN_WEIGHT_KEY!r}]",

@@ -7,7 +7,8 @@ when the session begins, ``conftest.PRESTARTED``):
   reject``, limits from a file (re-read live), the admin route
   (``VLLM_PLUGINS``) behind an admin key, and ``--api-server-count 2``;
 * ``headed``: ``--output-rate-identity header`` (default unknown-user policy),
-  with one borrower (``dora``: ``{rate: 5, ceil: null}``, issue 21).
+  with one borrower (``dora``: ``{rate: 5, ceil: null}``, issue 21), and
+  ``alice`` in a group (``--output-rate-groups``, issue 25) too large to bind.
 
 Rates are judged on the engine's own charge counter read through the admin
 route, against the guarantee's upper bound over the widest window the two
@@ -44,6 +45,8 @@ HEADER = "x-gateway-inference-fairness-id"
 #: whose rate this engine can never reach (it fills every slot by itself).
 BORROWER, BORROWER_RATE = "dora", 5
 UNCAPPED = "erin"
+#: The headed server's group: alice's, at a rate it never reaches.
+GROUP = "team"
 
 
 def write_limits(path, users, default=DEFAULT_RATE):
@@ -75,7 +78,9 @@ def server_context(tmp_path_factory, model_dir):
     headed_args = [*COMMON, "--default-user-output-tokens-per-second", "50",
                    "--user-output-tokens-per-second",
                    json.dumps({**LIMITS, BORROWER: {"rate": BORROWER_RATE, "ceil": None},
-                               UNCAPPED: 1_000_000}),
+                               UNCAPPED: 1_000_000,
+                               "alice": {"rate": LIMITS["alice"], "group": GROUP}}),
+                   "--output-rate-groups", json.dumps({GROUP: 1_000_000}),
                    "--output-rate-identity", "header"]
     with contextlib.ExitStack() as stack:
         # With the admin route; each waits for its own health check.  Side by
@@ -176,6 +181,9 @@ def test_header_mode_on_a_real_server(servers):
     text = wait_engine_empty(server)
     assert metric(text, "vllm:output_rate_output_tokens_charged_total", user="alice") == 12
     assert metric(text, "vllm:output_rate_output_tokens_charged_total", user="__anonymous__") == 5
+    # alice's group has its series, and alice's row names it.
+    assert metric(text, "vllm:output_rate_group_output_tokens_charged_total", group=GROUP) == 12
+    assert metric(text, "vllm:output_rate_user_group", user="alice", group=GROUP) == 1
     assert not metric(text, "vllm:output_rate_output_tokens_charged_total", user="carol")
 
 

@@ -33,6 +33,7 @@ from vllm_output_rate.adapter.series import SERIES
 from vllm_output_rate.settings import (
     DEFAULT_FLAG,
     DEFAULT_KEY,
+    GROUPS_FLAG,
     OVERRIDES_FLAG,
     OVERRIDES_KEY,
     OutputRateConfigError,
@@ -311,7 +312,7 @@ def test_serve_help_output_rate_group_shows_flags(serve_runs):
     assert "Requires --default-" in section  # help of the overrides flag (wrapped)
 
 
-def test_parser_group_holds_both_flags(plugin):
+def test_parser_group_holds_the_rate_flags(plugin):
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
@@ -319,7 +320,7 @@ def test_parser_group_holds_both_flags(plugin):
     groups = [g for g in parser._action_groups if g.title == "OutputRate"]
     assert len(groups) == 1
     options = [opt for action in groups[0]._group_actions for opt in action.option_strings]
-    assert options == [DEFAULT_FLAG, OVERRIDES_FLAG]
+    assert options == [DEFAULT_FLAG, OVERRIDES_FLAG, GROUPS_FLAG]
 
 
 # -- in-process: EngineArgs.create_engine_config -------------------------------------

@@ -217,3 +217,32 @@ def test_prompt_tokens_charged_show_as_a_rate_per_user():
     console.print(render(model, "http://127.0.0.1:8000"))
     shown = console.export_text()
     assert "PROMPT/S" in shown and "400" in shown
+
+
+def test_group_column_only_when_some_user_is_in_a_group():
+    def text(with_groups):
+        body = exposition({"alice": 10.0, "bob": 5.0, "carol": 1.0}, {}, {},
+                          {"alice": 20.0, "bob": 20.0, "carol": 1000.0})
+        if with_groups:
+            body += ('vllm:output_rate_user_group{group="team-a",model_name="m",user="alice"} 1.0\n'
+                     'vllm:output_rate_user_group{group="team-a",model_name="m",user="bob"} 1.0\n'
+                     'vllm:output_rate_group_output_tokens_charged_total{group="team-a",model_name="m"} 15.0\n')
+        return body
+
+    for with_groups in (False, True):
+        model = TopModel()
+        model.update(0.0, parse_metrics(text(with_groups)))
+        rows = {row.user: row for row in model.rows()}
+        assert rows["alice"].group == ("team-a" if with_groups else None)
+        assert rows["carol"].group is None and "team-a" not in rows  # groups are no user rows
+        # The tmux test's pane is 150 columns wide: every column still fits.
+        console = Console(width=150, record=True)
+        console.print(render(model, "http://127.0.0.1:8000"))
+        shown = console.export_text()
+        header = next(line for line in shown.splitlines() if "USER" in line)
+        assert ("GROUP" in header) == with_groups
+        assert "LAST 60s" in header and "THR%" in header
+        if with_groups:
+            carol = next(line for line in shown.splitlines() if "carol" in line)
+            assert "team-a" in next(line for line in shown.splitlines() if "alice" in line)
+            assert " - " in carol  # in no group

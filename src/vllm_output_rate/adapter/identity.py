@@ -241,7 +241,9 @@ def _known_users_from_args(args: Namespace) -> Callable[[], Any]:
         return lambda: watched.get().user_rates
     default = getattr(args, "default_user_output_tokens_per_second", None)
     section = parse_cli(
-        None if default is None else str(default), getattr(args, "user_output_tokens_per_second", None)
+        None if default is None else str(default),
+        getattr(args, "user_output_tokens_per_second", None),
+        getattr(args, "output_rate_groups", None),
     )
     users = dict(OutputRateSettings.from_additional_config({"output_rate": section}).user_rates) if section else {}
     return lambda: users

@@ -30,6 +30,11 @@ Series (labels ``model_name``, ``user``):
 * ``vllm:output_rate_requests{state="active|throttled|waiting"}``;
 * ``vllm:output_rate_limit_tokens_per_second``;
 
+with groups (label ``group``): ``vllm:output_rate_group_output_tokens_charged_total``,
+``…_group_prompt_tokens_charged_total``, ``…_group_borrowed_tokens_total``,
+``…_group_requests{state}``, ``…_group_limit_tokens_per_second``, and
+``vllm:output_rate_user_group{user, group}`` (1: the user's group);
+
 and engine-wide ``vllm:output_rate_throttled_requests`` (resident but held
 for quota), ``vllm:output_rate_idle_steps_total`` (steps that ran nothing
 because everything was throttled), ``vllm:output_rate_limit_reloads_total``,
@@ -151,6 +156,7 @@ class OutputRateExporter:
             "The user's configured output-token rate.",
             labels, registry=registry, multiprocess_mode="mostrecent",
         )
+        self.groups = GroupSeries(self._model, registry)
         self.throttled_requests = Gauge(
             f"{PREFIX}throttled_requests",
             "Requests resident in the engine but held for their user's quota "
@@ -226,6 +232,8 @@ class OutputRateExporter:
                 child = self.borrowed.labels(model, user)
                 if row[BORROWED]:
                     child.inc(row[BORROWED])
+        if "groups" in report:  # groups are (or were) configured
+            self.groups.observe(report, engine_idx)
         engine = report.get("engine", {})
         self._throttled_of[engine_idx] = engine.get("throttled_requests", 0)
         self.throttled_requests.labels(model).set(sum(self._throttled_of.values()))
@@ -252,6 +260,97 @@ class OutputRateExporter:
         rows = [rows[user] for rows in self._per_engine.values() if user in rows]
         for i, state in enumerate(STATES):
             self.requests.labels(model, user, state).set(sum(row[i] for row in rows))
+
+
+class GroupSeries:
+    """The per-group series (label ``group``) and each user's group
+    (``user_group{user, group}`` = 1), fed from a report's ``groups``,
+    ``groups_removed`` and ``user_groups``: rows as users' rows."""
+
+    def __init__(self, model: str, registry: Any) -> None:
+        from prometheus_client import Counter, Gauge
+
+        labels = ["model_name", "group"]
+        self._model = model
+        #: engine index -> group -> (active, throttled, waiting), last reported.
+        self._per_engine: dict[int, dict[str, tuple]] = {}
+        #: user -> the group its user_group series names.
+        self._user_group: dict[str, str] = {}
+        self.charged = Counter(
+            f"{PREFIX}group_output_tokens_charged",
+            "Output tokens charged to the group's users (net of refunds).",
+            labels, registry=registry,
+        )
+        self.prompt_charged = Counter(
+            f"{PREFIX}group_prompt_tokens_charged",
+            "Prompt tokens charged to the group's users at the input token weight.",
+            labels, registry=registry,
+        )
+        self.borrowed = Counter(
+            f"{PREFIX}group_borrowed_tokens",
+            "Output tokens the group's users got on spare capacity beyond their guaranteed rates.",
+            labels, registry=registry,
+        )
+        self.requests = Gauge(
+            f"{PREFIX}group_requests",
+            "The group's users' requests: active, throttled, waiting.",
+            [*labels, "state"], registry=registry, multiprocess_mode="mostrecent",
+        )
+        self.limit = Gauge(
+            f"{PREFIX}group_limit_tokens_per_second",
+            "The group's configured output-token rate (all of its users together).",
+            labels, registry=registry, multiprocess_mode="mostrecent",
+        )
+        self.user_group = Gauge(
+            f"{PREFIX}user_group",
+            "1 for the group the user belongs to (users with a series and a group).",
+            ["model_name", "user", "group"], registry=registry, multiprocess_mode="mostrecent",
+        )
+
+    def observe(self, report: dict, engine_idx: int) -> None:
+        model = self._model
+        mine = self._per_engine.setdefault(engine_idx, {})
+        for group in report.get("groups_removed", ()):
+            mine.pop(group, None)
+            if any(group in rows for rows in self._per_engine.values()):
+                self._set_request_gauges(group)
+                continue
+            for metric in (self.charged, self.prompt_charged, self.borrowed, self.limit):
+                _remove(metric, model, group)
+            for state in STATES:
+                _remove(self.requests, model, group, state)
+        for group, row in report["groups"].items():
+            child = self.charged.labels(model, group)  # the series exists from the start
+            if row[CHARGED]:
+                child.inc(row[CHARGED])
+            if row[PROMPT]:
+                self.prompt_charged.labels(model, group).inc(row[PROMPT])
+            if len(row) > BORROWED:  # some user may borrow
+                child = self.borrowed.labels(model, group)
+                if row[BORROWED]:
+                    child.inc(row[BORROWED])
+            mine[group] = (row[ACTIVE], row[THROTTLED], row[WAITING])
+            self._set_request_gauges(group)
+            if row[LIMIT] is not None:
+                self.limit.labels(model, group).set(row[LIMIT])
+        user_groups = report.get("user_groups", {})
+        removed = set(report.get("removed", ()))
+        for user in set(report.get("users", ())) | removed:
+            group = None if user in removed else user_groups.get(user)
+            before = self._user_group.get(user)
+            if before == group:
+                continue
+            if before is not None:
+                _remove(self.user_group, model, user, before)
+                del self._user_group[user]
+            if group is not None:
+                self.user_group.labels(model, user, group).set(1)
+                self._user_group[user] = group
+
+    def _set_request_gauges(self, group: str) -> None:
+        rows = [rows[group] for rows in self._per_engine.values() if group in rows]
+        for i, state in enumerate(STATES):
+            self.requests.labels(self._model, group, state).set(sum(row[i] for row in rows))
 
 
 def _remove(metric: Any, *labels: str) -> None:

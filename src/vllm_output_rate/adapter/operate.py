@@ -28,7 +28,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from vllm_output_rate.policy.monitor import ChargeHistory, UserMonitor
+from vllm_output_rate.policy.monitor import OTHER_USERS, ChargeHistory, GroupTotals, UserMonitor
 from vllm_output_rate.settings import (
     CONFIG_KEY,
     INPUT_TOKEN_WEIGHT_KEY,
@@ -115,6 +115,7 @@ class OperateSchedulerMixin:
         self.output_rate_reloads = 0
         self.output_rate_reload_failures = 0
         self._output_rate_monitor = UserMonitor(settings.metrics_max_users)
+        self._output_rate_group_reports = GroupReports()
         self._output_rate_history = ChargeHistory()
         self._output_rate_pending = None
         self._output_rate_next_tick = 0
@@ -146,14 +147,17 @@ class OperateSchedulerMixin:
             self.output_rate_settings, default_rate=new.default_rate, user_rates=dict(new.user_rates),
             input_token_weight=new.input_token_weight,
             default_share=new.default_share, user_shares=dict(new.user_shares),
+            group_rates=dict(new.group_rates), group_shares=dict(new.group_shares),
+            user_groups=dict(new.user_groups), default_group=new.default_group,
         )
         self.set_input_token_weight(new.input_token_weight)
         self.apply_output_rate_shares(self.output_rate_settings)
         self.output_rate_reloads += 1
         logger.info(
-            "vllm-output-rate: limits reloaded (default %s tok/s, %d override(s), "
+            "vllm-output-rate: limits reloaded (default %s tok/s, %d override(s), %d group(s), "
             "input token weight %s; %d active user(s) changed rate)",
-            new.default_rate, len(new.user_rates), new.input_token_weight, len(changed),
+            new.default_rate, len(new.user_rates), len(new.group_rates), new.input_token_weight,
+            len(changed),
         )
 
     def schedule(self, *args: Any, **kwargs: Any):
@@ -243,6 +247,7 @@ class OperateSchedulerMixin:
                 **self.output_rate_limiter.figures(),
             },
         )
+        self._output_rate_group_reports.add_to(report, self, now_ns, counts)
         # Users idle for a while are forgotten, so the per-user totals (and
         # this step's work) stay bounded by the users active recently, not by
         # every name ever seen.  Their reported counters are unaffected.
@@ -272,10 +277,15 @@ class OperateSchedulerMixin:
         throttled_ns = self.output_rate_gate.ledger.throttled_ns
         borrowed = _borrowed_tokens(self.output_rate_gate) or {}
         limiter_now = self.output_rate_clock()
+        groups = getattr(self, "output_rate_groups", None)
+        group_quota = None if groups is None else groups.guaranteed()
         rows = {}
         for user in sorted(users):
             active, throttled, waiting = counts.get(user, (0, 0, 0))
             ready_ns = limiter.ready_at_ns(user, limiter_now)
+            group = None if groups is None else groups.of(user)
+            if group is not None:  # its group's quota must pay too
+                ready_ns = max(ready_ns, group_quota.ready_at_ns(group, limiter_now))
             rate, ceil, weight = settings.limit_of(user)
             rows[user] = {
                 "rate": rate,
@@ -295,7 +305,11 @@ class OperateSchedulerMixin:
             store = limiter.figures(user)
             if store:  # with a shared store: this engine's lease totals for the user
                 rows[user]["store"] = store
+        if groups is not None:
+            for user, row in rows.items():
+                row["group"] = groups.of(user)
         return {
+            "groups": self._output_rate_group_reports.admin_rows(self, rows, recent, limiter_now),
             "default_rate": settings.default_rate,
             "input_token_weight": settings.input_token_weight,
             "default_ceil": settings.default_limit()[1],
@@ -305,6 +319,101 @@ class OperateSchedulerMixin:
             "reload_failures": self.output_rate_reload_failures,
             "users": rows,
         }
+
+
+class GroupReports:
+    """Per-group metrics rows and admin rows, summed from the users' totals.
+
+    ``engine`` is the scheduler (its groups, settings, ledger, prompt cost and
+    borrowing).  The group series use a second
+    :class:`~vllm_output_rate.policy.monitor.UserMonitor`, created with the
+    first groups (at start or on a reload) and kept after them, so that the
+    series of groups a reload removed are dropped.
+    """
+
+    def __init__(self) -> None:
+        self.monitor: UserMonitor | None = None
+        self.totals = GroupTotals()
+
+    def totals_now(self, engine: Any) -> dict[str, dict[str, int]]:
+        """Cumulative per-group totals: charged, prompt and borrowed tokens."""
+        groups = getattr(engine, "output_rate_groups", None)
+        group_of = _no_group if groups is None else groups.of
+        totals = self.totals
+        totals.update("charged", engine.output_rate_gate.ledger.charged_tokens, group_of)
+        totals.update("prompt", engine.output_rate_prompt_cost.prompt_tokens, group_of)
+        totals.update("borrowed", _borrowed_tokens(engine.output_rate_gate) or {}, group_of)
+        return totals.totals
+
+    def add_to(self, report: dict, engine: Any, now_ns: int, counts: dict) -> None:
+        """Per-group rows (``report["groups"]``, as users' rows) and each
+        reported user's group (``report["user_groups"]``)."""
+        groups = getattr(engine, "output_rate_groups", None)
+        if groups is None and self.monitor is None:
+            return
+        settings = engine.output_rate_settings
+        if self.monitor is None:
+            self.monitor = UserMonitor(settings.metrics_max_users)
+        totals = self.totals_now(engine)
+        group_of = _no_group if groups is None else groups.of
+        group_counts: dict[str, list[int]] = {}
+        for user, state in counts.items():
+            group = group_of(user)
+            if group is not None:
+                row = group_counts.setdefault(group, [0, 0, 0])
+                for i, n in enumerate(state):
+                    row[i] += n
+        borrowing = _borrowed_tokens(engine.output_rate_gate) is not None
+        rows = self.monitor.report(
+            now_ns,
+            charged=totals["charged"],
+            throttled_ns={},
+            counts={g: tuple(c) for g, c in group_counts.items()},
+            configured=settings.group_rates,
+            rate_of=settings.group_rates.get,
+            prompt_charged=totals["prompt"],
+            borrowed=totals["borrowed"] if borrowing else None,
+        )
+        rows["users"].pop(OTHER_USERS, None)  # every group is a configured one
+        report["groups"] = rows["users"]
+        report["groups_removed"] = rows["removed"]
+        report["user_groups"] = {
+            user: group for user in report["users"] if (group := group_of(user)) is not None
+        }
+
+    def admin_rows(self, engine: Any, user_rows: dict, recent: dict, now_ns: int) -> dict:
+        """Per-group state for the admin route ({} without groups)."""
+        groups = getattr(engine, "output_rate_groups", None)
+        if groups is None:
+            return {}
+        settings = engine.output_rate_settings
+        totals = self.totals_now(engine)
+        members = groups.members()
+        quota = groups.guaranteed()
+        rows = {}
+        for group in sorted(settings.group_rates):
+            rate, ceil, weight = settings.group_limit_of(group)
+            mine = [row for row in user_rows.values() if row.get("group") == group]
+            rows[group] = {
+                "rate": rate,
+                "ceil": ceil,
+                "weight": weight,
+                "members": sorted(members.get(group, ())),
+                "default_users": settings.default_group == group,
+                "tokens_last_10s": sum(n for u, n in recent.items() if groups.of(u) == group),
+                "tokens_charged_total": totals["charged"].get(group, 0),
+                "prompt_tokens_charged_total": totals["prompt"].get(group, 0),
+                "tokens_borrowed_total": totals["borrowed"].get(group, 0),
+                "active": sum(row["active"] for row in mine),
+                "throttled": sum(row["throttled"] for row in mine),
+                "waiting": sum(row["waiting"] for row in mine),
+                "ready_in_s": max(0, quota.ready_at_ns(group, now_ns) - now_ns) / NS_PER_S,
+            }
+        return rows
+
+
+def _no_group(user: str) -> None:
+    return None
 
 
 def _borrowed_tokens(gate: Any) -> dict[str, int] | None:

@@ -77,9 +77,10 @@ def add_operate_args(parser: argparse.ArgumentParser) -> None:
         dest="output_rate_limits_file",
         default=None,
         metavar="FILE",
-        help="JSON or YAML file with default_user_output_tokens_per_second and "
-        "user_output_tokens_per_second. Turns the feature on by itself, wins over "
-        "the rate flags, and is re-read within about a second when it changes "
+        help="JSON or YAML file with default_user_output_tokens_per_second, "
+        "user_output_tokens_per_second and optionally groups and input_token_weight. "
+        "Turns the feature on by itself, wins over the rate flags, and is re-read "
+        "within about a second when it changes "
         "(a file that fails validation is rejected whole; the old limits stay).",
     )
     group.add_argument(

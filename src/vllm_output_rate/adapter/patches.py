@@ -36,6 +36,7 @@ from vllm_output_rate.adapter.worker_idle import install_worker_idle
 from vllm_output_rate.settings import (
     CONFIG_KEY,
     DEFAULT_FLAG,
+    GROUPS_FLAG,
     OVERRIDES_FLAG,
     InvalidUserError,
     OutputRateConfigError,
@@ -80,8 +81,8 @@ def _set_frontend_active(active: bool) -> None:
 def _default_rate_arg(text: str) -> float | str:
     try:
         if text.strip().startswith("{"):  # {"rate": .., "ceil": .., "weight": ..}
-            parse_cli(text, None)
-            return text  # parsed again, with the overrides, by parse_cli
+            parse_cli(text, None, check_groups=False)
+            return text  # parsed again, with the overrides and groups, by parse_cli
         return validate_rate(text, "value")
     except OutputRateConfigError as exc:
         raise argparse.ArgumentTypeError(
@@ -93,10 +94,20 @@ def _overrides_arg(text: str) -> str:
     # Validated here for an early, precise error; kept as text so that
     # from_cli_args has one parsing path for both flags.
     try:
-        parse_cli("1", text)
+        parse_cli("1", text, check_groups=False)  # the groups: once every flag is in
     except OutputRateConfigError as exc:
         raise argparse.ArgumentTypeError(
             str(exc).removeprefix(f"{OVERRIDES_FLAG}: ").removeprefix(f"{OVERRIDES_FLAG}")
+        ) from None
+    return text
+
+
+def _groups_arg(text: str) -> str:
+    try:
+        parse_cli("1", None, text)
+    except OutputRateConfigError as exc:
+        raise argparse.ArgumentTypeError(
+            str(exc).removeprefix(f"{GROUPS_FLAG}: ").removeprefix(f"{GROUPS_FLAG}")
         ) from None
     return text
 
@@ -131,6 +142,17 @@ def add_output_rate_args(parser: argparse.ArgumentParser) -> None:
         help='Per-user overrides as a JSON object, e.g. \'{"user-a": 20, '
         f'"user-b": 500}}\' (tokens/s). Requires {DEFAULT_FLAG}.',
     )
+    group.add_argument(
+        GROUPS_FLAG,
+        dest="output_rate_groups",
+        type=_groups_arg,
+        default=None,
+        metavar="JSON",
+        help='Groups of users as a JSON object, e.g. \'{"team-a": {"rate": 200, '
+        '"ceil": 400}}\': every token of a user in a group (its limit written '
+        '{"rate": N, "group": "team-a"}) is paid on the group\'s quota too. '
+        f"Requires {DEFAULT_FLAG}.",
+    )
     add_operate_args(parser)
     add_store_args(parser)
 
@@ -162,7 +184,8 @@ def merge_cli_into_engine_args(engine_args: Any, args: argparse.Namespace) -> No
     """Move the plugin's flags into ``engine_args.additional_config``."""
     default = getattr(args, "default_user_output_tokens_per_second", None)
     overrides = getattr(args, "user_output_tokens_per_second", None)
-    section = parse_cli(None if default is None else str(default), overrides)
+    groups = getattr(args, "output_rate_groups", None)
+    section = parse_cli(None if default is None else str(default), overrides, groups)
     section = merge_operate_args(args, section)
     try:
         section = merge_store_args(args, section)

@@ -54,8 +54,9 @@ charges and waiting-queue skips), :class:`AdapterHooks` (hidden requests'
 LoRA adapters stay counted against ``max_loras``), :class:`EvictionHooks`
 (slot and KV pressure), :class:`BorrowingHooks` (spare capacity for users
 with a ceiling above their rate, handed to vLLM after every guaranteed
-request) and :class:`~.prompt_cost.PromptCostHooks` (prompt tokens charged
-at ``input_token_weight``; idle at weight 0).
+request; groups of users paying every token together) and
+:class:`~.prompt_cost.PromptCostHooks` (prompt tokens charged at
+``input_token_weight``; idle at weight 0).
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ from vllm.v1.request import Request, RequestStatus
 
 from vllm_output_rate.adapter.operate import OperateSchedulerMixin
 from vllm_output_rate.adapter.prompt_cost import PromptCostHooks
-from vllm_output_rate.factory import make_borrowing, make_limiter
+from vllm_output_rate.factory import make_borrowing, make_group_quotas, make_limiter
 from vllm_output_rate.policy.displacement import Displacement, fits_in_free_kv
 from vllm_output_rate.policy.drafts import DraftAccount
 from vllm_output_rate.policy.eviction import EvictionBudget
@@ -344,17 +345,27 @@ class EvictionHooks:
 
 class BorrowingHooks:
     """Spare capacity for users whose ceiling is above their rate (see
-    :mod:`vllm_output_rate.policy.borrow`): set up from the settings, and
-    offered after the plan, when the step has room left."""
+    :mod:`vllm_output_rate.policy.borrow`), and groups of users paying every
+    token together (:mod:`vllm_output_rate.policy.groups`): set up from the
+    settings, and offered after the plan, when the step has room left."""
+
+    #: The groups' membership and quotas; None without groups.
+    output_rate_groups = None
 
     def apply_output_rate_shares(self, settings: OutputRateSettings) -> None:
-        """Ceilings and weights from ``settings`` (at start and on reload).
+        """Ceilings, weights and groups from ``settings`` (at start and on reload).
 
-        While nobody has a ceiling above its rate the gate keeps the rate
-        limiter itself and no borrowing runs: hard caps take today's path.
+        While nobody has a ceiling above its rate and no group is configured
+        the gate keeps the rate limiter itself and no borrowing runs: hard
+        caps take today's path.
         """
-        borrowing, limiter = make_borrowing(settings, self.output_rate_limiter, self._borrowing)
+        self.output_rate_groups = make_group_quotas(settings, self.output_rate_groups)
+        borrowing, limiter = make_borrowing(
+            settings, self.output_rate_limiter, self._borrowing, self.output_rate_groups
+        )
         self._borrowing = borrowing
+        groups = self.output_rate_groups
+        self.output_rate_prompt_cost.group_of = None if groups is None else groups.of
         gate = self.output_rate_gate
         gate.borrowing = borrowing
         gate.limiter = gate.ledger.limiter = limiter
@@ -604,8 +615,10 @@ class OutputRateSchedulerMixin(
     def shutdown(self) -> None:
         super().shutdown()
         self.output_rate_limiter.close()  # a shared-store limiter stops its lease thread
-        if self._borrowing is not None:
+        if self._borrowing is not None and self._borrowing.ceiling is not None:
             self._borrowing.ceiling.close()
+        if self.output_rate_groups is not None:
+            self.output_rate_groups.close()
 
     # -- one step ------------------------------------------------------------
 

@@ -22,7 +22,10 @@ their rate quota may run anyway, *borrowing*:
   Borrowed tokens are paid on the ceiling only: they are not debt on the
   rate quota.  No ceiling (``ceil: None``): borrowing is bounded by room only;
 * **refund**: a borrowed token whose request did not sample goes back to
-  the ceiling and the counter (:meth:`Borrowing.settle`), never to the rate.
+  the ceiling and the counter (:meth:`Borrowing.settle`), never to the rate;
+* **groups** (:mod:`.groups`): borrowed tokens are paid on every level's cap
+  (``Borrowing.cap``), and spare capacity is shared first between groups and
+  users without one, by weight, then inside a group by its members' weights.
 
 Invariants (checked by ``tests/policy/test_borrow.py``):
 
@@ -37,13 +40,14 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
-from typing import Container, Hashable, Mapping
+from typing import Any, Container, Hashable, Mapping
 
 from vllm_output_rate.policy.lanes import Lanes
 from vllm_output_rate.policy.ledger import Ledger
 from vllm_output_rate.policy.limiter import Limiter
 
 Key = Hashable
+_INF = float("inf")
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +92,10 @@ class ShareTable:
     def weight(self, user: str) -> float:
         rate, share = self._of(user)
         return rate if share is None else share.weight
+
+    def group_of(self, user: str) -> str | None:
+        """Users of this table are in no group (see ``policy/groups.py``)."""
+        return None
 
     def ceilings(self) -> tuple[float, dict[str, float]]:
         """Default and per-user ceilings for the ceiling limiter (a rate
@@ -190,18 +198,30 @@ class Borrowing:
 
     ``borrowed_tokens`` (user -> borrowed tokens that sampled, cumulative)
     is read by metrics.  Counters are kept for users with a lane only.
+
+    ``ceiling`` is the users' ceiling quota (None when only groups borrow);
+    borrowed tokens are paid on ``cap``: the ceiling itself, or with groups
+    every level's cap (:class:`~.groups.CapLimiter`).  With groups the
+    ``table`` names each user's group (``group_of``, ``group_weight``), and
+    spare capacity is shared in two levels: between groups and users without
+    one by their weights (a counter per group: tokens borrowed / group
+    weight), then inside a group by its members' weights.
     """
 
-    def __init__(self, table: ShareTable, ceiling: Limiter) -> None:
+    def __init__(self, table: ShareTable, ceiling: Limiter | None, cap: Any = None) -> None:
         self.table = table
         self.ceiling = ceiling
+        self.cap = ceiling if cap is None else cap
         #: user -> borrowed tokens that sampled, cumulative.
         self.borrowed_tokens: dict[str, int] = {}
         #: user -> tokens borrowed / weight (the virtual counter).
         self.counters: dict[str, float] = {}
+        #: group -> tokens its users borrowed / group weight.
+        self.group_counters: dict[str, float] = {}
         #: The current borrowers: users that could borrow when spare
-        #: capacity was last offered.
+        #: capacity was last offered, and their groups.
         self.active: set[str] = set()
+        self.active_groups: set[str] = set()
         #: (user, keys) borrowed in the current step.
         self.step: list[tuple[str, list]] = []
         self._now_ns = 0
@@ -214,17 +234,34 @@ class Borrowing:
         if not ledger.short:
             self.active = set()  # nobody short, nobody borrows:
             self.counters.clear()  # everyone starts level next time
+            self.group_counters.clear()
             return []
         if room <= 0:
             return []
         table = self.table
+        group_of = table.group_of
+        cap = self.cap
         now = self._now_ns = ledger.now_ns
         prepaid = ledger.prepaid
         lane_of = lanes.lane_of
         counters = self.counters
-        floor = min((counters.get(u, 0.0) for u in self.active), default=None)
+        group_counters = self.group_counters
+        # A newcomer starts at the smallest counter among the current
+        # borrowers of its scope: users without a group and the groups
+        # themselves (scope None), or the members of its group.
+        floors: dict[str | None, float] = {}
+        for u in self.active:
+            scope, c = group_of(u), counters.get(u, 0.0)
+            if c < floors.get(scope, _INF):
+                floors[scope] = c
+        for g in self.active_groups:
+            c = group_counters.get(g, 0.0)
+            if c < floors.get(None, _INF):
+                floors[None] = c
         heap: list = []
         streams: dict[str, list] = {}
+        #: group -> what its own cap lets all of its members borrow (None: no cap).
+        group_left: dict[str, int | None] = {}
         for index, user in enumerate(ledger.short):
             if user in streams or not table.borrows(user):
                 continue
@@ -232,53 +269,95 @@ class Borrowing:
             if lane is None:
                 continue
             hidden = [k for k in lane.decoding if lane_of.get(k) == user and k not in prepaid]
+            group = group_of(user)
             if table.ceiled(user) and hidden:
-                hidden = hidden[: self.ceiling.available(user, now)]
+                # A group's own cap is shared by its members (group_left
+                # below): a member it holds back stays a borrower.
+                room_now = cap.available if group is None else cap.own_available
+                hidden = hidden[: room_now(user, now)]
             if not hidden:
                 continue
             streams[user] = hidden
             start = counters.get(user, 0.0)
             if user not in self.active:
+                floor = floors.get(group)
                 start = 0.0 if floor is None else max(start, floor)
             counters[user] = start
-            heap.append((start, index, user))
+            if group is not None and group not in group_left:
+                group_left[group] = cap.group_available(group, now)
+                group_start = group_counters.get(group, 0.0)
+                if group not in self.active_groups:
+                    floor = floors.get(None)
+                    group_start = 0.0 if floor is None else max(group_start, floor)
+                group_counters[group] = group_start
+            heap.append((start if group is None else group_counters[group], start, index, user))
         # The candidates are the current borrowers from now on: one that wins
         # no stream in a step keeps its counter (only newcomers are lifted).
         self.active = set(streams)
+        self.active_groups = set(group_left)
         if not streams:
             counters.clear()  # nobody borrows: everyone starts level next time
+            group_counters.clear()
         heapq.heapify(heap)
+        step_groups = dict(group_counters) if group_left else group_counters
         taken: dict[str, int] = {}
         order: list = []
         while heap and room > 0:
-            counter, index, user = heapq.heappop(heap)
+            primary, counter, index, user = heapq.heappop(heap)
+            group = group_of(user) if group_left else None
+            if group is not None:
+                if primary != step_groups[group]:  # its group ran since: requeue
+                    heapq.heappush(heap, (step_groups[group], counter, index, user))
+                    continue
+                left = group_left[group]
+                if left is not None:
+                    if left <= 0:
+                        continue  # the group's cap is spent in this step
+                    group_left[group] = left - 1
             got = taken.get(user, 0)
             order.append(streams[user][got])
             taken[user] = got + 1
             room -= 1
+            counter += 1 / table.weight(user)
+            if group is None:
+                primary = counter
+            else:
+                primary = step_groups[group] = step_groups[group] + 1 / table.group_weight(group)
             if got + 1 < len(streams[user]):
-                heapq.heappush(heap, (counter + 1 / table.weight(user), index, user))
+                heapq.heappush(heap, (primary, counter, index, user))
+        unpaid: set = set()
         for user, count in taken.items():
             keys = streams[user][:count]
             if table.ceiled(user):
-                self.ceiling.take_up_to(user, now, count)
+                paid = cap.take_up_to(user, now, count)
+                if paid < count:  # a quota that shrank since it was asked
+                    unpaid.update(keys[paid:])
+                    keys = keys[:paid]
             self.step.append((user, keys))
             prepaid.update(keys)
+        if unpaid:
+            order = [k for k in order if k not in unpaid]
         return order
 
     def settle(self, lanes: Lanes, ledger: Ledger, sampled: Container[Key]) -> None:
         """Keep the borrowed payments of keys that sampled; refund the rest to
         the ceiling.  Served streams move behind their user's others."""
         counters = self.counters
+        table = self.table
         for user, keys in self.step:
             served = {k for k in keys if k in sampled}
             unserved = len(keys) - len(served)
-            if unserved and self.table.ceiled(user):
-                self.ceiling.refund(user, self._now_ns, unserved)
+            if unserved and table.ceiled(user):
+                self.cap.refund(user, self._now_ns, unserved)
             if not served:
                 continue
             n = len(served)
-            counters[user] = counters.get(user, 0.0) + n / self.table.weight(user)
+            counters[user] = counters.get(user, 0.0) + n / table.weight(user)
+            group = table.group_of(user)
+            if group is not None:
+                self.group_counters[group] = (
+                    self.group_counters.get(group, 0.0) + n / table.group_weight(group)
+                )
             self.borrowed_tokens[user] = self.borrowed_tokens.get(user, 0) + n
             ledger.ran[user] = ledger.ran.get(user, 0) + n
             ledger.charged_tokens[user] = ledger.charged_tokens.get(user, 0) + n
@@ -294,6 +373,8 @@ class Borrowing:
             for user in [u for u in counters if u not in lanes.order]:
                 del counters[user]
 
-    def update(self, table: ShareTable) -> None:
-        """New shares (a reload); counters and totals are kept."""
+    def update(self, table: ShareTable, ceiling: Limiter | None, cap: Any = None) -> None:
+        """New shares and quotas (a reload); counters and totals are kept."""
         self.table = table
+        self.ceiling = ceiling
+        self.cap = ceiling if cap is None else cap

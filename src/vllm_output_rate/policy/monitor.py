@@ -16,7 +16,9 @@ Counters are sent as increments, not totals, because vLLM delivers each
 scheduler-stats message to exactly one API-server process: summing
 increments over processes gives the right total, totals would not.
 
-:class:`ChargeHistory` keeps a few seconds of cumulative charges to answer
+:class:`GroupTotals` sums users' totals per group (the group series use a
+second :class:`UserMonitor` over them, configured groups always having their
+series).  :class:`ChargeHistory` keeps a few seconds of cumulative charges to answer
 "tokens in the last 10 s" for the admin route.
 """
 
@@ -191,6 +193,33 @@ def _increments(current: Mapping[str, int], last: Mapping[str, int]) -> dict[str
         if inc:
             out[user] = inc
     return out
+
+
+class GroupTotals:
+    """Cumulative per-group totals, built from cumulative per-user ones.
+
+    Each :meth:`update` adds every user's increment since the last one to the
+    total of the user's group at that time, so a group's totals only grow,
+    also when a user is forgotten (its total restarts from 0), changes group
+    or leaves every group on a reload.
+    """
+
+    def __init__(self) -> None:
+        self._last: dict[str, dict[str, int]] = {}
+        #: kind -> group -> cumulative total.
+        self.totals: dict[str, dict[str, int]] = {}
+
+    def update(
+        self, kind: str, per_user: Mapping[str, int], group_of: Callable[[str], str | None]
+    ) -> dict[str, int]:
+        """Add ``per_user``'s increments to the groups' ``kind`` totals; return them."""
+        totals = self.totals.setdefault(kind, {})
+        for user, inc in _increments(per_user, self._last.get(kind, {})).items():
+            group = group_of(user)
+            if group is not None:
+                totals[group] = totals.get(group, 0) + inc
+        self._last[kind] = dict(per_user)
+        return totals
 
 
 class ChargeHistory:

@@ -14,16 +14,17 @@ request's high-water mark (:attr:`PromptCost.charged_upto`) and are not
 charged again: recompute is the engine's cost, not the user's.
 
 Dispatch and debt.  A chunk that computes uncharged prompt positions is
-dispatched only when its user can pay: no debt outstanding, not refused in
-this step, and at least one token available now (or this request's own
-output token already paid for in the step).  Its whole cost is then
-charged: what the quota holds is taken from the limiter, the rest becomes
-the user's *debt*.  At the start of every step each debt is repaid from the
-limiter first (:meth:`PromptCost.repay`), so a user in debt finds its quota
-empty -- its decodes, prefills and admissions all wait -- until the debt is
-paid off.  A chunk is never split to what the quota allows: tiny chunks
-would cost the engine a step each, and without chunked prefill a prompt
-longer than the burst could never be dispatched at all.
+dispatched only when its user can pay: no debt outstanding (nor any user of
+its group, with groups), not refused in this step, and at least one token
+available now (or this request's own output token already paid for in the
+step).  Its whole cost is then charged: what the quota holds is taken from
+the limiter, the rest becomes the user's *debt*.  At the start of every step
+each debt is repaid from the limiter first (:meth:`PromptCost.repay`), so a
+user in debt finds its quota empty -- its decodes, prefills and admissions
+all wait -- until the debt is paid off.  A chunk is never split to what the
+quota allows: tiny chunks would cost the engine a step each, and without
+chunked prefill a prompt longer than the burst could never be dispatched at
+all.
 
 Bound.  Debt is only ever incurred by a chunk dispatched without debt, so
 it never exceeds one chunk's cost.  Let ``C`` be the most prompt tokens one
@@ -32,6 +33,11 @@ charged in a window is what was taken in it plus the debt still open at its
 end, so over any window of ``W`` seconds::
 
     output tokens + weight x prompt tokens charged <= (W + burst) x N + 1 + ceil(weight x C)
+
+With groups the same holds for a group's users together, N the group's rate:
+a member's chunk also waits while any member of its group owes one, so a
+group too owes at most one chunk.  The members it held back go before the
+one that owed once it has paid (:meth:`PromptCost._held_by_group`).
 
 Exactness.  The weight is a fraction; each user keeps a *credit* below one
 token: a chunk costs ``ceil(weight x n - credit)`` whole tokens and leaves
@@ -58,6 +64,10 @@ from vllm_output_rate.policy.rates import exact_rate
 
 Key = Hashable
 _ZERO = Fraction(0)
+#: How long a member held back by its group's debt keeps its turn without
+#: asking again (ns): twice the longest idle wait, so a member whose chunk is
+#: still pending asks again well within it.
+GROUP_TURN_NS = 500_000_000
 
 
 def exact_weight(value: object) -> Fraction:
@@ -88,6 +98,12 @@ class PromptCost:
         self.step_charges: dict[Key, tuple[str, int, int, int]] = {}
         #: user -> (credit before its first charge of the step, whole tokens charged).
         self._step_users: dict[str, tuple[Fraction, int]] = {}
+        #: user -> its group (``policy/groups.py``); None without groups.
+        self.group_of: Callable[[str], str | None] | None = None
+        #: group -> member whose chunk last put the group in debt.
+        self._last_debtor: dict[str, str] = {}
+        #: group -> member held back by the group's debt -> when it last asked.
+        self._waiting: dict[str, dict[str, int]] = {}
 
     def set_weight(self, weight: object) -> None:
         """A new weight, from the next charge on (debts and credits stay)."""
@@ -110,12 +126,39 @@ class PromptCost:
         as the ledger does for output tokens).
         """
         ledger = self._ledger
-        if user not in ledger.refused and not self.debt.get(user):
+        if user not in ledger.refused and not self.debt.get(user) and not self._held_by_group(user):
             if ledger.is_charged(key) or ledger.limiter.available(user, ledger.now_ns) > 0:
                 return True
         ledger.refused.add(user)
         ledger.blocked.add(user)
         return False
+
+    def _held_by_group(self, user: str) -> bool:
+        """Must ``user``'s chunk wait for its group?
+
+        While a user of the group owes a chunk, no member's chunk goes (a
+        group owes at most one chunk, as a user does); the members held back
+        then go before the one that owed, once it has paid, so members take
+        turns instead of the first in vLLM's order always winning.  A member
+        that stopped asking for :data:`GROUP_TURN_NS` holds no turn.
+        """
+        group_of = self.group_of
+        if group_of is None:
+            return False
+        group = group_of(user)
+        if group is None:
+            return False
+        now = self._ledger.now_ns
+        if self.debt and any(group_of(u) == group for u in self.debt):
+            self._waiting.setdefault(group, {})[user] = now
+            return True
+        waiting = self._waiting.get(group)
+        if not waiting or self._last_debtor.get(group) != user:
+            return False
+        for other, asked in list(waiting.items()):
+            if other == user or now - asked > GROUP_TURN_NS or group_of(other) != group:
+                del waiting[other]
+        return bool(waiting)
 
     def charge(self, key: Key, user: str, start: int, count: int, num_prompt: int) -> int:
         """Charge the chunk ``[start, start + count)`` of ``key`` (after
@@ -138,6 +181,12 @@ class PromptCost:
             got = ledger.limiter.take_up_to(user, ledger.now_ns, whole)
             if got < whole:
                 self.debt[user] = self.debt.get(user, 0) + whole - got
+        if self.group_of is not None:
+            group = self.group_of(user)
+            if group is not None:
+                self._waiting.get(group, {}).pop(user, None)
+                if user in self.debt:
+                    self._last_debtor[group] = user
         before, charged = self._step_users[user]
         self._step_users[user] = (before, charged + whole)
         self.step_charges[key] = (user, first, start, end)

@@ -25,6 +25,7 @@ from vllm_output_rate.adapter.compat import (
 )
 from vllm_output_rate.settings import (
     DEFAULT_FLAG,
+    GROUPS_FLAG,
     OVERRIDES_FLAG,
     OutputRateConfigError,
     parse_cli,
@@ -53,16 +54,17 @@ def _canonical_flag(token: str) -> str:
         return token
     name, sep, value = token.partition("=")
     dashed = "--" + name[2:].replace("_", "-")
-    if dashed in (DEFAULT_FLAG, OVERRIDES_FLAG, STORE_FLAG):
+    if dashed in (DEFAULT_FLAG, OVERRIDES_FLAG, GROUPS_FLAG, STORE_FLAG):
         return dashed + sep + value
     return token
 
 
 def _precheck_rate_flags(argv: list[str]) -> None:
-    """Validate the two rate flags before vLLM starts, for a one-line error."""
+    """Validate the rate flags before vLLM starts, for a one-line error."""
     pre = _PreParser(add_help=False, allow_abbrev=False)
     pre.add_argument(DEFAULT_FLAG, default=None)
     pre.add_argument(OVERRIDES_FLAG, default=None)
+    pre.add_argument(GROUPS_FLAG, default=None)
     # ``FLAG -inf`` / ``FLAG -x``: argparse would take the value for an option
     # and report "expected one argument"; bind it as ``FLAG=-inf`` so the
     # value itself is validated (a value starting with "-" is never valid).
@@ -71,7 +73,7 @@ def _precheck_rate_flags(argv: list[str]) -> None:
     while i < len(argv):
         token = _canonical_flag(argv[i])
         if (
-            token in (DEFAULT_FLAG, OVERRIDES_FLAG)
+            token in (DEFAULT_FLAG, OVERRIDES_FLAG, GROUPS_FLAG)
             and i + 1 < len(argv)
             and argv[i + 1].startswith("-")
             and not argv[i + 1].startswith("--")
@@ -86,6 +88,7 @@ def _precheck_rate_flags(argv: list[str]) -> None:
         parse_cli(
             getattr(known, DEFAULT_FLAG.lstrip("-").replace("-", "_")),
             getattr(known, OVERRIDES_FLAG.lstrip("-").replace("-", "_")),
+            getattr(known, GROUPS_FLAG.lstrip("-").replace("-", "_")),
         )
     except OutputRateConfigError as exc:
         _fail(str(exc))

@@ -1,7 +1,8 @@
 """``vllm-output-rate top --url URL``: a live per-user view of a server, like htop.
 
 Reads the server's ``/metrics`` once a second (the ``vllm:output_rate_*``
-series the plugin exports) and shows one row per user: limit, current tok/s,
+series the plugin exports) and shows one row per user: its group (only when
+groups are configured), limit, current tok/s,
 active / throttled / waiting requests, throttled %, borrowed tok/s (spare
 capacity beyond the rate, "-" while nobody may borrow) and a spark-line of the
 last minute; sorted by current rate.  ``q`` quits.  Drawn with ``rich``.
@@ -44,6 +45,7 @@ class UserSample:
     throttled: int = 0
     waiting: int = 0
     borrowed: float | None = None  # None: the server exports no borrowed series
+    group: str | None = None  # None: in no group (or no groups configured)
 
 
 @dataclass
@@ -84,6 +86,8 @@ def _add_sample(snap: Snapshot, name: str, labels: dict[str, str], value: float)
         row.borrowed = (row.borrowed or 0.0) + value
     elif key == "limit_tokens_per_second":
         row.limit = value
+    elif key == "user_group" and value and "group" in labels:
+        row.group = labels["group"]
     elif key == "requests":
         state = labels.get("state")
         if state in ("active", "throttled", "waiting"):
@@ -102,6 +106,7 @@ class Row:
     spark: str
     prompt_rate: float | None = None  # prompt tokens charged per second; None: not exported
     borrowed: float | None = None  # tok/s beyond the rate; None: not exported
+    group: str | None = None  # the user's group; None: none
 
 
 class TopModel:
@@ -142,6 +147,7 @@ class TopModel:
                 throttled_pct=min(100.0, 100.0 * thr), spark=self._spark(user, cur.limit),
                 prompt_rate=prompt,
                 borrowed=borrowed,
+                group=cur.group,
             ))
         rows.sort(key=lambda r: (-r.rate, r.user))
         return rows
@@ -202,9 +208,13 @@ def render(model: TopModel, url: str, error: str | None = None):
     # (an input token weight; someone who may borrow): a narrow pane keeps room.
     prompt = any(row.prompt_rate is not None for row in rows)
     borrowed = any(row.borrowed is not None for row in rows)
+    # The group column only when some user is in a group (groups configured).
+    grouped = any(row.group is not None for row in rows)
     right = {"justify": "right"}
     for name, kw in (
-        ("USER", {"no_wrap": True}), ("LIMIT", right), ("TOK/S", right), ("ACTIVE", right),
+        ("USER", {"no_wrap": True}),
+        *((("GROUP", {"no_wrap": True, "max_width": 16}),) if grouped else ()),
+        ("LIMIT", right), ("TOK/S", right), ("ACTIVE", right),
         ("THROTTLED", right), ("WAITING", right), ("THR%", right),
         *((("PROMPT/S", right),) if prompt else ()),
         *((("BORROWED", right),) if borrowed else ()),
@@ -213,8 +223,9 @@ def render(model: TopModel, url: str, error: str | None = None):
         table.add_column(name, **kw)
     for row in rows:
         style = "red" if row.throttled_pct >= 50 else None
-        cells = [row.user, _fmt(row.limit), _fmt(row.rate), str(row.active), str(row.throttled),
-                 str(row.waiting), f"{row.throttled_pct:.0f}%"]
+        cells = [row.user, *([row.group or "-"] if grouped else []), _fmt(row.limit),
+                 _fmt(row.rate), str(row.active), str(row.throttled), str(row.waiting),
+                 f"{row.throttled_pct:.0f}%"]
         cells += [_fmt(row.prompt_rate)] if prompt else []
         cells += [_fmt(row.borrowed)] if borrowed else []
         table.add_row(*cells, row.spark, style=style)
