@@ -266,3 +266,37 @@ def test_both_bounds_hold_under_random_arrivals_aborts_and_kv_pressure(plan, num
             assert max_in_window(guaranteed[user], window) <= bound(window_s, rate), user
             if user in ceils:
                 assert max_in_window(h.charges[user], window) <= bound(window_s, ceils[user]), user
+
+
+def _queued_backlog(weights: dict[str, int], queued: dict[str, int], steps: int,
+                    max_tokens: int) -> tuple[dict[str, int], Harness]:
+    """Every user queues more requests than there are slots, all at once
+    (user by user, so the arrival order alone would favour the first);
+    every resident request runs every step (max_num_seqs is the active cap),
+    so who holds the slots is who gets the tokens."""
+    users = {u: {"rate": 0.01, "ceil": None, "weight": w} for u, w in weights.items()}
+    h = Harness(limits(0.01, **users), max_num_seqs=8)
+    for user, n in queued.items():
+        for _ in range(n):
+            h.add(user, max_tokens=max_tokens)
+    for _ in range(steps):
+        h.step(10 * MS)
+    h.check_resident_consistent()
+    return {u: len(h.charges[u]) for u in weights}, h
+
+
+def test_four_backlogged_borrowers_with_queues_longer_than_the_slots_share_by_weight():
+    # 8 slots, 20-token requests: about 400 requests finish in 1,000 steps,
+    # and each user's queue outlasts its share (the last user needs ~160).
+    weights = {"p": 1, "q": 2, "r": 3, "s": 4}
+    queued = {"p": 300, "q": 90, "r": 200, "s": 250}
+    max_tokens = 20
+    got, h = _queued_backlog(weights, queued, 1000, max_tokens)
+    for user, n in queued.items():  # backlogged to the end
+        assert sum(1 for r in h.records.values() if r.user == user and not r.finished) > 0
+    total = sum(got.values())
+    assert total >= 0.95 * 8 * 1000  # work-conserving: the slots stay busy
+    for user, weight in weights.items():
+        expected = total * weight / sum(weights.values())
+        # Within one request's worth of the weighted share.
+        assert abs(got[user] - expected) <= max_tokens, (got, expected)

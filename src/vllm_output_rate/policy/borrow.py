@@ -30,14 +30,16 @@ Invariants (checked by ``tests/policy/test_borrow.py``):
   short, not paid for otherwise in the step, and listed once;
 * borrowing uses at most the room it is given, and a user with a ceiling
   never borrows more than the ceiling has left;
-* after :meth:`Borrowing.settle` only sampled borrowed keys stay paid.
+* after :meth:`Borrowing.settle` only sampled borrowed keys stay paid;
+* :meth:`Borrowing.admissions` gives at most the slots it is given, never
+  more requests to a user than it has waiting, and only to borrowing users.
 """
 
 from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
-from typing import Container, Hashable, Mapping
+from typing import Collection, Container, Hashable, Mapping, Sequence
 
 from vllm_output_rate.policy.lanes import Lanes
 from vllm_output_rate.policy.ledger import Ledger
@@ -206,16 +208,21 @@ class Borrowing:
         self.step: list[tuple[str, list]] = []
         self._now_ns = 0
 
-    def offer(self, lanes: Lanes, ledger: Ledger, room: int) -> list:
+    def offer(self, lanes: Lanes, ledger: Ledger, room: int, waiting: Collection[str] = ()) -> list:
         """Borrow at most ``room`` hidden streams of users the plan found
         short; pay them on the ceiling and mark them paid in the ledger.
-        Returns the borrowed keys, in the order chosen."""
+        Returns the borrowed keys, in the order chosen.
+
+        ``waiting``: users with waiting requests that would only run by
+        borrowing.  They are current borrowers too (backlogged, waiting for
+        a slot, see :meth:`admissions`): their counters are kept, not lifted
+        as a newcomer's, and they hold the floor down."""
         self.step = []
-        if not ledger.short:
+        if not ledger.short and not waiting:
             self.active = set()  # nobody short, nobody borrows:
             self.counters.clear()  # everyone starts level next time
             return []
-        if room <= 0:
+        if room <= 0 and not waiting:
             return []
         table = self.table
         now = self._now_ns = ledger.now_ns
@@ -242,10 +249,16 @@ class Borrowing:
                 start = 0.0 if floor is None else max(start, floor)
             counters[user] = start
             heap.append((start, index, user))
+        queued = {u for u in waiting if u not in streams and table.borrows(u)}
+        for user in queued:
+            start = counters.get(user, 0.0)
+            if user not in self.active:
+                start = 0.0 if floor is None else max(start, floor)
+            counters[user] = start
         # The candidates are the current borrowers from now on: one that wins
         # no stream in a step keeps its counter (only newcomers are lifted).
-        self.active = set(streams)
-        if not streams:
+        self.active = set(streams) | queued
+        if not self.active:
             counters.clear()  # nobody borrows: everyone starts level next time
         heapq.heapify(heap)
         taken: dict[str, int] = {}
@@ -264,6 +277,54 @@ class Borrowing:
                 self.ceiling.take_up_to(user, now, count)
             self.step.append((user, keys))
             prepaid.update(keys)
+        return order
+
+    def admissions(
+        self, queued: Mapping[str, Sequence[int]], committed: Mapping[str, int], slots: int
+    ) -> list[str]:
+        """Which borrowing users' waiting requests take ``slots`` free resident
+        slots.  ``queued`` maps each user whose waiting requests would only
+        run by borrowing to what each of them may still output (in queue
+        order); ``committed`` maps a user to what its resident requests may
+        still output.
+
+        One request at a time to the user with the least weighted service,
+        as VTC admits from the client with the lowest counter: the user's
+        virtual counter (what it borrowed / weight) plus what it is already
+        committed to (its resident requests' remaining output / weight, the
+        length VTC's predicting variant charges at admission), plus each
+        request given to it so far.  Counting the committed output keeps a
+        user that holds many slots from winning the next one just because
+        its counter has not caught up yet, and spreads slots freed together
+        over the users by weight.  A user that is not a current borrower
+        starts at the smallest counter among them (no banked credit), as in
+        :meth:`offer`.  Ties go to the user that appears first.  Returns one
+        user per admission, in the order chosen; nothing is changed."""
+        if slots <= 0 or not queued:
+            return []
+        table = self.table
+        counters = self.counters
+        active = self.active
+        floor = min((counters.get(u, 0.0) for u in active), default=None)
+        heap: list = []
+        for index, (user, costs) in enumerate(queued.items()):
+            if not costs or not table.borrows(user):
+                continue
+            start = counters.get(user, 0.0)
+            if user not in active:
+                start = 0.0 if floor is None else max(start, floor)
+            weight = table.weight(user)
+            key = start + committed.get(user, 0) / weight
+            heap.append((key, index, user, weight, 0))
+        heapq.heapify(heap)
+        order: list[str] = []
+        while heap and len(order) < slots:
+            key, index, user, weight, given = heapq.heappop(heap)
+            order.append(user)
+            costs = queued[user]
+            if given + 1 < len(costs):
+                key += max(costs[given], 1) / weight
+                heapq.heappush(heap, (key, index, user, weight, given + 1))
         return order
 
     def settle(self, lanes: Lanes, ledger: Ledger, sampled: Container[Key]) -> None:
