@@ -223,7 +223,8 @@ class ChargingHooks:
             user = user_of[request]
             if ledger.quota_now(user) == 0 and self._borrowing.table.borrows(user):
                 # It would only run by borrowing: admitted in counter order
-                # (BorrowingHooks._waiting_demand), not in arrival order.
+                # (see BorrowingHooks._offer_spare_to_borrowers), not in
+                # arrival order; skipped, it keeps its place in the queue.
                 left = admits.get(user, 0)
                 if left <= 0:
                     return False

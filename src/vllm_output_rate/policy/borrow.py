@@ -13,8 +13,10 @@ their rate quota may run anyway, *borrowing*:
   service first -- a virtual counter per user (tokens borrowed / weight),
   one stream at a time (water-filling).  A user that starts borrowing again
   starts at the smallest counter among the current borrowers (those that
-  could borrow when spare capacity was last offered), so idle time is never
-  banked;
+  could borrow when spare capacity was last offered, or wait for a slot to
+  borrow in), so idle time is never banked.  Free slots for borrowers'
+  waiting requests are handed out the same way (:meth:`Borrowing.admissions`),
+  not in arrival order;
 * **how much**: a second GCRA at ``ceil`` (the *ceiling* limiter) counts
   every output token of such a user, guaranteed ones too
   (:class:`CeiledLimiter` pays a guaranteed token on both quotas), so over
