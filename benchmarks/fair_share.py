@@ -161,8 +161,11 @@ benchkit.use_cpu_testbed_env()
 SCHEMA = "vllm-output-rate-fair-share/1"
 STOCK, HARD, SHARES = "stock", "hard", "shares"
 MODES = (STOCK, HARD, SHARES)
-OVERLOAD, WEIGHTED = "overload", "weighted"
+OVERLOAD, WEIGHTED, SOLO = "overload", "weighted", "solo"
+WORKLOADS = (OVERLOAD, WEIGHTED, SOLO)
 LIGHT = "light"
+#: The issue's target for one borrower alone: its tok/s >= 0.95 x the same load on stock vLLM.
+TARGET_SOLO_RATIO = 0.95
 CALIBRATE_USER = "calibrate"
 #: A stock server started only to measure C (no mode among those asked is stock).
 CALIBRATE_ONLY = "stock-calibration"
@@ -217,7 +220,8 @@ def user_limits(mode: str, loads: dict[str, list[Client]], capacity: float, args
     """The per-user JSON of ``--user-output-tokens-per-second`` (None: stock)."""
     if mode == STOCK:
         return None
-    limits: dict[str, Any] = {LIGHT: args.light_rate}
+    limits: dict[str, Any] = {LIGHT: args.light_rate,
+                              SOLO: args.solo_rate if mode == HARD else {"rate": args.solo_rate, "ceil": None}}
     for clients in loads.values():
         rates = guaranteed_rates(clients, capacity, args.guaranteed)
         for c in clients:
@@ -295,6 +299,7 @@ class MetricsPoller:
         self.client = httpx.Client(base_url=base_url, timeout=10.0, trust_env=False)
         self.interval_s, self.t0 = interval_s, t0
         self.readings: list[tuple[float, dict[str, Any]]] = []
+        self.failed_reads = 0
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._run, name="fair-share-metrics", daemon=True)
 
@@ -303,8 +308,16 @@ class MetricsPoller:
         self.readings.append((time.monotonic() - self.t0, engine_reading(samples)))
 
     def _run(self) -> None:
+        import httpx
+
         while not self.stopping.is_set():
-            self.read()
+            try:
+                self.read()
+            except httpx.HTTPError:
+                # A busy API server dropped one read (seen under load): the
+                # next one comes at the usual interval; a missing read only
+                # leaves a window unmeasured (--max-skew).
+                self.failed_reads += 1
             self.stopping.wait(self.interval_s)
 
     def start(self) -> None:
@@ -354,6 +367,39 @@ async def calibrate(base_url: str, model: str, prompts: Prompts, args) -> dict[s
     tokens = after["generated"] - before["generated"]
     return {"tok_s": round(tokens / elapsed, 1), "tokens": tokens, "seconds": round(elapsed, 2),
             "streams": args.calibrate_streams, "load": loadavg()}
+
+
+async def run_solo(base_url: str, model: str, prompts: Prompts, args) -> dict[str, Any]:
+    """One user alone: ``--solo-streams`` closed-loop streams for ``--solo-s`` seconds
+    after a warm-up; its tok/s from vLLM's own counter (every token is the user's)."""
+    async with benchkit.async_http(base_url, connections=args.solo_streams + 4) as http:
+        t0 = time.monotonic()
+
+        async def stream() -> None:
+            while True:
+                record = RequestRecord(user=SOLO)
+                request_body = body(model, SOLO, args.max_tokens, prompts(args.prompt_tokens), args.stream_interval)
+                await run_request(http, request_body, record, t0)
+
+        load_before = loadavg()
+        tasks = [asyncio.create_task(stream()) for _ in range(args.solo_streams)]
+        await asyncio.sleep(args.calibrate_warmup_s)
+        before = engine_reading(await measure.fetch_metrics_async(http))
+        began = time.monotonic()
+        await asyncio.sleep(args.solo_s)
+        after = engine_reading(await measure.fetch_metrics_async(http))
+        elapsed = time.monotonic() - began
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        drained = await wait_drained(http)
+    tokens = after["generated"] - before["generated"]
+    charged = after["charged"].get(SOLO, 0.0) - before["charged"].get(SOLO, 0.0)
+    borrowed = (after.get("borrowed") or {}).get(SOLO, 0.0) - (before.get("borrowed") or {}).get(SOLO, 0.0)
+    return {"tok_s": round(tokens / elapsed, 1), "tokens": tokens, "seconds": round(elapsed, 2),
+            "streams": args.solo_streams, "rate": args.solo_rate, "user_charged_tokens": charged,
+            "user_borrowed_tokens": borrowed, "load_before": load_before, "load_after": loadavg(),
+            "drained": drained, "clock": "the client's monotonic clock between two /metrics reads"}
 
 
 async def run_workload(base_url: str, model: str, clients: list[Client], capacity: float,
@@ -644,12 +690,26 @@ def run_mode(mode: str, args, doc: dict[str, Any], loads: dict[str, list[Client]
         if mode == CALIBRATE_ONLY:
             return result
         result["workloads"] = {}
+        if SOLO in args.workload:
+            print(f"[{mode}] solo: {args.solo_streams} closed-loop streams of one user "
+                  f"({'no limit' if mode == STOCK else f'rate {args.solo_rate:g}'}"
+                  f"{', no ceiling' if mode == SHARES else ''}) for {args.solo_s:g} s", flush=True)
+            solo = asyncio.run(run_solo(server.base_url, model, prompts, args))
+            solo["started_at"] = result["started_at"]
+            result["workloads"][SOLO] = solo
+            print(f"[{mode}] solo: {solo['tok_s']:g} tok/s (vllm:generation_tokens_total), load "
+                  f"{fmt_load(solo['load_before'])} -> {fmt_load(solo['load_after'])}", flush=True)
         for name, clients in loads.items():
+            if name not in args.workload:
+                continue
             print(f"[{mode}] {name}: " + ", ".join(
                 f"{c.user} {c.load * capacity / args.max_tokens:.2f} req/s (weight {c.weight:g})" for c in clients)
                 + f"; {args.duration:g} s", flush=True)
+            load_before = loadavg()
             raw = asyncio.run(run_workload(server.base_url, model, clients, capacity, prompts, args))
             result["workloads"][name] = analyse(raw, clients, mode, capacity, args)
+            result["workloads"][name].update(started_at=result["started_at"], load_before=load_before,
+                                             load_after=loadavg())
             print(workload_report(name, mode, result["workloads"][name]), flush=True)
         result["server_log_tail"] = server.log_tail(20)
     result["load_after"] = loadavg()
@@ -695,6 +755,10 @@ def report(doc: dict[str, Any]) -> str:
             parts.append(f"[{mode}] {result['status']}" + (f": {result['reason']}" if result.get("reason") else ""))
             continue
         for name, w in result["workloads"].items():
+            if name == SOLO:
+                parts.append(f"[{mode}] solo: {w['tok_s']:g} tok/s, {w['streams']} streams of one user "
+                             f"(load {fmt_load(w['load_before'])}, started {w['started_at']})")
+                continue
             parts.append(workload_report(name, mode, w))
         parts.append(f"[{mode}] load avg before {fmt_load(result['load_before'])}, after "
                      f"{fmt_load(result.get('load_after'))}; startup {result['startup_s']:.0f} s")
@@ -770,6 +834,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--stream-interval", type=int, default=16,
                    help="tokens per streamed chunk of the workload requests (vLLM's per-request "
                         "stream_interval; the light user's requests stream every token)")
+    p.add_argument("--workload", action="append", choices=WORKLOADS,
+                   help="overload, weighted or solo; repeatable (default: all three). A mode's other "
+                        "workloads keep their earlier result in the JSON")
+    p.add_argument("--solo-streams", type=int, default=12, help="streams of the solo user (default 12)")
+    p.add_argument("--solo-rate", type=float, default=10.0,
+                   help="the solo user's rate in hard and shares (shares: no ceiling; default 10)")
+    p.add_argument("--solo-s", type=float, default=30.0, help="seconds the solo load is measured (default 30)")
     p.add_argument("--capacity", type=float, help="C in output tok/s (default: measured, or the output JSON's)")
     p.add_argument("--recalibrate", action="store_true", help="measure C even if the output JSON has one")
     p.add_argument("--calibrate-streams", type=int, default=24)
@@ -781,6 +852,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     # Stock first: when C is not known yet, the stock server measures it.
     args.mode = sorted(dict.fromkeys(args.mode or MODES), key=MODES.index)
+    args.workload = sorted(dict.fromkeys(args.workload or WORKLOADS), key=WORKLOADS.index)
     return args
 
 
@@ -794,8 +866,9 @@ def main(argv: list[str] | None = None) -> int:
     doc = benchkit.start_report(SCHEMA, args)
     doc["target_share_deviation"] = TARGET_SHARE_DEVIATION
     doc["target_light_ttft_ratio"] = TARGET_LIGHT_TTFT_RATIO
-    doc["modes"] = {m: r for m, r in (earlier.get("modes") or {}).items()
-                    if m not in args.mode and r.get("status") == "ran"}
+    doc["target_solo_ratio"] = TARGET_SOLO_RATIO
+    earlier_modes = {m: r for m, r in (earlier.get("modes") or {}).items() if r.get("status") == "ran"}
+    doc["modes"] = {m: r for m, r in earlier_modes.items() if m not in args.mode}
     for mode, result in doc["modes"].items():
         result["config_differs"] = result.get("workload_config") != workload_config(args)
         if result["config_differs"]:
@@ -826,6 +899,16 @@ def main(argv: list[str] | None = None) -> int:
             failed = True
             result = {"status": "failed", "reason": f"{type(exc).__name__}: {exc}"[:2000]}
             print(f"[{mode}] FAILED: {result['reason']}", flush=True)
+        kept = {name: w for name, w in ((earlier_modes.get(mode) or {}).get("workloads") or {}).items()
+                if name not in args.workload}
+        if result.get("status") == "ran" and kept:
+            # Workloads not run now keep their earlier result (each names its own start and load).
+            for w in kept.values():
+                w.setdefault("started_at", earlier_modes[mode].get("started_at"))
+                w.setdefault("load_before", earlier_modes[mode].get("load_before"))
+            result["workloads"] = {name: result["workloads"].get(name) or kept[name]
+                                   for name in WORKLOADS if name in result["workloads"] or name in kept}
+            result["kept_workloads"] = sorted(kept)
         doc["modes"][mode] = result
     for mode in MODES:
         doc["modes"].setdefault(mode, {"status": "not run"})

@@ -604,6 +604,18 @@ def _fair_share_targets(doc: Doc, modes: dict) -> list[str]:
             ratio = shares["light"]["ttft_p50_s"] / hard["light"]["ttft_p50_s"]
             lines.append(f"- {name}: light user's first-token p50, rate/ceil/weight / hard caps {ratio:.2f}"
                          + _verdict(ratio, doc.get("target_light_ttft_ratio")) + ".")
+    solo = {mode: workload(mode, "solo") for mode in ("stock", "hard", "shares")}
+    if solo["shares"] and solo["stock"]:
+        ratio = solo["shares"]["tok_s"] / solo["stock"]["tok_s"]
+        lines.append(
+            f"- One borrower alone ({solo['shares']['streams']} closed-loop streams of one user, rate "
+            f"{solo['shares']['rate']:g}, no ceiling): {solo['shares']['tok_s']:g} tok/s against "
+            f"{solo['stock']['tok_s']:g} on stock vLLM (no limit), {ratio:.2f}x"
+            + _verdict(ratio, doc.get("target_solo_ratio"), at_most=False)
+            + ("" if not solo["hard"] else f"; as a hard cap {solo['hard']['tok_s']:g} tok/s")
+            + f" (vLLM's own token counter over {solo['shares']['seconds']:g} s on the client's clock; "
+            f"load average {'/'.join(f'{x:.1f}' for x in solo['shares']['load_before'])} with the plugin, "
+            f"{'/'.join(f'{x:.1f}' for x in solo['stock']['load_before'])} on stock).")
     return [""] + lines if lines else []
 
 
@@ -672,10 +684,15 @@ def fair_share_lines(doc: Doc, extra: dict[str, Doc | None], image: str | None) 
         lines += ["", f"**Not comparable**: {', '.join(differs)} ran with other workload options than the "
                   "latest run (JSON `workload_config`)."]
     if ran:
+        def load(x) -> str:
+            return "-" if not x else "/".join(f"{v:.1f}" for v in x)
+
         lines += ["", "Runs: " + "; ".join(
-            f"{label} started {r['started_at']} (load average {'/'.join(f'{x:.1f}' for x in r['load_before'])}; "
-            "client sent late by up to " + ", ".join(
-                f"{_ms(w.get('send_late_max_s'))} ({name})" for name, w in r["workloads"].items()) + ")"
+            f"{label}: " + ", ".join(
+                f"{name} started {w.get('started_at') or r['started_at']} (load average "
+                f"{load(w.get('load_before') or r['load_before'])}"
+                + ("" if name == "solo" else f"; client sent late by up to {_ms(w.get('send_late_max_s'))}")
+                + ")" for name, w in r["workloads"].items())
             for label, r in ran) + ". A lagging client sends late; the service and first-token figures are "
             "the engine's own and do not move with it (except the requests cut at the end of a run, "
             "counted on receive times)."]

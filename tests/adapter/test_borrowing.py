@@ -266,3 +266,63 @@ def test_both_bounds_hold_under_random_arrivals_aborts_and_kv_pressure(plan, num
             assert max_in_window(guaranteed[user], window) <= bound(window_s, rate), user
             if user in ceils:
                 assert max_in_window(h.charges[user], window) <= bound(window_s, ceils[user]), user
+
+
+def _queued_backlog(weights: dict[str, int], queued: dict[str, int], steps: int,
+                    max_tokens: int, async_: bool = False) -> tuple[dict[str, int], Harness]:
+    """Every user queues more requests than there are slots, all at once
+    (user by user, so the arrival order alone would favour the first);
+    every resident request runs every step (max_num_seqs is the active cap),
+    so who holds the slots is who gets the tokens."""
+    users = {u: {"rate": 0.01, "ceil": None, "weight": w} for u, w in weights.items()}
+    h = Harness(limits(0.01, **users), max_num_seqs=8, async_=async_)
+    for user, n in queued.items():
+        for _ in range(n):
+            h.add(user, max_tokens=max_tokens)
+    for _ in range(steps):
+        h.step(10 * MS)
+    h.check_resident_consistent()
+    return {u: len(h.charges[u]) for u in weights}, h
+
+
+@pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize(
+    "weights, queued",
+    [
+        # 8 slots, 20-token requests: about 400 requests finish in 1,000
+        # steps, and each user's queue outlasts its share.
+        ({"p": 1, "q": 2, "r": 3, "s": 4}, {"p": 300, "q": 190, "r": 200, "s": 250}),
+        ({"x": 1, "y": 2}, {"x": 400, "y": 300}),
+    ],
+    ids=["four", "two"],
+)
+def test_backlogged_borrowers_with_queues_longer_than_the_slots_share_by_weight(weights, queued, async_):
+    # Before admissions followed the counters, the first user in the queue
+    # took nearly everything (four: p 5,940 tokens of a 762 share).
+    max_tokens = 20
+    got, h = _queued_backlog(weights, queued, 1000, max_tokens, async_)
+    for user in queued:  # backlogged to the end
+        assert any(r.user == user and not r.finished for r in h.records.values())
+    total = sum(got.values())
+    for user, weight in weights.items():
+        expected = total * weight / sum(weights.values())
+        # Within one request's worth of the weighted share.
+        assert abs(got[user] - expected) <= max_tokens, (got, expected)
+    if not async_:  # async: a finished request's slot waits one step for its output
+        assert total >= 0.95 * 8 * 1000  # work-conserving: the slots stay busy
+
+
+def test_user_within_its_rate_is_admitted_ahead_of_borrowers_long_queues():
+    users = {u: {"rate": 0.01, "ceil": None, "weight": 1} for u in ("x", "y")}
+    h = Harness(limits(0.01, a=50, **users), max_num_seqs=8)
+    for user in ("x", "y"):
+        for _ in range(100):
+            h.add(user, max_tokens=20)
+    for _ in range(100):
+        h.step(10 * MS)
+    a = h.add("a", max_tokens=50)
+    arrived = len(h.sampled_log)
+    for _ in range(3):
+        h.step(10 * MS)
+    first = next(i for i in range(arrived, len(h.sampled_log)) if a.request_id in h.sampled_log[i])
+    assert first - arrived < 2  # its first token within 2 steps

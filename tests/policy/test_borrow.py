@@ -238,3 +238,108 @@ def test_backlogged_counters_stay_proportional_to_weight(weights):
     total = sum(got.values())
     for user, weight in names.items():
         assert abs(got[user] - total * weight / sum(weights)) <= 6, got
+
+
+# -- admissions: which borrowers' waiting requests take free slots -----------
+
+
+def _borrowing(weights: dict[str, float], hard: tuple[str, ...] = ()) -> Borrowing:
+    rates = {u: 0.01 for u in weights}
+    shares = {u: Share(0.01 if u in hard else None, wt) for u, wt in weights.items()}
+    table = ShareTable(0.01, rates, None, shares)
+    return Borrowing(table, OutputRateLimiter(*table.ceilings()))
+
+
+@settings(max_examples=80)
+@given(
+    users=st.lists(
+        st.tuples(
+            st.integers(1, 4),  # weight
+            st.lists(st.integers(1, 60), max_size=6),  # what each waiting request may output
+            st.integers(0, 200),  # what its resident requests may still output
+            st.one_of(st.none(), st.floats(0, 50)),  # its counter (None: not a current borrower)
+            st.booleans(),  # a hard cap: never borrows
+        ),
+        min_size=1, max_size=5,
+    ),
+    slots=st.integers(-1, 20),
+)
+def test_admissions_give_the_least_weighted_service_each_slot_within_the_slots(users, slots):
+    names = [f"u{i}" for i in range(len(users))]
+    weights = {n: u[0] for n, u in zip(names, users)}
+    b = _borrowing(weights, hard=tuple(n for n, u in zip(names, users) if u[4]))
+    for name, (_, _, _, counter, _) in zip(names, users):
+        if counter is not None:
+            b.counters[name] = counter
+            b.active.add(name)
+    queued = {n: u[1] for n, u in zip(names, users)}
+    committed = {n: u[2] for n, u in zip(names, users)}
+    before = (dict(b.counters), set(b.active))
+    order = b.admissions(queued, committed, slots)
+    assert (dict(b.counters), set(b.active)) == before  # it only chooses
+    assert len(order) <= max(slots, 0)
+    for name, (_, costs, _, _, hard) in zip(names, users):
+        assert order.count(name) <= len(costs)
+        assert not (hard and name in order)  # a hard cap never borrows
+    # Each choice is the least weighted service at that moment (ties: first listed).
+    floor = min((b.counters[u] for u in b.active), default=None)
+    key = {}
+    for name, (weight, costs, _, counter, hard) in zip(names, users):
+        if hard or not costs:
+            continue
+        start = counter if counter is not None else (0.0 if floor is None else floor)
+        key[name] = start + committed[name] / weight
+    given: dict[str, int] = {}
+    for user in order:
+        assert key[user] == min(key.values()), (user, key)
+        best = [u for u in key if key[u] == key[user]]
+        assert user == best[0]
+        n = given.get(user, 0)
+        given[user] = n + 1
+        if n + 1 < len(queued[user]):
+            key[user] += max(queued[user][n], 1) / weights[user]
+        else:
+            del key[user]
+    # Work-conserving: slots are left only when no borrower has a request left.
+    assert len(order) == min(max(slots, 0), sum(len(queued[u]) for u in names if not users[names.index(u)][4]))
+
+
+def test_slots_freed_together_are_spread_by_weight():
+    b = _borrowing({"p": 1, "q": 2, "r": 3, "s": 4})
+    queued = {u: [20] * 50 for u in "pqrs"}
+    order = b.admissions(queued, {}, 20)
+    assert [order.count(u) for u in "pqrs"] == [2, 4, 6, 8]
+
+
+def test_a_user_already_holding_slots_waits_for_the_one_holding_fewer():
+    # Same counters: q's resident requests still owe it 300 tokens, p's none.
+    b = _borrowing({"p": 1, "q": 1})
+    b.counters.update(p=10.0, q=10.0)
+    b.active.update("pq")
+    assert b.admissions({"q": [50] * 3, "p": [50] * 3}, {"q": 300}, 3) == ["p"] * 3
+
+
+def test_a_newcomer_to_the_queue_starts_at_the_floor_not_at_zero():
+    b = _borrowing({"old": 1, "new": 1})
+    b.counters["old"] = 500.0
+    b.active.add("old")
+    # Level with the current borrowers: the first slot goes to the first listed.
+    assert b.admissions({"old": [10] * 2, "new": [10] * 2}, {}, 1) == ["old"]
+
+
+def test_users_waiting_for_a_slot_stay_current_borrowers_and_keep_their_counters():
+    w = World(0.01, {"x": 0.01, "y": 0.01}, {"x": Share(None, 1), "y": Share(None, 1)})
+    w.add("x", 4)
+    for _ in range(50):
+        w.step(slots=4)
+    # y waits for a slot with a low counter: offered as waiting, it joins the
+    # borrowers at the floor once, and then keeps its counter while x runs on.
+    for _ in range(20):
+        plan = w.gate.plan(w.now, 4)
+        w.gate.borrow(plan, 4 - len(plan.visible), waiting={"y"})
+        w.gate.ledger.settle(set(plan.visible + plan.borrowed))
+        w.borrowing.settle(w.gate.lanes, w.gate.ledger, set(plan.borrowed))
+        w.now += 10 * MS
+    assert "y" in w.borrowing.active
+    assert w.borrowing.counters["x"] - w.borrowing.counters["y"] >= 20 * 4 - 4
+    assert w.borrowing.admissions({"x": [10], "y": [10]}, {"x": 40}, 1) == ["y"]

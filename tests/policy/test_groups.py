@@ -255,3 +255,24 @@ def test_a_group_owes_at_most_one_chunk_of_prompt_cost():
         ledger.refused.clear()
     assert not prompt.debt
     assert abs((w.now - start) / S - owed / 10) <= 0.2
+
+
+def test_free_slots_go_to_groups_by_group_weight_then_to_members_by_weight():
+    # Groups g (weight 1: a and b, weights 1 and 3) and h (weight 3: c), and
+    # u without a group (weight 4); every queue is longer than the slots.
+    s = make_settings(5, {"a": {"rate": 5, "ceil": None, "weight": 1, "group": "g"},
+                          "b": {"rate": 5, "ceil": None, "weight": 3, "group": "g"},
+                          "c": {"rate": 5, "ceil": None, "weight": 1, "group": "h"},
+                          "u": {"rate": 5, "ceil": None, "weight": 4}},
+                      {"g": {"rate": 5, "ceil": None, "weight": 1},
+                       "h": {"rate": 5, "ceil": None, "weight": 3}})
+    w = World(s)
+    queued = {user: [10] * 40 for user in "abcu"}
+    order = w.borrowing.admissions(queued, {}, 32)
+    got = {user: order.count(user) for user in "abcu"}
+    assert got == {"a": 1, "b": 3, "c": 12, "u": 16}
+    # What a group's members already hold counts for the whole group: h
+    # starts 120 / 3 = 40 ahead, so the level the slots fill to is 50, not 40.
+    order = w.borrowing.admissions(queued, {"c": 120}, 28)
+    got = {user: order.count(user) for user in "abcu"}
+    assert (got["a"] + got["b"], got["c"], got["u"]) == (5, 3, 20), got

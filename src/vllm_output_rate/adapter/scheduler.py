@@ -219,6 +219,17 @@ class ChargingHooks:
             if not (ledger.can_charge(request) or ledger.is_served_now(request)):
                 return False
             return request not in self._evicted_for_quota or self._kv_room_for(request)
+        admits = self._borrow_admits
+        if admits is not None:
+            user = user_of[request]
+            if ledger.quota_now(user) == 0 and self._borrowing.table.borrows(user):
+                # It would only run by borrowing: admitted in counter order
+                # (see BorrowingHooks._offer_spare_to_borrowers), not in
+                # arrival order; skipped, it keeps its place in the queue.
+                left = admits.get(user, 0)
+                if left <= 0:
+                    return False
+                admits[user] = left - 1
         return True
 
     def _ec_transfer_pending(self, request: Request, num_computed_tokens: int) -> bool:
@@ -376,16 +387,48 @@ class BorrowingHooks:
         """Room the plan left, less what waiting requests the active cap
         would admit need, goes to borrowers."""
         room = slots - len(plan.visible) - plan.reserved
-        if room > 0 and self._ledger.short:
-            room -= self._waiting_demand(room)
+        queued: dict[str, list[int]] | None = None
+        if room > 0 and (self._ledger.short or self.waiting):
+            queued = {}
+            guaranteed, admissions = self._waiting_demand(room, queued)
+            room -= guaranteed + admissions
         # Also with no room or nobody short: then it only keeps the counters.
-        self.output_rate_gate.borrow(plan, room)
+        self.output_rate_gate.borrow(plan, room, queued or ())
+        if queued is not None:
+            # Which borrowers' waiting requests take the free slots is the
+            # borrowing's choice (least weighted service first), not the
+            # queue's order: the waiting-queue hook skips a borrower's request
+            # beyond its user's share through vLLM's own skip path.
+            admits: dict[str, int] = {}
+            if admissions:
+                committed = self._committed_output(queued)
+                for user in self._borrowing.admissions(queued, committed, admissions):
+                    admits[user] = admits.get(user, 0) + 1
+            self._borrow_admits = admits
 
-    def _waiting_demand(self, limit: int) -> int:
+    def _committed_output(self, users: Container[str]) -> dict[str, int]:
+        """What the resident requests of ``users``, and of the other members
+        of their groups (a group's admissions weigh all of its members), may
+        still output."""
+        user_of = self._lanes.user_of
+        group_of = self._borrowing.table.group_of
+        groups = {group_of(u) for u in users} - {None}
+        committed: dict[str, int] = {}
+        for request in self.running:  # every resident request (before the step's swap)
+            user = user_of.get(request)
+            if user is None:
+                continue
+            if user in users or (groups and group_of(user) in groups):
+                committed[user] = committed.get(user, 0) + _output_left(request)
+        return committed
+
+    def _waiting_demand(self, limit: int, queued: dict[str, list[int]]) -> tuple[int, int]:
         """Admittable waiting requests that get room before borrowed streams,
-        up to ``limit``: those whose user can pay now, and, while model-runner
-        slots are free, those of users who may borrow (admitted, they join
-        the borrowing as resident streams)."""
+        up to ``limit``: those whose user can pay now (the first count), and,
+        while model-runner slots are free, those of users who may borrow
+        (the second: admitted, they join the borrowing as resident streams).
+        ``queued`` receives, per borrowing user, what each of its waiting
+        requests that would only run by borrowing may output."""
         lanes = self._lanes
         user_of, in_turn = lanes.user_of, lanes.in_turn
         quota_now = self._ledger.quota_now
@@ -394,7 +437,7 @@ class BorrowingHooks:
             self.max_num_running_reqs - len(self.running) - self.num_waiting_for_streaming_input
         )
         quota: dict[str, int] = {}
-        count = 0
+        guaranteed = 0
         for request in self.waiting:
             if request.status not in _ADMITTABLE or request in in_turn:
                 continue  # held elsewhere, or its quota is reserved already
@@ -406,15 +449,15 @@ class BorrowingHooks:
                 left = quota_now(user)
             if left > 0:
                 quota[user] = left - 1
-            elif free_slots > 0 and borrows(user):
-                free_slots -= 1
-            else:
-                quota[user] = 0
+                guaranteed += 1
+                if guaranteed >= limit:
+                    break
                 continue
-            count += 1
-            if count >= limit:
-                break
-        return count
+            quota[user] = 0
+            if borrows(user):
+                queued.setdefault(user, []).append(_output_left(request))
+        slots = min(free_slots, limit) - guaranteed
+        return guaranteed, max(0, min(slots, sum(map(len, queued.values()))))
 
 
 class SpecDecodeHooks:
@@ -520,6 +563,9 @@ class OutputRateSchedulerMixin(
     output_rate_clock: Callable[[], int] = staticmethod(time.monotonic_ns)
     _step_plan: StepPlan | None = None
     _prepaid: set | None = None  # during a step: decoding requests already paid for
+    #: During a step with borrowing: user -> waiting requests it may still
+    #: have admitted by borrowing (None: admission order is vLLM's).
+    _borrow_admits: dict[str, int] | None = None
     _active_cap: int = 0
     #: Builds the limiter from the settings; tests give a data-parallel rank
     #: a leased limiter on a fake store and clock.
@@ -632,6 +678,7 @@ class OutputRateSchedulerMixin(
         if gate.steady(now_ns, slots):
             return self._schedule_repeat(args, kwargs)
         plan = gate.plan(now_ns, slots)
+        self._borrow_admits = None  # set by the borrowing's waiting demand
         if gate.borrowing is not None and not plan.over_cap:
             self._offer_spare_to_borrowers(plan, slots)
         resident = self.running
@@ -667,6 +714,7 @@ class OutputRateSchedulerMixin(
             self._resume_charging()
             self._step_plan = None
             self._prepaid = None
+            self._borrow_admits = None
             admitted = self._settle_membership(resident, num_visible)
             for victim in self._evicted_in_step:
                 self.waiting.prepend_request(victim)
@@ -839,6 +887,11 @@ def _can_progress_unpaid(request: Request) -> bool:
         request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
     )
     return remaining >= 2
+
+
+def _output_left(request: Request) -> int:
+    """Tokens the request may still output (at most: it may stop sooner)."""
+    return max(request.max_tokens - request.num_output_tokens, 1)
 
 
 def _tokens_held(request: Request) -> int:

@@ -233,7 +233,8 @@ TOUCHPOINTS: tuple[TouchPoint, ...] = (
     _tp("vllm.v1.core.sched.output:SchedulerOutput", "scheduled_spec_decode_tokens", "field",
         "read: drafts dispatched per request (kept charged until the output)"),
     _tp(REQUEST, "max_tokens", "instance attribute",
-        "read: drafts past max_tokens cannot be emitted and are not charged"),
+        "read: drafts past max_tokens cannot be emitted and are not charged; what a "
+        "borrower's request may still output orders its admission"),
     _tp(REQUEST, "num_output_tokens", "property", "read: tokens left before max_tokens"),
     _tp("vllm.v1.outputs:ModelRunnerOutput", "req_id_to_index", "field",
         "read: a request's row of sampled_token_ids"),

@@ -13,8 +13,10 @@ their rate quota may run anyway, *borrowing*:
   service first -- a virtual counter per user (tokens borrowed / weight),
   one stream at a time (water-filling).  A user that starts borrowing again
   starts at the smallest counter among the current borrowers (those that
-  could borrow when spare capacity was last offered), so idle time is never
-  banked;
+  could borrow when spare capacity was last offered, or wait for a slot to
+  borrow in), so idle time is never banked.  Free slots for borrowers'
+  waiting requests are handed out the same way (:meth:`Borrowing.admissions`),
+  not in arrival order;
 * **how much**: a second GCRA at ``ceil`` (the *ceiling* limiter) counts
   every output token of such a user, guaranteed ones too
   (:class:`CeiledLimiter` pays a guaranteed token on both quotas), so over
@@ -33,14 +35,16 @@ Invariants (checked by ``tests/policy/test_borrow.py``):
   short, not paid for otherwise in the step, and listed once;
 * borrowing uses at most the room it is given, and a user with a ceiling
   never borrows more than the ceiling has left;
-* after :meth:`Borrowing.settle` only sampled borrowed keys stay paid.
+* after :meth:`Borrowing.settle` only sampled borrowed keys stay paid;
+* :meth:`Borrowing.admissions` gives at most the slots it is given, never
+  more requests to a user than it has waiting, and only to borrowing users.
 """
 
 from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
-from typing import Any, Container, Hashable, Mapping
+from typing import Any, Collection, Container, Hashable, Mapping, Sequence
 
 from vllm_output_rate.policy.lanes import Lanes
 from vllm_output_rate.policy.ledger import Ledger
@@ -226,17 +230,22 @@ class Borrowing:
         self.step: list[tuple[str, list]] = []
         self._now_ns = 0
 
-    def offer(self, lanes: Lanes, ledger: Ledger, room: int) -> list:
+    def offer(self, lanes: Lanes, ledger: Ledger, room: int, waiting: Collection[str] = ()) -> list:
         """Borrow at most ``room`` hidden streams of users the plan found
         short; pay them on the ceiling and mark them paid in the ledger.
-        Returns the borrowed keys, in the order chosen."""
+        Returns the borrowed keys, in the order chosen.
+
+        ``waiting``: users with waiting requests that would only run by
+        borrowing.  They are current borrowers too (backlogged, waiting for
+        a slot, see :meth:`admissions`): their counters are kept, not lifted
+        as a newcomer's, and they hold the floor down."""
         self.step = []
-        if not ledger.short:
+        if not ledger.short and not waiting:
             self.active = set()  # nobody short, nobody borrows:
             self.counters.clear()  # everyone starts level next time
             self.group_counters.clear()
             return []
-        if room <= 0:
+        if room <= 0 and not waiting:
             return []
         table = self.table
         group_of = table.group_of
@@ -246,18 +255,7 @@ class Borrowing:
         lane_of = lanes.lane_of
         counters = self.counters
         group_counters = self.group_counters
-        # A newcomer starts at the smallest counter among the current
-        # borrowers of its scope: users without a group and the groups
-        # themselves (scope None), or the members of its group.
-        floors: dict[str | None, float] = {}
-        for u in self.active:
-            scope, c = group_of(u), counters.get(u, 0.0)
-            if c < floors.get(scope, _INF):
-                floors[scope] = c
-        for g in self.active_groups:
-            c = group_counters.get(g, 0.0)
-            if c < floors.get(None, _INF):
-                floors[None] = c
+        floors = self._floors()
         heap: list = []
         streams: dict[str, list] = {}
         #: group -> what its own cap lets all of its members borrow (None: no cap).
@@ -278,24 +276,25 @@ class Borrowing:
             if not hidden:
                 continue
             streams[user] = hidden
-            start = counters.get(user, 0.0)
-            if user not in self.active:
-                floor = floors.get(group)
-                start = 0.0 if floor is None else max(start, floor)
-            counters[user] = start
+            start = counters[user] = self._start(user, floors)
             if group is not None and group not in group_left:
                 group_left[group] = cap.group_available(group, now)
-                group_start = group_counters.get(group, 0.0)
-                if group not in self.active_groups:
-                    floor = floors.get(None)
-                    group_start = 0.0 if floor is None else max(group_start, floor)
-                group_counters[group] = group_start
+                group_counters[group] = self._group_start(group, floors)
             heap.append((start if group is None else group_counters[group], start, index, user))
+        # Users waiting for a slot to borrow in are current borrowers too.
+        queued = {u for u in waiting if u not in streams and table.borrows(u)}
+        queued_groups: set[str] = set()
+        for user in queued:
+            group = group_of(user)
+            counters[user] = self._start(user, floors)
+            if group is not None and group not in group_left and group not in queued_groups:
+                queued_groups.add(group)
+                group_counters[group] = self._group_start(group, floors)
         # The candidates are the current borrowers from now on: one that wins
         # no stream in a step keeps its counter (only newcomers are lifted).
-        self.active = set(streams)
-        self.active_groups = set(group_left)
-        if not streams:
+        self.active = set(streams) | queued
+        self.active_groups = set(group_left) | queued_groups
+        if not self.active:
             counters.clear()  # nobody borrows: everyone starts level next time
             group_counters.clear()
         heapq.heapify(heap)
@@ -338,6 +337,103 @@ class Borrowing:
         if unpaid:
             order = [k for k in order if k not in unpaid]
         return order
+
+    def admissions(
+        self, queued: Mapping[str, Sequence[int]], committed: Mapping[str, int], slots: int
+    ) -> list[str]:
+        """Which borrowing users' waiting requests take ``slots`` free resident
+        slots.  ``queued`` maps each user whose waiting requests would only
+        run by borrowing to what each of them may still output (in queue
+        order); ``committed`` maps a user to what its resident requests may
+        still output.
+
+        One request at a time to the user with the least weighted service,
+        as VTC admits from the client with the lowest counter: the user's
+        virtual counter (what it borrowed / weight) plus what it is already
+        committed to (its resident requests' remaining output / weight, the
+        length VTC's predicting variant charges at admission), plus each
+        request given to it so far.  Counting the committed output keeps a
+        user that holds many slots from winning the next one just because
+        its counter has not caught up yet, and spreads slots freed together
+        over the users by weight.  With groups the same is done first
+        between groups (and users without one) on the group counters, then
+        between a group's members.  A user or group that is not a current
+        borrower starts at the smallest counter of its scope (no banked
+        credit), as in :meth:`offer`.  Ties go to the user that appears
+        first.  Returns one user per admission, in the order chosen;
+        nothing is changed."""
+        if slots <= 0 or not queued:
+            return []
+        table = self.table
+        group_of = table.group_of
+        floors = self._floors()
+        #: group -> its counter plus what it is committed to, per group weight.
+        group_keys: dict[str, float] = {}
+        heap: list = []
+        for index, (user, costs) in enumerate(queued.items()):
+            if not costs or not table.borrows(user):
+                continue
+            weight = table.weight(user)
+            key = self._start(user, floors) + committed.get(user, 0) / weight
+            group = group_of(user)
+            if group is None:
+                heap.append((key, key, index, user, 0))
+                continue
+            if group not in group_keys:
+                members = sum(n for u, n in committed.items() if group_of(u) == group)
+                group_keys[group] = self._group_start(group, floors) + members / table.group_weight(group)
+            heap.append((group_keys[group], key, index, user, 0))
+        heapq.heapify(heap)
+        order: list[str] = []
+        while heap and len(order) < slots:
+            primary, key, index, user, given = heapq.heappop(heap)
+            group = group_of(user) if group_keys else None
+            if group is not None and primary != group_keys[group]:
+                heapq.heappush(heap, (group_keys[group], key, index, user, given))
+                continue  # its group was given a slot since: requeued
+            order.append(user)
+            costs = queued[user]
+            cost = max(costs[given], 1)
+            key += cost / table.weight(user)
+            if group is None:
+                primary = key
+            else:
+                primary = group_keys[group] = group_keys[group] + cost / table.group_weight(group)
+            if given + 1 < len(costs):
+                heapq.heappush(heap, (primary, key, index, user, given + 1))
+        return order
+
+    def _floors(self) -> dict[str | None, float]:
+        """The smallest counter among the current borrowers of each scope:
+        users without a group and the groups themselves (scope None), or the
+        members of one group (scope: the group)."""
+        group_of, counters = self.table.group_of, self.counters
+        floors: dict[str | None, float] = {}
+        for u in self.active:
+            scope, c = group_of(u), counters.get(u, 0.0)
+            if c < floors.get(scope, _INF):
+                floors[scope] = c
+        for g in self.active_groups:
+            c = self.group_counters.get(g, 0.0)
+            if c < floors.get(None, _INF):
+                floors[None] = c
+        return floors
+
+    def _start(self, user: str, floors: Mapping[str | None, float]) -> float:
+        """The user's counter; a newcomer's is lifted to its scope's floor."""
+        start = self.counters.get(user, 0.0)
+        if user not in self.active:
+            floor = floors.get(self.table.group_of(user))
+            start = 0.0 if floor is None else max(start, floor)
+        return start
+
+    def _group_start(self, group: str, floors: Mapping[str | None, float]) -> float:
+        """The group's counter; a group new to borrowing is lifted likewise."""
+        start = self.group_counters.get(group, 0.0)
+        if group not in self.active_groups:
+            floor = floors.get(None)
+            start = 0.0 if floor is None else max(start, floor)
+        return start
 
     def settle(self, lanes: Lanes, ledger: Ledger, sampled: Container[Key]) -> None:
         """Keep the borrowed payments of keys that sampled; refund the rest to

@@ -66,7 +66,7 @@ Invariants (checked by the tests):
 
 from __future__ import annotations
 
-from typing import Hashable
+from typing import Collection, Hashable
 
 from vllm_output_rate.policy.borrow import Borrowing
 from vllm_output_rate.policy.lanes import Lanes
@@ -127,11 +127,12 @@ class StepGate:
         )
         return plan
 
-    def borrow(self, plan: StepPlan, spare: int) -> None:
+    def borrow(self, plan: StepPlan, spare: int, waiting: Collection[str] = ()) -> None:
         """After :meth:`plan`: run up to ``spare`` hidden streams of short
         users on spare capacity (:mod:`~vllm_output_rate.policy.borrow`);
-        they are listed in ``plan.borrowed``, not in ``plan.visible``."""
-        borrowed = self.borrowing.offer(self.lanes, self.ledger, spare)
+        they are listed in ``plan.borrowed``, not in ``plan.visible``.
+        ``waiting``: users whose waiting requests would only run by borrowing."""
+        borrowed = self.borrowing.offer(self.lanes, self.ledger, spare, waiting)
         if borrowed:
             plan.borrowed = borrowed
             plan.hidden -= len(borrowed)
