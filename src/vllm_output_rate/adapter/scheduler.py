@@ -436,6 +436,10 @@ class BorrowingHooks:
         free_slots = (
             self.max_num_running_reqs - len(self.running) - self.num_waiting_for_streaming_input
         )
+        # No user can be given more admissions than there are slots: longer
+        # lists would only cost a scan of their requests' lengths.
+        wanted = max(0, min(free_slots, limit))
+        borrowing: dict[str, bool] = {}
         quota: dict[str, int] = {}
         guaranteed = 0
         for request in self.waiting:
@@ -454,8 +458,13 @@ class BorrowingHooks:
                     break
                 continue
             quota[user] = 0
-            if borrows(user):
-                queued.setdefault(user, []).append(_output_left(request))
+            may = borrowing.get(user)
+            if may is None:
+                may = borrowing[user] = borrows(user)
+            if may:
+                costs = queued.setdefault(user, [])
+                if len(costs) < wanted:
+                    costs.append(_output_left(request))
         slots = min(free_slots, limit) - guaranteed
         return guaranteed, max(0, min(slots, sum(map(len, queued.values()))))
 

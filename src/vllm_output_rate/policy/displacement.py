@@ -141,13 +141,15 @@ class Displacement:
         user_of = lanes.user_of
         evicted = self._evicted
         promised: dict[str, int] = {}  # user -> freed slots whose token it must pay
+        resident: set[str] = set()  # users known to hold a slot (a long queue repeats them)
         for key in waiting:
             if room <= 0:
                 break
             if key in evicted:
                 continue  # comes back into a free slot and free KV only
             user = user_of[key]
-            if lanes.resident_count(user):
+            if user in resident or lanes.resident_count(user):
+                resident.add(user)
                 continue  # served through its own resident streams: no churn
             if not ledger.is_charged(key) and ledger.quota_now(user) <= promised.get(user, 0):
                 continue  # its user could not run it now either
@@ -155,6 +157,7 @@ class Displacement:
             if victim is None:
                 break
             evict(victim)
+            resident.discard(user_of[victim])
             donors.add(user_of[victim])
             promised[user] = promised.get(user, 0) + 1
             plan.hidden -= 1
