@@ -125,7 +125,7 @@ bench-server: setup model bench-model
 # per mode, 4-5 min each. MODES='--mode stock --mode hard' runs some of them
 # (the others keep their earlier result in the JSON).
 MODES ?=
-bench-fair-share: setup model
+bench-fair-share: setup model bench-model
 	$(BIN)/python benchmarks/fair_share.py $(MODES)
 
 # Chaos soak: two engines and a real redis-server; Redis killed and restarted,

@@ -94,6 +94,17 @@ What
     same sources as above), one row per workload, one column per mode.
 
 How
+    The model is the bench model (``make bench-model``: 8 layers instead
+    of the tiny model's 2).  On the tiny model the engine outruns what the
+    API server and the clients can feed it on 2 cores (``--model
+    models/tiny-llama`` shows it: a weighted run filled 2.5 of its 8 active
+    slots per step), nobody was backlogged at the
+    engine, and each client's service was whatever its requests got through
+    the API server (equal for all, whatever the weights).  A workload only
+    tests a scheduler's sharing when the engine is the bottleneck, so every
+    workload reports its output tokens per engine step (vLLM's own
+    counters) next to the 8 it may reach.
+
     One server per mode, started with ``--max-num-seqs 16
     --max-num-active-seqs 8 --max-model-len 1024 --enforce-eager
     --enable-per-request-metrics`` (8 running requests keep the request
@@ -154,11 +165,15 @@ from vllm_output_rate.settings import OutputRateConfigError, parse_cli
 from vllm_output_rate.tools import analysis, benchkit, measure
 from vllm_output_rate.tools.benchkit import RESULTS_DIR, fmt_load, loadavg, machine_line, table
 from vllm_output_rate.tools.measure import RequestRecord, percentile, run_request
-from vllm_output_rate.tools.serverproc import DEFAULT_MODEL_DIR
 
 benchkit.use_cpu_testbed_env()
 
 SCHEMA = "vllm-output-rate-fair-share/1"
+#: ``make bench-model``: 8 layers, slow enough per step that the engine, not
+#: the API server or the clients, is what the workloads saturate.
+BENCH_MODEL_DIR = Path("models/bench-llama")
+#: --max-num-active-seqs of every server: at most this many tokens per step.
+ACTIVE_SEQS = 8
 STOCK, HARD, SHARES = "stock", "hard", "shares"
 MODES = (STOCK, HARD, SHARES)
 OVERLOAD, WEIGHTED, SOLO = "overload", "weighted", "solo"
@@ -177,7 +192,7 @@ TARGET_SHARE_DEVIATION = 0.10
 #: The issue's target for a user within its rate: first-token p50 with shares <= 1.2 x with hard caps.
 TARGET_LIGHT_TTFT_RATIO = 1.2
 LIGHT_PROMPT_TOKENS = 16
-SERVER_FLAGS = ["--max-num-seqs", "16", "--max-num-active-seqs", "8", "--max-model-len", "1024",
+SERVER_FLAGS = ["--max-num-seqs", "16", "--max-num-active-seqs", str(ACTIVE_SEQS), "--max-model-len", "1024",
                 "--enforce-eager", "--disable-uvicorn-access-log", "--enable-per-request-metrics"]
 NEVER_HIT = 100000.0
 #: The options that shape the load: modes compared on one page must share them.
@@ -636,6 +651,8 @@ def analyse(raw: dict[str, Any], clients: list[Client], mode: str, capacity: flo
         "throughput_tok_s": round((last["generated"] - first["generated"]) / (t_last - t_first), 1),
         "throughput_span_s": [round(t_first, 2), round(t_last, 2)],
         "engine_steps_per_s": round((last.get("steps", 0.0) - first.get("steps", 0.0)) / (t_last - t_first), 1),
+        # Below ACTIVE_SEQS the engine had idle slots: nobody was backlogged at the engine.
+        "tokens_per_step": _per_step(first, last),
         "throughput_tok_s_after_first_window": measured_mean(generated[1:], w),
         "generated_per_window": rounded(generated),
         "windows_measured": sum(1 for x in generated if x is not None),
@@ -722,6 +739,12 @@ def run_mode(mode: str, args, doc: dict[str, Any], loads: dict[str, list[Client]
 # --------------------------------------------------------------------------
 
 
+def _per_step(first: dict, last: dict) -> float | None:
+    """Output tokens per engine step between two readings."""
+    steps = last.get("steps", 0.0) - first.get("steps", 0.0)
+    return None if steps <= 0 else round((last["generated"] - first["generated"]) / steps, 2)
+
+
 def _f(x, fmt=".0f") -> str:
     return "-" if x is None else format(x, fmt)
 
@@ -734,7 +757,8 @@ def workload_report(name: str, mode: str, w: dict[str, Any]) -> str:
     light = w["light"]
     return "\n".join([
         f"[{mode}] {name}: total {w['throughput_tok_s']:.1f} tok/s (vllm:generation_tokens_total), "
-        f"{w.get('engine_steps_per_s', 0):.0f} engine steps/s; "
+        f"{w.get('engine_steps_per_s', 0):.0f} engine steps/s, "
+        f"{_f(w.get('tokens_per_step'), '.1f')} tokens per step of {ACTIVE_SEQS}; "
         f"service per {w['window_s']:g} s window from {w['service_source']}",
         table(["user", "weight", "offered tok/s", "guaranteed", "tokens per window", "tok/s after 1st", "skipped"],
               rows),
@@ -809,7 +833,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="stock, hard or shares; repeatable (default: all three)")
     p.add_argument("--out", default=str(RESULTS_DIR / "fair_share"), metavar="PREFIX",
                    help="writes PREFIX.json and PREFIX.png (default: %(default)s)")
-    p.add_argument("--model", default=str(DEFAULT_MODEL_DIR), help="model path (default: the tiny model)")
+    p.add_argument("--model", default=str(BENCH_MODEL_DIR),
+                   help="model path (default: the bench model, `make bench-model`; see How)")
     p.add_argument("--duration", type=float, default=60.0, help="seconds of load per workload (default 60)")
     p.add_argument("--window", type=float, default=10.0, help="service window, s (default 10)")
     p.add_argument("--plot-bin", type=float, default=5.0, help="bin of the figure's series, s (default 5)")
@@ -875,9 +900,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"warning: the kept {mode} result was run with other workload options", flush=True)
     if args.capacity:
         doc["capacity"] = {"tok_s": args.capacity, "measured_in_mode": "given (--capacity)"}
-    elif earlier.get("capacity") and not args.recalibrate:
+    elif earlier.get("capacity") and not args.recalibrate and (earlier.get("config") or {}).get("model") == args.model:
         doc["capacity"] = dict(earlier["capacity"], reused_from=earlier.get("started_at"))
         print(f"reusing C = {doc['capacity']['tok_s']:g} tok/s from {json_path}", flush=True)
+    if not (Path(args.model) / "config.json").is_file():
+        print(f"error: no model at {args.model}: run `make bench-model` (or pass --model)", file=sys.stderr)
+        return 2
     loads = workloads(args)
     vocab = int(json.loads((Path(args.model) / "config.json").read_text())["vocab_size"])
     prompts = Prompts(args.seed, vocab)

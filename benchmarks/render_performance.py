@@ -626,7 +626,9 @@ def fair_share_lines(doc: Doc, extra: dict[str, Doc | None], image: str | None) 
     cfg, cap = doc["config"], doc["capacity"]
     a, b = cfg["overload_load"]
     lines = [
-        "VTC's two synthetic workloads (Sheng et al., OSDI 2024, section 5.2), scaled to this machine. "
+        "VTC's two synthetic workloads (Sheng et al., OSDI 2024, section 5.2), scaled to this machine, "
+        f"on `{cfg['model']}` (a workload tests sharing only while the engine is the bottleneck: "
+        "its tokens per step near the 8 active slots). "
         f"Capacity C = {cap['tok_s']:g} output tok/s ({cap['streams']} closed-loop streams on the stock "
         f"server); every client sends open loop at fixed intervals, {cfg['prompt_tokens']} prompt + "
         f"{cfg['max_tokens']} output tokens per request, for {cfg['duration']:g} s. **overload**: A and B, "
@@ -655,7 +657,7 @@ def fair_share_lines(doc: Doc, extra: dict[str, Doc | None], image: str | None) 
     for name in ("overload", "weighted"):
         lines += [
             "",
-            f"| {name} | total tok/s | tok/s per client after the first window (of its guaranteed rate) | "
+            f"| {name} | total tok/s (tokens per engine step, of 8) | tok/s per client after the first window (of its guaranteed rate) | "
             "service difference max / "
             "mean (tokens per weight per window) | share deviation | light user's first token p50 / p90 |",
             "| --- | ---: | --- | ---: | ---: | ---: |",
@@ -672,7 +674,9 @@ def fair_share_lines(doc: Doc, extra: dict[str, Doc | None], image: str | None) 
                 + ("" if s.get("of_guaranteed") is None else f" ({100 * s['of_guaranteed']:.0f} %)")
                 for u, s in w["users"].items())
             lines.append(
-                f"| {label} | {w['throughput_tok_s']:.0f} | {per_user} | {_num(f['max'], '.0f')} / "
+                f"| {label} | {w['throughput_tok_s']:.0f}"
+                + ("" if w.get("tokens_per_step") is None else f" ({w['tokens_per_step']:.1f})")
+                + f" | {per_user} | {_num(f['max'], '.0f')} / "
                 f"{_num(f['mean'], '.0f')} | {_percent(f['max_share_deviation'])} | "
                 f"{_ms(light['ttft_p50_s'])} / {_ms(light['ttft_p90_s'])} of the {light['engine_stamped']} of "
                 f"{light['requests']} that finished ({light['requests'] - light['with_first_token']} had no first "
