@@ -384,9 +384,10 @@ async def calibrate(base_url: str, model: str, prompts: Prompts, args) -> dict[s
             "streams": args.calibrate_streams, "load": loadavg()}
 
 
-async def run_solo(base_url: str, model: str, prompts: Prompts, args) -> dict[str, Any]:
+async def run_solo(base_url: str, model: str, prompts: Prompts, args, server_pid: int) -> dict[str, Any]:
     """One user alone: ``--solo-streams`` closed-loop streams for ``--solo-s`` seconds
-    after a warm-up; its tok/s from vLLM's own counter (every token is the user's)."""
+    after a warm-up; its tok/s from vLLM's own counter (every token is the user's),
+    and the CPU each server process used per engine step."""
     async with benchkit.async_http(base_url, connections=args.solo_streams + 4) as http:
         t0 = time.monotonic()
 
@@ -399,11 +400,14 @@ async def run_solo(base_url: str, model: str, prompts: Prompts, args) -> dict[st
         load_before = loadavg()
         tasks = [asyncio.create_task(stream()) for _ in range(args.solo_streams)]
         await asyncio.sleep(args.calibrate_warmup_s)
+        meter = benchkit.CpuMeter([server_pid])
         before = engine_reading(await measure.fetch_metrics_async(http))
+        meter.start()
         began = time.monotonic()
         await asyncio.sleep(args.solo_s)
         after = engine_reading(await measure.fetch_metrics_async(http))
         elapsed = time.monotonic() - began
+        cpu = meter.stop()
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -413,7 +417,12 @@ async def run_solo(base_url: str, model: str, prompts: Prompts, args) -> dict[st
     borrowed = (after.get("borrowed") or {}).get(SOLO, 0.0) - (before.get("borrowed") or {}).get(SOLO, 0.0)
     return {"tok_s": round(tokens / elapsed, 1), "tokens": tokens, "seconds": round(elapsed, 2),
             "streams": args.solo_streams, "rate": args.solo_rate, "user_charged_tokens": charged,
-            "user_borrowed_tokens": borrowed, "load_before": load_before, "load_after": loadavg(),
+            "user_borrowed_tokens": borrowed, "tokens_per_step": _per_step(before, after),
+            "engine_steps_per_s": round((after["steps"] - before["steps"]) / elapsed, 1),
+            "cpu_ms_per_step": {role: round(1000 * sec / max(after["steps"] - before["steps"], 1), 3)
+                                for role, sec in cpu["servers"][0].items()},
+            "cpu_foreign_cores": round(cpu["foreign"] / cpu["wall_s"], 2),
+            "load_before": load_before, "load_after": loadavg(),
             "drained": drained, "clock": "the client's monotonic clock between two /metrics reads"}
 
 
@@ -711,10 +720,13 @@ def run_mode(mode: str, args, doc: dict[str, Any], loads: dict[str, list[Client]
             print(f"[{mode}] solo: {args.solo_streams} closed-loop streams of one user "
                   f"({'no limit' if mode == STOCK else f'rate {args.solo_rate:g}'}"
                   f"{', no ceiling' if mode == SHARES else ''}) for {args.solo_s:g} s", flush=True)
-            solo = asyncio.run(run_solo(server.base_url, model, prompts, args))
+            solo = asyncio.run(run_solo(server.base_url, model, prompts, args, server.pid))
             solo["started_at"] = result["started_at"]
             result["workloads"][SOLO] = solo
-            print(f"[{mode}] solo: {solo['tok_s']:g} tok/s (vllm:generation_tokens_total), load "
+            print(f"[{mode}] solo: {solo['tok_s']:g} tok/s (vllm:generation_tokens_total), "
+                  f"{solo['engine_steps_per_s']:g} engine steps/s, {_f(solo['tokens_per_step'], '.1f')} "
+                  f"tokens per step, CPU ms per step {solo['cpu_ms_per_step']}, other processes "
+                  f"{solo['cpu_foreign_cores']:g} cores, load "
                   f"{fmt_load(solo['load_before'])} -> {fmt_load(solo['load_after'])}", flush=True)
         for name, clients in loads.items():
             if name not in args.workload:

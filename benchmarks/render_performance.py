@@ -612,6 +612,10 @@ def _fair_share_targets(doc: Doc, modes: dict) -> list[str]:
             f"{solo['shares']['rate']:g}, no ceiling): {solo['shares']['tok_s']:g} tok/s against "
             f"{solo['stock']['tok_s']:g} on stock vLLM (no limit), {ratio:.2f}x"
             + _verdict(ratio, doc.get("target_solo_ratio"), at_most=False)
+            + ("" if solo["shares"].get("tokens_per_step") is None or solo["stock"].get("tokens_per_step") is None
+               else f"; {solo['shares']['tokens_per_step']:.1f} tokens per engine step against "
+                    f"{solo['stock']['tokens_per_step']:.1f}, {solo['shares']['engine_steps_per_s']:g} steps/s "
+                    f"against {solo['stock']['engine_steps_per_s']:g}")
             + ("" if not solo["hard"] else f"; as a hard cap {solo['hard']['tok_s']:g} tok/s")
             + f" (vLLM's own token counter over {solo['shares']['seconds']:g} s on the client's clock; "
             f"load average {'/'.join(f'{x:.1f}' for x in solo['shares']['load_before'])} with the plugin, "
