@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from vllm_output_rate.tools.measure import FINISHED, HTTP_ERROR, RequestRecord
-from vllm_output_rate.tools.serverproc import free_port, stop_group, wait_healthy
+from vllm_output_rate.tools.serverproc import free_port, stop_group, tail_lines, wait_healthy
 
 #: The HTTP status of a request the gateway refused for lack of quota.
 TOO_MANY_REQUESTS = 429
@@ -142,10 +142,7 @@ class GatewayProcess:
         return self
 
     def log_tail(self, n: int = 40) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
+        return tail_lines(self.log_path, n)
 
     def stop(self) -> None:
         if self.proc is not None:

@@ -141,6 +141,14 @@ def server_env() -> dict[str, str]:
     return env
 
 
+def tail_lines(path: Path, n: int) -> str:
+    """The last ``n`` lines of a child's log file ("" while it cannot be read)."""
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return ""
+
+
 class Server:
     def __init__(self, proc: subprocess.Popen, base_url: str, log_path: Path, model: str):
         self.proc = proc
@@ -153,10 +161,7 @@ class Server:
         return self.proc.pid
 
     def log_tail(self, n: int = 60) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
+        return tail_lines(self.log_path, n)
 
     def metrics(self) -> str:
         """The raw ``/metrics`` text (parse it with ``measure.parse_metrics``)."""
