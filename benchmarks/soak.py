@@ -637,6 +637,24 @@ def counter_checks(samples, users: dict[str, float], engines: int, marks: ChaosM
             "users_over_the_bound": len(failures), "reads": len(samples)}
 
 
+def serve_args(args, rates: dict[str, float], default_rate: float, store_args: tuple[str, ...] = ()) -> list[str]:
+    """The soak's ``vllm-output-rate serve`` options: the users' rates and the
+    engine's shape from ``args``, then ``store_args`` (a shared store's
+    options), then the operator's ``--server-arg`` extras."""
+    return [
+        "--default-user-output-tokens-per-second", str(default_rate),
+        "--user-output-tokens-per-second", json.dumps(rates),
+        "--max-num-seqs", str(args.max_num_seqs),
+        "--max-num-active-seqs", str(args.max_num_active_seqs),
+        "--max-model-len", str(args.max_model_len),
+        "--max-num-batched-tokens", "512",
+        "--enforce-eager",
+        "--enable-per-request-metrics",
+        *store_args,
+        *args.server_arg,
+    ]
+
+
 def run_cluster(args, plan, rates, default_rate, config, doc) -> dict:
     """``--engines E`` engines sharing one store, with the chaos; the bound
     judged on the engines' counters."""
@@ -650,20 +668,11 @@ def run_cluster(args, plan, rates, default_rate, config, doc) -> dict:
             redis_srv = stack.enter_context(RedisProcess())
             store_url = redis_srv.url
             print(f"redis-server on 127.0.0.1:{redis_srv.port} (pid {redis_srv.pid})", flush=True)
-        server_args = [
-            "--default-user-output-tokens-per-second", str(default_rate),
-            "--user-output-tokens-per-second", json.dumps(rates),
-            "--max-num-seqs", str(args.max_num_seqs),
-            "--max-num-active-seqs", str(args.max_num_active_seqs),
-            "--max-model-len", str(args.max_model_len),
-            "--max-num-batched-tokens", "512",
-            "--enforce-eager",
-            "--enable-per-request-metrics",
+        server_args = serve_args(args, rates, default_rate, (
             "--output-rate-store", store_url,
             "--output-rate-expected-engines", str(args.engines),
             "--output-rate-store-prefix", "soak",
-            *args.server_arg,
-        ]
+        ))
         doc["server_args"] = server_args
         engines = stack.enter_context(benchkit.restartable_engines(
             [(f"soak-engine{i + 1}", server_args) for i in range(args.engines)], log_dir,
@@ -830,17 +839,7 @@ def main(argv=None) -> int:
                 server = None
             else:
                 log_dir = benchkit.log_dir_for("soak", args.log_dir)
-                server_args = [
-                    "--default-user-output-tokens-per-second", str(default_rate),
-                    "--user-output-tokens-per-second", json.dumps(rates),
-                    "--max-num-seqs", str(args.max_num_seqs),
-                    "--max-num-active-seqs", str(args.max_num_active_seqs),
-                    "--max-model-len", str(args.max_model_len),
-                    "--max-num-batched-tokens", "512",
-                    "--enforce-eager",
-                    "--enable-per-request-metrics",
-                    *args.server_arg,
-                ]
+                server_args = serve_args(args, rates, default_rate)
                 doc["server_args"] = server_args
                 (server,) = stack.enter_context(benchkit.running_engines(
                     [("soak", server_args)], log_dir, model=args.model, command=SERVE_WITH_CHURN))

@@ -18,6 +18,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from scheduler_workloads import (
+    LIMITS, assert_every_request_complete, assert_every_user_within_its_bound, engine_shapes, run_arrivals,
+)
 from vllm_output_rate.adapter.patches import check_vllm_config
 from vllm_output_rate.tools.scheduler_sim import MS, Harness, max_in_window
 
@@ -50,12 +53,6 @@ def _run_checked(h: Harness, max_loras: int, dt_ns: int = 10 * MS, max_steps: in
     assert not h.sched.has_requests(), f"not done after {steps} steps"
 
 
-def _assert_nothing_lost(h: Harness) -> None:
-    for rid, record in h.records.items():
-        assert record.finished, rid
-        assert len(record.sample_times) == record.max_tokens, rid  # never truncated
-
-
 def test_lora_is_accepted_with_the_feature_on():
     h = Harness(SLOW, max_loras=1)
     assert h.config.lora_config is not None
@@ -78,7 +75,7 @@ def test_throttled_request_keeps_its_adapter_slot(async_):
     assert "fast-0" not in out.num_scheduled_tokens
     assert "fast-1" in out.num_scheduled_tokens
     _run_checked(h, 1, dt_ns=50 * MS)
-    _assert_nothing_lost(h)
+    assert_every_request_complete(h)
     slow = h.records["slow-0"].sample_times
     fast0 = h.records["fast-0"].sample_times
     # "slow" got its tokens at 1 tok/s; fast-0 started only after slow-0 left.
@@ -99,10 +96,7 @@ def lora_workloads(draw):
         ))
     return {
         "max_loras": draw(st.integers(1, 3)),
-        "max_num_seqs": draw(st.sampled_from([2, 4, 8])),
-        "max_num_active_seqs": draw(st.sampled_from([None, 1, 2])),
-        "chunked": draw(st.booleans()),
-        "async_": draw(st.booleans()),
+        "engine": draw(engine_shapes()),
         "arrivals": sorted(arrivals, key=lambda a: a[0]),
     }
 
@@ -115,26 +109,7 @@ def test_binding_limits_with_adapters_keep_every_bound(w):
     every step at most max_loras adapters are resident and in the batch, each
     user's charges stay within its bound, every request ends with all its
     tokens, and the limiter's state is exactly that of the samples made."""
-    limits = {"default_user_output_tokens_per_second": 50,
-              "user_output_tokens_per_second": {"slow": 2}}
-    max_seqs = w["max_num_seqs"]
-    active = w["max_num_active_seqs"]
-    h = Harness(
-        limits, async_=w["async_"], max_loras=w["max_loras"], max_num_seqs=max_seqs,
-        max_num_active_seqs=None if active is None else min(active, max_seqs),
-        chunked=w["chunked"], max_num_batched_tokens=64,
-    )
-    pending = list(w["arrivals"])
-    step = 0
-    while pending or h.sched.has_requests():
-        while pending and pending[0][0] <= step:
-            _, user, prompt_len, max_tokens, lora = pending.pop(0)
-            h.add(user, prompt_len=prompt_len, max_tokens=max_tokens, lora=lora)
-        _step_checked(h, w["max_loras"], 20 * MS)
-        step += 1
-        assert step < 20_000
-    h.drain()
-    _assert_nothing_lost(h)
-    for user, rate in (("slow", 2), ("a", 50), ("b", 50)):
-        assert max_in_window(h.charges[user], 1_000 * MS) <= (1 + 0.1) * rate + 1, user
-    h.check_limiter_exact()
+    h = Harness(LIMITS, max_loras=w["max_loras"], max_num_batched_tokens=64, **w["engine"])
+    run_arrivals(h, w["arrivals"], lambda h: _step_checked(h, w["max_loras"], 20 * MS), feature="lora")
+    assert_every_request_complete(h)
+    assert_every_user_within_its_bound(h)

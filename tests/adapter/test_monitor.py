@@ -181,6 +181,28 @@ def test_prompt_tokens_charged_are_reported_and_exported_with_the_same_cap():
     assert "alice" not in {dict(labels)["user"] for labels in series(registry, name)}
 
 
+def test_each_group_series_has_its_user_twins_type_and_labels_with_group_for_user():
+    registry = CollectorRegistry()
+    exporter = OutputRateExporter("tiny", registry=registry)
+    row = [3, 0.5, 1, 2, 0, 10.0, 4, 1]
+    exporter.observe({"users": {"alice": row}, "removed": [], "groups": {"g": row}, "groups_removed": [],
+                      "user_groups": {"alice": "g"}, "engine": {}})
+    families = {family.name: family for family in registry.collect()}
+
+    def label_names(family, holder_label):
+        return {tuple(sorted("holder" if k == holder_label else k for k in s.labels)) for s in family.samples}
+
+    twins = ("output_tokens_charged", "prompt_tokens_charged", "borrowed_tokens", "requests",
+             "limit_tokens_per_second")
+    for twin in twins:
+        user = families[f"vllm:output_rate_{twin}"]
+        group = families[f"vllm:output_rate_group_{twin}"]
+        assert group.type == user.type, twin
+        assert label_names(group, "group") == label_names(user, "user"), twin
+        assert "user" in user.documentation and "group" in group.documentation, twin
+    assert "vllm:output_rate_group_throttled_seconds" not in families  # users only
+
+
 def test_exporter_sums_the_gauges_of_several_engines():
     """Data-parallel ranks report to one logger: request gauges and the
     engine-wide throttled count are the ranks' sum, counters add up, and a

@@ -10,6 +10,7 @@ import json
 
 import pytest
 
+from test_settings import refused
 from vllm_output_rate.adapter.patches import _default_rate_arg
 from vllm_output_rate.policy.borrow import Share
 from vllm_output_rate.settings import (
@@ -28,13 +29,6 @@ WHERE = f"additional_config[{CONFIG_KEY!r}]"
 def section(default, **users):
     return {"output_rate": {"default_user_output_tokens_per_second": default,
                             "user_output_tokens_per_second": users}}
-
-
-def refused(exc_info, *fragments):
-    msg = str(exc_info.value)
-    assert "\n" not in msg, msg
-    for fragment in fragments:
-        assert fragment in msg, (fragment, msg)
 
 
 def test_a_number_is_a_hard_cap_and_a_mapping_sets_ceil_and_weight():

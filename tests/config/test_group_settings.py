@@ -11,6 +11,7 @@ import json
 
 import pytest
 
+from test_settings import refused
 from vllm_output_rate.adapter.patches import _groups_arg, _overrides_arg
 from vllm_output_rate.policy.borrow import Share
 from vllm_output_rate.settings import (
@@ -34,13 +35,6 @@ def section(default, groups=None, **users):
     if groups is not None:
         config[GROUPS_KEY] = groups
     return {"output_rate": config}
-
-
-def refused(exc_info, *fragments):
-    msg = str(exc_info.value)
-    assert "\n" not in msg, msg
-    for fragment in fragments:
-        assert fragment in msg, (fragment, msg)
 
 
 def test_users_join_groups_and_groups_take_a_users_limit():

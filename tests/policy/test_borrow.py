@@ -10,75 +10,20 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gate_harness import MS, S, GateWorld, bound, max_in_window
 from vllm_output_rate.policy.borrow import Borrowing, CeiledLimiter, Share, ShareTable
 from vllm_output_rate.policy.gate import StepGate
 from vllm_output_rate.policy.limiter import OutputRateLimiter
 
-MS = 1_000_000
-S = 1_000_000_000
 
-
-def bound(window_s: float, rate: float) -> int:
-    return int((window_s + 0.1) * rate + 1 + 1e-9)
-
-
-class World:
+class World(GateWorld):
     """A gate with borrowing, plus the record of what sampled when."""
 
     def __init__(self, default_rate, user_rates, shares, default_share=None):
         table = ShareTable(default_rate, user_rates, default_share, shares)
         self.rate = OutputRateLimiter(default_rate, user_rates)
         self.ceiling = OutputRateLimiter(*table.ceilings())
-        self.borrowing = Borrowing(table, self.ceiling)
-        self.gate = StepGate(CeiledLimiter(self.rate, self.ceiling, table))
-        self.gate.borrowing = self.borrowing
-        self.now = 10 * S
-        self.times: dict[str, list[int]] = {}  # user -> time of every sampled token
-        self.guaranteed: dict[str, list[int]] = {}  # user -> time of every non-borrowed token
-        self.n = 0
-
-    def add(self, user: str, streams: int) -> list[str]:
-        keys = []
-        for _ in range(streams):
-            key = f"{user}-{self.n}"
-            self.n += 1
-            self.gate.lanes.track(key, user)
-            self.gate.lanes.admit(key, progressing=False)
-            keys.append(key)
-        return keys
-
-    def forget(self, key: str) -> None:
-        self.gate.lanes.forget(key)
-
-    def step(self, slots: int, dt: int = 10 * MS, drop=frozenset()):
-        gate = self.gate
-        plan = gate.plan(self.now, slots)
-        if plan.throttled and not plan.over_cap:
-            room = slots - len(plan.visible)
-            if room > 0:
-                gate.borrow(plan, room)
-        sampled = {k for k in plan.visible + plan.borrowed if k not in drop}
-        gate.ledger.settle(sampled)
-        if plan.borrowed:
-            self.borrowing.settle(gate.lanes, gate.ledger, sampled)
-        borrowed = set(plan.borrowed)
-        for key in sampled:
-            user = gate.lanes.user_of[key]
-            self.times.setdefault(user, []).append(self.now)
-            if key not in borrowed:
-                self.guaranteed.setdefault(user, []).append(self.now)
-        self.now += dt
-        return plan
-
-
-def max_in_window(times: list[int], window_ns: int) -> int:
-    times = sorted(times)
-    best = lo = 0
-    for hi, t in enumerate(times):
-        while t - times[lo] >= window_ns:
-            lo += 1
-        best = max(best, hi - lo + 1)
-    return best
+        super().__init__(StepGate(CeiledLimiter(self.rate, self.ceiling, table)), Borrowing(table, self.ceiling))
 
 
 def test_lone_borrower_without_ceiling_fills_every_slot():

@@ -13,29 +13,12 @@ from fractions import Fraction
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gate_harness import MS, S, GateWorld, bound, max_in_window
 from vllm_output_rate.factory import make_borrowing, make_group_quotas, make_limiter
 from vllm_output_rate.policy.gate import StepGate
 from vllm_output_rate.policy.groups import CapLimiter
 from vllm_output_rate.policy.prompt_cost import PromptCost
 from vllm_output_rate.settings import OutputRateSettings
-
-MS = 1_000_000
-S = 1_000_000_000
-
-
-def bound(window_s: float, rate: float) -> int:
-    return int((window_s + 0.1) * rate + 1 + 1e-9)
-
-
-def max_in_window(times: list[int], window_ns: int) -> int:
-    times = sorted(times)
-    best = lo = 0
-    for hi, t in enumerate(times):
-        while t - times[lo] >= window_ns:
-            lo += 1
-        best = max(best, hi - lo + 1)
-    return best
-
 
 def make_settings(default, users, groups) -> OutputRateSettings:
     return OutputRateSettings.from_additional_config({"output_rate": {
@@ -45,50 +28,15 @@ def make_settings(default, users, groups) -> OutputRateSettings:
     }})
 
 
-class World:
+class World(GateWorld):
     """A gate over the factory's quotas for ``settings``, and what sampled when."""
 
     def __init__(self, settings: OutputRateSettings) -> None:
         self.settings = settings
         self.rate = make_limiter(settings)
         self.groups = make_group_quotas(settings)
-        self.borrowing, limiter = make_borrowing(settings, self.rate, None, self.groups)
-        self.gate = StepGate(limiter)
-        self.gate.borrowing = self.borrowing
-        self.now = 10 * S
-        self.times: dict[str, list[int]] = {}  # user -> every sampled token
-        self.guaranteed: dict[str, list[int]] = {}  # user -> every token not borrowed
-        self.n = 0
-
-    def add(self, user: str, streams: int) -> list[str]:
-        keys = []
-        for _ in range(streams):
-            key = f"{user}-{self.n}"
-            self.n += 1
-            self.gate.lanes.track(key, user)
-            self.gate.lanes.admit(key, progressing=False)
-            keys.append(key)
-        return keys
-
-    def step(self, slots: int, dt: int = 10 * MS, drop=frozenset()):
-        gate = self.gate
-        plan = gate.plan(self.now, slots)
-        if self.borrowing is not None and plan.throttled and not plan.over_cap:
-            room = slots - len(plan.visible)
-            if room > 0:
-                gate.borrow(plan, room)
-        sampled = {k for k in plan.visible + plan.borrowed if k not in drop}
-        gate.ledger.settle(sampled)
-        if plan.borrowed:
-            self.borrowing.settle(gate.lanes, gate.ledger, sampled)
-        borrowed = set(plan.borrowed)
-        for key in sampled:
-            user = gate.lanes.user_of[key]
-            self.times.setdefault(user, []).append(self.now)
-            if key not in borrowed:
-                self.guaranteed.setdefault(user, []).append(self.now)
-        self.now += dt
-        return plan
+        borrowing, limiter = make_borrowing(settings, self.rate, None, self.groups)
+        super().__init__(StepGate(limiter), borrowing)
 
     def of_group(self, group: str, kind: dict) -> list[int]:
         return [t for user, times in kind.items() if self.settings.group_of(user) == group for t in times]

@@ -13,7 +13,7 @@ import textwrap
 import httpx
 import pytest
 
-from vllm_output_rate.tools import serverproc
+from vllm_output_rate.tools import gateway, serverproc
 
 STAND_IN = textwrap.dedent(
     """
@@ -70,3 +70,53 @@ def test_a_port_the_caller_chose_is_not_replaced(stand_in, taken_port, tmp_path)
     with pytest.raises(RuntimeError, match="could not bind its port"):
         with serverproc.running_server([], tmp_path, port=taken_port, command=stand_in):
             pass
+
+
+def test_a_server_that_exits_for_another_reason_is_not_retried(tmp_path):
+    failing = [sys.executable, "-c", "import sys; print('no model here'); sys.exit(3)"]
+    with pytest.raises(serverproc.ExitedDuringStartup, match="server exited with 3 during startup") as raised:
+        with serverproc.running_server([], tmp_path, command=failing):
+            pass
+    assert "no model here" in str(raised.value)
+    assert len(list(tmp_path.glob("server-*.log"))) == 1
+
+
+# The gateway (tools/gateway.py) starts through the same wait, on its own health path.
+GATEWAY_STAND_IN = textwrap.dedent(
+    """
+    import http.server, sys
+    port = int(sys.argv[sys.argv.index("--port") + 1])
+
+    class Liveliness(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/health/liveliness" else 404)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    http.server.HTTPServer(("127.0.0.1", port), Liveliness).serve_forever()
+    """
+)
+
+
+def _executable(path, body):
+    path.write_text(f"#!{sys.executable}\n{body}")
+    path.chmod(0o755)
+    return path
+
+
+def test_the_gateway_is_ready_when_its_liveliness_path_answers(tmp_path, monkeypatch):
+    monkeypatch.setattr(gateway, "STARTUP_TIMEOUT_S", 20)  # a wrong path fails in seconds, not minutes
+    command = _executable(tmp_path / "litellm", GATEWAY_STAND_IN)
+    with gateway.GatewayProcess(command, tmp_path / "config.yaml", tmp_path / "gateway.log") as proxy:
+        assert proxy.startup_s is not None
+        assert httpx.get(f"{proxy.base_url}/health/liveliness", trust_env=False).status_code == 200
+    assert proxy.proc.poll() is not None  # stopped by PID on exit
+
+
+def test_a_gateway_that_exits_during_startup_says_so(tmp_path):
+    command = _executable(tmp_path / "litellm", "import sys\nprint('bad config')\nsys.exit(2)\n")
+    with pytest.raises(RuntimeError, match="the gateway exited with 2 during startup") as raised:
+        gateway.GatewayProcess(command, tmp_path / "config.yaml", tmp_path / "gateway.log").start()
+    assert "bad config" in str(raised.value)

@@ -65,6 +65,7 @@ With a shared store (``--output-rate-store``), engine-wide (label
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from vllm_output_rate.adapter.install import add_field, wrap
@@ -110,6 +111,110 @@ def install_stats_field() -> None:
     add_field(SchedulerStats, STATS_FIELD, dict[str, Any] | None, None)
 
 
+@dataclass(frozen=True)
+class HolderHelp:
+    """Help texts of one kind of quota holder's series (a user, a group)."""
+
+    charged: str
+    prompt_charged: str
+    borrowed: str
+    requests: str
+    limit: str
+    throttled_seconds: str | None = None  # users only
+
+
+USER_HELP = HolderHelp(
+    charged="Output tokens charged to the user's quota (net of refunds).",
+    prompt_charged="Prompt tokens charged to the user's quota at the input token weight "
+    "(computed ones only; net of refunds).",
+    throttled_seconds="Seconds during which the user had runnable requests and no quota.",
+    borrowed="Output tokens the user got on spare capacity beyond its rate, up to its "
+    "ceiling (also counted in output_tokens_charged).",
+    requests="The user's requests: active (ran in the last step), throttled (resident, "
+    "held for quota), waiting (not yet admitted).",
+    limit="The user's configured output-token rate.",
+)
+GROUP_HELP = HolderHelp(
+    charged="Output tokens charged to the group's users (net of refunds).",
+    prompt_charged="Prompt tokens charged to the group's users at the input token weight.",
+    borrowed="Output tokens the group's users got on spare capacity beyond their guaranteed rates.",
+    requests="The group's users' requests: active, throttled, waiting.",
+    limit="The group's configured output-token rate (all of its users together).",
+)
+
+
+class HolderSeries:
+    """The series every quota holder of one kind has, labelled ``model_name``
+    and ``label`` (``user`` or ``group``; ``requests`` also ``state``), named
+    ``PREFIX + infix + ...``; and each engine's last request counts, since
+    several engines (data-parallel ranks) report to one logger and the
+    request gauges export their sum."""
+
+    def __init__(self, model: str, registry: Any, label: str, infix: str, helps: HolderHelp) -> None:
+        from prometheus_client import Counter, Gauge
+
+        labels = ["model_name", label]
+        self._model = model
+        #: engine index -> holder -> (active, throttled, waiting), last reported.
+        self._per_engine: dict[int, dict[str, tuple]] = {}
+        # Declared in the order /metrics has always listed them.
+        self.charged = Counter(f"{PREFIX}{infix}output_tokens_charged", helps.charged, labels, registry=registry)
+        self.prompt_charged = Counter(
+            f"{PREFIX}{infix}prompt_tokens_charged", helps.prompt_charged, labels, registry=registry
+        )
+        self.throttled_seconds = None if helps.throttled_seconds is None else Counter(
+            f"{PREFIX}{infix}throttled_seconds", helps.throttled_seconds, labels, registry=registry
+        )
+        self.borrowed = Counter(f"{PREFIX}{infix}borrowed_tokens", helps.borrowed, labels, registry=registry)
+        self.requests = Gauge(
+            f"{PREFIX}{infix}requests", helps.requests,
+            [*labels, "state"], registry=registry, multiprocess_mode="mostrecent",
+        )
+        self.limit = Gauge(
+            f"{PREFIX}{infix}limit_tokens_per_second", helps.limit,
+            labels, registry=registry, multiprocess_mode="mostrecent",
+        )
+
+    def feed(self, engine_idx: int, holder: str, row: list) -> None:
+        """Add one engine's report row (:mod:`~vllm_output_rate.policy.monitor`'s layout) for ``holder``."""
+        model = self._model
+        child = self.charged.labels(model, holder)  # the series exists from the start
+        if row[CHARGED]:
+            child.inc(row[CHARGED])
+        if len(row) > PROMPT and row[PROMPT]:
+            self.prompt_charged.labels(model, holder).inc(row[PROMPT])
+        if self.throttled_seconds is not None:
+            child = self.throttled_seconds.labels(model, holder)
+            if row[THROTTLED_S]:
+                child.inc(row[THROTTLED_S])
+        self._per_engine.setdefault(engine_idx, {})[holder] = (row[ACTIVE], row[THROTTLED], row[WAITING])
+        self._set_request_gauges(holder)
+        if row[LIMIT] is not None:
+            self.limit.labels(model, holder).set(row[LIMIT])
+        if len(row) > BORROWED:  # some user may borrow
+            child = self.borrowed.labels(model, holder)
+            if row[BORROWED]:
+                child.inc(row[BORROWED])
+
+    def drop(self, engine_idx: int, holder: str) -> None:
+        """Engine ``engine_idx`` no longer reports ``holder``: its series go
+        once no engine does; until then the gauges sum the others."""
+        self._per_engine.setdefault(engine_idx, {}).pop(holder, None)
+        if any(holder in rows for rows in self._per_engine.values()):
+            self._set_request_gauges(holder)
+            return
+        for metric in (self.charged, self.throttled_seconds, self.limit, self.prompt_charged, self.borrowed):
+            if metric is not None:
+                _remove(metric, self._model, holder)
+        for state in STATES:
+            _remove(self.requests, self._model, holder, state)
+
+    def _set_request_gauges(self, holder: str) -> None:
+        rows = [rows[holder] for rows in self._per_engine.values() if holder in rows]
+        for i, state in enumerate(STATES):
+            self.requests.labels(self._model, holder, state).set(sum(row[i] for row in rows))
+
+
 class OutputRateExporter:
     """Prometheus series fed from per-user reports."""
 
@@ -117,45 +222,10 @@ class OutputRateExporter:
         from prometheus_client import REGISTRY, Counter, Gauge
 
         registry = REGISTRY if registry is None else registry
-        labels = ["model_name", "user"]
         self._model = str(model_name)
-        #: engine index -> user -> (active, throttled, waiting), last reported.
-        self._per_engine: dict[int, dict[str, tuple]] = {}
         #: engine index -> throttled requests, last reported.
         self._throttled_of: dict[int, int] = {}
-        self.charged = Counter(
-            f"{PREFIX}output_tokens_charged",
-            "Output tokens charged to the user's quota (net of refunds).",
-            labels, registry=registry,
-        )
-        self.prompt_charged = Counter(
-            f"{PREFIX}prompt_tokens_charged",
-            "Prompt tokens charged to the user's quota at the input token weight "
-            "(computed ones only; net of refunds).",
-            labels, registry=registry,
-        )
-        self.throttled_seconds = Counter(
-            f"{PREFIX}throttled_seconds",
-            "Seconds during which the user had runnable requests and no quota.",
-            labels, registry=registry,
-        )
-        self.borrowed = Counter(
-            f"{PREFIX}borrowed_tokens",
-            "Output tokens the user got on spare capacity beyond its rate, up to its "
-            "ceiling (also counted in output_tokens_charged).",
-            labels, registry=registry,
-        )
-        self.requests = Gauge(
-            f"{PREFIX}requests",
-            "The user's requests: active (ran in the last step), throttled (resident, "
-            "held for quota), waiting (not yet admitted).",
-            [*labels, "state"], registry=registry, multiprocess_mode="mostrecent",
-        )
-        self.limit = Gauge(
-            f"{PREFIX}limit_tokens_per_second",
-            "The user's configured output-token rate.",
-            labels, registry=registry, multiprocess_mode="mostrecent",
-        )
+        self.users = HolderSeries(self._model, registry, "user", "", USER_HELP)
         self.groups = GroupSeries(self._model, registry)
         self.throttled_requests = Gauge(
             f"{PREFIX}throttled_requests",
@@ -203,35 +273,10 @@ class OutputRateExporter:
         report to one logger: counters add up by themselves; the gauges are
         kept per engine and exported as their sum."""
         model = self._model
-        mine = self._per_engine.setdefault(engine_idx, {})
         for user in report.get("removed", ()):
-            mine.pop(user, None)
-            if any(user in rows for rows in self._per_engine.values()):
-                self._set_request_gauges(model, user)
-                continue
-            for metric in (self.charged, self.throttled_seconds, self.limit, self.prompt_charged, self.borrowed):
-                _remove(metric, model, user)
-            for state in STATES:
-                _remove(self.requests, model, user, state)
+            self.users.drop(engine_idx, user)
         for user, row in report.get("users", {}).items():
-            if row[CHARGED]:
-                self.charged.labels(model, user).inc(row[CHARGED])
-            else:
-                self.charged.labels(model, user)  # the series exists from the start
-            if len(row) > PROMPT and row[PROMPT]:
-                self.prompt_charged.labels(model, user).inc(row[PROMPT])
-            if row[THROTTLED_S]:
-                self.throttled_seconds.labels(model, user).inc(row[THROTTLED_S])
-            else:
-                self.throttled_seconds.labels(model, user)
-            mine[user] = (row[ACTIVE], row[THROTTLED], row[WAITING])
-            self._set_request_gauges(model, user)
-            if row[LIMIT] is not None:
-                self.limit.labels(model, user).set(row[LIMIT])
-            if len(row) > BORROWED:  # some user may borrow
-                child = self.borrowed.labels(model, user)
-                if row[BORROWED]:
-                    child.inc(row[BORROWED])
+            self.users.feed(engine_idx, user, row)
         if "groups" in report:  # groups are (or were) configured
             self.groups.observe(report, engine_idx)
         engine = report.get("engine", {})
@@ -256,51 +301,18 @@ class OutputRateExporter:
                     child.inc(engine[key])
 
 
-    def _set_request_gauges(self, model: str, user: str) -> None:
-        rows = [rows[user] for rows in self._per_engine.values() if user in rows]
-        for i, state in enumerate(STATES):
-            self.requests.labels(model, user, state).set(sum(row[i] for row in rows))
-
-
 class GroupSeries:
     """The per-group series (label ``group``) and each user's group
     (``user_group{user, group}`` = 1), fed from a report's ``groups``,
     ``groups_removed`` and ``user_groups``: rows as users' rows."""
 
     def __init__(self, model: str, registry: Any) -> None:
-        from prometheus_client import Counter, Gauge
+        from prometheus_client import Gauge
 
-        labels = ["model_name", "group"]
         self._model = model
-        #: engine index -> group -> (active, throttled, waiting), last reported.
-        self._per_engine: dict[int, dict[str, tuple]] = {}
         #: user -> the group its user_group series names.
         self._user_group: dict[str, str] = {}
-        self.charged = Counter(
-            f"{PREFIX}group_output_tokens_charged",
-            "Output tokens charged to the group's users (net of refunds).",
-            labels, registry=registry,
-        )
-        self.prompt_charged = Counter(
-            f"{PREFIX}group_prompt_tokens_charged",
-            "Prompt tokens charged to the group's users at the input token weight.",
-            labels, registry=registry,
-        )
-        self.borrowed = Counter(
-            f"{PREFIX}group_borrowed_tokens",
-            "Output tokens the group's users got on spare capacity beyond their guaranteed rates.",
-            labels, registry=registry,
-        )
-        self.requests = Gauge(
-            f"{PREFIX}group_requests",
-            "The group's users' requests: active, throttled, waiting.",
-            [*labels, "state"], registry=registry, multiprocess_mode="mostrecent",
-        )
-        self.limit = Gauge(
-            f"{PREFIX}group_limit_tokens_per_second",
-            "The group's configured output-token rate (all of its users together).",
-            labels, registry=registry, multiprocess_mode="mostrecent",
-        )
+        self.series = HolderSeries(model, registry, "group", "group_", GROUP_HELP)
         self.user_group = Gauge(
             f"{PREFIX}user_group",
             "1 for the group the user belongs to (users with a series and a group).",
@@ -309,30 +321,10 @@ class GroupSeries:
 
     def observe(self, report: dict, engine_idx: int) -> None:
         model = self._model
-        mine = self._per_engine.setdefault(engine_idx, {})
         for group in report.get("groups_removed", ()):
-            mine.pop(group, None)
-            if any(group in rows for rows in self._per_engine.values()):
-                self._set_request_gauges(group)
-                continue
-            for metric in (self.charged, self.prompt_charged, self.borrowed, self.limit):
-                _remove(metric, model, group)
-            for state in STATES:
-                _remove(self.requests, model, group, state)
+            self.series.drop(engine_idx, group)
         for group, row in report["groups"].items():
-            child = self.charged.labels(model, group)  # the series exists from the start
-            if row[CHARGED]:
-                child.inc(row[CHARGED])
-            if row[PROMPT]:
-                self.prompt_charged.labels(model, group).inc(row[PROMPT])
-            if len(row) > BORROWED:  # some user may borrow
-                child = self.borrowed.labels(model, group)
-                if row[BORROWED]:
-                    child.inc(row[BORROWED])
-            mine[group] = (row[ACTIVE], row[THROTTLED], row[WAITING])
-            self._set_request_gauges(group)
-            if row[LIMIT] is not None:
-                self.limit.labels(model, group).set(row[LIMIT])
+            self.series.feed(engine_idx, group, row)
         user_groups = report.get("user_groups", {})
         removed = set(report.get("removed", ()))
         for user in set(report.get("users", ())) | removed:
@@ -346,11 +338,6 @@ class GroupSeries:
             if group is not None:
                 self.user_group.labels(model, user, group).set(1)
                 self._user_group[user] = group
-
-    def _set_request_gauges(self, group: str) -> None:
-        rows = [rows[group] for rows in self._per_engine.values() if group in rows]
-        for i, state in enumerate(STATES):
-            self.requests.labels(self._model, group, state).set(sum(row[i] for row in rows))
 
 
 def _remove(metric: Any, *labels: str) -> None:

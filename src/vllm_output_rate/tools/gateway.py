@@ -27,10 +27,8 @@ import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-import httpx
-
 from vllm_output_rate.tools.measure import FINISHED, HTTP_ERROR, RequestRecord
-from vllm_output_rate.tools.serverproc import free_port, stop_group
+from vllm_output_rate.tools.serverproc import free_port, stop_group, tail_lines, wait_healthy
 
 #: The HTTP status of a request the gateway refused for lack of quota.
 TOO_MANY_REQUESTS = 429
@@ -135,32 +133,16 @@ class GatewayProcess:
                 [self.command, "--config", str(self.config), "--host", "127.0.0.1", "--port", str(self.port)],
                 stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.config.parent, start_new_session=True)
         try:
-            self._wait_healthy()
+            wait_healthy(self.proc, f"{self.base_url}/health/liveliness", self.log_tail,
+                         what="the gateway", timeout_s=STARTUP_TIMEOUT_S)
         except BaseException:
             self.stop()
             raise
         self.startup_s = round(time.monotonic() - began, 1)
         return self
 
-    def _wait_healthy(self) -> None:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the gateway exited with {self.proc.returncode} during startup:\n{self.log_tail()}")
-            try:
-                if httpx.get(f"{self.base_url}/health/liveliness", timeout=2, trust_env=False).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the gateway did not answer within {STARTUP_TIMEOUT_S} s:\n{self.log_tail()}")
-            time.sleep(1)
-
     def log_tail(self, n: int = 40) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
+        return tail_lines(self.log_path, n)
 
     def stop(self) -> None:
         if self.proc is not None:

@@ -16,7 +16,7 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Mapping, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 import httpx
 
@@ -141,6 +141,14 @@ def server_env() -> dict[str, str]:
     return env
 
 
+def tail_lines(path: Path, n: int) -> str:
+    """The last ``n`` lines of a child's log file ("" while it cannot be read)."""
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return ""
+
+
 class Server:
     def __init__(self, proc: subprocess.Popen, base_url: str, log_path: Path, model: str):
         self.proc = proc
@@ -153,10 +161,7 @@ class Server:
         return self.proc.pid
 
     def log_tail(self, n: int = 60) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
+        return tail_lines(self.log_path, n)
 
     def metrics(self) -> str:
         """The raw ``/metrics`` text (parse it with ``measure.parse_metrics``)."""
@@ -235,22 +240,42 @@ def _spawn(args, log_dir: Path, name: str, model, port: int, command, env) -> Se
 
 
 def _wait_healthy(server: Server) -> None:
-    proc = server.proc
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    try:
+        wait_healthy(server.proc, f"{server.base_url}/health", server.log_tail, timeout_s=STARTUP_TIMEOUT_S)
+    except ExitedDuringStartup:
+        if "Address already in use" in server.log_tail(30):
+            raise _PortTaken() from None
+        raise
+
+
+class ExitedDuringStartup(RuntimeError):
+    """The process ended before its health check answered."""
+
+
+def wait_healthy(
+    proc: subprocess.Popen,
+    health_url: str,
+    log_tail: Callable[[], str],
+    *,
+    what: str = "server",
+    timeout_s: float = STARTUP_TIMEOUT_S,
+) -> None:
+    """Poll ``health_url`` once a second until it answers 200.
+
+    Raises :class:`ExitedDuringStartup` if ``proc`` ends first and RuntimeError
+    after ``timeout_s``; both messages name ``what`` and carry ``log_tail()``.
+    """
+    deadline = time.monotonic() + timeout_s
     while True:
         if proc.poll() is not None:
-            if "Address already in use" in server.log_tail(30):
-                raise _PortTaken()
-            raise RuntimeError(
-                f"server exited with {proc.returncode} during startup:\n{server.log_tail()}"
-            )
+            raise ExitedDuringStartup(f"{what} exited with {proc.returncode} during startup:\n{log_tail()}")
         try:
-            if httpx.get(f"{server.base_url}/health", timeout=2, trust_env=False).status_code == 200:
+            if httpx.get(health_url, timeout=2, trust_env=False).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
         if time.monotonic() > deadline:
-            raise RuntimeError(f"server not healthy after {STARTUP_TIMEOUT_S}s:\n{server.log_tail()}")
+            raise RuntimeError(f"{what} not healthy after {timeout_s:g} s:\n{log_tail()}")
         time.sleep(1)
 
 
