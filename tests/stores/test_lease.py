@@ -34,10 +34,10 @@ S = NS_PER_S
 CFG = LeaseConfig()
 
 
-def engine(store, clock, default=30, rates=None, engine_id=None, **cfg):
+def engine(store, clock, default=30, rates=None, engine_id=None, burst_ns=DEFAULT_BURST_NS, **cfg):
     return LeasedOutputRateLimiter(
-        default, rates or {}, store, config=LeaseConfig(**cfg), clock=clock, start=False,
-        engine_id=engine_id,
+        default, rates or {}, store, burst_ns=burst_ns, config=LeaseConfig(**cfg), clock=clock,
+        start=False, engine_id=engine_id,
     )
 
 
@@ -434,7 +434,7 @@ def test_one_busy_engine_reaches_the_rate():
 
 
 def share_run(rounds_ms, demand, seconds=20, rate=30, store=None, clock=None, engine_ids=None,
-              spent=None):
+              spent=None, burst_ns=DEFAULT_BURST_NS):
     """Engines stepping every 5 ms, each with its own round cadence; ``demand[i]``
     tokens/s engine i would spend (None: all it gets).  Tokens spent per engine.
 
@@ -446,7 +446,8 @@ def share_run(rounds_ms, demand, seconds=20, rate=30, store=None, clock=None, en
     lims = []
     for i, round_ms in enumerate(rounds_ms):
         engine_id = engine_ids[i] if engine_ids else None
-        lim = engine(store, clock, default=rate, engine_id=engine_id, round_ns=round_ms * MS)
+        lim = engine(store, clock, default=rate, engine_id=engine_id, round_ns=round_ms * MS,
+                     burst_ns=burst_ns)
         lim.rounds.random.seed(i)  # the jitter of the cadence, reproducible
         lims.append(lim)
     got = [0] * len(lims)
@@ -499,6 +500,27 @@ def test_quota_an_engine_does_not_want_goes_to_the_others():
     got = share_run((50, 50, 50), [None, None, 4])
     assert 79 <= got[2] <= 81
     assert min(got[:2]) >= 0.45 * sum(got[:2]) and sum(got) >= 0.97 * 600, got
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "issue 22: the store keeps at most the burst (0.1 s) of credit nobody asked for; lease "
+    "threads that ask only every 150-250 ms (a loaded machine) lose the rest (0.93 / 0.86 x N)"))
+@pytest.mark.parametrize("rounds_ms", [(150, 150), (250, 250)])
+def test_engines_whose_lease_threads_ask_late_still_get_the_rate(rounds_ms):
+    # demo-cluster on a loaded machine: each engine asked only 8-10 times a
+    # second and the store granted ~21 of 30 tok/s (see the issue 22 report).
+    got = share_run(rounds_ms, [None, None], seconds=60)
+    assert sum(got) >= 0.95 * 60 * 30, got
+
+
+@pytest.mark.parametrize("rounds_ms", [(150, 150), (250, 250)])
+def test_late_lease_threads_lose_nothing_when_the_store_keeps_a_longer_burst(rounds_ms):
+    # The same late cadence with a 0.3 s burst reaches the rate: what is lost
+    # above is the credit the store's GCRA drops, not the lease size (a
+    # doubled lease size loses as much).
+    burst = 300 * MS
+    got = share_run(rounds_ms, [None, None], seconds=60, burst_ns=burst)
+    assert 0.95 * 60 * 30 <= sum(got) <= (60 + 0.3 + 0.3) * 30 + 1 + 2 * 3, got
 
 
 def slow_step_run(step_ms, seconds=10, rate=30, streams=6):
