@@ -357,18 +357,23 @@ async def wait_drained(http, timeout_s: float = 60.0) -> bool:
     return False
 
 
+def closed_loop(http: Any, model: str, user: str, streams: int, prompts: Prompts, args) -> list[asyncio.Task]:
+    """``streams`` tasks that each send ``user``'s requests one after another until cancelled."""
+    t0 = time.monotonic()
+
+    async def stream() -> None:
+        while True:
+            record = RequestRecord(user=user)
+            request_body = body(model, user, args.max_tokens, prompts(args.prompt_tokens), args.stream_interval)
+            await run_request(http, request_body, record, t0)
+
+    return [asyncio.create_task(stream()) for _ in range(streams)]
+
+
 async def calibrate(base_url: str, model: str, prompts: Prompts, args) -> dict[str, Any]:
     """C: output tok/s of closed-loop streams of the workload's request shape."""
     async with benchkit.async_http(base_url, connections=args.calibrate_streams + 4) as http:
-        t0 = time.monotonic()
-
-        async def stream() -> None:
-            while True:
-                record = RequestRecord(user=CALIBRATE_USER)
-                request_body = body(model, CALIBRATE_USER, args.max_tokens, prompts(args.prompt_tokens), args.stream_interval)
-                await run_request(http, request_body, record, t0)
-
-        tasks = [asyncio.create_task(stream()) for _ in range(args.calibrate_streams)]
+        tasks = closed_loop(http, model, CALIBRATE_USER, args.calibrate_streams, prompts, args)
         await asyncio.sleep(args.calibrate_warmup_s)
         before = engine_reading(await measure.fetch_metrics_async(http))
         began = time.monotonic()
@@ -389,16 +394,8 @@ async def run_solo(base_url: str, model: str, prompts: Prompts, args, server_pid
     after a warm-up; its tok/s from vLLM's own counter (every token is the user's),
     and the CPU each server process used per engine step."""
     async with benchkit.async_http(base_url, connections=args.solo_streams + 4) as http:
-        t0 = time.monotonic()
-
-        async def stream() -> None:
-            while True:
-                record = RequestRecord(user=SOLO)
-                request_body = body(model, SOLO, args.max_tokens, prompts(args.prompt_tokens), args.stream_interval)
-                await run_request(http, request_body, record, t0)
-
         load_before = loadavg()
-        tasks = [asyncio.create_task(stream()) for _ in range(args.solo_streams)]
+        tasks = closed_loop(http, model, SOLO, args.solo_streams, prompts, args)
         await asyncio.sleep(args.calibrate_warmup_s)
         meter = benchkit.CpuMeter([server_pid])
         before = engine_reading(await measure.fetch_metrics_async(http))
