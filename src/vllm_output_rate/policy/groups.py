@@ -53,6 +53,15 @@ from vllm_output_rate.policy.limiter import Limiter
 _UNBOUNDED = 1 << 62
 
 
+def _cap(table: ShareTable, key: str, rate: Limiter, ceiling: Limiter | None) -> Limiter | None:
+    """The quota ``key``'s borrowed tokens are paid on: its ceiling when it
+    has one above its rate, its rate when it is a hard cap, none when it has
+    no ceiling."""
+    if table.ceiled(key):
+        return ceiling
+    return None if table.borrows(key) else rate
+
+
 class GroupQuotas:
     """Who is in which group, each group's shares, and the groups' quotas.
 
@@ -106,10 +115,7 @@ class GroupQuotas:
 
     def cap(self, group: str) -> Limiter | None:
         """The quota a borrowed token of ``group`` is paid on (None: none)."""
-        table = self.table
-        if table.ceiled(group):
-            return self.ceiling
-        return None if table.borrows(group) else self.rate
+        return _cap(self.table, group, self.rate, self.ceiling)
 
     def joint(self, own: Limiter) -> JointLimiter:
         """Users' guaranteed quota ``own`` paid together with their groups'."""
@@ -182,11 +188,8 @@ class CapLimiter:
         self.groups = groups
 
     def _own(self, user: str) -> Limiter | None:
-        """The user's own cap: its ceiling, its rate (a hard cap) or none."""
-        users = self.users
-        if users.ceiled(user):
-            return self.ceiling
-        return None if users.borrows(user) else self.rate
+        """The user's own cap, its group's aside."""
+        return _cap(self.users, user, self.rate, self.ceiling)
 
     def _levels(self, user: str) -> list[tuple[Limiter, str]]:
         own = self._own(user)

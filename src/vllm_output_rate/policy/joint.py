@@ -113,6 +113,6 @@ class JointLimiter:
         return self.own.figures(user)
 
     def close(self) -> None:
-        """Close both limiters."""
-        self.own.close()
-        self.shared.close()
+        """Nothing of its own: the owners of both limiters close them (the
+        scheduler its rate limiter, :class:`~.groups.GroupQuotas` the groups'),
+        so neither is closed twice."""
