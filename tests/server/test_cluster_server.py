@@ -42,7 +42,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import json
-import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -53,13 +52,15 @@ import pytest
 from redis_harness import RedisServer
 from server_harness import ADMIN_ROUTE_ENV, engine_env, running_server
 
+from vllm_output_rate.tools.analysis import guarantee_bound
+
 pytestmark = [pytest.mark.server, pytest.mark.redis, pytest.mark.cluster]
 
 HEAVY_RATE = 30
 PROBE_RATE = 20
 DEFAULT_RATE = 1000
 LIMITS = {"heavy": HEAVY_RATE, "probe0": PROBE_RATE, "probe1": PROBE_RATE, "probe2": PROBE_RATE}
-BURST_S, LIFETIME_S, LEASE_S = 0.1, 0.3, 0.1
+BURST_S = 0.1  # the default burst: the local fallback's
 ENGINES = 3
 CLOSED_ENGINE = 2  # the one engine started with --output-rate-store-fallback closed
 PREFIX = "cluster-test"
@@ -72,14 +73,10 @@ SAMPLE_EVERY_S = 0.5
 HEAVY_TOKENS, LIGHT_TOKENS, PROBE_TOKENS = 12, 160, 16
 
 
-def lease_size(rate: float) -> int:
-    return max(1, math.ceil(rate * LEASE_S))
-
-
 def shared_bound(window_s: float, rate: float = HEAVY_RATE, engines: int = ENGINES) -> float:
     """Documented: over any W s, charged tokens summed over E engines <=
-    (W + burst + lease lifetime) * N + 1 + E * lease size."""
-    return (window_s + BURST_S + LIFETIME_S) * rate + 1 + engines * lease_size(rate)
+    (W + the store's credit + lease lifetime) * N + 1 + E * lease size."""
+    return guarantee_bound(window_s, rate, shared_engines=engines)
 
 
 def local_bound(window_s: float, rate: float) -> float:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import math
 import time
 
 import httpx
@@ -23,13 +22,13 @@ import pytest
 from redis_harness import RedisServer
 from server_harness import running_server
 from vllm_output_rate.tools import measure
+from vllm_output_rate.tools.analysis import guarantee_bound
 
 pytestmark = [pytest.mark.server, pytest.mark.cluster]
 
 RATE = 20
 REQUESTS, MAX_TOKENS = 6, 40
 ENGINES = 2
-LEASE = max(1, math.ceil(0.1 * RATE))
 
 
 @contextlib.contextmanager
@@ -90,4 +89,4 @@ def test_ranks_share_one_quota(server):
     # Every token was charged between the two reads: a window no wider than
     # the time between them (the bound of two engines sharing one store).
     window_s = read_after - read_before
-    assert total <= (window_s + 0.4) * RATE + 1 + ENGINES * LEASE
+    assert total <= guarantee_bound(window_s, RATE, shared_engines=ENGINES)

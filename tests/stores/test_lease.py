@@ -32,6 +32,10 @@ from vllm_output_rate.stores.lease import LeasedOutputRateLimiter
 MS = 1_000_000
 S = NS_PER_S
 CFG = LeaseConfig()
+#: The store keeps a lease lifetime of credit; a user it never charged gets
+#: this many tokens at once at 30 tok/s (1 + 8 whole rounded-up intervals).
+STORE_BURST_NS = CFG.store_burst_ns(DEFAULT_BURST_NS)
+FIRST_BURST = 9
 
 
 def engine(store, clock, default=30, rates=None, engine_id=None, burst_ns=DEFAULT_BURST_NS, **cfg):
@@ -77,13 +81,22 @@ def test_no_lease_no_token_then_a_round_brings_one():
     assert lim.take_up_to("u", clock.now, 2) == 2
     assert lim.try_take("u", clock.now)
     assert lim.take_up_to("u", clock.now, 5) == 0
-    # The store's GCRA allowed 1 + 3 (100 ms burst at 30/s) but the lease was 3.
+    # The store's GCRA allowed 9 at once (it keeps a lease lifetime, 0.3 s,
+    # of credit: 1 + 8 whole intervals at 30/s) but the lease was 3.
     clock.now += 10 * MS
     assert lim.rounds.run(clock.now) == 0  # asked 10 ms ago: not again so soon
     assert store.calls[-1] == [] or len(store.calls) == 1
     clock.now += 20 * MS
-    assert lim.rounds.run(clock.now) == 1  # 31 ms of the rate since the first grant
-    assert lim.rounds.run(clock.now) == 0
+    assert lim.rounds.run(clock.now) == 3  # another lease out of that credit
+    assert lim.rounds.run(clock.now) == 0  # holds it unspent: nothing to ask
+    assert lim.take_up_to("u", clock.now, 8) == 3
+    clock.now += 31 * MS
+    assert lim.rounds.run(clock.now) == 3  # 9 in all: the credit is used up
+    assert lim.take_up_to("u", clock.now, 8) == 3
+    clock.now += 50 * MS
+    # 1 + floor(111 ms * 30) = 4 more by now, less the 2 ns each rounded-up
+    # interval adds: 3 (never faster than the rate).
+    assert lim.rounds.run(clock.now) == 3
 
 
 def test_unspent_tokens_expire_and_go_back_to_the_store():
@@ -115,8 +128,9 @@ def test_each_engine_counts_a_users_leases_asks_and_spending():
     assert a.figures("u") == {}  # never asked for
     a.available("u", clock.now)
     a.rounds.run(clock.now, only_new=True)  # 3 tokens: the lease size at 30 tok/s
+    store.tats["u"] += 6 * 33_333_334  # another engine's 6 tokens, just now
     b.available("u", clock.now)
-    b.rounds.run(clock.now, only_new=True)  # a holds the whole burst: refused
+    b.rounds.run(clock.now, only_new=True)  # the store's 0.3 s of credit is used up: refused
     assert a.take_up_to("u", clock.now, 3) == 3
     a.refund("u", clock.now, 1)
     clock.now += 26 * MS  # half a round later: less than a token interval of headroom
@@ -163,12 +177,13 @@ def test_engines_share_one_quota():
     clock = Clock()
     store = FakeStore(clock)
     a, b = engine(store, clock), engine(store, clock)
+    store.tats["u"] = clock.now + 200 * MS  # 0.2 s of the quota spent elsewhere just now
     for lim in (a, b):
         lim.available("u", clock.now)
     assert a.rounds.run(clock.now, only_new=True) == 3
-    # In memory 30 tok/s with a 100 ms burst allows 4 at once; the store's
-    # interval is rounded up to whole ns (33_333_334), so 3 intervals exceed
-    # the burst by 2 ns: never faster than the rate, here one token fewer.
+    # In memory 30 tok/s with the 100 ms of credit left allows 4 at once;
+    # the store's interval is rounded up to whole ns (33_333_334), so 3
+    # intervals exceed it by 2 ns: never faster than the rate, here one fewer.
     assert b.rounds.run(clock.now, only_new=True) == 0
     assert b.ready_at_ns("u", clock.now) > clock.now
     clock.now += 34 * MS
@@ -351,7 +366,8 @@ def test_cleanup_forgets_users_not_wanted_lately():
 def documented_bound(window_ns: int, rate: Fraction, engines: int) -> Fraction:
     lease = CFG.lease_size(rate)
     return (
-        Fraction(window_ns + DEFAULT_BURST_NS + CFG.lifetime_ns, S) * rate + 1 + engines * lease
+        Fraction(window_ns + STORE_BURST_NS + CFG.lifetime_ns, S) * rate
+        + 1 + engines * lease
     )
 
 
@@ -424,8 +440,9 @@ def test_one_busy_engine_reaches_the_rate():
             next_round = clock.now + CFG.round_ns
         got += lim.take_up_to("u", clock.now, 8)
         clock.now += 5 * MS
-    # 20 s at 30 tok/s plus the first burst: 601 + 3, minus rounding to rounds.
-    assert 0.97 * 600 <= got <= 604
+    # 20 s at 30 tok/s plus the store's first burst (1 + 0.3 s at 30 tok/s),
+    # minus rounding to rounds.
+    assert 0.97 * 600 <= got <= FIRST_BURST + 600
 
 
 # ---------------------------------------------------------------------------
@@ -487,9 +504,8 @@ def test_equal_demand_is_split_evenly_between_engines(rounds_ms, least):
     got = share_run(rounds_ms, [None] * len(rounds_ms))
     total = sum(got)
     assert min(got) >= least * total, got
-    # Nothing lost to the fairness: 20 s at 30 tok/s (+ the first burst),
-    # less what one engine asking only every 120-140 ms leaves unused.
-    assert 0.97 * 600 <= total <= 604, got
+    # Nothing lost to the fairness: 20 s at 30 tok/s (+ the first burst).
+    assert 0.97 * 600 <= total <= FIRST_BURST + 600, got
 
 
 def test_quota_an_engine_does_not_want_goes_to_the_others():
@@ -502,25 +518,14 @@ def test_quota_an_engine_does_not_want_goes_to_the_others():
     assert min(got[:2]) >= 0.45 * sum(got[:2]) and sum(got) >= 0.97 * 600, got
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "issue 22: the store keeps at most the burst (0.1 s) of credit nobody asked for; lease "
-    "threads that ask only every 150-250 ms (a loaded machine) lose the rest (0.93 / 0.86 x N)"))
 @pytest.mark.parametrize("rounds_ms", [(150, 150), (250, 250)])
 def test_engines_whose_lease_threads_ask_late_still_get_the_rate(rounds_ms):
-    # demo-cluster on a loaded machine: each engine asked only 8-10 times a
-    # second and the store granted ~21 of 30 tok/s (see the issue 22 report).
+    # demo-cluster on a loaded machine: each engine asked only 4-10 times a
+    # second.  A store keeping only the 0.1 s burst of credit nobody asked
+    # for granted 0.93 / 0.86 x N here (a doubled lease size lost as much);
+    # it keeps a lease lifetime's worth, so nothing is lost, within the bound.
     got = share_run(rounds_ms, [None, None], seconds=60)
-    assert sum(got) >= 0.95 * 60 * 30, got
-
-
-@pytest.mark.parametrize("rounds_ms", [(150, 150), (250, 250)])
-def test_late_lease_threads_lose_nothing_when_the_store_keeps_a_longer_burst(rounds_ms):
-    # The same late cadence with a 0.3 s burst reaches the rate: what is lost
-    # above is the credit the store's GCRA drops, not the lease size (a
-    # doubled lease size loses as much).
-    burst = 300 * MS
-    got = share_run(rounds_ms, [None, None], seconds=60, burst_ns=burst)
-    assert 0.95 * 60 * 30 <= sum(got) <= (60 + 0.3 + 0.3) * 30 + 1 + 2 * 3, got
+    assert 0.97 * 60 * 30 <= sum(got) <= documented_bound(60 * S, Fraction(30), 2), got
 
 
 def slow_step_run(step_ms, seconds=10, rate=30, streams=6):
@@ -561,10 +566,11 @@ def test_engines_with_steps_up_to_the_lease_lifetime_get_the_whole_rate(step_ms)
     # only every 250-300 ms still spends its part: 10 s at 30 tok/s.  (With
     # the former 150 ms lifetime: 0.81 x N at 250 ms, 0.74 x N at 300 ms.)
     got = slow_step_run(step_ms)
-    assert 0.98 * 300 <= sum(got) <= 304, got
-    # Each slow engine spends most of its third; a fast one takes a little
-    # more of what the slow ones leave (5 / 300 / 300 ms: 139 / 80 / 79).
-    assert min(got) >= (0.28 if len(set(step_ms)) == 1 else 0.25) * sum(got), got
+    assert 0.98 * 300 <= sum(got) <= FIRST_BURST + 300, got
+    # Each slow engine spends most of its third; a fast one takes more of
+    # what the slow ones leave, the more credit the store keeps for it
+    # (5 / 300 / 300 ms: 147 / 84 / 75; 139 / 80 / 79 with 0.1 s of credit).
+    assert min(got) >= (0.28 if len(set(step_ms)) == 1 else 0.24) * sum(got), got
 
 
 
@@ -652,7 +658,10 @@ def test_a_throttled_engine_with_a_store_wakes_no_more_than_without(users, rate,
     (with_store,) = throttled_run(users, rate, streams)
     (without,) = throttled_run(users, rate, streams, store=False)
     granted = users * rate  # tokens/s the users may have
-    assert with_store["tokens"] == pytest.approx(without["tokens"], rel=0.02)
+    # Nothing lost; the store keeps 0.3 s of credit where the engine's own
+    # quota keeps 0.1 s, so a user's next token may come 0.2 s sooner.
+    assert 0.98 * without["tokens"] <= with_store["tokens"] <= (
+        users * (rate * (20 + Fraction(STORE_BURST_NS, S)) + 1) / 20)
     # One round trip at most per token granted (the first burst included),
     # several users' tokens due together share one; every round costed 50 ms
     # before (20 round trips/s with every user asking each round).

@@ -249,7 +249,7 @@ def test_batched_round_trip_one_call_per_node(cluster, prefix):
 def bound(window_ns, rate, n_engines, cfg=LeaseConfig()):
     rate = Fraction(rate)
     return (
-        Fraction(window_ns + DEFAULT_BURST_NS + cfg.lifetime_ns, S) * rate
+        Fraction(window_ns + cfg.store_burst_ns(DEFAULT_BURST_NS) + cfg.lifetime_ns, S) * rate
         + 1
         + n_engines * cfg.lease_size(rate)
     )

@@ -101,7 +101,7 @@ def max_in_window(times: list[int], window_ns: int) -> int:
 def bound(window_ns, rate, n_engines):
     rate = Fraction(rate)
     return (
-        Fraction(window_ns + DEFAULT_BURST_NS + CFG.lifetime_ns, S) * rate
+        Fraction(window_ns + CFG.store_burst_ns(DEFAULT_BURST_NS) + CFG.lifetime_ns, S) * rate
         + 1
         + n_engines * CFG.lease_size(rate)
     )

@@ -96,3 +96,9 @@ class LeaseConfig:
 
     def lease_size(self, rate: Fraction) -> int:
         return max(1, math.ceil(rate * self.lease_s))
+
+    def store_burst_ns(self, burst_ns: int) -> int:
+        """The credit the store keeps for a user nobody asked for: at least a
+        lease lifetime, so an engine whose lease thread asks once per lifetime
+        (a loaded machine) loses none of the rate."""
+        return max(burst_ns, self.lifetime_ns)

@@ -119,7 +119,7 @@ IDLE_MARGIN_MS = 10_000
 ENGINE_WINDOW_MS = 200
 
 LEASE_SCRIPT = r"""
--- KEYS[i]: user i's state hash.  ARGV[1]: burst (ns); ARGV[2]: idle margin (ms);
+-- KEYS[i]: user i's state hash.  ARGV[1]: burst, the credit kept (ns); ARGV[2]: idle margin (ms);
 -- ARGV[3]: engine window (us); ARGV[4]: the asking engine's id;
 -- then per user: want, give_back, interval (ns).  Returns {granted, wait_ns} per user.
 local t = redis.call('TIME')

@@ -147,7 +147,7 @@ class LeaseRounds:
                 return 0
             self.in_flight = True
         try:
-            grants = self._backend.lease(self.rates.burst_ns, asks, self._engine_id)
+            grants = self._backend.lease(cfg.store_burst_ns(self.rates.burst_ns), asks, self._engine_id)
             if len(grants) != len(asks):
                 raise RuntimeError(f"store answered {len(grants)} grants for {len(asks)} asks")
         except Exception as exc:  # unreachable, timeout, error reply: all the same

@@ -78,10 +78,10 @@ NOT_CHECKED = "n/a"
 VERDICT_BASIS = "send/end envelope + receive windows widened by the measured stall"
 
 
-#: The lease defaults of a shared store (``stores/lease.py``): how long a lease
-#: stays spendable, which loosens the bound across engines by that much time.
+#: The lease defaults of a shared store (``stores/lease.py``): the credit the
+#: store keeps and how long a lease stays spendable loosen the bound across
+#: engines.
 _LEASES = LeaseConfig()
-LEASE_LIFETIME_S = _LEASES.lifetime_ns / NS_PER_S
 
 
 def lease_size(rate: float) -> int:
@@ -93,11 +93,13 @@ def bound_terms(rate: float, burst_s: float = BURST_S, shared_engines: int = 0) 
     """``(seconds added to W, tokens added)`` of the bound.
 
     ``shared_engines`` 0: one engine's own limiter, ``(W + burst) * N + 1``.
-    E >= 1: E engines leasing from one store, ``(W + burst + lifetime) * N + 1 + E * L``.
+    E >= 1: E engines leasing from one store, ``(W + B + lifetime) * N + 1 + E * L``,
+    ``B`` the credit the store keeps (the burst, at least a lease lifetime).
     """
     if shared_engines <= 0:
         return burst_s, 0.0
-    return burst_s + LEASE_LIFETIME_S, float(shared_engines * lease_size(rate))
+    slack_ns = _LEASES.store_burst_ns(round(burst_s * NS_PER_S)) + _LEASES.lifetime_ns
+    return slack_ns / NS_PER_S, float(shared_engines * lease_size(rate))
 
 
 def guarantee_bound(window_s: float, rate: float, burst_s: float = BURST_S,

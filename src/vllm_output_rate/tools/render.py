@@ -14,11 +14,11 @@ from typing import Mapping, Sequence
 from vllm_output_rate.settings import ANONYMOUS_USER
 from vllm_output_rate.tools.analysis import (
     BURST_S,
-    LEASE_LIFETIME_S,
     NOT_CHECKED,
     VERDICT_BASIS,
     UserSummary,
     WindowCheck,
+    bound_terms,
     cumulative_series,
     rate_series,
     ttft_series,
@@ -131,7 +131,7 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str
 def guarantee_note(burst_s: float = BURST_S, shared_store: bool = False) -> str:
     if shared_store:
         bound = (f"Guarantee across engines sharing one store: at most "
-                 f"(W + {burst_s + LEASE_LIFETIME_S:g}) × limit + 1 + E × L tokens in any window "
+                 f"(W + {bound_terms(1, burst_s, 1)[0]:g}) × limit + 1 + E × L tokens in any window "
                  "of W s, summed over the E engines the user's requests went to "
                  "(L = max(1, ceil(0.1 × limit)), the lease size). ")
     else:
@@ -362,7 +362,7 @@ def plot_engines(records: Sequence[RequestRecord], limits: Mapping[str, float | 
     engines x limit, what separate limiters would allow (dotted).
     ``load_end_s``: when the bench stopped issuing requests (a vertical line).
     """
-    from vllm_output_rate.tools.analysis import bound_terms, tokens_by_engine
+    from vllm_output_rate.tools.analysis import tokens_by_engine
 
     fig = _figure(9, 7.5)
     top, bottom = fig.subplots(2, 1, sharex=True)
