@@ -364,11 +364,7 @@ def test_cleanup_forgets_users_not_wanted_lately():
 
 
 def documented_bound(window_ns: int, rate: Fraction, engines: int) -> Fraction:
-    lease = CFG.lease_size(rate)
-    return (
-        Fraction(window_ns + STORE_BURST_NS + CFG.lifetime_ns, S) * rate
-        + 1 + engines * lease
-    )
+    return CFG.bound_tokens(window_ns, rate, engines, DEFAULT_BURST_NS)
 
 
 @st.composite

@@ -246,13 +246,8 @@ def test_batched_round_trip_one_call_per_node(cluster, prefix):
     other.close()
 
 
-def bound(window_ns, rate, n_engines, cfg=LeaseConfig()):
-    rate = Fraction(rate)
-    return (
-        Fraction(window_ns + cfg.store_burst_ns(DEFAULT_BURST_NS) + cfg.lifetime_ns, S) * rate
-        + 1
-        + n_engines * cfg.lease_size(rate)
-    )
+def bound(window_ns, rate, n_engines):
+    return LeaseConfig().bound_tokens(window_ns, Fraction(rate), n_engines, DEFAULT_BURST_NS)
 
 
 def run_engines(lims, users, seconds, streams=8, step_s=0.004):

@@ -99,12 +99,7 @@ def max_in_window(times: list[int], window_ns: int) -> int:
 
 
 def bound(window_ns, rate, n_engines):
-    rate = Fraction(rate)
-    return (
-        Fraction(window_ns + CFG.store_burst_ns(DEFAULT_BURST_NS) + CFG.lifetime_ns, S) * rate
-        + 1
-        + n_engines * CFG.lease_size(rate)
-    )
+    return CFG.bound_tokens(window_ns, Fraction(rate), n_engines, DEFAULT_BURST_NS)
 
 
 def test_script_is_gcra_on_the_server_clock(server, prefix):

@@ -102,3 +102,9 @@ class LeaseConfig:
         lease lifetime, so an engine whose lease thread asks once per lifetime
         (a loaded machine) loses none of the rate."""
         return max(burst_ns, self.lifetime_ns)
+
+    def bound_tokens(self, window_ns: int, rate: Fraction, engines: int, burst_ns: int) -> Fraction:
+        """The most tokens ``engines`` engines sharing the store may charge a
+        user of ``rate`` in any window of ``window_ns`` (derived in :mod:`.lease`)."""
+        slack_ns = self.store_burst_ns(burst_ns) + self.lifetime_ns
+        return Fraction(window_ns + slack_ns, NS_PER_S) * rate + 1 + engines * self.lease_size(rate)
