@@ -442,7 +442,15 @@ class BorrowingHooks:
         while model-runner slots are free, those of users who may borrow
         (the second: admitted, they join the borrowing as resident streams).
         ``queued`` receives, per borrowing user, what each of its waiting
-        requests that would only run by borrowing may output."""
+        requests that would only run by borrowing may output.
+
+        A borrowing user's waiting requests are counted only for the room
+        its own hidden resident streams cannot fill: admitted instead of
+        them, they would not add to its service, only spread it over more
+        requests, which then all progress in lockstep and finish together
+        (a lone borrower's closed-loop clients then leave the engine empty
+        while they send the next requests; stock vLLM keeps the surplus
+        queued, and its slots busy)."""
         lanes = self._lanes
         user_of, in_turn = lanes.user_of, lanes.in_turn
         quota_now = self._ledger.quota_now
@@ -454,6 +462,7 @@ class BorrowingHooks:
         # lists would only cost a scan of their requests' lengths.
         wanted = max(0, min(free_slots, limit))
         borrowing: dict[str, bool] = {}
+        admittable: dict[str, int] = {}  # borrowing user -> its requests worth admitting
         quota: dict[str, int] = {}
         guaranteed = 0
         for request in self.waiting:
@@ -477,10 +486,21 @@ class BorrowingHooks:
                 may = borrowing[user] = borrows(user)
             if may:
                 costs = queued.setdefault(user, [])
-                if len(costs) < wanted:
+                most = admittable.get(user)
+                if most is None:
+                    most = admittable[user] = min(wanted, limit - self._hidden_streams(user))
+                if len(costs) < most:
                     costs.append(_output_left(request))
         slots = min(free_slots, limit) - guaranteed
         return guaranteed, max(0, min(slots, sum(map(len, queued.values()))))
+
+    def _hidden_streams(self, user: str) -> int:
+        """Resident decoding streams of ``user`` the plan did not pay for."""
+        lane = self._lanes.order.get(user)
+        if lane is None:
+            return 0
+        lane_of, prepaid = self._lanes.lane_of, self._ledger.prepaid
+        return sum(1 for key in lane.decoding if key in lane_of and key not in prepaid)
 
 
 class SpecDecodeHooks:
