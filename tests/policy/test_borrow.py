@@ -128,6 +128,55 @@ def test_unsampled_borrowed_tokens_go_back_to_the_ceiling_and_counter_never_to_t
     assert w.borrowing.counters.get("c", 0) <= counters_before.get("c", 0)
 
 
+def test_a_lent_sample_is_paid_on_the_ceiling_and_kept_only_if_it_sampled():
+    # Borrowing.lend: the sampled token of a borrower's request admitted into
+    # a spare slot, at its sampling position in the step of its admission.
+    w = World(1, {"c": 1, "h": 5}, {"c": Share(100, 2)})
+    w.add("c", 1)
+    w.step(slots=4)  # c's rate quota is spent
+    ledger, now = w.gate.ledger, w.now
+    plan = w.gate.plan(now, 4)
+    w.gate.borrow(plan, 0, waiting=("c",))
+    ceiling_before = w.ceiling.available("c", now)
+    w.gate.lanes.track("c-new", "c")
+    assert not ledger.charge("c-new")  # out of rate quota
+    assert w.borrowing.lend(ledger, "c", "c-new")
+    assert ledger.is_charged("c-new")
+    assert w.ceiling.available("c", now) == ceiling_before - 1
+    w.gate.lanes.track("h-new", "h")
+    assert not w.borrowing.lend(ledger, "h", "h-new")  # a hard cap never borrows
+    ledger.settle({"c-new"})
+    w.borrowing.settle(w.gate.lanes, ledger, {"c-new"})
+    assert w.borrowing.borrowed_tokens["c"] == 1
+    assert w.borrowing.counters["c"] == 0.5  # one token at weight 2
+    # Not sampled: back to the ceiling, nothing borrowed.
+    w.now += 10 * MS
+    plan = w.gate.plan(w.now, 4)
+    w.gate.borrow(plan, 0, waiting=("c",))
+    before = w.ceiling.available("c", w.now)
+    assert w.borrowing.lend(ledger, "c", "c-late")
+    ledger.settle(set())
+    w.borrowing.settle(w.gate.lanes, ledger, set())
+    assert w.ceiling.available("c", w.now) == before
+    assert w.borrowing.borrowed_tokens["c"] == 1
+
+
+def test_lending_stops_at_the_ceiling():
+    w = World(0.01, {"c": 0.01}, {"c": Share(20, 1)})  # 20 tok/s: a burst of 3
+    w.add("c", 1)
+    w.step(slots=4)
+    plan = w.gate.plan(w.now, 4)
+    w.gate.borrow(plan, 0, waiting=("c",))
+    lent = 0
+    for i in range(10):
+        if not w.borrowing.can_lend("c", w.now):
+            assert not w.borrowing.lend(w.gate.ledger, "c", f"c-new{i}")
+            break
+        assert w.borrowing.lend(w.gate.ledger, "c", f"c-new{i}")
+        lent += 1
+    assert 0 < lent <= bound(0, 20)
+
+
 @settings(max_examples=40)
 @given(
     users=st.lists(

@@ -18,7 +18,10 @@ the gate, its lanes and ledger, and :class:`..policy.displacement.Displacement`)
   ``_reserve_prefill_lookahead`` hook) is the last
   hook vLLM calls before allocating KV for a request; when the chunk reaches
   the sampling position we take one unit of quota.  A refused request is cut
-  back to the second-to-last prompt position (chunked prefill) or skipped.
+  back to the second-to-last prompt position (chunked prefill) or skipped --
+  unless it was admitted in this step into a slot set aside for its
+  borrowing user: then it borrows the token (``Borrowing.lend``), as a
+  resident borrowed stream would, and samples at once.
 * **Do not block the waiting queue.**  A waiting request whose user is out
   of quota is skipped through vLLM's own skip path
   (:meth:`_handle_blocked_waiting_request`, :meth:`_ec_transfer_pending`)
@@ -179,6 +182,11 @@ class ChargingHooks:
             return num_new_tokens  # an intermediate prefill chunk is free
         if self._ledger.charge(request):
             return num_new_tokens
+        if request in self._admitted_to_borrow and self._borrowing.lend(
+            self._ledger, self._lanes.user_of[request], request
+        ):
+            self._lent_in_step = True
+            return num_new_tokens
         # Out of quota: stop short of the sampling position.
         allowed = sample_at - 1 - num_computed_tokens if self._chunked_prefill else 0
         allowed = max(allowed, 0)
@@ -230,6 +238,7 @@ class ChargingHooks:
                 if left <= 0:
                     return False
                 admits[user] = left - 1
+                self._admitted_to_borrow.add(request)
         return True
 
     def _ec_transfer_pending(self, request: Request, num_computed_tokens: int) -> bool:
@@ -241,7 +250,12 @@ class ChargingHooks:
         # After the prefix-cache lookup: if only the sampling position is
         # left and the user cannot pay, skip instead of stopping admission.
         if request.num_tokens - num_computed_tokens <= 1:
-            return not self._ledger.can_charge(request)
+            if self._ledger.can_charge(request):
+                return False
+            return not (
+                request in self._admitted_to_borrow
+                and self._borrowing.can_lend(self._lanes.user_of[request], self._ledger.now_ns)
+            )
         return False
 
 
@@ -428,7 +442,15 @@ class BorrowingHooks:
         while model-runner slots are free, those of users who may borrow
         (the second: admitted, they join the borrowing as resident streams).
         ``queued`` receives, per borrowing user, what each of its waiting
-        requests that would only run by borrowing may output."""
+        requests that would only run by borrowing may output.
+
+        A borrowing user's waiting requests are counted only for the room
+        its own hidden resident streams cannot fill: admitted instead of
+        them, they would not add to its service, only spread it over more
+        requests, which then all progress in lockstep and finish together
+        (a lone borrower's closed-loop clients then leave the engine empty
+        while they send the next requests; stock vLLM keeps the surplus
+        queued, and its slots busy)."""
         lanes = self._lanes
         user_of, in_turn = lanes.user_of, lanes.in_turn
         quota_now = self._ledger.quota_now
@@ -440,6 +462,7 @@ class BorrowingHooks:
         # lists would only cost a scan of their requests' lengths.
         wanted = max(0, min(free_slots, limit))
         borrowing: dict[str, bool] = {}
+        admittable: dict[str, int] = {}  # borrowing user -> its requests worth admitting
         quota: dict[str, int] = {}
         guaranteed = 0
         for request in self.waiting:
@@ -463,10 +486,21 @@ class BorrowingHooks:
                 may = borrowing[user] = borrows(user)
             if may:
                 costs = queued.setdefault(user, [])
-                if len(costs) < wanted:
+                most = admittable.get(user)
+                if most is None:
+                    most = admittable[user] = min(wanted, limit - self._hidden_streams(user))
+                if len(costs) < most:
                     costs.append(_output_left(request))
         slots = min(free_slots, limit) - guaranteed
         return guaranteed, max(0, min(slots, sum(map(len, queued.values()))))
+
+    def _hidden_streams(self, user: str) -> int:
+        """Resident decoding streams of ``user`` the plan did not pay for."""
+        lane = self._lanes.order.get(user)
+        if lane is None:
+            return 0
+        lane_of, prepaid = self._lanes.lane_of, self._ledger.prepaid
+        return sum(1 for key in lane.decoding if key in lane_of and key not in prepaid)
 
 
 class SpecDecodeHooks:
@@ -575,6 +609,10 @@ class OutputRateSchedulerMixin(
     #: During a step with borrowing: user -> waiting requests it may still
     #: have admitted by borrowing (None: admission order is vLLM's).
     _borrow_admits: dict[str, int] | None = None
+    #: During a step: waiting requests admitted into a spare slot by
+    #: borrowing (see _borrow_admits), which may borrow their sampled token.
+    _admitted_to_borrow: set
+    _lent_in_step: bool  # some admitted request borrowed its sampled token
     _active_cap: int = 0
     #: Builds the limiter from the settings; tests give a data-parallel rank
     #: a leased limiter on a fake store and clock.
@@ -607,6 +645,8 @@ class OutputRateSchedulerMixin(
         self._preempted_in_step: list[Request] = []
         self._evicted_in_step: list[Request] = []
         self._slot_donors: set[str] = set()  # users who gave up a slot this step
+        self._admitted_to_borrow = set()
+        self._lent_in_step = False
         # Requests we preempted because their user was out of quota, until
         # they are resident again (see _kv_room_for).
         self._evicted_for_quota: set[Request] = set()
@@ -724,6 +764,8 @@ class OutputRateSchedulerMixin(
             self._step_plan = None
             self._prepaid = None
             self._borrow_admits = None
+            if self._admitted_to_borrow:
+                self._admitted_to_borrow.clear()
             admitted = self._settle_membership(resident, num_visible)
             for victim in self._evicted_in_step:
                 self.waiting.prepend_request(victim)
@@ -743,7 +785,8 @@ class OutputRateSchedulerMixin(
         )
         sampled = _SampledView(num_scheduled)
         self._ledger.settle(sampled, all_prepaid_sampled=undisturbed)
-        if plan.borrowed:
+        if plan.borrowed or self._lent_in_step:
+            self._lent_in_step = False
             gate.borrowing.settle(lanes, self._ledger, sampled)
         if self._prompt_cost_on:
             self._settle_prompt_cost(output)

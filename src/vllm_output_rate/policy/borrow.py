@@ -23,6 +23,11 @@ their rate quota may run anyway, *borrowing*:
   any window ``W`` the user gets at most ``(W + burst) * ceil + 1`` tokens.
   Borrowed tokens are paid on the ceiling only: they are not debt on the
   rate quota.  No ceiling (``ceil: None``): borrowing is bounded by room only;
+* **admissions**: a borrower's request admitted into a spare slot
+  (:meth:`Borrowing.admissions`) that reaches its sampling position in the
+  same step borrows its sampled token too (:meth:`Borrowing.lend`), on the
+  same cap, instead of stopping one position short and leaving its slot
+  without a sample for a step;
 * **refund**: a borrowed token whose request did not sample goes back to
   the ceiling and the counter (:meth:`Borrowing.settle`), never to the rate;
 * **groups** (:mod:`.groups`): borrowed tokens are paid on every level's cap
@@ -337,6 +342,30 @@ class Borrowing:
         if unpaid:
             order = [k for k in order if k not in unpaid]
         return order
+
+    def can_lend(self, user: str, now_ns: int) -> bool:
+        """Would :meth:`lend` pay for one token of ``user`` now?  Takes nothing."""
+        table = self.table
+        return table.borrows(user) and (not table.ceiled(user) or self.cap.available(user, now_ns) > 0)
+
+    def lend(self, ledger: Ledger, user: str, key: Key) -> bool:
+        """Borrow the sampled token of a request of ``user`` given a slot by
+        :meth:`admissions` in this step, which reached its sampling position
+        while its user is out of guaranteed quota.
+
+        Its slot was counted out of the step's spare room before any resident
+        stream borrowed, so this takes nothing from guaranteed users.  Paid
+        on the cap like a borrowed stream (a ceiling is never exceeded) and
+        settled with them by :meth:`settle`.  False: the cap is spent."""
+        table = self.table
+        if not table.borrows(user):
+            return False
+        if table.ceiled(user) and self.cap.take_up_to(user, ledger.now_ns, 1) < 1:
+            return False
+        self._now_ns = ledger.now_ns
+        self.step.append((user, [key]))
+        ledger.prepaid.add(key)
+        return True
 
     def admissions(
         self, queued: Mapping[str, Sequence[int]], committed: Mapping[str, int], slots: int
