@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from vllm_output_rate.tools import demo_cluster, report
-from vllm_output_rate.tools.analysis import BURST_S, bound_terms
+from vllm_output_rate.tools.analysis import BURST_S, shared_slack_s
 from vllm_output_rate.tools.benchkit import RESULTS_DIR
 
 COMMAND = "python benchmarks/render_performance.py"
@@ -549,7 +549,7 @@ def soak_cluster_lines(doc: Doc, extra: dict[str, Doc | None], image: str | None
         f"`/v1/output_rate/users`, read every {cfg['read_every']:g} s, {doc['counter_checks']['reads']} reads), "
         "summed over the engines and over the restarted engine's two processes, for every pair of reads up to "
         f"{cfg['max_window']:g} s apart (the window from the first read's sending to the second's answer). "
-        f"The bound is the documented one across engines, (W + {bound_terms(1, BURST_S, 1)[0]:g}) × N + 1 + E × L, "
+        f"The bound is the documented one across engines, (W + {shared_slack_s():g}) × N + 1 + E × L, "
         "for each store process the window touches (Redis restarted empty: a fresh burst), plus the local "
         f"fallback's (W + {BURST_S:g}) × N "
         "+ E over the part of the window from the kill until every engine showed the shared store again; "

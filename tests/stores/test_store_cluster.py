@@ -24,6 +24,7 @@ from fractions import Fraction
 import pytest
 
 from redis_harness import free_port, redis_binary
+from test_store_redis import bound
 from vllm_output_rate.factory import make_limiter
 from vllm_output_rate.policy.limiter import DEFAULT_BURST_NS, NS_PER_S
 from vllm_output_rate.settings import OutputRateSettings
@@ -244,10 +245,6 @@ def test_batched_round_trip_one_call_per_node(cluster, prefix):
     assert other.publish_fingerprint("e2", "bbbb") == {"e1": "aaaa", "e2": "bbbb"}
     backend.close()
     other.close()
-
-
-def bound(window_ns, rate, n_engines):
-    return LeaseConfig().bound_tokens(window_ns, Fraction(rate), n_engines, DEFAULT_BURST_NS)
 
 
 def run_engines(lims, users, seconds, streams=8, step_s=0.004):

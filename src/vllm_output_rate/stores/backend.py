@@ -103,8 +103,13 @@ class LeaseConfig:
         (a loaded machine) loses none of the rate."""
         return max(burst_ns, self.lifetime_ns)
 
+    def bound_slack_ns(self, burst_ns: int) -> int:
+        """What the bound across engines adds to the window: the store's
+        credit and a lease lifetime (derived in :mod:`.lease`)."""
+        return self.store_burst_ns(burst_ns) + self.lifetime_ns
+
     def bound_tokens(self, window_ns: int, rate: Fraction, engines: int, burst_ns: int) -> Fraction:
         """The most tokens ``engines`` engines sharing the store may charge a
-        user of ``rate`` in any window of ``window_ns`` (derived in :mod:`.lease`)."""
-        slack_ns = self.store_burst_ns(burst_ns) + self.lifetime_ns
+        user of ``rate`` in any window of ``window_ns``."""
+        slack_ns = self.bound_slack_ns(burst_ns)
         return Fraction(window_ns + slack_ns, NS_PER_S) * rate + 1 + engines * self.lease_size(rate)

@@ -98,8 +98,12 @@ def bound_terms(rate: float, burst_s: float = BURST_S, shared_engines: int = 0) 
     """
     if shared_engines <= 0:
         return burst_s, 0.0
-    slack_ns = _LEASES.store_burst_ns(round(burst_s * NS_PER_S)) + _LEASES.lifetime_ns
-    return slack_ns / NS_PER_S, float(shared_engines * lease_size(rate))
+    return shared_slack_s(burst_s), float(shared_engines * lease_size(rate))
+
+
+def shared_slack_s(burst_s: float = BURST_S) -> float:
+    """Seconds the bound across engines sharing a store adds to the window."""
+    return _LEASES.bound_slack_ns(round(burst_s * NS_PER_S)) / NS_PER_S
 
 
 def guarantee_bound(window_s: float, rate: float, burst_s: float = BURST_S,

@@ -21,6 +21,7 @@ from vllm_output_rate.tools.analysis import (
     bound_terms,
     cumulative_series,
     rate_series,
+    shared_slack_s,
     ttft_series,
 )
 from vllm_output_rate.tools.measure import RequestRecord
@@ -131,7 +132,7 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str
 def guarantee_note(burst_s: float = BURST_S, shared_store: bool = False) -> str:
     if shared_store:
         bound = (f"Guarantee across engines sharing one store: at most "
-                 f"(W + {bound_terms(1, burst_s, 1)[0]:g}) × limit + 1 + E × L tokens in any window "
+                 f"(W + {shared_slack_s(burst_s):g}) × limit + 1 + E × L tokens in any window "
                  "of W s, summed over the E engines the user's requests went to "
                  "(L = max(1, ceil(0.1 × limit)), the lease size). ")
     else:
