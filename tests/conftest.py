@@ -27,7 +27,7 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from server_harness import TINY_MODEL_DIR, ServerPool  # noqa: E402
+from server_harness import TINY_MODEL_DIR, ServerDied, ServerPool  # noqa: E402
 
 # Property tests judge behaviour, never speed: no per-example deadline, also
 # while servers start on the other core.
@@ -45,6 +45,7 @@ PRESTARTED = (
     "test_lora_server",
     "test_prompt_cost_server",
     "test_spec_decode_server",
+    "test_server_death",
 )
 #: Modules that run last, when no other server is up.
 RUN_LAST = ("test_cluster_server", "test_data_parallel_server")
@@ -114,11 +115,42 @@ def server_log_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("server-logs")
 
 
+#: The session's pool, for the report hook below (hooks cannot take fixtures).
+_POOL: list[ServerPool] = []
+
+
 @pytest.fixture(scope="session")
 def server_pool():
     pool = ServerPool()
+    _POOL.append(pool)
     yield pool
+    _POOL.remove(pool)
     pool.close()
+
+
+@pytest.fixture(autouse=True)
+def _servers_alive(request, server_pool):
+    """Before each test of a module with servers: every server its module
+    fixture holds is still running, else the test fails at once with the
+    server's log tail (module fixtures are set up before this one, so the
+    servers are those the test is about to use)."""
+    if request.node.get_closest_marker("server") is not None:
+        for server in server_pool.servers(request.module.__name__):
+            server.check_alive()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test of a module whose server has died says so, with the log tail."""
+    outcome = yield
+    report = outcome.get_result()
+    if not report.failed or not _POOL or item.get_closest_marker("server") is None:
+        return
+    for server in _POOL[0].servers(item.module.__name__):
+        try:
+            server.check_alive()
+        except ServerDied as died:
+            report.sections.append((f"server {server.log_path.stem} died", str(died)))
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -15,7 +15,10 @@ from typing import Any, Callable, ContextManager
 from vllm_output_rate.tools import serverproc
 from vllm_output_rate.tools.serverproc import (  # noqa: F401
     ADMIN_ROUTE_ENV,
+    ConnectionBackoff,
     Server,
+    ServerDied,
+    while_alive,
     engine_env,
     free_port,
     run_cli,
@@ -66,6 +69,14 @@ class ServerPool:
         _, value = self._starting[key].result()
         return value
 
+    def servers(self, key: str) -> list[Server]:
+        """The servers ``key``'s context holds now (none while it is starting or failed)."""
+        with self._lock:
+            future = self._starting.get(key)
+        if future is None or not future.done() or future.exception() is not None:
+            return []
+        return servers_in(future.result()[1])
+
     def release(self, key: str) -> None:
         """Stop ``key``'s server(s) (by PID, through its context manager)."""
         with self._lock:
@@ -83,6 +94,22 @@ class ServerPool:
         for key in list(self._starting):
             self.release(key)
         self._executor.shutdown(wait=True)
+
+
+def servers_in(value: Any, depth: int = 3) -> list[Server]:
+    """The :class:`Server` objects a server context handed out: the value
+    itself, the items of a tuple, list or dict, or an object's ``server``
+    attribute (an engine that can be restarted holds ``None`` while it is down)."""
+    if isinstance(value, Server):
+        return [value]
+    if depth == 0:
+        return []
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [server for item in value for server in servers_in(item, depth - 1)]
+    inner = getattr(value, "server", None)
+    return servers_in(inner, depth - 1) if inner is not None else []
 
 
 def _enter(context: Callable[[], ContextManager[Any]]) -> tuple[ContextManager[Any], Any]:

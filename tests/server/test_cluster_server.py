@@ -50,7 +50,7 @@ import httpx
 import pytest
 
 from redis_harness import RedisServer
-from server_harness import ADMIN_ROUTE_ENV, engine_env, running_server
+from server_harness import ADMIN_ROUTE_ENV, ConnectionBackoff, engine_env, running_server, while_alive
 
 from vllm_output_rate.tools.analysis import guarantee_bound
 
@@ -158,6 +158,11 @@ def server_context(tmp_path_factory, model_dir):
         yield redis_srv, engines
 
 
+def live_servers(engines) -> list:
+    """The engines' servers that should be up (an engine stopped on purpose has none)."""
+    return [engine.server for engine in engines if engine.server is not None]
+
+
 @pytest.fixture(scope="module")
 def cluster(server_pool, tmp_path_factory, tiny_model_dir):
     yield server_pool.get(__name__, lambda: server_context(tmp_path_factory, tiny_model_dir))
@@ -203,6 +208,7 @@ class Load:
         """One stream: requests one after another, to the stream's engine
         (stream ``s`` of a user goes to ``targets[s % len(targets)]``, read
         before each request, so a change of targets moves new requests)."""
+        backoff = ConnectionBackoff()
         while True:
             now = time.monotonic()
             if now >= self.stop_at or now >= self.user_stop_at.get(user, float("inf")):
@@ -233,6 +239,12 @@ class Load:
             finally:
                 self.in_flight[index] -= 1
             self.rows.append(Row(user, index, sent, time.monotonic(), tokens, finish, max_tokens))
+            if tokens is None:
+                # An engine being restarted is down on purpose (its server is
+                # None by now); one that died ends the load with its log tail.
+                await backoff.failed(self.engines[index].server)
+            else:
+                backoff.succeeded()
             if self.think_s.get(user):
                 await asyncio.sleep(self.think_s[user])
 
@@ -486,7 +498,7 @@ def outage_run(cluster):
             await counters.sample("end")
             return counters.samples
 
-    samples = asyncio.run(scenario())
+    samples = asyncio.run(while_alive(scenario(), lambda: live_servers(engines)))
     return load, samples, marks, back_in_store, closed_resumed
 
 
@@ -715,7 +727,7 @@ def shared_run(cluster):
             await counters.sample("end")  # after the last requests finished
             return counters.samples
 
-    samples = asyncio.run(scenario())
+    samples = asyncio.run(while_alive(scenario(), lambda: live_servers(engines)))
     return load, samples, marks
 
 

@@ -18,9 +18,9 @@ from fractions import Fraction
 
 import pytest
 
-from server_harness import running_server
+from server_harness import ConnectionBackoff, running_server
 from vllm_output_rate.tools import benchkit, measure
-from vllm_output_rate.tools.measure import FINISHED, RequestRecord, run_request
+from vllm_output_rate.tools.measure import ERROR_STATUSES, FINISHED, RequestRecord, run_request
 
 pytestmark = pytest.mark.server
 
@@ -63,12 +63,17 @@ async def _flood_beside_light(server, seconds: float):
     stop = asyncio.Event()
 
     async def loop(client, model, user, prompt_len, max_tokens, records, t0):
+        backoff = ConnectionBackoff()
         while not stop.is_set():
             record = RequestRecord(user=user, start=time.monotonic() - t0)
             records.append(record)
             # Random token ids: no two prompts share a cached block.
             prompt = [rng.randrange(3, 400) for _ in range(prompt_len)]
             await run_request(client, measure.stream_body(model, user, max_tokens, prompt), record, t0)
+            if record.status in ERROR_STATUSES:
+                await backoff.failed(server)
+            else:
+                backoff.succeeded()
 
     async with benchkit.async_http(server.base_url, connections=16) as client:
         t0 = time.monotonic()

@@ -120,3 +120,81 @@ def test_a_gateway_that_exits_during_startup_says_so(tmp_path):
     with pytest.raises(RuntimeError, match="the gateway exited with 2 during startup") as raised:
         gateway.GatewayProcess(command, tmp_path / "config.yaml", tmp_path / "gateway.log").start()
     assert "bad config" in str(raised.value)
+
+
+# -- a server that dies: its load and its tests stop at once, with its log tail ---------------
+
+
+def _kill_and_wait(server) -> None:
+    server.proc.kill()
+    server.proc.wait(timeout=30)
+
+
+def test_a_dead_server_is_reported_with_its_first_cause_and_log_tail(stand_in, tmp_path):
+    with serverproc.running_server([], tmp_path, command=stand_in) as server:
+        server.check_alive()  # running: nothing to say
+        with open(server.log_path, "a") as log:
+            log.write("ERROR Worker proc VllmWorker-0 died unexpectedly (exit code: -4)\nlast words\n")
+        _kill_and_wait(server)
+        with pytest.raises(serverproc.ServerDied) as died:
+            server.check_alive()
+    first_line, _, rest = str(died.value).partition("\n")
+    assert f"pid {server.pid}" in first_line and "exited with code -9" in first_line
+    assert "died unexpectedly (exit code: -4)" in first_line  # the cause, where a test summary shows it
+    assert rest.splitlines()[-1] == "last words"
+
+
+def test_a_load_loop_backs_off_while_its_server_refuses_and_stops_once_it_has_exited(stand_in, tmp_path):
+    import asyncio
+
+    backoff = serverproc.ConnectionBackoff(first_s=0.01, cap_s=0.04)
+    with serverproc.running_server([], tmp_path, command=stand_in) as server:
+        pauses = []
+        for _ in range(4):  # alive but failing: pauses double up to the cap
+            pauses.append(backoff.pause_s)
+            asyncio.run(backoff.failed(server))
+        assert pauses == [0.01, 0.02, 0.04, 0.04]
+        backoff.succeeded()
+        assert backoff.pause_s == 0.01
+        asyncio.run(backoff.failed(None))  # an engine down on purpose: only a pause
+        _kill_and_wait(server)
+        with pytest.raises(serverproc.ServerDied):
+            asyncio.run(backoff.failed(server))
+        with pytest.raises(serverproc.ServerDied):
+            backoff.failed_sync(server)
+
+
+def test_a_scenario_is_cancelled_when_a_server_it_uses_dies(stand_in, tmp_path):
+    import asyncio
+
+    cancelled = []
+
+    async def endless():
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            cancelled.append(True)
+            raise
+
+    with serverproc.running_server([], tmp_path, command=stand_in) as server:
+        async def scenario():
+            guarded = asyncio.ensure_future(serverproc.while_alive(endless(), lambda: [server], period_s=0.05))
+            await asyncio.sleep(0.2)
+            assert not guarded.done()  # alive: the scenario goes on
+            server.proc.kill()
+            return await guarded
+
+        with pytest.raises(serverproc.ServerDied):
+            asyncio.run(scenario())
+    assert cancelled == [True]
+
+
+def test_a_scenario_over_a_live_server_returns_its_result(stand_in, tmp_path):
+    import asyncio
+
+    async def short():
+        await asyncio.sleep(0.1)
+        return 42
+
+    with serverproc.running_server([], tmp_path, command=stand_in) as server:
+        assert asyncio.run(serverproc.while_alive(short(), lambda: [server], period_s=0.02)) == 42

