@@ -11,6 +11,33 @@ what the offline ``LLM(..., additional_config=...)`` API accepts::
 The two ``vllm serve`` flags are parsed into exactly this dict.  Every problem
 is reported as :class:`OutputRateConfigError` with a one-line message naming
 the flag (or key) and what is wrong with it.  No vLLM import here.
+
+Ranges.  A rate, a ceiling and a borrowing weight (of a user, the default or
+a group) lie in [``MIN_RATE``, ``MAX_RATE``] = [1e-6, 1e9]:
+
+* ``MAX_RATE`` = 1e9 tok/s is one token per nanosecond, the shared store's
+  unit: it keeps ``1 / rate`` in whole ns rounded up, so a faster rate is
+  granted at 1e9 tok/s anyway, and a lease (0.1 s of the rate) stays far
+  inside the store's integers (rates near 1e308 overflowed them);
+* ``MIN_RATE`` = 1e-6 tok/s is one token per 11.6 days: ``1 / rate`` is then
+  1e15 ns, below 2**53, where the store's Lua doubles are still exact;
+* a weight defaults to the rate, so it has the same range; borrowing
+  counters (tokens borrowed / weight) stay finite (a weight near 1e-300 made
+  them infinite).
+
+``input_token_weight`` and ``recompute_budget`` (tokens per token) lie in
+[0, ``MAX_RATIO``] = [0, 1e6]: a prompt token costing more than a million
+output tokens, or a million recomputed tokens per scheduled request (the
+eviction budget's cap is the model's context length), has no use, and an
+unbounded JSON integer would not even convert to a float.
+
+Names.  A user or group may not be called ``OTHER_USERS`` (``__other__``):
+that is the metrics' row summing the users without a series of their own.
+
+Groups.  A user with an entry of its own is in the group its entry names
+(``"group": null``: in none); an entry without the key ``group`` (a plain
+number included) keeps the default's group, so giving a user of the
+default group its own rate does not move it out of the group.
 """
 
 from __future__ import annotations
@@ -25,6 +52,7 @@ from typing import Any, Mapping
 
 from vllm_output_rate.policy.borrow import Share, ShareTable
 from vllm_output_rate.policy.eviction import DEFAULT_RECOMPUTE_RATIO
+from vllm_output_rate.policy.monitor import OTHER_USERS
 from vllm_output_rate.stores.config import StoreSettings, parse_store_section
 
 CONFIG_KEY = "output_rate"
@@ -61,6 +89,13 @@ INPUT_TOKEN_WEIGHT_FLAG = "--output-rate-input-token-weight"
 GROUPS_KEY = "groups"
 GROUPS_FLAG = "--output-rate-groups"
 GROUP_KEY = "group"
+#: Range of every rate, ceiling and weight (tok/s; see the module docstring).
+MIN_RATE = 1e-6
+MAX_RATE = 1e9
+#: Largest ``input_token_weight`` and ``recompute_budget`` (tokens per token).
+MAX_RATIO = 1e6
+#: Names no user or group may take (the metrics' catch-all row).
+RESERVED_NAMES = frozenset({OTHER_USERS})
 _SECTION_KEYS = {
     DEFAULT_KEY, OVERRIDES_KEY, LIMITS_FILE_KEY, METRICS_MAX_USERS_KEY, STORE_KEY,
     RECOMPUTE_BUDGET_KEY, INPUT_TOKEN_WEIGHT_KEY, GROUPS_KEY,
@@ -88,7 +123,9 @@ class OutputRateSettings:
     ``input_token_weight``: tokens of quota each computed prompt token costs
     (0: prompt tokens are free; see ``policy/prompt_cost.py``).
     ``group_rates`` / ``group_shares``: each group's limit, as a user's;
-    ``user_groups``: the group of each named user that has one;
+    ``user_groups``: the group of each named user that has one (resolved:
+    an entry without the key ``group`` is in ``default_group``, an entry
+    with ``"group": null`` in none);
     ``default_group``: the group of every user without an entry (None: none).
     """
 
@@ -109,11 +146,11 @@ class OutputRateSettings:
     def to_config(self) -> dict[str, Any]:
         """The ``additional_config["output_rate"]`` form of these settings."""
         config: dict[str, Any] = {
-            DEFAULT_KEY: _limit_value(self.default_rate, self.default_share, self.default_group),
-            OVERRIDES_KEY: {
-                user: _limit_value(rate, self.user_shares.get(user), self.user_groups.get(user))
-                for user, rate in self.user_rates.items()
-            },
+            DEFAULT_KEY: _limit_value(
+                self.default_rate, self.default_share, self.default_group,
+                group_key=self.default_group is not None,
+            ),
+            OVERRIDES_KEY: {user: self._user_value(user) for user in self.user_rates},
         }
         if self.group_rates:
             config[GROUPS_KEY] = {
@@ -131,6 +168,15 @@ class OutputRateSettings:
         if self.input_token_weight:
             config[INPUT_TOKEN_WEIGHT_KEY] = self.input_token_weight
         return config
+
+    def _user_value(self, user: str) -> Any:
+        """``user``'s entry as written: the key ``group`` only where its group
+        is not the default's (an entry without it is in the default's)."""
+        group = self.user_groups.get(user)
+        share = self.user_shares.get(user)
+        if group == self.default_group:
+            return _limit_value(self.user_rates[user], share)
+        return _limit_value(self.user_rates[user], share, group, group_key=True)
 
     @classmethod
     def from_additional_config(
@@ -181,16 +227,19 @@ class OutputRateSettings:
                 recompute_budget=recompute_budget,
             )
         default = section.get(DEFAULT_KEY)
-        overrides = section.get(OVERRIDES_KEY)
+        overrides = _null_is_empty(section.get(OVERRIDES_KEY))
+        groups = _null_is_empty(section.get(GROUPS_KEY))
+        whats = tuple(f"{where}[{key!r}]" for key in (DEFAULT_KEY, OVERRIDES_KEY, GROUPS_KEY))
         if default is None:
-            for key in (OVERRIDES_KEY, GROUPS_KEY):
-                if section.get(key):
-                    raise OutputRateConfigError(f"{where}[{key!r}] requires {DEFAULT_KEY!r}")
+            for value, what, validate in (
+                (overrides, whats[1], validate_grouped_limits), (groups, whats[2], validate_groups)
+            ):
+                if not isinstance(value, Mapping):  # 0, [], false: an error, not "none"
+                    validate(value, what)  # raises: not an object
+                if value:
+                    raise OutputRateConfigError(f"{what} requires {DEFAULT_KEY!r}")
             return None
-        limits = validate_all_limits(
-            default, overrides or {}, section.get(GROUPS_KEY) or {},
-            (f"{where}[{DEFAULT_KEY!r}]", f"{where}[{OVERRIDES_KEY!r}]", f"{where}[{GROUPS_KEY!r}]"),
-        )
+        limits = validate_all_limits(default, overrides, groups, whats)
         return cls(
             **limits,
             metrics_max_users=max_users,
@@ -245,17 +294,37 @@ class OutputRateSettings:
 LIMIT_KEYS = ("rate", "ceil", "weight")
 
 
-def _limit_value(rate: float, share: Share | None, group: str | None = None) -> Any:
+def _limit_value(
+    rate: float, share: Share | None, group: str | None = None, group_key: bool = False
+) -> Any:
     """A rate as written in the config: a number, or ``{rate, ceil, weight}``
-    (with ``group`` for a user in one)."""
-    if share is None and group is None:
+    (with the key ``group``, possibly null, when ``group_key``)."""
+    if share is None and not group_key:
         return rate
     value: dict[str, Any] = {"rate": rate}
     if share is not None:
         value.update(ceil=share.ceil, weight=share.weight)
-    if group is not None:
+    if group_key:
         value[GROUP_KEY] = group
     return value
+
+
+def _null_is_empty(value: Any) -> Any:
+    """An absent or null users / groups key means none; any other value is
+    checked by the validators (``0``, ``[]``, ``false`` are refused there)."""
+    return {} if value is None else value
+
+
+def _check_name(name: Any, what: str, kind: str) -> None:
+    """A user or group name: a non-empty string, not too long, not reserved."""
+    if not isinstance(name, str) or not name:
+        raise OutputRateConfigError(f"{what}: {kind} names must be non-empty strings")
+    if len(name) > MAX_USER_LEN:
+        raise OutputRateConfigError(f"{what}: {kind} name longer than {MAX_USER_LEN} characters")
+    if name in RESERVED_NAMES:
+        raise OutputRateConfigError(
+            f"{what}: {kind} name {name!r} is reserved (the metrics' row of all other users)"
+        )
 
 
 def validate_limit(value: Any, what: str) -> tuple[float, Share | None]:
@@ -314,12 +383,17 @@ class _AnyGroup:
 ANY_GROUP: Any = _AnyGroup()
 
 
-def _user_group(value: Any, what: str, groups: Any) -> tuple[Any, str | None]:
-    """``value`` without its ``group`` key, and that group (checked against ``groups``)."""
+def _user_group(
+    value: Any, what: str, groups: Any, inherited: str | None = None
+) -> tuple[Any, str | None]:
+    """``value`` without its ``group`` key, and that group (checked against
+    ``groups``): ``inherited`` without the key, None for ``"group": null``."""
     if not isinstance(value, Mapping) or GROUP_KEY not in value:
-        return value, None
+        return value, inherited
     group = value[GROUP_KEY]
     where = f"{what}[{GROUP_KEY!r}]"
+    if group is None:  # explicitly in no group
+        return {k: v for k, v in value.items() if k != GROUP_KEY}, None
     if not isinstance(group, str) or not group:
         raise OutputRateConfigError(f"{where}: must be a group name, got {group!r}")
     if group not in groups:
@@ -332,10 +406,14 @@ def _user_group(value: Any, what: str, groups: Any) -> tuple[Any, str | None]:
 
 
 def validate_grouped_limits(
-    value: Any, what: str, groups: Any = ()
+    value: Any, what: str, groups: Any = (), default_group: str | None = None
 ) -> tuple[dict[str, float], dict[str, Share], dict[str, str]]:
     """Per-user limits, each may name one of ``groups``: (user -> rate, user ->
-    share for those given as mappings, user -> group for those in one)."""
+    share for those given as mappings, user -> group for those in one).
+
+    An entry without the key ``group`` is in ``default_group`` (the
+    default's group: a rate of its own does not take a user out of it);
+    ``"group": null`` puts it in none."""
     if not isinstance(value, Mapping):
         validate_overrides(value, what)  # raises: not a mapping
     user_rates: dict[str, float] = {}
@@ -345,7 +423,7 @@ def validate_grouped_limits(
         validate_overrides({user: 1}, what)  # the checks of a user name
         if isinstance(limit, str):
             raise OutputRateConfigError(f"{what}[{user!r}]: must be a number, got {limit!r}")
-        limit, group = _user_group(limit, f"{what}[{user!r}]", groups)
+        limit, group = _user_group(limit, f"{what}[{user!r}]", groups, default_group)
         rate, share = validate_limit(limit, f"{what}[{user!r}]")
         user_rates[user] = rate
         if share is not None:
@@ -365,10 +443,7 @@ def validate_groups(value: Any, what: str) -> tuple[dict[str, float], dict[str, 
     rates: dict[str, float] = {}
     shares: dict[str, Share] = {}
     for group, limit in value.items():
-        if not isinstance(group, str) or not group:
-            raise OutputRateConfigError(f"{what}: group names must be non-empty strings")
-        if len(group) > MAX_USER_LEN:
-            raise OutputRateConfigError(f"{what}: group name longer than {MAX_USER_LEN} characters")
+        _check_name(group, what, "group")
         if isinstance(limit, str):
             raise OutputRateConfigError(f"{what}[{group!r}]: must be a number, got {limit!r}")
         rates[group], share = validate_limit(limit, f"{what}[{group!r}]")
@@ -388,7 +463,9 @@ def validate_all_limits(
     known = group_rates if check_groups else ANY_GROUP
     default, default_group = _user_group(default, where_default, known)
     default_rate, default_share = validate_limit(default, where_default)
-    user_rates, user_shares, user_groups = validate_grouped_limits(overrides, where_users, known)
+    user_rates, user_shares, user_groups = validate_grouped_limits(
+        overrides, where_users, known, default_group
+    )
     return dict(
         default_rate=default_rate, default_share=default_share, default_group=default_group,
         user_rates=user_rates, user_shares=user_shares, user_groups=user_groups,
@@ -397,7 +474,8 @@ def validate_all_limits(
 
 
 def validate_rate(value: Any, what: str) -> float:
-    """A positive finite rate, or OutputRateConfigError naming ``what``."""
+    """A rate (or ceiling, or weight) in [MIN_RATE, MAX_RATE], or
+    OutputRateConfigError naming ``what``."""
     if isinstance(value, bool):
         raise OutputRateConfigError(f"{what}: must be a number, got {value!r}")
     if isinstance(value, str):
@@ -419,6 +497,11 @@ def validate_rate(value: Any, what: str) -> float:
         raise OutputRateConfigError(f"{what}: must be finite, got {value!r}")
     if as_float <= 0:
         raise OutputRateConfigError(f"{what}: must be positive, got {value!r}")
+    if not MIN_RATE <= as_float <= MAX_RATE:
+        raise OutputRateConfigError(
+            f"{what}: must be between {MIN_RATE:g} and {MAX_RATE:g} (what the shared store "
+            f"and the borrowing counters represent), got {value!r}"
+        )
     return as_float
 
 
@@ -430,12 +513,7 @@ def validate_overrides(value: Any, what: str) -> dict[str, float]:
         )
     rates: dict[str, float] = {}
     for user, rate in value.items():
-        if not isinstance(user, str) or not user:
-            raise OutputRateConfigError(f"{what}: user names must be non-empty strings")
-        if len(user) > MAX_USER_LEN:
-            raise OutputRateConfigError(
-                f"{what}: user name longer than {MAX_USER_LEN} characters"
-            )
+        _check_name(user, what, "user")
         if isinstance(rate, str):  # JSON rates are numbers, not numeric text
             raise OutputRateConfigError(f"{what}[{user!r}]: must be a number, got {rate!r}")
         rates[user] = validate_rate(rate, f"{what}[{user!r}]")
@@ -511,8 +589,23 @@ def validate_max_users(value: Any, what: str) -> int:
     return value
 
 
+def _shown(value: Any) -> str:
+    """``repr(value)``, except an integer too long for a one-line message."""
+    if isinstance(value, int) and not -10**20 < value < 10**20:
+        return f"an integer of {len(str(abs(value)))} digits"
+    return repr(value)
+
+
+def _ratio(value: Any, what: str, problem: str) -> float:
+    """A number in [0, MAX_RATIO]; ``problem`` says what a refused value must be."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= MAX_RATIO:
+        # Compared before float(): an int beyond float range is refused, not an OverflowError.
+        raise OutputRateConfigError(f"{what}: {problem}, at most {MAX_RATIO:g}; got {_shown(value)}")
+    return float(value)
+
+
 def validate_input_token_weight(value: Any, what: str) -> float:
-    """A finite, non-negative number of quota tokens per computed prompt token."""
+    """Quota tokens per computed prompt token, in [0, MAX_RATIO]."""
     if isinstance(value, str):  # a flag's text; JSON and YAML give numbers
         try:
             value = float(value.strip())
@@ -520,20 +613,12 @@ def validate_input_token_weight(value: Any, what: str) -> float:
             raise OutputRateConfigError(f"{what}: must be a number, got {value!r}") from None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise OutputRateConfigError(f"{what}: must be a number, got {value!r}")
-    if not 0 <= value < float("inf"):
-        raise OutputRateConfigError(
-            f"{what}: must be a non-negative finite number, got {value!r}"
-        )
-    return float(value)
+    return _ratio(value, what, "must be a non-negative finite number")
 
 
 def validate_recompute_budget(value: Any, what: str) -> float:
-    """A finite, non-negative number of recomputed tokens per output token."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
-        0 <= value < float("inf")
-    ):
-        raise OutputRateConfigError(f"{what}: must be a non-negative number, got {value!r}")
-    return float(value)
+    """Recomputed tokens per output token, in [0, MAX_RATIO]."""
+    return _ratio(value, what, "must be a non-negative number")
 
 
 # -- files (limits, API keys) --------------------------------------------------------
@@ -550,6 +635,10 @@ def read_mapping_file(path: str, what: str) -> Mapping[str, Any]:
             text = fh.read()
     except OSError as exc:
         raise OutputRateConfigError(f"{what} {path!r}: cannot read ({exc.strerror})") from None
+    except UnicodeDecodeError as exc:
+        raise OutputRateConfigError(
+            f"{what} {path!r}: cannot read (not UTF-8 text: byte {exc.start})"
+        ) from None
     try:
         if path.endswith(".json"):
             data = json.loads(text, parse_constant=_reject_json_constant)
@@ -595,7 +684,7 @@ def load_limits_file(path: str, input_token_weight: float = 0.0) -> OutputRateSe
             f"{what} {path!r}[{DEFAULT_KEY!r}]: must be a number, got {default!r}"
         )
     limits = validate_all_limits(
-        default, data.get(OVERRIDES_KEY) or {}, data.get(GROUPS_KEY) or {},
+        default, _null_is_empty(data.get(OVERRIDES_KEY)), _null_is_empty(data.get(GROUPS_KEY)),
         tuple(f"{what} {path!r}[{key!r}]" for key in (DEFAULT_KEY, OVERRIDES_KEY, GROUPS_KEY)),
     )
     return OutputRateSettings(

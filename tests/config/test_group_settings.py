@@ -64,9 +64,13 @@ def test_without_groups_nothing_changes():
 
 
 def test_the_default_may_name_a_group_for_every_user_without_an_entry():
+    # ... and for every entry that names none: a rate of one's own does not
+    # move a user out of the default's group; "group": null does (issue 31).
     s = OutputRateSettings.from_additional_config(section(
-        {"rate": 10, "group": "others"}, {"others": 30}, named=5))
-    assert s.group_of("anyone") == "others" and s.group_of("named") is None
+        {"rate": 10, "group": "others"}, {"others": 30}, named=5,
+        alone={"rate": 5, "group": None}))
+    assert s.group_of("anyone") == "others" and s.group_of("named") == "others"
+    assert s.group_of("alone") is None
     assert s.default_limit() == (10, 10, 10)
 
 
@@ -120,7 +124,7 @@ def test_flags_round_trip_and_each_flag_alone_accepts_any_group():
         '{"t": {"rate": 3, "ceil": 6}, "rest": 50}',
     )
     s = OutputRateSettings.from_additional_config({"output_rate": config})
-    assert s.user_groups == {"a": "t"} and s.default_group == "rest"
+    assert s.user_groups == {"a": "t", "b": "rest"} and s.default_group == "rest"
     assert s.group_shares == {"t": Share(6, 3)} and s.group_rates == {"t": 3, "rest": 50}
     assert OutputRateSettings.from_additional_config({"output_rate": s.to_config()}) == s
     # vLLM's argparse checks each flag alone: the group a user names is

@@ -250,7 +250,7 @@ def test_cli_bad_default_with_good_overrides_refused():
 
 
 @pytest.mark.parametrize(
-    "value, expected", [(1, 1.0), (2.5, 2.5), ("3", 3.0), (" 0.5 ", 0.5), (1e-9, 1e-9)]
+    "value, expected", [(1, 1.0), (2.5, 2.5), ("3", 3.0), (" 0.5 ", 0.5), (1e-6, 1e-6), (1e9, 1e9)]
 )
 def test_validate_rate_accepts(value, expected):
     got = validate_rate(value, "w")

@@ -11,7 +11,10 @@ second:
   to the next ``schedule()`` call, which applies it with
   the limiter's ``update_rates`` before planning the step (users whose
   rate did not change keep their quota state exactly).  A bad one is logged
-  and counted; the old limits stay.
+  and counted; the old limits stay.  Any failure to load the file counts
+  (not only a refused setting), once per file version and reason, and the
+  file is not taken as seen: it is read again at every check until it loads
+  (a fix that keeps the file's signature, such as a ``chmod``, is applied).
 * **Stats.**  ``make_stats()`` (vLLM calls it after every step) attaches a
   per-user report (:class:`~vllm_output_rate.policy.monitor.UserMonitor`) to
   ``SchedulerStats.output_rate`` at most once a second, and at once when the
@@ -67,22 +70,37 @@ class LimitsFileWatcher:
         self._on_good = on_good
         self._on_bad = on_bad
         self._interval_s = interval_s
-        self._signature = file_signature(path)
+        self._signature = file_signature(path)  # of the version in force
+        #: (signature, reason) of the last failure reported: reported once.
+        self._failed: tuple[object, str] | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def check(self) -> bool:
-        """Look at the file once; True when it changed (applied or rejected)."""
+        """Look at the file once; True when it was applied or newly rejected.
+
+        The signature advances only when the file was loaded: a file that
+        failed (in any way) is read again at the next check, its failure
+        reported once per (signature, reason).
+        """
         signature = file_signature(self.path)
         if signature == self._signature:
             return False
-        self._signature = signature
         try:
             settings = load_limits_file(self.path, self.input_token_weight)
-        except OutputRateConfigError as exc:
-            self._on_bad(str(exc))
-        else:
-            self._on_good(settings)
+        except Exception as exc:  # any failure is a rejected file, never a dead watcher
+            reason = str(exc) if isinstance(exc, OutputRateConfigError) else (
+                f"{self.path!r}: {type(exc).__name__}: {exc}"
+            )
+            reason = " ".join(reason.split())  # one line
+            if self._failed == (signature, reason):
+                return False
+            self._failed = (signature, reason)
+            self._on_bad(reason)
+            return True
+        self._signature = signature
+        self._failed = None
+        self._on_good(settings)
         return True
 
     def start(self) -> None:
