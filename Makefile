@@ -157,6 +157,8 @@ bench-demo: demo demo-cluster
 	$(BIN)/python -m vllm_output_rate.tools.report --demo results/demo.json --png results/demo.png --out docs/benchmarks/demo
 	$(BIN)/python -m vllm_output_rate.tools.report --demo-cluster results/demo-cluster.json --png results/demo-cluster.png --out docs/benchmarks/demo-cluster
 
+# The record from the committed JSON alone (no benchmark runs): every figure whose data
+# is in its JSON drawn again (each PNG carries its JSON's sha256), then the page.
 performance:
 	$(BIN)/python benchmarks/render_performance.py
 

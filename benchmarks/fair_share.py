@@ -163,6 +163,7 @@ from typing import Any
 
 from vllm_output_rate.settings import OutputRateConfigError, parse_cli
 from vllm_output_rate.tools import analysis, benchkit, measure
+from vllm_output_rate.tools.render import figure_metadata, sibling_json
 from vllm_output_rate.tools.benchkit import RESULTS_DIR, fmt_load, loadavg, machine_line, table
 from vllm_output_rate.tools.measure import RequestRecord, percentile, run_request
 
@@ -799,7 +800,8 @@ def report(doc: dict[str, Any]) -> str:
     return "\n\n".join(parts)
 
 
-def plot(doc: dict[str, Any], path: Path) -> None:
+def plot(doc: dict[str, Any], path: Path, source: Path | None = None) -> None:
+    """``source``: the JSON ``doc`` was read from (default: PATH with .json), whose digest the PNG carries."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -833,7 +835,7 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     fig.suptitle("Service per user over time: stock vLLM (FCFS; engine-stamped request spans) vs hard caps vs "
                  "rate/ceil/weight (engine per-user counters); dotted: guaranteed rate", fontsize="medium")
     fig.tight_layout()
-    fig.savefig(str(path))
+    fig.savefig(str(path), metadata=figure_metadata(source or sibling_json(path)))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

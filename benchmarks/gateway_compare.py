@@ -88,6 +88,7 @@ from typing import Any
 import httpx
 
 from vllm_output_rate.tools import benchkit, gateway, measure
+from vllm_output_rate.tools.render import figure_metadata, sibling_json
 from vllm_output_rate.tools.analysis import rate_series, time_to_first_token
 from vllm_output_rate.tools.benchkit import RESULTS_DIR, fmt_load, loadavg, machine_line, table
 from vllm_output_rate.tools.measure import ERROR_STATUSES, HTTP_ERROR, RequestRecord, percentile
@@ -293,7 +294,8 @@ def report(doc: dict) -> str:
     return table(head, rows) + "\n" + machine_line(doc)
 
 
-def plot(doc: dict, path: Path) -> None:
+def plot(doc: dict, path: Path, source: Path | None = None) -> None:
+    """``source``: the JSON ``doc`` was read from (default: PATH with .json), whose digest the PNG carries."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -323,7 +325,7 @@ def plot(doc: dict, path: Path) -> None:
     full.legend(fontsize="small", loc="upper right")
     zoom.legend(fontsize="x-small", loc="upper right")
     fig.tight_layout()
-    fig.savefig(str(path))
+    fig.savefig(str(path), metadata=figure_metadata(source or sibling_json(path)))
 
 
 # --------------------------------------------------------------------------

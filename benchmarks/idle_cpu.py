@@ -109,6 +109,7 @@ from pathlib import Path
 import psutil
 
 from vllm_output_rate.tools import benchkit, measure
+from vllm_output_rate.tools.render import figure_metadata, sibling_json
 from vllm_output_rate.tools.benchkit import RESULTS_DIR, ROLES, as_share, fmt_load, loadavg, machine_line, table
 from vllm_output_rate.tools.measure import RequestRecord, fetch_metrics_async, metric_sum, run_request
 from vllm_output_rate.tools.redisproc import RedisProcess
@@ -402,7 +403,8 @@ def report(doc: dict) -> str:
     return "\n\n".join(parts)
 
 
-def plot(doc: dict, path: Path) -> None:
+def plot(doc: dict, path: Path, source: Path | None = None) -> None:
+    """``source``: the JSON ``doc`` was read from (default: PATH with .json), whose digest the PNG carries."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -432,7 +434,7 @@ def plot(doc: dict, path: Path) -> None:
     ax.set_title(f"Server CPU: idle vs throttled\n{variant(doc['config'])}", fontsize="medium")
     ax.legend(fontsize="small")
     fig.tight_layout()
-    fig.savefig(str(path))
+    fig.savefig(str(path), metadata=figure_metadata(source or sibling_json(path)))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -86,6 +86,7 @@ from pathlib import Path
 import httpx
 
 from vllm_output_rate.tools import benchkit, measure
+from vllm_output_rate.tools.render import figure_metadata, sibling_json
 from vllm_output_rate.tools.benchkit import RESULTS_DIR, fmt_load, loadavg, machine_line, table
 from vllm_output_rate.tools.churn import churn_costs, churn_line, recompute_figures
 from vllm_output_rate.tools.measure import FINISHED, RequestRecord, metric_sum, percentile, run_request
@@ -356,7 +357,8 @@ def report(doc: dict) -> str:
     return "\n\n".join(parts)
 
 
-def plot(doc: dict, path: Path) -> None:
+def plot(doc: dict, path: Path, source: Path | None = None) -> None:
+    """``source``: the JSON ``doc`` was read from (default: PATH with .json), whose digest the PNG carries."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -382,7 +384,7 @@ def plot(doc: dict, path: Path) -> None:
                  + (f" - ratio {ratio:.2f}" if ratio is not None else ""))
     ax.legend(fontsize="small")
     fig.tight_layout()
-    fig.savefig(str(path))
+    fig.savefig(str(path), metadata=figure_metadata(source or sibling_json(path)))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -63,6 +63,7 @@ from fractions import Fraction
 from pathlib import Path
 
 from vllm_output_rate.tools import benchkit, measure
+from vllm_output_rate.tools.render import figure_metadata, sibling_json
 from vllm_output_rate.tools.benchkit import RESULTS_DIR, fmt_load, loadavg, machine_line, table
 from vllm_output_rate.tools.measure import FINISHED, RequestRecord, metric_sum, run_request
 from vllm_output_rate.tools.serverproc import DEFAULT_MODEL_DIR
@@ -339,7 +340,8 @@ def report(doc: dict) -> str:
     return "\n\n".join(parts)
 
 
-def plot(doc: dict, path: Path) -> None:
+def plot(doc: dict, path: Path, source: Path | None = None) -> None:
+    """``source``: the JSON ``doc`` was read from (default: PATH with .json), whose digest the PNG carries."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -365,7 +367,7 @@ def plot(doc: dict, path: Path) -> None:
     right.set_ylabel("flood's prompt tok/s (finished requests)")
     right.set_title(f"Flood at {doc['config']['flood_rate']:g} tok/s")
     fig.tight_layout()
-    fig.savefig(path)
+    fig.savefig(path, metadata=figure_metadata(source or sibling_json(path)))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,8 +3,13 @@
 Every benchmark writes ``docs/benchmarks/NAME.json`` (and, for most, ``NAME.png``)
 by default; ``vllm-output-rate demo`` / ``demo-cluster`` runs are kept there by
 ``python -m vllm_output_rate.tools.report``.  This script renders whatever of
-them exists into one page, copies the figures next to it (``docs/NAME.png``),
-and lists each missing result by name with the command that makes it.  The
+them exists into one page and lists each missing result by name with the
+command that makes it.  Each figure whose data is in its JSON is drawn again
+from that JSON, by the benchmark's own ``plot`` (``docs/NAME.png``); the demos'
+figures come from raw requests their kept JSON leaves out, so they are copied
+from ``docs/benchmarks/NAME.png`` when there is one.  Every PNG carries the
+sha256 of the JSON it belongs to (``render.DIGEST_KEY``); a figure that does
+not is shown with a warning, and ``tests/tools/test_record.py`` fails.  The
 page is written whole: nothing in it is typed by hand, so a change of text
 belongs here and a change of figure belongs to a benchmark run.
 
@@ -14,9 +19,11 @@ Usage: ``python benchmarks/render_performance.py [--results docs/benchmarks] [--
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -24,6 +31,7 @@ from typing import Any, Callable
 from vllm_output_rate.tools import demo_cluster, report
 from vllm_output_rate.tools.analysis import BURST_S, shared_slack_s
 from vllm_output_rate.tools.benchkit import RESULTS_DIR
+from vllm_output_rate.tools.render import record_mismatch
 
 COMMAND = "python benchmarks/render_performance.py"
 Doc = dict[str, Any]
@@ -59,6 +67,32 @@ MAKES = {
 }
 
 
+#: Results whose figure is drawn from the JSON alone, by ``benchmarks/NAME.py``'s ``plot``.
+DRAWN_FROM_JSON = ("scheduler_step", "throughput_ratio", "idle_cpu", "kv_pressure", "prompt_flood",
+                   "fair_share", "gateway_compare")
+BENCHMARKS = Path(__file__).resolve().parent
+
+
+def draw_figure(name: str, source: Path, png: Path) -> None:
+    """``benchmarks/NAME.py``'s ``plot`` on the committed JSON, into ``png``."""
+    spec = importlib.util.spec_from_file_location(f"_benchmark_{name}", BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    doc = json.loads(source.read_text())
+    module.plot(FROM_JSON.get(name, lambda d: d)(doc), png, source=source)
+
+
+def _int_keyed_results(doc: Doc) -> Doc:
+    """scheduler_step's ``plot`` reads R as int keys (JSON made them strings)."""
+    return {**doc, "results": {scenario: {int(r): row for r, row in rows.items()}
+                               for scenario, rows in doc["results"].items()}}
+
+
+#: What a benchmark's ``plot`` needs done to its document once it went through JSON.
+FROM_JSON: dict[str, Callable[[Doc], Doc]] = {"scheduler_step": _int_keyed_results}
+
+
 def _num(value: float | None, fmt: str = ".3f") -> str:
     return "-" if value is None else format(value, fmt)
 
@@ -68,11 +102,28 @@ def _rows(results: dict) -> list[tuple[int, Any]]:
     return sorted(((int(r), row) for r, row in results.items()), key=lambda item: item[0])
 
 
-def _verdict(value: float, target: float | None, at_most: bool = True, unit: str = "") -> str:
+def _verdict(value: float, target: float | None, at_most: bool = True, unit: str = "",
+             failed: str | None = None) -> str:
+    """`` (target ≤ T, met)``.  A target whose runs hold any failure is not met,
+    whatever its figure: ``failed`` says what failed (None: nothing did)."""
     if target is None:
         return ""
     met = value <= target if at_most else value >= target
+    if failed:
+        figure = "the figure alone would meet it" if met else "the figure misses it too"
+        return f" (target {'≤' if at_most else '≥'} {target:g}{unit}, **not met**: {failed}; {figure})"
     return f" (target {'≤' if at_most else '≥'} {target:g}{unit}, {'met' if met else '**missed**'})"
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
+def _client_errors(errors: dict | None) -> tuple[int, int]:
+    """(client timeouts, other client errors) of a ``{"Kind: message": count}`` map."""
+    errors = errors or {}
+    timeouts = sum(n for kind, n in errors.items() if "Timeout" in kind)
+    return timeouts, sum(errors.values()) - timeouts
 
 
 # --------------------------------------------------------------------------
@@ -81,14 +132,61 @@ def _verdict(value: float, target: float | None, at_most: bool = True, unit: str
 
 
 def demo_lines(doc: Doc, extra: dict[str, Doc | None], image: str | None) -> list[str]:
-    return [report.render_demo_section(doc, image, dated=False)]
+    lines = [report.render_demo_section(doc, image, dated=False)]
+    totals = [(side, (doc.get(side) or {}).get("totals")) for side in ("stock", "plugin")]
+    if all(t for _, t in totals):
+        lines += ["", "Sample: " + "; ".join(
+            f"{side} {t['requests']} requests ({t['finished']} finished, {t['cancelled']} cancelled, "
+            f"{_plural(t['errors'], 'error')})" for side, t in totals) + ", one run each."]
+    return lines
 
 
 def demo_cluster_lines(doc: Doc, extra: dict[str, Doc | None], image: str | None) -> list[str]:
-    lines = [demo_cluster.markdown(doc, dated=False)]
+    runs = doc["cluster"].get("runs") or []
+    last_only = {**doc, "cluster": {**doc["cluster"], "runs": []}}
+    lines = [demo_cluster.markdown(last_only, dated=False)]
+    totals = doc.get("totals") or {}
+    if totals:
+        lines += ["", f"Sample of the run in the tables: {totals['requests']} requests ({totals['finished']} "
+                  f"finished, {totals['cancelled']} cancelled, {_plural(totals['errors'], 'error')}); "
+                  f"{_plural(doc['cluster'].get('counter_read_failures', 0), 'failed counter read')}."]
+    if runs:
+        limit = doc["cluster"]["heavy_limit"]
+        lines += [
+            "",
+            f"Each of {len(runs)} consecutive runs (fresh Redis and engines each; the tables above show the "
+            f"last), judged on the engines' own counters (admin route read every {demo_cluster.READ_EVERY_S:g} "
+            f"s): `{demo_cluster.HEAVY}`'s charged tokens summed over the engines from "
+            f"{demo_cluster.RATE_WARMUP_S:g} s into the load to its end (target ≥ {demo_cluster.TARGET_SHARE:g} × "
+            f"{limit:g} tok/s), and each engine's longest time with no token charged while the load ran "
+            f"(target ≤ {demo_cluster.TARGET_SILENCE_S:g} s).",
+            "",
+            "| run | counter reads | heavy charged tok/s | of the limit | longest engine silence s | "
+            "longest gap between reads s | targets |",
+            "| ---: | ---: | ---: | ---: | --- | ---: | --- |",
+        ]
+        for i, run in enumerate(runs, 1):
+            c = run["counters"]
+            share = c.get("share_of_limit")
+            lines.append(
+                f"| {i} | {c.get('reads', '-')} | {_num(c.get('heavy_charged_rate'), '.1f')} | "
+                f"{_num(share, '.2f')} | {' / '.join(f'{x:.2f}' for x in c['longest_silence_s'])} | "
+                f"{_num(c.get('longest_read_gap_s'), '.1f')} | {'met' if c['meets_targets'] else '**missed**'} |")
+        lines += ["", _runs_line([r["started_at"] for r in runs],
+                                 [x for r in runs for x in (r["load_before"], r["load_after"])])]
     if image:
         lines += ["", f"![One quota over several engines sharing one Redis]({image})"]
     return lines
+
+
+def _runs_line(started: list[str], loads: list[list[float] | None]) -> str:
+    """The one line of a section that states when its runs started and the machine's load."""
+    started = sorted(t for t in started if t)
+    ones = [load[0] for load in loads if load]
+    when = (f"Runs started {started[0]}" + (f" to {started[-1]}" if started[-1] != started[0] else "") + " (UTC)"
+            if started else "Runs")
+    load = (f"; 1-min load average {min(ones):.1f}–{max(ones):.1f} around them" if ones else "")
+    return when + load + " (per run in the JSON)."
 
 
 def _step_table(doc: Doc, results: dict, unit: str, value: Callable[[dict], str]) -> list[str]:
@@ -269,6 +367,8 @@ def idle_lines(doc: Doc, extra: dict[str, Doc | None], image: str | None) -> lis
     rows = (("engine core", "engine_core"), ("model worker", "worker"),
             ("API server", "api_server"), ("**whole server (process tree)**", "server_total"))
     thr = a["throttled"]
+    errors = sum(len(w.get("errors") or []) for w in doc.get("windows", []))
+    failed = f"{_plural(errors, 'request error')} in the throttled windows" if errors else None
     lines = [
         f"User `{cfg['user']}` limited to {cfg['rate']:g} tok/s with {cfg['streams']} streams; % of one core, "
         f"mean (min–max) of {len(thr['engine_core']['values'])} windows of {cfg['window']:g} s, idle and "
@@ -282,9 +382,9 @@ def idle_lines(doc: Doc, extra: dict[str, Doc | None], image: str | None) -> lis
           for label, key in rows),
         "",
         f"- Whole server while throttled: {thr['server_total']['mean']:.1f} % of a core"
-        + _verdict(thr["server_total"]["mean"], a.get("target_server_total_percent"), unit=" %") + ".",
+        + _verdict(thr["server_total"]["mean"], a.get("target_server_total_percent"), unit=" %", failed=failed) + ".",
         f"- Engine core while throttled: {thr['engine_core']['mean']:.1f} % of a core"
-        + _verdict(thr["engine_core"]["mean"], a.get("target_engine_core_percent"), unit=" %") + ".",
+        + _verdict(thr["engine_core"]["mean"], a.get("target_engine_core_percent"), unit=" %", failed=failed) + ".",
         f"- Other processes during the throttled windows: {thr['foreign']['mean']:.0f} % of a core on average.",
     ]
     variants = [(name, extra.get(name)) for name in IDLE_VARIANTS]
@@ -400,7 +500,7 @@ def kv_lines(doc: Doc, extra: dict[str, Doc | None], image: str | None) -> list[
         f"{100 * (a['pressure']['kv_usage_before_b_median'] or 0):.0f} % when B arrives); B, unlimited, "
         "needs more blocks than are free.",
         "",
-        "| B's first token | runs | median | p90 | B failures |",
+        f"| B's first token | trials | median | p90 | B failures (no first token within {cfg['b_timeout']:g} s) |",
         "| --- | ---: | ---: | ---: | ---: |",
         f"| B alone | {a['alone']['n']} | {ms(a['alone']['ttft_median_s'])} | {ms(a['alone']['ttft_p90_s'])} | "
         f"{a['alone']['b_failures']} |",
@@ -408,8 +508,11 @@ def kv_lines(doc: Doc, extra: dict[str, Doc | None], image: str | None) -> list[
         f"{ms(a['pressure']['ttft_p90_s'])} | {a['pressure']['b_failures']} |",
     ]
     if a.get("ratio_median_ttft") is not None:
+        failures = a["alone"]["b_failures"] + a["pressure"]["b_failures"]
+        failed = (f"{failures} of {a['alone']['n'] + a['pressure']['n']} B requests got no first token "
+                  f"within {cfg['b_timeout']:g} s" if failures else None)
         lines += ["", f"Ratio of medians: **{a['ratio_median_ttft']:.2f}**"
-                  + _verdict(a["ratio_median_ttft"], a.get("target_ratio")) + "."]
+                  + _verdict(a["ratio_median_ttft"], a.get("target_ratio"), failed=failed) + "."]
     churn = doc.get("churn") or {}
     if churn.get("preemptions_per_finished_request") is not None:
         lines.append(f"Churn over all trials: {churn['preemptions_per_finished_request']} preemptions per "
@@ -447,6 +550,11 @@ def prompt_flood_lines(doc: Doc, extra: dict[str, Doc | None], image: str | None
               "machine: 1-min load average "
               f"{min(t['load'][0] for t in doc['trials']):.0f}–{max(t['load'][0] for t in doc['trials']):.0f} "
               f"on {doc['machine']['nproc']} cores during the runs."]
+    light_errors = sum(len(t.get("light_errors") or []) for t in doc["trials"])
+    flood_errors = sum(len(t.get("flood_errors") or []) for t in doc["trials"])
+    lines += ["", f"Sample: {cfg['reps']} rounds × 3 phases of {cfg['duration']:g} s; client errors: light "
+              f"{light_errors}, flood {flood_errors}"
+              + ("." if not light_errors + flood_errors else " (**the figures above rest on failed requests**).")]
     if "steps_per_s" in phases[0]:
         lines += [
             "",
@@ -595,8 +703,10 @@ def _fair_share_targets(doc: Doc, modes: dict) -> list[str]:
     weighted = workload("shares", "weighted")
     if weighted and weighted["fairness"]["max_share_deviation"] is not None:
         dev = weighted["fairness"]["max_share_deviation"]
-        lines.append(f"- Weighted, rate/ceil/weight: largest share deviation {100 * dev:.0f} %"
-                     + _verdict(100 * dev, 100 * doc["target_share_deviation"], unit=" %") + ".")
+        lines.append(f"- Weighted, rate/ceil/weight: largest share deviation {100 * dev:.0f} % over "
+                     f"{_plural(weighted['fairness'].get('windows_counted') or 0, 'window')} counted"
+                     + _verdict(100 * dev, 100 * doc["target_share_deviation"], unit=" %",
+                                failed=_fair_share_failed(weighted)) + ".")
     for name in ("overload", "weighted"):
         shares, hard, stock = workload("shares", name), workload("hard", name), workload("stock", name)
         if shares and stock:
@@ -605,7 +715,8 @@ def _fair_share_targets(doc: Doc, modes: dict) -> list[str]:
         if shares and hard and shares["light"]["ttft_p50_s"] and hard["light"]["ttft_p50_s"]:
             ratio = shares["light"]["ttft_p50_s"] / hard["light"]["ttft_p50_s"]
             lines.append(f"- {name}: light user's first-token p50, rate/ceil/weight / hard caps {ratio:.2f}"
-                         + _verdict(ratio, doc.get("target_light_ttft_ratio")) + ".")
+                         + _verdict(ratio, doc.get("target_light_ttft_ratio"),
+                                    failed=_fair_share_failed(shares, hard)) + ".")
     solo = {mode: workload(mode, "solo") for mode in ("stock", "hard", "shares")}
     if solo["shares"] and solo["stock"]:
         ratio = solo["shares"]["tok_s"] / solo["stock"]["tok_s"]
@@ -619,13 +730,31 @@ def _fair_share_targets(doc: Doc, modes: dict) -> list[str]:
                     f"{solo['stock']['tokens_per_step']:.1f}, {solo['shares']['engine_steps_per_s']:g} steps/s "
                     f"against {solo['stock']['engine_steps_per_s']:g}")
             + ("" if not solo["hard"] else f"; as a hard cap {solo['hard']['tok_s']:g} tok/s")
-            + f" (vLLM's own token counter over {solo['shares']['seconds']:g} s on the client's clock; "
-            f"load average {'/'.join(f'{x:.1f}' for x in solo['shares']['load_before'])} with the plugin, "
-            f"{'/'.join(f'{x:.1f}' for x in solo['stock']['load_before'])} on stock).")
+            + f" (vLLM's own token counter over {solo['shares']['seconds']:g} s on the client's clock, one run "
+            "each).")
     return [""] + lines if lines else []
 
 
 FAIR_SHARE_MODES = (("stock", "stock vLLM (FCFS)"), ("hard", "hard caps"), ("shares", "rate/ceil/weight"))
+
+
+def _fair_share_failed(*workloads: dict) -> str | None:
+    """What failed in the runs a target rests on (client timeouts and errors), or None."""
+    timeouts = other = 0
+    for workload in workloads:
+        t, o = _client_errors(workload.get("errors"))
+        timeouts, other = timeouts + t, other + o
+    parts = ([_plural(timeouts, "client timeout")] if timeouts else []) + \
+        ([_plural(other, "other client error")] if other else [])
+    return " and ".join(parts) + " in those runs" if parts else None
+
+
+def _fair_share_sample(workload: dict) -> str:
+    windows = (workload.get("fairness") or {}).get("windows_counted")
+    timeouts, other = _client_errors(workload.get("errors"))
+    finished = (workload.get("requests_by_status") or {}).get("finished")
+    return (f"{'-' if windows is None else _plural(windows, 'window')}; {_num(finished, 'd')} finished; "
+            f"{timeouts}, {other}")
 
 
 def fair_share_lines(doc: Doc, extra: dict[str, Doc | None], image: str | None) -> list[str]:
@@ -665,14 +794,15 @@ def fair_share_lines(doc: Doc, extra: dict[str, Doc | None], image: str | None) 
             "",
             f"| {name} | total tok/s (tokens per engine step, of 8) | tok/s per client after the first window (of its guaranteed rate) | "
             "service difference max / "
-            "mean (tokens per weight per window) | share deviation | light user's first token p50 / p90 |",
-            "| --- | ---: | --- | ---: | ---: | ---: |",
+            "mean (tokens per weight per window) | share deviation | light user's first token p50 / p90 | "
+            "sample: windows counted; requests finished; client timeouts, other errors |",
+            "| --- | ---: | --- | ---: | ---: | ---: | --- |",
         ]
         for key, label in FAIR_SHARE_MODES:
             result = modes.get(key) or {}
             w = (result.get("workloads") or {}).get(name)
             if not w:
-                lines.append(f"| {label} | not run: `python benchmarks/fair_share.py --mode {key}` | | | | |")
+                lines.append(f"| {label} | not run: `python benchmarks/fair_share.py --mode {key}` | | | | | |")
                 continue
             f, light = w["fairness"], w["light"]
             per_user = ", ".join(
@@ -686,7 +816,7 @@ def fair_share_lines(doc: Doc, extra: dict[str, Doc | None], image: str | None) 
                 f"{_num(f['mean'], '.0f')} | {_percent(f['max_share_deviation'])} | "
                 f"{_ms(light['ttft_p50_s'])} / {_ms(light['ttft_p90_s'])} of the {light['engine_stamped']} of "
                 f"{light['requests']} that finished ({light['requests'] - light['with_first_token']} had no first "
-                "token by the end) |")
+                f"token by the end) | {_fair_share_sample(w)} |")
     lines += _fair_share_targets(doc, modes)
     ran = [(label, modes[key]) for key, label in FAIR_SHARE_MODES if (modes.get(key) or {}).get("status") == "ran"]
     differs = [label for label, r in ran if r.get("config_differs")]
@@ -694,18 +824,15 @@ def fair_share_lines(doc: Doc, extra: dict[str, Doc | None], image: str | None) 
         lines += ["", f"**Not comparable**: {', '.join(differs)} ran with other workload options than the "
                   "latest run (JSON `workload_config`)."]
     if ran:
-        def load(x) -> str:
-            return "-" if not x else "/".join(f"{v:.1f}" for v in x)
-
-        lines += ["", "Runs: " + "; ".join(
-            f"{label}: " + ", ".join(
-                f"{name} started {w.get('started_at') or r['started_at']} (load average "
-                f"{load(w.get('load_before') or r['load_before'])}"
-                + ("" if name == "solo" else f"; client sent late by up to {_ms(w.get('send_late_max_s'))}")
-                + ")" for name, w in r["workloads"].items())
-            for label, r in ran) + ". A lagging client sends late; the service and first-token figures are "
-            "the engine's own and do not move with it (except the requests cut at the end of a run, "
-            "counted on receive times)."]
+        late = [w.get("send_late_max_s") for _, r in ran for w in r["workloads"].values()
+                if w.get("send_late_max_s") is not None]
+        lines += ["", _runs_line([w.get("started_at") or r["started_at"] for _, r in ran for w in r["workloads"].values()],
+                                 [w.get("load_before") or r["load_before"] for _, r in ran
+                                  for w in r["workloads"].values()])
+                  .removesuffix(".")
+                  + (f"; the client sent up to {max(late):.0f} s late" if late else "")
+                  + ". A lagging client sends late; the service and first-token figures are the engine's own and "
+                  "do not move with it (except the requests cut at the end of a run, counted on receive times)."]
     if image:
         lines += ["", f"![service per user over time, stock vs hard caps vs rate/ceil/weight]({image})"]
     return lines
@@ -767,8 +894,13 @@ def gateway_lines(doc: Doc, extra: dict[str, Doc | None], image: str | None) -> 
                 f" ({user(s, 'light')['first_tokens']})") + " |",
         "| answers whose token count ≠ usage | "
         + cells(lambda s: str(sum(u["usage_mismatches"] for u in sides[s]["users"].values()))) + " |",
-        "| load average before the run (1 / 5 / 15 min) | "
-        + cells(lambda s: "/".join(f"{x:.1f}" for x in sides[s]["load_before"])) + " |",
+        "| client errors other than 429 (cancelled at the end) | "
+        + cells(lambda s: f"{sum(u['other_errors'] for u in sides[s]['users'].values())} "
+                f"({sum(u['cancelled_at_end'] for u in sides[s]['users'].values())})") + " |",
+        "",
+        "1-min load average before each side's run: "
+        + ", ".join(f"{labels[s].strip()} {sides[s]['load_before'][0]:.1f}" for s in order)
+        + (f"; started {doc['started_at']} (UTC)" if doc.get("started_at") else "") + ".",
     ]
     if image:
         lines += ["", f"![The heavy user's tokens per second on the three sides]({image})"]
@@ -859,12 +991,21 @@ def render(results: Path, page: Path) -> str:
         docs[section.name] = doc
         docs.update({name: d for name, d in extra.items() if d is not None})
         image = None
-        figure = results / f"{section.name}.png"
+        source = results / f"{section.name}.json"
+        figure = page.parent / f"{section.name}.png"
+        if section.name in DRAWN_FROM_JSON:
+            draw_figure(section.name, source, figure)
+        elif (results / figure.name).is_file():
+            shutil.copyfile(results / figure.name, figure)
+        warning = []
         if figure.is_file():
-            shutil.copyfile(figure, page.parent / figure.name)
-        if (page.parent / figure.name).is_file():
             image = figure.name
-        body += [f"## {section.title}", "", *section.render(doc, extra, image), ""]
+            why = record_mismatch(figure, source)
+            if why:
+                print(f"warning: {why}", file=sys.stderr)
+                warning = [f"**The figure below is not from this result's JSON** (it does not carry the "
+                           f"digest of `{source.name}`): re-run `{MAKES[section.name]}`.", ""]
+        body += [f"## {section.title}", "", *warning, *section.render(doc, extra, image), ""]
     results_link = Path(os.path.relpath(results, page.parent)).as_posix()
     head = [
         "# Performance",

@@ -61,6 +61,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
 
 from vllm_output_rate.tools import benchkit  # noqa: E402
+from vllm_output_rate.tools.render import figure_metadata, sibling_json  # noqa: E402
 from vllm_output_rate.tools.benchkit import CALIBRATION_TOGGLES, RESULTS_DIR  # noqa: E402
 from vllm_output_rate.tools.redisproc import RedisProcess  # noqa: E402
 from vllm_output_rate.tools.scheduler_sim import MS, TOKEN, Harness  # noqa: E402
@@ -492,7 +493,8 @@ def main() -> None:
     benchkit.write_outputs(benchkit.finish_report(doc), args.out, plot=plot)
 
 
-def plot(doc: dict, path: Path) -> None:
+def plot(doc: dict, path: Path, source: Path | None = None) -> None:
+    """``source``: the JSON ``doc`` was read from (default: PATH with .json), whose digest the PNG carries."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -515,7 +517,7 @@ def plot(doc: dict, path: Path) -> None:
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, metadata=figure_metadata(source or sibling_json(path)))
 
 
 if __name__ == "__main__":

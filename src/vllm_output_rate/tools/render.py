@@ -408,3 +408,105 @@ def plot_engines(records: Sequence[RequestRecord], limits: Mapping[str, float | 
         bottom.legend(loc="upper left", fontsize="small")
     fig.tight_layout()
     fig.savefig(str(path))
+
+
+# --------------------------------------------------------------------------
+# The record: which JSON a figure was drawn from
+# --------------------------------------------------------------------------
+
+#: PNG text key holding the sha256 of the JSON a figure was drawn from (or
+#: written with, for a demo whose raw requests the kept JSON leaves out).
+DIGEST_KEY = "vllm-output-rate json sha256"
+#: PNG text key holding that JSON's file name (for a reader; not checked).
+SOURCE_KEY = "vllm-output-rate json"
+
+_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def json_digest(path: str | Path) -> str:
+    """sha256 (hex) of a JSON file's bytes as written."""
+    import hashlib
+
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def figure_metadata(source: str | Path | None) -> dict[str, str]:
+    """``savefig(metadata=...)`` naming the JSON a figure is drawn from.
+
+    Empty when ``source`` is None or does not exist (a figure drawn from a
+    document never written to disk carries no digest, and fails the record's
+    check until it is drawn again from its file).
+    """
+    if source is None or not Path(source).is_file():
+        return {}
+    return {DIGEST_KEY: json_digest(source), SOURCE_KEY: Path(source).name}
+
+
+def sibling_json(png: str | Path) -> Path:
+    """``X.png`` -> ``X.json``: where a benchmark writes the JSON its figure comes from."""
+    return Path(png).with_suffix(".json")
+
+
+def _chunks(data: bytes):
+    import struct
+
+    if not data.startswith(_PNG_SIGNATURE):
+        raise ValueError("not a PNG file")
+    pos = len(_PNG_SIGNATURE)
+    while pos + 8 <= len(data):
+        (length,) = struct.unpack(">I", data[pos:pos + 4])
+        kind = data[pos + 4:pos + 8]
+        yield pos, kind, data[pos + 8:pos + 8 + length], pos + 12 + length
+        pos += 12 + length
+
+
+def png_text(path: str | Path) -> dict[str, str]:
+    """The PNG's tEXt and (uncompressed) iTXt entries."""
+    text: dict[str, str] = {}
+    for _, kind, body, _ in _chunks(Path(path).read_bytes()):
+        if kind == b"tEXt":
+            key, _, value = body.partition(b"\0")
+            text[key.decode("latin-1")] = value.decode("latin-1")
+        elif kind == b"iTXt":
+            key, _, rest = body.partition(b"\0")
+            if rest[:1] == b"\0":  # not compressed
+                _, _, rest = rest[2:].partition(b"\0")  # language tag
+                _, _, value = rest.partition(b"\0")  # translated keyword
+                text[key.decode("latin-1")] = value.decode("utf-8")
+    return text
+
+
+def stamp_png(path: str | Path, metadata: Mapping[str, str]) -> None:
+    """Write ``metadata`` into an existing PNG as tEXt chunks (replacing
+    entries with the same keys); the image data is left as it is."""
+    import struct
+    import zlib
+
+    data = Path(path).read_bytes()
+    keys = {k.encode("latin-1") for k in metadata}
+    out = [_PNG_SIGNATURE]
+    for _, kind, body, end in _chunks(data):
+        if kind == b"tEXt" and body.partition(b"\0")[0] in keys:
+            continue
+        out.append(data[end - 12 - len(body):end])
+        if kind == b"IHDR":
+            for key, value in metadata.items():
+                chunk = key.encode("latin-1") + b"\0" + value.encode("latin-1")
+                out.append(struct.pack(">I", len(chunk)) + b"tEXt" + chunk
+                           + struct.pack(">I", zlib.crc32(b"tEXt" + chunk) & 0xFFFFFFFF))
+    Path(path).write_bytes(b"".join(out))
+
+
+def record_mismatch(png: str | Path, source: str | Path) -> str | None:
+    """Why ``png`` is not the figure of ``source`` (None: it is)."""
+    if not Path(source).is_file():
+        return f"{png}: no {source} beside it"
+    try:
+        carried = png_text(png).get(DIGEST_KEY)
+    except ValueError as exc:
+        return f"{png}: {exc}"
+    if carried is None:
+        return f"{png}: carries no digest of {Path(source).name} (drawn before figures were stamped)"
+    if carried != json_digest(source):
+        return f"{png}: drawn from another version of {Path(source).name} (digest {carried[:12]}…)"
+    return None

@@ -12,7 +12,10 @@ A run's JSON holds every request's token times (megabytes); the page needs
 only the summaries.  ``main`` writes ``PREFIX.json`` without the raw
 requests (:func:`page_document`) and ``PREFIX.png`` (copied from ``--png``,
 or drawn from the raw data when ``--png`` is not given or missing), where
-``benchmarks/render_performance.py`` reads them.
+``benchmarks/render_performance.py`` reads them.  The PNG carries the sha256
+of that ``PREFIX.json`` in its metadata (``render.DIGEST_KEY``): the raw
+requests it was drawn from are not kept, so the digest ties the two files
+to one run.
 
 Rendering (:func:`render_section`, :func:`render_demo_section`) is pure: a
 parsed document in, Markdown out.
@@ -36,7 +39,9 @@ from vllm_output_rate.tools.render import (
     guarantee_note,
     markdown_table,
     plot_comparison,
+    figure_metadata,
     plot_run,
+    stamp_png,
     table_rows,
 )
 
@@ -202,13 +207,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     prefix = Path(args.out)
     prefix.parent.mkdir(parents=True, exist_ok=True)
     png = prefix.with_name(prefix.name + ".png")
+    path = prefix.with_name(prefix.name + ".json")
+    path.write_text(json.dumps(page_document(result), indent=1) + "\n")
     if args.png and Path(args.png).exists():
         if Path(args.png).resolve() != png.resolve():
             shutil.copyfile(args.png, png)
     else:
         _draw(args, result, png)
-    path = prefix.with_name(prefix.name + ".json")
-    path.write_text(json.dumps(page_document(result), indent=1) + "\n")
+    # The kept JSON leaves the raw requests out, so the figure cannot be drawn
+    # again from it: the PNG carries the digest of the JSON written with it.
+    try:
+        stamp_png(png, figure_metadata(path))
+    except ValueError as exc:
+        print(f"{PROG}: warning: {png} not stamped with the digest of {path.name}: {exc}", file=sys.stderr)
     print(f"wrote {path} and {png}")
 
 
