@@ -17,7 +17,7 @@ from prometheus_client.exposition import generate_latest
 
 from vllm_output_rate.adapter.metrics import OutputRateExporter
 from vllm_output_rate.policy.monitor import (
-    ACTIVE, CHARGED, LIMIT, OTHER_USERS, PROMPT, THROTTLED, THROTTLED_S, WAITING, ChargeHistory,
+    ACTIVE, BORROWED, CHARGED, LIMIT, OTHER_USERS, PROMPT, THROTTLED, THROTTLED_S, WAITING, ChargeHistory,
     UserMonitor,
 )
 
@@ -59,9 +59,27 @@ def test_increments_add_up_to_totals_and_others_are_summed():
     assert rep2["users"]["alice"][THROTTLED_S] == 0.5
     assert rep2["users"]["carol"][CHARGED] == 0
     assert rep2["users"][OTHER_USERS][CHARGED] == 7
-    # A user the gate forgot and saw again starts from 0: its new total counts whole.
+    # A user the gate forgot (telling the monitor) and saw again starts from
+    # 0: its new total counts whole.
+    mon.forget(["alice"])
     rep3 = mon.report(3 * S, {"alice": 2}, {}, {}, CONFIGURED, rate_of)
     assert rep3["users"]["alice"][CHARGED] == 2
+
+
+def test_a_total_that_goes_down_is_not_a_restart_and_is_never_counted_twice():
+    """Only :meth:`UserMonitor.forget` restarts a user's count.  A total that
+    went down otherwise (a refund after the total was read) counts nothing,
+    and afterwards only growth beyond the highest total reported counts: the
+    sum of the increments never exceeds the highest total seen."""
+    mon = UserMonitor(max_users=4)
+    published = 0
+    for t, total in enumerate((1_000_000, 999_997, 999_999, 1_000_005), start=1):
+        rep = mon.report(t * S, {"carol": total}, {}, {}, CONFIGURED, rate_of,
+                         prompt_charged={"carol": total}, borrowed={"carol": total})
+        row = rep["users"]["carol"]
+        assert row[CHARGED] >= 0 and row[PROMPT] == row[CHARGED] and row[BORROWED] == row[CHARGED]
+        published += row[CHARGED]
+        assert published == max(1_000_000, total), (t, total, published)
 
 
 def test_engine_totals_become_increments_and_gauges_pass_through():

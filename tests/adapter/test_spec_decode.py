@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import pytest
 
+from vllm_output_rate.policy.monitor import CHARGED
 from vllm_output_rate.tools.scheduler_sim import MS, Harness, max_in_window
 
 K = 3
@@ -107,3 +108,57 @@ def test_kv_pressure_with_drafts_loses_nothing(async_):
         charged = h.sched.output_rate_gate.ledger.charged_tokens
         emitted = sum(len(r.sample_times) for r in h.records.values() if r.user == "heavy")
         assert charged["heavy"] == emitted
+
+
+@pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
+def test_published_counters_never_go_down_nor_count_rejected_drafts_twice(async_):
+    """The order of events that inflated the per-user counters.
+
+    vLLM calls ``make_stats`` inside ``update_from_output``, before our
+    override settles the step's drafts.  A user's last request dispatches K
+    drafts in its last step; the model rejects them all and the one token it
+    samples is a stop token, so the request ends in that step, the engine
+    empties, and the report goes out at once -- with the K drafts about to
+    be refunded still counted.  Then they were refunded and the user's
+    total went down, and the next report (another user's step, seconds
+    later) took the decrease for a restart and counted the whole total
+    again.  (A request that ends on its length never rejects drafts in its
+    last step: drafts are paid only up to max_tokens, so reaching it means
+    every draft was accepted; a user that keeps running charges more between
+    two reports than one step's rejected drafts.)
+
+    Every report is read as metrics read it: the increments published for
+    the user add up to its final charged total (under sync scheduling,
+    exactly the tokens it received), and the total never goes down."""
+    h = Harness({"default_user_output_tokens_per_second": 1000}, async_=async_, spec_tokens=K)
+    sched = h.sched
+    sched.log_stats = True  # vLLM only builds stats (and our report) when asked to
+    sched.output_rate_operate_clock = h.clock
+    charged = sched.output_rate_gate.ledger.charged_tokens
+    seen: list[tuple[int, int]] = []  # (u's total when read, increment published)
+    build = sched.output_rate_report
+
+    def report(now_ns):
+        rep = build(now_ns)
+        if "u" in rep["users"]:
+            seen.append((charged.get("u", 0), rep["users"]["u"][CHARGED]))
+        return rep
+
+    sched.output_rate_report = report
+    h.draft_len = lambda rid, produced, k: k
+    last = 9  # output index of the stop token
+    h.accepted_of = lambda rid, produced, drafts: 0 if produced + drafts >= last else drafts
+    request = h.add("u", prompt_len=12, max_tokens=40)
+    h.stop_at[request.request_id] = last
+    h.run_until_done()
+    assert sched._draft_account.rejected_total >= K  # the last step's drafts
+    h.clock.advance(2_000_000_000)
+    h.add("v", prompt_len=12, max_tokens=8)
+    h.run_until_done()
+    delivered = len(h.records[request.request_id].sample_times)
+    assert delivered == last + 1
+    totals = [total for total, _ in seen]
+    assert totals == sorted(totals), seen
+    assert sum(inc for _, inc in seen) == charged["u"], seen
+    if not async_:
+        assert charged["u"] == delivered

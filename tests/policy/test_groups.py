@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from fractions import Fraction
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -37,6 +38,15 @@ class World(GateWorld):
         self.groups = make_group_quotas(settings)
         borrowing, limiter = make_borrowing(settings, self.rate, None, self.groups)
         super().__init__(StepGate(limiter), borrowing)
+
+    def reload(self, settings: OutputRateSettings) -> None:
+        """New limits, rebuilt as the scheduler rebuilds them on a reload."""
+        self.settings = settings
+        self.rate.update_rates(settings.default_rate, settings.user_rates)
+        self.groups = make_group_quotas(settings, self.groups)
+        borrowing, limiter = make_borrowing(settings, self.rate, self.borrowing, self.groups)
+        self.gate.limiter = self.gate.ledger.limiter = limiter
+        self.gate.borrowing = self.borrowing = borrowing
 
     def of_group(self, group: str, kind: dict) -> list[int]:
         return [t for user, times in kind.items() if self.settings.group_of(user) == group for t in times]
@@ -224,3 +234,35 @@ def test_free_slots_go_to_groups_by_group_weight_then_to_members_by_weight():
     order = w.borrowing.admissions(queued, {"c": 120}, 28)
     got = {user: order.count(user) for user in "abcu"}
     assert (got["a"] + got["b"], got["c"], got["u"]) == (5, 3, 20), got
+
+
+_FREE = {"rate": 0.01, "ceil": None}
+
+
+@pytest.mark.parametrize(
+    "move",
+    [{"x": dict(_FREE)}, {"y": {**_FREE, "group": "A"}}],
+    ids=["x-leaves-its-group", "y-joins-a-group"],
+)
+def test_a_user_moved_by_a_reload_enters_its_new_scope_as_a_returning_borrower(move):
+    """x and w in group A, y alone, all backlogged borrowers of equal weight:
+    2,000 steps build counters of very different sizes in the two scopes
+    (a member's counts half its group's).  A reload that moves one user must
+    not carry its old counter into the new scope (there it would be credit
+    or debt banked elsewhere): it enters at the floor, and the next 400 steps
+    are shared evenly, 1 : 1 : 1 (x, y and group A's w when x leaves; x, w
+    and y inside A when y joins, A being the only top-level borrower)."""
+    users = {"x": {**_FREE, "group": "A"}, "w": {**_FREE, "group": "A"}, "y": dict(_FREE)}
+    w = World(make_settings(0.01, users, {"A": dict(_FREE)}))
+    for user in users:
+        w.add(user, 8)
+    for _ in range(2000):
+        w.step(4)
+    before = dict(w.borrowing.borrowed_tokens)
+    w.reload(make_settings(0.01, {**users, **move}, {"A": dict(_FREE)}))
+    for _ in range(400):
+        w.step(4)
+    got = {u: w.borrowing.borrowed_tokens.get(u, 0) - before.get(u, 0) for u in users}
+    assert sum(got.values()) == 400 * 4
+    for user, tokens in got.items():
+        assert abs(tokens - 400 * 4 / 3) <= 4, got  # one step's slots

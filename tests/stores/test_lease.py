@@ -9,6 +9,8 @@ rounds are run by hand (no thread), so every assertion is exact.  Sharing throug
 from __future__ import annotations
 
 import logging
+import sys
+import threading
 from fractions import Fraction
 
 import pytest
@@ -742,3 +744,149 @@ def test_a_new_request_does_not_wait_out_the_lease_threads_sleep():
         if lim.available("fresh", clock.now):
             break
     assert lim.available("fresh", clock.now) and clock.now - short_at <= 70 * MS
+
+
+# -- the lease thread and the scheduler thread -----------------------------------
+
+
+class _InsertsChecked(dict):
+    """A book's ``wanted_at`` that notes every user added while nobody held
+    the book's lock (the lease thread iterates this dict under the lock)."""
+
+    def __init__(self, lock) -> None:
+        super().__init__()
+        self.lock = lock
+        self.unlocked: list[str] = []
+
+    def __setitem__(self, user, value) -> None:
+        if user not in self and not self.lock.locked():
+            self.unlocked.append(user)
+        super().__setitem__(user, value)
+
+
+def test_a_new_user_is_added_to_the_book_only_under_its_lock():
+    """The scheduler thread's lock-free take (``LeaseBook.take_oldest``) may
+    replace a known user's demand time, never add a user: the lease thread
+    iterates the users under the lock, and a dict that grows meanwhile
+    raises (``dictionary changed size during iteration``)."""
+    clock = Clock()
+    store = FakeStore(clock)
+    lim = engine(store, clock)
+    checked = lim.book.wanted_at = _InsertsChecked(lim.book.lock)
+    lim.available("known", clock.now)
+    lim.rounds.run(clock.now, only_new=True)
+    assert lim.take_up_to("known", clock.now, 1) == 1  # the lock-free path
+    for i in range(20):
+        assert lim.take_up_to(f"new-{i}", clock.now, 2) == 0
+        assert not lim.try_take(f"newer-{i}", clock.now)
+        assert lim.take_up_to("known", clock.now, 1) == 1 or i > 0
+    assert len(checked) == 41 and checked.unlocked == []
+
+
+def test_new_users_arriving_while_the_lease_thread_plans_never_break_its_round():
+    """Threads for real: the lease thread plans rounds over thousands of
+    throttled users (``next_ask_ns`` walks them all, under the lock) while
+    the scheduler thread meets new users, one take each.  Each round must
+    finish; none may see the users change under it.  No timing is judged:
+    the switch interval is shortened so the threads interleave often."""
+    clock = Clock()
+    store = FakeStore(clock)
+    lim = engine(store, clock)
+    book = lim.book
+    with book.lock:  # throttled users: none of them can be asked before 10 s
+        for i in range(3000):
+            user = f"throttled-{i}"
+            book.wanted_at[user] = book.short_at[user] = book.asked_at[user] = clock.now
+            book.wait_until[user] = clock.now + 10 * S
+    errors: list[BaseException] = []
+    done = threading.Event()
+    rounds = 0
+
+    def lease_thread() -> None:
+        nonlocal rounds
+        while not done.is_set():
+            try:
+                with book.lock:
+                    book.next_ask_ns(clock.now - S, CFG)
+                rounds += 1
+            except BaseException as exc:  # the failure under test
+                errors.append(exc)
+                return
+
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    thread = threading.Thread(target=lease_thread, daemon=True)
+    thread.start()
+    try:
+        for i in range(3000):
+            lim.take_up_to(f"new-{i}", clock.now, 1)
+            if errors:
+                break
+    finally:
+        done.set()
+        thread.join()
+        sys.setswitchinterval(switch)
+    assert errors == []
+    assert rounds > 0
+
+
+# -- refunds go back to where their tokens came from ------------------------------
+
+
+def _until_outage(lim, store, clock) -> None:
+    """Store down; rounds every 50 ms, the user still wanting quota, until
+    the fallback is in force."""
+    store.down = True
+    while lim.mode == SHARED:
+        clock.now += 50 * MS
+        lim.available("u", clock.now)
+        lim.rounds.run(clock.now)
+
+
+def _until_leased(lim, store, clock) -> int:
+    """Store up; rounds every 50 ms until the store answers and leases the
+    user tokens again.  Returns the tokens held."""
+    store.down = False
+    while True:
+        clock.now += 50 * MS
+        held = lim.available("u", clock.now)
+        if held and lim.mode == SHARED:
+            return held
+        lim.rounds.run(clock.now)
+
+
+def test_a_refund_of_leased_tokens_during_an_outage_cancels_no_local_debt():
+    """Tokens taken from a lease, then the store goes silent and the local
+    fallback takes over, then the tokens are refunded (a draft rejected, a
+    charge whose request did not run).  The local limiter did not lend them:
+    its debt (from an earlier outage) stays; the lease they came from was
+    dropped when the outage began, so the refund goes nowhere."""
+    clock = Clock()
+    store = FakeStore(clock)
+    lim = engine(store, clock, default=2, expected_engines=2)  # local: 1 tok/s
+    _until_outage(lim, store, clock)
+    assert lim.take_up_to("u", clock.now, 5) == 1  # local debt: one token
+    _until_leased(lim, store, clock)
+    assert lim.take_up_to("u", clock.now, 1) == 1  # from a lease
+    _until_outage(lim, store, clock)
+    assert lim.mode == LOCAL
+    local_before = lim.local.available("u", clock.now)
+    assert local_before == 0  # still paying the first outage's token back
+    lim.refund("u", clock.now, 1)
+    assert lim.local.available("u", clock.now) == local_before
+
+
+def test_a_refund_of_local_tokens_after_the_outage_credits_no_lease():
+    """The reverse: tokens taken from the local fallback, the store answers
+    again and a lease is granted and spent from, then both takes are
+    refunded: the lease gets back the one token it gave, no more (the local
+    two go to the local limiter)."""
+    clock = Clock()
+    store = FakeStore(clock)
+    lim = engine(store, clock, default=40, expected_engines=2)  # local: 20 tok/s
+    _until_outage(lim, store, clock)
+    assert lim.take_up_to("u", clock.now, 2) == 2  # local
+    held = _until_leased(lim, store, clock)
+    assert lim.take_up_to("u", clock.now, 1) == 1  # from the lease
+    lim.refund("u", clock.now, 3)  # the lease's one, then the local two
+    assert lim.available("u", clock.now) == held

@@ -225,6 +225,9 @@ class Borrowing:
         self.borrowed_tokens: dict[str, int] = {}
         #: user -> tokens borrowed / weight (the virtual counter).
         self.counters: dict[str, float] = {}
+        #: user -> the scope its counter was kept in (its group, or None):
+        #: a counter means nothing in another scope (see :meth:`update`).
+        self.scopes: dict[str, str | None] = {}
         #: group -> tokens its users borrowed / group weight.
         self.group_counters: dict[str, float] = {}
         #: The current borrowers: users that could borrow when spare
@@ -247,8 +250,7 @@ class Borrowing:
         self.step = []
         if not ledger.short and not waiting:
             self.active = set()  # nobody short, nobody borrows:
-            self.counters.clear()  # everyone starts level next time
-            self.group_counters.clear()
+            self._level()  # everyone starts level next time
             return []
         if room <= 0 and not waiting:
             return []
@@ -259,6 +261,7 @@ class Borrowing:
         prepaid = ledger.prepaid
         lane_of = lanes.lane_of
         counters = self.counters
+        scopes = self.scopes
         group_counters = self.group_counters
         floors = self._floors()
         heap: list = []
@@ -282,6 +285,7 @@ class Borrowing:
                 continue
             streams[user] = hidden
             start = counters[user] = self._start(user, floors)
+            scopes[user] = group
             if group is not None and group not in group_left:
                 group_left[group] = cap.group_available(group, now)
                 group_counters[group] = self._group_start(group, floors)
@@ -292,6 +296,7 @@ class Borrowing:
         for user in queued:
             group = group_of(user)
             counters[user] = self._start(user, floors)
+            scopes[user] = group
             if group is not None and group not in group_left and group not in queued_groups:
                 queued_groups.add(group)
                 group_counters[group] = self._group_start(group, floors)
@@ -300,8 +305,7 @@ class Borrowing:
         self.active = set(streams) | queued
         self.active_groups = set(group_left) | queued_groups
         if not self.active:
-            counters.clear()  # nobody borrows: everyone starts level next time
-            group_counters.clear()
+            self._level()  # nobody borrows: everyone starts level next time
         heapq.heapify(heap)
         step_groups = dict(group_counters) if group_left else group_counters
         taken: dict[str, int] = {}
@@ -478,7 +482,7 @@ class Borrowing:
                 continue
             n = len(served)
             counters[user] = counters.get(user, 0.0) + n / table.weight(user)
-            group = table.group_of(user)
+            group = self.scopes[user] = table.group_of(user)
             if group is not None:
                 self.group_counters[group] = (
                     self.group_counters.get(group, 0.0) + n / table.group_weight(group)
@@ -497,9 +501,34 @@ class Borrowing:
         if len(counters) > 2 * len(lanes.order) + 16:
             for user in [u for u in counters if u not in lanes.order]:
                 del counters[user]
+                self.scopes.pop(user, None)
 
     def update(self, table: ShareTable, ceiling: Limiter | None, cap: Any = None) -> None:
-        """New shares and quotas (a reload); counters and totals are kept."""
+        """New shares and quotas (a reload); counters and totals are kept,
+        except those of users the new table puts in another scope.
+
+        A counter is only comparable with the others of its scope (tokens
+        borrowed / weight since that scope's borrowers started level), so a
+        user that changed group, or joined or left one, enters its new scope
+        as a returning borrower does: at the smallest counter of the current
+        borrowers there, with no credit or debt banked in the old one.  Its
+        old group keeps what it borrowed (the group did borrow it).  The
+        scopes are the ones recorded with the counters: ``table.group_of``
+        may already answer with the new membership when this is called (the
+        owner updates its group quotas in place first).
+        """
+        group_of = table.group_of
+        moved = [user for user, scope in self.scopes.items() if group_of(user) != scope]
+        for user in moved:
+            del self.scopes[user]
+            self.counters.pop(user, None)
+            self.active.discard(user)
         self.table = table
         self.ceiling = ceiling
         self.cap = ceiling if cap is None else cap
+
+    def _level(self) -> None:
+        """Forget every counter: nobody borrows, all start level next time."""
+        self.counters.clear()
+        self.scopes.clear()
+        self.group_counters.clear()

@@ -33,6 +33,23 @@ with one step in flight per request under synchronous scheduling and two
 under async scheduling.  ``tests/policy/test_drafts.py`` checks it on random
 drafts, acceptances and output delays.
 
+**Counters.**  The per-user total of charged tokens (read by metrics and
+the admin route) counts a draft once its fate is known: when the output of
+its step arrives, the accepted drafts (the ones emitted); a step whose
+output never arrives, all of its drafts (they stay paid).  Never at
+dispatch: vLLM's ``make_stats`` reads the total inside ``update_from_output``,
+before the rejected drafts of that very step are known, and a total that
+went down afterwards would read as a restart (the whole total counted
+again).  So the total only grows.
+
+**Refunds go to who paid.**  A draft is refunded to the quotas that were
+charged for it, remembered at :meth:`DraftAccount.pay`: the limiter of
+that moment and, for a limiter paid together with a group
+(:class:`~.joint.JointLimiter`), the user's group of that moment.  Under
+async scheduling a step's output arrives after the next step started, and a
+reload may have moved the user to another group (or given it a ceiling) in
+between: the new group never paid for those drafts.
+
 Plain Python over opaque keys and user names; no vLLM.
 """
 
@@ -41,32 +58,61 @@ from __future__ import annotations
 from collections import deque
 from typing import Any, Callable, Hashable
 
+from vllm_output_rate.policy.joint import JointLimiter
 from vllm_output_rate.policy.limiter import Limiter
 
 Key = Hashable
+#: Who was charged for a draft: the limiter that took it and, for a joint
+#: limiter, the shared key (the user's group) it was paid on then.
+Payer = tuple[Limiter, "str | None"]
+#: One key's drafts: (user, drafts, payer).
+Paid = tuple[str, int, Payer]
+
+
+def _payer(limiter: Limiter, user: str) -> Payer:
+    """Who a take of ``user``'s on ``limiter`` is paid by now."""
+    if isinstance(limiter, JointLimiter):
+        return limiter, limiter.shared_key(user)
+    return limiter, None
+
+
+def _refund(payer: Payer, user: str, now_ns: int, count: int) -> None:
+    """Give ``count`` back to the quotas ``payer`` names, whatever the
+    user's group is now."""
+    limiter, shared = payer
+    if isinstance(limiter, JointLimiter):
+        limiter.own.refund(user, now_ns, count)
+        if shared is not None:
+            limiter.shared.refund(shared, now_ns, count)
+    else:
+        limiter.refund(user, now_ns, count)
 
 
 class DraftAccount:
     """Draft tokens paid in the current step and in steps whose output is due.
 
     ``charged_tokens`` is the gate's per-user cumulative total of charged
-    tokens (the ledger's dict, shared): drafts kept at the end of a step are
-    added to it, rejected ones taken off again when the output arrives.
+    tokens (the ledger's dict, shared): a step's drafts are added to it when
+    its output arrives, the accepted ones only (see the module doc); it
+    never goes down.  ``limiter`` is where drafts are paid from now (the
+    owner replaces it on a reload); refunds go to where they were paid.
 
     Invariants (``tests/policy/test_drafts.py``): every draft paid is either
-    refunded once or kept once; a kept draft is refunded only by the output
-    of the step it was dispatched in, and only when the model rejected it;
-    an output never seen leaves its step's drafts charged.
+    refunded once or kept once, to and on the quotas that paid it; a kept
+    draft is refunded only by the output of the step it was dispatched in,
+    and only when the model rejected it; an output never seen leaves its
+    step's drafts charged; ``charged_tokens`` only grows, and once every
+    output is in it counts exactly the drafts kept.
     """
 
     def __init__(self, limiter: Limiter, charged_tokens: dict[str, int]) -> None:
         self.limiter = limiter
         self.charged_tokens = charged_tokens
-        #: This step's payments: key -> (user, drafts paid).
-        self._paid: dict[Key, tuple[str, int]] = {}
+        #: This step's payments: key -> (user, drafts paid, payer).
+        self._paid: dict[Key, Paid] = {}
         #: Steps dispatched with drafts and not yet settled, oldest first:
-        #: (step token, {key: (user, drafts kept)}).
-        self._in_flight: deque[tuple[Any, dict[Key, tuple[str, int]]]] = deque()
+        #: (step token, {key: (user, drafts kept, payer)}).
+        self._in_flight: deque[tuple[Any, dict[Key, Paid]]] = deque()
         #: Drafts refunded because the model rejected them, cumulative.
         self.rejected_total = 0
         #: Drafts kept whose output never arrived (cumulative).
@@ -76,10 +122,14 @@ class DraftAccount:
         """Take up to ``wanted`` draft tokens for ``key`` now; return how many."""
         if wanted <= 0:
             return 0
-        paid = self.limiter.take_up_to(user, now_ns, wanted)
+        limiter = self.limiter
+        paid = limiter.take_up_to(user, now_ns, wanted)
         if paid:
-            _, before = self._paid.get(key, (user, 0))
-            self._paid[key] = (user, before + paid)
+            earlier = self._paid.get(key)
+            if earlier is None:
+                self._paid[key] = (user, paid, _payer(limiter, user))
+            else:  # a second payment in the same step: no reload in between
+                self._paid[key] = (user, earlier[1] + paid, earlier[2])
         return paid
 
     def settle_step(self, step: Any, now_ns: int, scheduled: Callable[[Key], int]) -> int:
@@ -89,18 +139,15 @@ class DraftAccount:
         paid = self._paid
         if not paid:
             return 0
-        refund = self.limiter.refund
-        charged = self.charged_tokens
-        kept: dict[Key, tuple[str, int]] = {}
+        kept: dict[Key, Paid] = {}
         refunded = 0
-        for key, (user, count) in paid.items():
+        for key, (user, count, payer) in paid.items():
             keep = min(count, max(scheduled(key), 0))
             if keep < count:
-                refund(user, now_ns, count - keep)
+                _refund(payer, user, now_ns, count - keep)
                 refunded += count - keep
             if keep:
-                kept[key] = (user, keep)
-                charged[user] = charged.get(user, 0) + keep
+                kept[key] = (user, keep, payer)
         paid.clear()
         if kept:
             self._in_flight.append((step, kept))
@@ -108,28 +155,31 @@ class DraftAccount:
 
     def settle_output(self, step: Any, now_ns: int, accepted: Callable[[Key], int]) -> int:
         """The output of ``step`` arrived: refund, per key, the kept drafts
-        beyond ``accepted(key)``.  Steps dispatched before ``step`` whose
-        output was never settled keep their charge.  Returns the refund."""
+        beyond ``accepted(key)`` and count the accepted ones as charged.
+        Steps dispatched before ``step`` whose output was never settled keep
+        their charge (counted now).  Returns the refund."""
         in_flight = self._in_flight
         if not in_flight or not any(entry[0] is step for entry in in_flight):
             return 0
+        charged = self.charged_tokens
         while True:
             token, kept = in_flight.popleft()
             if token is step:
                 break
-            self.unsettled_total += sum(count for _, count in kept.values())
-        refund = self.limiter.refund
-        charged = self.charged_tokens
+            for user, count, _ in kept.values():
+                charged[user] = charged.get(user, 0) + count
+                self.unsettled_total += count
         refunded = 0
-        for key, (user, count) in kept.items():
-            rejected = count - min(count, max(accepted(key), 0))
-            if rejected:
-                refund(user, now_ns, rejected)
-                charged[user] = charged.get(user, 0) - rejected
-                refunded += rejected
+        for key, (user, count, payer) in kept.items():
+            emitted = min(count, max(accepted(key), 0))
+            if emitted:
+                charged[user] = charged.get(user, 0) + emitted
+            if emitted < count:
+                _refund(payer, user, now_ns, count - emitted)
+                refunded += count - emitted
         self.rejected_total += refunded
         return refunded
 
     def in_flight(self) -> int:
         """Drafts kept and not yet settled, over all steps in flight."""
-        return sum(count for _, kept in self._in_flight for _, count in kept.values())
+        return sum(entry[1] for _, kept in self._in_flight for entry in kept.values())

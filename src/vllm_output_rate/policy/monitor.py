@@ -14,7 +14,12 @@ current gauges, for a bounded set of users:
 
 Counters are sent as increments, not totals, because vLLM delivers each
 scheduler-stats message to exactly one API-server process: summing
-increments over processes gives the right total, totals would not.
+increments over processes gives the right total, totals would not.  An
+increment is never negative and never counts a token twice: a user's total
+restarts from 0 only when its owner forgets it, and the owner tells
+:meth:`UserMonitor.forget` so; a total that went down otherwise (it should
+not: the owners' totals only grow) is held at its highest value, and only
+growth beyond that is reported.
 
 :class:`GroupTotals` sums users' totals per group (the group series use a
 second :class:`UserMonitor` over them, configured groups always having their
@@ -80,16 +85,12 @@ class UserMonitor:
         ``borrowed`` (cumulative borrowed tokens per user) is given only
         while some user may borrow; then every row has a :data:`BORROWED` field.
         """
-        charged_inc = _increments(charged, self._last_charged)
-        throttled_inc = _increments(throttled_ns, self._last_throttled)
-        prompt_inc = _increments(prompt_charged or {}, self._last_prompt)
-        self._last_charged = dict(charged)
-        self._last_throttled = dict(throttled_ns)
-        self._last_prompt = dict(prompt_charged or {})
+        charged_inc, self._last_charged = _growth(charged, self._last_charged)
+        throttled_inc, self._last_throttled = _growth(throttled_ns, self._last_throttled)
+        prompt_inc, self._last_prompt = _growth(prompt_charged or {}, self._last_prompt)
         borrowed_inc = None
         if borrowed is not None:
-            borrowed_inc = _increments(borrowed, self._last_borrowed)
-            self._last_borrowed = dict(borrowed)
+            borrowed_inc, self._last_borrowed = _growth(borrowed, self._last_borrowed)
 
         removed: list[str] = []
         new_configured = frozenset(configured)
@@ -182,6 +183,32 @@ class UserMonitor:
             self._last_prompt.pop(user, None)
             self._last_borrowed.pop(user, None)
             self._idle_since.pop(user, None)
+
+
+def _growth(
+    current: Mapping[str, int], last: Mapping[str, int]
+) -> tuple[dict[str, int], dict[str, int]]:
+    """Increments since ``last`` and the new ``last``, for a monitor that is
+    told of every restart (:meth:`UserMonitor.forget` drops the user from
+    ``last``): a user absent from ``last`` counts whole, one that went down
+    counts nothing until it passes its highest total again.
+
+    Not a restart: nothing else ever resets a total, and taking a decrease
+    for one would count the whole total a second time (a user's 1,000,000
+    tokens reported again for a refund of three)."""
+    out: dict[str, int] = {}
+    high: dict[str, int] = {}
+    for user, total in current.items():
+        before = last.get(user)
+        if before is None:
+            inc, high[user] = total, total
+        elif total > before:
+            inc, high[user] = total - before, total
+        else:
+            inc, high[user] = 0, before
+        if inc:
+            out[user] = inc
+    return out, high
 
 
 def _increments(current: Mapping[str, int], last: Mapping[str, int]) -> dict[str, int]:

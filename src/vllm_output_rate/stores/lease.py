@@ -94,7 +94,11 @@ shared quota.  During an outage a round asks for nothing: it probes the whole
 store (a PING; on a Redis Cluster, every primary must report
 ``cluster_state:ok``), and the first round after a good probe asks for
 leases again.  The local limiter keeps its state across outages, so a flapping
-store gives no fresh local burst.
+store gives no fresh local burst.  A refund goes back to where its tokens
+came from, not to whichever mode is in force when it arrives
+(:class:`TakeSources`): tokens leased before an outage are not credited to
+the local limiter (cancelling local debt it never lent), nor local tokens to
+a lease granted after the outage.
 
 Limits mismatch: see :mod:`.fingerprints`.
 
@@ -124,6 +128,70 @@ from vllm_output_rate.stores.fingerprints import LimitsFingerprints
 from vllm_output_rate.stores.health import StoreHealth
 from vllm_output_rate.stores.lease_book import LeaseBook, ask_due_ns
 from vllm_output_rate.stores.rounds import IDLE, LeaseRounds
+
+#: A user's record of where its tokens came from is dropped once it took
+#: nothing for this long: refunds follow their takes within a step or two.
+TAKES_KEEP_NS = 60 * 10**9
+
+
+class TakeSources:
+    """Where each user's recent tokens were taken from: the store's leases
+    (``shared``) or the local fallback (``local``).  Scheduler thread only.
+
+    Per user, runs of takes from one source, oldest first (at most
+    :attr:`KEEP_RUNS`: a refund follows its take within a step or two, and
+    the source changes only when an outage starts or ends): ``[source,
+    tokens not refunded, last take ns]``.  A refund is split over the runs
+    newest first, never giving a source back more than it gave since the
+    runs began, so each quota's refunds stay within its own takes (its GCRA
+    bound holds) whatever the mode when the refund arrives.  A refund takes
+    no token back from a call: within one step the newest tokens are the
+    ones refunded first, which is the order the callers settle in.
+    """
+
+    KEEP_RUNS = 2
+
+    def __init__(self) -> None:
+        self.runs: dict[str, list[list]] = {}
+
+    def took(self, user: str, source: str, count: int, now_ns: int) -> None:
+        runs = self.runs.get(user)
+        if runs is None:
+            self.runs[user] = [[source, count, now_ns]]
+            return
+        run = runs[-1]
+        if run[0] is source:
+            run[1] += count
+            run[2] = now_ns
+            return
+        runs.append([source, count, now_ns])
+        if len(runs) > self.KEEP_RUNS:
+            del runs[0]
+
+    def split(self, user: str, count: int) -> list[tuple[str | None, int]]:
+        """Where a refund of ``count`` goes: (source, tokens) newest first;
+        source None for tokens no run accounts for (the caller's choice)."""
+        runs = self.runs.get(user)
+        out: list[tuple[str | None, int]] = []
+        while count and runs:
+            run = runs[-1]
+            back = min(count, run[1])
+            if back:
+                out.append((run[0], back))
+                count -= back
+                run[1] -= back
+            if not run[1] and len(runs) > 1:
+                runs.pop()  # spent: the older run is the one refunds go to now
+            elif not back:
+                break
+        if count:
+            out.append((None, count))
+        return out
+
+    def forget_idle(self, now_ns: int) -> None:
+        stale = now_ns - TAKES_KEEP_NS
+        for user in [u for u, runs in self.runs.items() if runs[-1][2] < stale]:
+            del self.runs[user]
 
 
 class LeasedOutputRateLimiter:
@@ -161,6 +229,7 @@ class LeasedOutputRateLimiter:
         self.engine_id = engine_id
         default, overrides = self.rates.divided(config.expected_engines).configured()
         self.local = OutputRateLimiter(default, overrides, burst_ns)
+        self.sources = TakeSources()
         self.stats = dict.fromkeys(
             ("round_trips", "asks", "leased", "handed_back", "expired", "outages", "failed_rounds"), 0
         )
@@ -219,49 +288,60 @@ class LeasedOutputRateLimiter:
     def try_take(self, user: str, now_ns: int, count: int = 1) -> bool:
         if count <= 0:
             return True
-        mode = self.health.mode
+        mode = self.health.mode  # read once: the lease thread may change it
         if mode is not SHARED:
-            return self.local.try_take(user, now_ns, count) if mode is LOCAL else False
+            if mode is LOCAL and self.local.try_take(user, now_ns, count):
+                self.sources.took(user, LOCAL, count, now_ns)
+                return True
+            return False
         book = self.book
-        if book.take_oldest(user, now_ns, count):
-            return True
-        with book.lock:
-            if book.held(user, now_ns) < count:
-                book.want(user, now_ns)
-                return False
-            book.spend(user, count)
-            return True
+        if not book.take_oldest(user, now_ns, count):
+            with book.lock:
+                if book.held(user, now_ns) < count:
+                    book.want(user, now_ns)
+                    return False
+                book.spend(user, count)
+        self.sources.took(user, SHARED, count, now_ns)
+        return True
 
     def take_up_to(self, user: str, now_ns: int, count: int) -> int:
         if count <= 0:
             return 0
-        mode = self.health.mode
+        mode = self.health.mode  # read once: the lease thread may change it
         if mode is not SHARED:
-            return self.local.take_up_to(user, now_ns, count) if mode is LOCAL else 0
+            taken = self.local.take_up_to(user, now_ns, count) if mode is LOCAL else 0
+            if taken:
+                self.sources.took(user, LOCAL, taken, now_ns)
+            return taken
         book = self.book
-        if book.take_oldest(user, now_ns, count):
-            return count
-        with book.lock:
-            have = book.held(user, now_ns)
-            if have < count:
-                book.want(user, now_ns)
-                if not have:
-                    return 0
-                count = have
-            book.spend(user, count)
-            return count
+        if not book.take_oldest(user, now_ns, count):
+            with book.lock:
+                have = book.held(user, now_ns)
+                if have < count:
+                    book.want(user, now_ns)
+                    if not have:
+                        return 0
+                    count = have
+                book.spend(user, count)
+        self.sources.took(user, SHARED, count, now_ns)
+        return count
 
     def refund(self, user: str, now_ns: int, count: int = 1) -> None:
-        """Give back tokens taken earlier: spendable again until their lease expires."""
+        """Give back tokens taken earlier, to where they were taken from
+        (:class:`TakeSources`): to their lease, spendable again until it
+        expires (nothing, if the lease was dropped when an outage began: the
+        store keeps it charged), or to the local fallback.  Tokens no record
+        accounts for (a user idle for ``TAKES_KEEP_NS``) go where takes go now."""
         if count <= 0:
             return
-        mode = self.health.mode
-        if mode is not SHARED:
-            if mode is LOCAL:
-                self.local.refund(user, now_ns, count)
-            return
-        with self.book.lock:
-            self.book.refund(user, now_ns, count)
+        for source, back in self.sources.split(user, count):
+            if source is None:
+                source = self.health.mode
+            if source is LOCAL:
+                self.local.refund(user, now_ns, back)
+            elif source is SHARED:
+                with self.book.lock:
+                    self.book.refund(user, now_ns, back)
 
     def ready_at_ns(self, user: str, now_ns: int) -> int:
         """When a take for ``user`` is expected to succeed (an estimate).
@@ -301,6 +381,7 @@ class LeasedOutputRateLimiter:
     def cleanup_idle_users(self, now_ns: int) -> int:
         """Drop expired leases and users not wanted lately; return how many users."""
         dropped = self.local.cleanup_idle_users(now_ns)
+        self.sources.forget_idle(now_ns)
         with self.book.lock:
             return dropped + self.book.forget_idle(now_ns, self.config.active_ns)
 

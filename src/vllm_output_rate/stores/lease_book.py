@@ -4,7 +4,8 @@ The scheduler thread spends from the book; the lease thread fills it from
 round trips and reads from it what to ask for, and when.  Both hold
 :attr:`LeaseBook.lock` while they change it, and only for dict work, never
 across a round trip -- except :meth:`LeaseBook.take_oldest`, the common take,
-which needs no lock.
+which needs no lock for a user the book already knows (it takes it to add
+one: the lease thread iterates the users).
 
 A user is asked for while it has demand: the scheduler wanted tokens for it
 within ``active_ns``, or it was short after its last ask and the store's
@@ -126,9 +127,18 @@ class LeaseBook:
         held lease's count or removes leases; the lease thread only appends
         new leases (``deque.append`` is atomic) or, when an outage starts,
         swaps in an empty table (spending from a dropped lease is spending
-        granted tokens, within the bound).
+        granted tokens, within the bound).  Noting the demand of a user the
+        book already knows replaces one value; a new user is a new key, and
+        a dict must not change size while the lease thread iterates it
+        (:meth:`asks`, :meth:`next_ask_ns`), so that one write takes the lock.
+        Only the scheduler thread removes users, so a user found here stays.
         """
-        self.wanted_at[user] = now_ns
+        wanted_at = self.wanted_at
+        if user in wanted_at:
+            wanted_at[user] = now_ns
+        else:
+            with self.lock:
+                wanted_at[user] = now_ns
         leases = self.leases.get(user)
         if leases:
             oldest = leases[0]
