@@ -15,6 +15,7 @@ import pytest
 
 from vllm_output_rate.settings import OutputRateSettings
 from vllm_output_rate.adapter.scheduler import OutputRateScheduler
+from vllm_output_rate.policy.gate import MAX_IDLE_WAIT_NS
 from vllm_output_rate.tools.scheduler_sim import MS, Harness
 
 S = 1_000_000_000
@@ -301,3 +302,88 @@ def test_a_user_in_debt_does_not_take_the_visible_room_of_others(long_context_mo
         steps += 1
     # Admitted in the first step, then one token per step.
     assert h.records["light"].finished and steps <= 101
+
+
+def run_engine_loop(h: Harness, until, max_steps: int = 1000) -> list[float]:
+    """Step as vLLM's engine loop does with the plugin: after a step that
+    scheduled nothing, sleep the idle wait (on the fake clock), else 10 ms.
+    Stops when ``until()`` holds; returns the idle wait of every empty step."""
+    waits = []
+    for _ in range(max_steps):
+        if until():
+            return waits
+        out = h.step(0)
+        wait = h.sched.output_rate_idle_wait_s
+        if out.total_num_scheduled_tokens:
+            h.clock.advance(10 * MS)
+            continue
+        waits.append(wait)
+        assert wait, f"an empty step told the engine to wait {wait!r} while nobody can run"
+        h.clock.advance(int(wait * S))
+    raise AssertionError(f"not done in {max_steps} steps: {len(waits)} of them empty")
+
+
+@pytest.mark.parametrize("chunked", [True, False], ids=["chunked", "whole-prefill"])
+@pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
+def test_a_borrower_whose_next_prompt_waits_on_prompt_debt_does_not_spin_the_engine(async_, chunked):
+    """Issue 31's server case on the real scheduler: one borrower without a
+    ceiling (``{rate: 10, ceil: null}``: a token per 100 ms, within the idle
+    wait's cap) at ``input_token_weight: 1``; its first prompt (60 tokens)
+    goes into debt, its second waits for the debt, which borrowing cannot
+    pay.  Every empty step used to be told to wait 0 (on a server: a core
+    spinning); now each waits for the next token of its rate, so the debt is
+    paid in about as many empty steps as it has tokens, and the second
+    prompt goes as soon as its user can pay."""
+    h = Harness(
+        limits(100, 1, b={"rate": 10, "ceil": None}), async_=async_, chunked=chunked,
+        max_num_batched_tokens=BUDGET,
+    )
+    h.add("b", max_tokens=1, prompt=distinct_prompt(1, 60), request_id="first")
+    second = h.add("b", max_tokens=1, prompt=distinct_prompt(2, 60), request_id="second")
+    pc = h.sched.output_rate_prompt_cost
+    h.step(10 * MS)
+    owed = pc.debt.get("b", 0)
+    assert owed > 50
+    start = h.clock.now_ns
+    waits = run_engine_loop(h, lambda: pc.prompt_tokens.get("b", 0) >= 120)
+    h.drain()
+    # The debt (and the second prompt's first token) at 10 tok/s: at most one
+    # empty step per token, none told 0, and the prompt went when it could.
+    assert len(waits) <= owed + 2
+    assert all(wait > 0 for wait in waits)
+    assert (h.clock.now_ns - start) / S <= (owed + 1) / 10 + MAX_IDLE_WAIT_NS / S + 0.1
+    assert second.num_computed_tokens > 0
+
+
+@pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
+def test_three_members_of_a_group_in_prompt_debt_take_turns(async_, long_context_model_dir):
+    """Issue 31's starving third member on the real scheduler: a group of
+    100 tok/s at weight 0.5, members a, b and c (1,000 tok/s each of their
+    own) each with a 4,000-token prompt, admitted in that order, chunks of
+    512 (2.56 s of the group's quota each).  The chunks go round-robin (c
+    used to get none while a and b alternated), and the engine, sleeping
+    its idle waits, is never told 0."""
+    users = {m: {"rate": 1000, "group": "g"} for m in "abc"}
+    h = Harness(
+        {**limits(1000, 0.5, **users), "groups": {"g": 100}}, async_=async_,
+        max_num_batched_tokens=BUDGET, max_model_len=8192, num_blocks=4000,
+        model_dir=long_context_model_dir,
+    )
+    for seed, member in enumerate("abc"):
+        h.add(member, max_tokens=1, prompt=distinct_prompt(seed, 4000))
+    charged = h.sched.output_rate_prompt_cost.prompt_tokens
+    granted: list[str] = []
+    seen = dict.fromkeys("abc", 0)
+
+    def nine_chunks_went() -> bool:
+        for member in "abc":
+            while charged.get(member, 0) > seen[member]:
+                seen[member] += BUDGET
+                granted.append(member)
+        return len(granted) >= 9
+
+    run_engine_loop(h, nine_chunks_went, max_steps=5000)
+    h.drain()
+    assert sorted(granted[:9]) == sorted("abc" * 3), granted
+    for i in range(len(granted) - 2):
+        assert len(set(granted[i:i + 3])) == 3, granted  # any three in a row: each member once

@@ -201,3 +201,86 @@ def test_forget_user_drops_credit_but_never_debt():
     prompt.forget_user("u")
     assert "u" not in prompt.credit and prompt.debt["u"]
     assert "a" not in prompt.charged_upto
+
+
+# ---------------------------------------------------------------------------
+# members of a group take turns (issue 31, defect 1)
+# ---------------------------------------------------------------------------
+
+
+def group_parts(members: str, group_rate=20, weight=1):
+    """PromptCost over the factory's quotas: every member at 1,000 tok/s of
+    its own, all of them in group g at ``group_rate`` (the binding quota)."""
+    from vllm_output_rate.factory import make_borrowing, make_group_quotas, make_limiter
+    from vllm_output_rate.settings import OutputRateSettings
+
+    settings = OutputRateSettings.from_additional_config({"output_rate": {
+        "default_user_output_tokens_per_second": 1000,
+        "user_output_tokens_per_second": {m: {"rate": 1000, "group": "g"} for m in members},
+        "groups": {"g": group_rate},
+        "input_token_weight": weight,
+    }})
+    groups = make_group_quotas(settings)
+    _, limiter = make_borrowing(settings, make_limiter(settings), None, groups)
+    lanes = Lanes()
+    ledger = Ledger(limiter, lanes)
+    prompt = PromptCost(ledger, weight)
+    prompt.group_of = groups.of
+    for member in members:
+        track(lanes, member, member)  # one prompt per member, its key its name
+    return ledger, prompt
+
+
+def chunks_granted(members: str, seconds: int, asking=None, dt=100 * MS, never_scheduled=""):
+    """Every member has an endless prompt of 512-token chunks and asks for its
+    next chunk in every step, in vLLM's order (``members``' order, fixed);
+    ``asking(member, now)`` may say a member stopped asking, and vLLM never
+    schedules the chunks of ``never_scheduled`` (no KV for them, say).
+    Returns the members in the order their chunks went."""
+    ledger, prompt = group_parts(members)
+    position = dict.fromkeys(members, 0)
+    granted = []
+    now = 10 * S
+    for _ in range(seconds * S // dt):
+        chunks = [(m, position[m], 512, 10**9) for m in members if asking is None or asking(m, now)]
+        sent = step(prompt, ledger, now, chunks, scheduled=set(members) - set(never_scheduled))
+        for member in sent:
+            position[member] += 512
+            granted.append(member)
+        assert not prompt.debt or len(prompt.debt) == 1  # the group owes one chunk at most
+        now += dt
+    return granted
+
+
+@pytest.mark.parametrize("members", ["abc", "abcd"])
+def test_every_member_of_a_group_in_prompt_debt_gets_its_turn(members):
+    """Group at 20 tok/s, weight 1, 512-token chunks (25.6 s of the group's
+    quota each), members asking in the same order every step: over 800 s the
+    chunks go round-robin, so every member waits at most one chunk of each
+    other member between two of its own."""
+    granted = chunks_granted(members, 800)
+    counts = {m: granted.count(m) for m in members}
+    assert max(counts.values()) - min(counts.values()) <= 1, counts
+    assert sum(counts.values()) >= 800 * 20 // 512 - 1, counts  # the group's rate, spent
+    n = len(members)
+    for i in range(len(granted) - n + 1):
+        assert len(set(granted[i:i + n])) == n, granted  # any n in a row: each member once
+
+
+def test_a_member_that_stops_asking_gives_up_its_turn():
+    """b, first in line behind a's debt (paid off at about 35.6 s), stops
+    asking from 20 s to 40 s: c goes when the group can pay, b's turn having
+    lapsed; b, asking again at 40 s, queues behind a, which queued when its
+    own debt was paid, and ahead of c, which owes until about 61 s."""
+    b_away = (20 * S, 40 * S)
+    granted = chunks_granted("abc", 120, asking=lambda m, now: m != "b" or not b_away[0] <= now < b_away[1])
+    assert granted == ["a", "c", "a", "b", "c"]
+
+
+def test_a_member_whose_chunk_vllm_cannot_schedule_does_not_hold_the_others_back():
+    """a's turn comes but vLLM never schedules its chunk (refunded each
+    time): its turn is spent all the same, so b and c keep taking turns
+    instead of waiting behind a for good."""
+    granted = chunks_granted("abc", 300, never_scheduled="a")
+    assert "a" not in granted
+    assert abs(granted.count("b") - granted.count("c")) <= 1 and len(granted) >= 10, granted

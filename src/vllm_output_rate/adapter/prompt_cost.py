@@ -22,6 +22,10 @@ class PromptCostHooks:
     def _init_prompt_cost(self, weight: object) -> None:
         """Called once from the mixin's ``__init__``, after the gate exists."""
         self.output_rate_prompt_cost = prompt_cost = PromptCost(self._ledger, weight)
+        # Its debts and group turns hold users back beyond their quota: the
+        # gate's idle wait asks it when they can go (at weight 0 it holds
+        # nobody, and the wait is the quota's).
+        self.output_rate_gate.prompt_cost = prompt_cost
         # The same dict, never rebound: the step tests it without a call.
         self._prompt_debts = prompt_cost.debt
         self._refused_for_prompts: set[str] = set()

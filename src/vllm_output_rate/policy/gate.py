@@ -68,13 +68,17 @@ from __future__ import annotations
 
 from typing import Collection, Hashable
 
-from vllm_output_rate.policy.borrow import Borrowing
+from vllm_output_rate.policy.borrow import Borrowing, CeiledLimiter
+from vllm_output_rate.policy.joint import JointLimiter
 from vllm_output_rate.policy.lanes import Lanes
 from vllm_output_rate.policy.ledger import Ledger
 from vllm_output_rate.policy.limiter import Limiter
 from vllm_output_rate.policy.plan import StepPlan, plan_step
+from vllm_output_rate.policy.prompt_cost import PromptCost
 
-__all__ = ["CLEANUP_EVERY_STEPS", "MAX_IDLE_WAIT_NS", "StepGate", "StepPlan"]
+__all__ = [
+    "CLEANUP_EVERY_STEPS", "MAX_IDLE_WAIT_NS", "StepGate", "StepPlan", "guaranteed_ready_at_ns",
+]
 
 Key = Hashable
 
@@ -115,6 +119,9 @@ class StepGate:
         #: Spare capacity for users with a ceiling above their rate; None
         #: while nobody has one (then nothing of it runs).
         self.borrowing: Borrowing | None = None
+        #: The prompt cost paid through :attr:`ledger` (set by its owner);
+        #: its debts and turns hold users back beyond their quota.
+        self.prompt_cost: PromptCost | None = None
 
     # -- one step ----------------------------------------------------------
 
@@ -191,10 +198,43 @@ class StepGate:
     def idle_wait_ns(self) -> int | None:
         """How long the engine may sleep if this step ran nothing.
 
-        The earliest time any user blocked in this step gets quota back,
-        capped at ``max_idle_wait_ns``; None when no user was blocked.
+        The earliest time any user blocked in this step can run again
+        (:meth:`ready_at_ns`), capped at ``max_idle_wait_ns``; None when no
+        user was blocked.
         """
-        return self.ledger.idle_wait_ns(self._max_idle_wait_ns)
+        return self.ledger.idle_wait_ns(self._max_idle_wait_ns, self.ready_at_ns)
+
+    def ready_at_ns(self, user: str, now_ns: int) -> int:
+        """When ``user``, blocked in a step that ran nothing, can run again.
+
+        Its guaranteed quota must pay a token (every level of it,
+        :func:`guaranteed_ready_at_ns`) and its prompt cost let it go (debt
+        paid, its group's turn come).  Borrowing is another way in, but in a
+        step that ran nothing it already had its chance: a borrower it did
+        not run is waiting for something borrowing does not pay (a prompt
+        chunk or its debt, an in-turn admission), or for its cap.  So the cap
+        counts only while it is spent: then its refill may be what the user
+        waits for.  Earlier is only an empty step more; later, or 0 while
+        nobody can run, is the engine idling on work or spinning without.
+        """
+        limiter = self.ledger.limiter
+
+        def quota_ready(who: str) -> int:
+            return guaranteed_ready_at_ns(limiter, who, now_ns)
+
+        prompt_cost = self.prompt_cost
+        if prompt_cost is None:
+            ready = quota_ready(user)
+        else:
+            ready = prompt_cost.ready_at_ns(user, now_ns, quota_ready)
+        borrowing = self.borrowing
+        if borrowing is None or borrowing.cap is None:
+            return ready
+        if borrowing.table.borrows(user) and borrowing.table.ceiled(user):
+            cap_ready = borrowing.cap.ready_at_ns(user, now_ns)
+            if now_ns < cap_ready < ready:
+                ready = cap_ready
+        return ready
 
     def last_step_users(self) -> dict[str, tuple[int, int]]:
         """user -> (requests that sampled in the last settled step, resident
@@ -212,3 +252,26 @@ class StepGate:
             if user not in result:
                 result[user] = (count, 0)
         return result
+
+
+def guaranteed_ready_at_ns(limiter: Limiter, user: str, now_ns: int) -> int:
+    """When ``limiter`` can pay ``user`` one guaranteed token: when every
+    quota it pays on can.
+
+    :meth:`Limiter.ready_at_ns` of the gate's limiter, except through a
+    :class:`~.borrow.CeiledLimiter`, whose answer for a borrower is when it
+    may *borrow* (now, without a ceiling): not when its own quota pays, which
+    is what a prompt chunk, a prompt debt or an in-turn admission waits for.
+    """
+    if isinstance(limiter, JointLimiter):
+        ready = guaranteed_ready_at_ns(limiter.own, user, now_ns)
+        key = limiter.shared_key(user)
+        if key is not None:
+            ready = max(ready, guaranteed_ready_at_ns(limiter.shared, key, now_ns))
+        return ready
+    if isinstance(limiter, CeiledLimiter):
+        ready = limiter.rate.ready_at_ns(user, now_ns)
+        if limiter.table.ceiled(user):
+            ready = max(ready, limiter.ceiling.ready_at_ns(user, now_ns))
+        return ready
+    return limiter.ready_at_ns(user, now_ns)

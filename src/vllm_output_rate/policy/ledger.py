@@ -232,14 +232,21 @@ class Ledger:
             charged_tokens[user] = charged_tokens.get(user, 0) + 1
         return refunded
 
-    def idle_wait_ns(self, cap_ns: int) -> int | None:
+    def idle_wait_ns(
+        self, cap_ns: int, ready_at_ns: Callable[[str, int], int] | None = None
+    ) -> int | None:
         """How long an engine that ran nothing may sleep: until the earliest
-        blocked user gets quota back, at most ``cap_ns``; None if none blocked."""
+        blocked user can run again, at most ``cap_ns``; None if none blocked.
+
+        ``ready_at_ns(user, now)`` says when a user can run again; the
+        limiter's ready time by default (the gate passes one that knows what
+        else holds a user back: prompt debt, borrowing)."""
         if not self.blocked:
             return None
         self.idle_steps += 1
         now = self.now_ns
-        earliest = min(self.limiter.ready_at_ns(user, now) for user in self.blocked)
+        ready_at = self.limiter.ready_at_ns if ready_at_ns is None else ready_at_ns
+        earliest = min(ready_at(user, now) for user in self.blocked)
         return max(0, min(earliest - now, cap_ns))
 
 

@@ -36,8 +36,10 @@ end, so over any window of ``W`` seconds::
 
 With groups the same holds for a group's users together, N the group's rate:
 a member's chunk also waits while any member of its group owes one, so a
-group too owes at most one chunk.  The members it held back go before the
-one that owed once it has paid (:meth:`PromptCost._held_by_group`).
+group too owes at most one chunk.  The members it held back queue and, once
+it is paid, go one chunk each in the order they started waiting, the member
+that owed behind them (:meth:`PromptCost._held_by_group`): members take turns,
+so a member with a backlog waits at most one chunk of each other member.
 
 Exactness.  The weight is a fraction; each user keeps a *credit* below one
 token: a chunk costs ``ceil(weight x n - credit)`` whole tokens and leaves
@@ -64,7 +66,7 @@ from vllm_output_rate.policy.rates import exact_rate
 
 Key = Hashable
 _ZERO = Fraction(0)
-#: How long a member held back by its group's debt keeps its turn without
+#: How long a member waiting for its group's turn keeps its place without
 #: asking again (ns): twice the longest idle wait, so a member whose chunk is
 #: still pending asks again well within it.
 GROUP_TURN_NS = 500_000_000
@@ -75,6 +77,12 @@ def exact_weight(value: object) -> Fraction:
     if not isinstance(value, bool) and isinstance(value, (int, float, Fraction)) and value == 0:
         return _ZERO
     return exact_rate(value, "input token weight")
+
+
+def _first_in_line(line: dict[str, tuple[int, int]]) -> str:
+    """The member of a group's line that started waiting first (ties: the
+    one that asked first)."""
+    return min(line, key=lambda member: line[member][0])
 
 
 class PromptCost:
@@ -100,10 +108,9 @@ class PromptCost:
         self._step_users: dict[str, tuple[Fraction, int]] = {}
         #: user -> its group (``policy/groups.py``); None without groups.
         self.group_of: Callable[[str], str | None] | None = None
-        #: group -> member whose chunk last put the group in debt.
-        self._last_debtor: dict[str, str] = {}
-        #: group -> member held back by the group's debt -> when it last asked.
-        self._waiting: dict[str, dict[str, int]] = {}
+        #: group -> member waiting for its turn -> (when it started waiting,
+        #: when it last asked); the one waiting longest goes first.
+        self._waiting: dict[str, dict[str, tuple[int, int]]] = {}
 
     def set_weight(self, weight: object) -> None:
         """A new weight, from the next charge on (debts and credits stay)."""
@@ -126,7 +133,11 @@ class PromptCost:
         as the ledger does for output tokens).
         """
         ledger = self._ledger
-        if user not in ledger.refused and not self.debt.get(user) and not self._held_by_group(user):
+        # A user in debt waits for its own debt, not for a turn: it queues in
+        # its group's line once paid, behind the members it held back.  Any
+        # other member is asked first, whatever else refuses it: asking keeps
+        # its place in the line.
+        if not self.debt.get(user) and not self._held_by_group(user) and user not in ledger.refused:
             if ledger.is_charged(key) or ledger.limiter.available(user, ledger.now_ns) > 0:
                 return True
         ledger.refused.add(user)
@@ -137,10 +148,13 @@ class PromptCost:
         """Must ``user``'s chunk wait for its group?
 
         While a user of the group owes a chunk, no member's chunk goes (a
-        group owes at most one chunk, as a user does); the members held back
-        then go before the one that owed, once it has paid, so members take
-        turns instead of the first in vLLM's order always winning.  A member
-        that stopped asking for :data:`GROUP_TURN_NS` holds no turn.
+        group owes at most one chunk, as a user does).  The members held back
+        queue; once the group owes nothing they go in the order they started
+        waiting, and a member that asks while others wait (the one that owed
+        among them) queues behind them.  So members take turns, in whatever
+        order vLLM asks them: a member with a backlog waits at most one chunk
+        of each other member.  A member that stopped asking for
+        :data:`GROUP_TURN_NS` loses its place.
         """
         group_of = self.group_of
         if group_of is None:
@@ -149,16 +163,22 @@ class PromptCost:
         if group is None:
             return False
         now = self._ledger.now_ns
-        if self.debt and any(group_of(u) == group for u in self.debt):
-            self._waiting.setdefault(group, {})[user] = now
-            return True
-        waiting = self._waiting.get(group)
-        if not waiting or self._last_debtor.get(group) != user:
-            return False
-        for other, asked in list(waiting.items()):
-            if other == user or now - asked > GROUP_TURN_NS or group_of(other) != group:
-                del waiting[other]
-        return bool(waiting)
+        line = self._waiting.get(group)
+        if not (self.debt and any(group_of(u) == group for u in self.debt)):
+            if not line:
+                return False
+            for other, (_, asked) in list(line.items()):
+                if other != user and (now - asked > GROUP_TURN_NS or group_of(other) != group):
+                    del line[other]
+            if not line:
+                return False
+            if _first_in_line(line) == user:
+                line[user] = (line[user][0], now)  # its turn: it stays first until charged
+                return False
+        line = self._waiting.setdefault(group, {})
+        place = line.get(user)
+        line[user] = (now if place is None else place[0], now)
+        return True
 
     def charge(self, key: Key, user: str, start: int, count: int, num_prompt: int) -> int:
         """Charge the chunk ``[start, start + count)`` of ``key`` (after
@@ -181,15 +201,16 @@ class PromptCost:
             got = ledger.limiter.take_up_to(user, ledger.now_ns, whole)
             if got < whole:
                 self.debt[user] = self.debt.get(user, 0) + whole - got
-        if self.group_of is not None:
-            group = self.group_of(user)
-            if group is not None:
-                self._waiting.get(group, {}).pop(user, None)
-                if user in self.debt:
-                    self._last_debtor[group] = user
         before, charged = self._step_users[user]
         self._step_users[user] = (before, charged + whole)
         self.step_charges[key] = (user, first, start, end)
+        if self.group_of is not None:
+            group = self.group_of(user)
+            if group is not None and group in self._waiting:
+                # Its turn is used, even if vLLM does not schedule the chunk
+                # after all (no KV for it, say): kept, a member that cannot
+                # get in would hold back the members that could, forever.
+                self._waiting[group].pop(user, None)
         return whole
 
     def repay(self, now_ns: int) -> None:
@@ -243,6 +264,40 @@ class PromptCost:
         self.step_charges.clear()
         self._step_users.clear()
         return refunded
+
+    def ready_at_ns(self, user: str, now_ns: int, quota_ready: Callable[[str], int]) -> int:
+        """When an engine that ran nothing must step again for ``user``,
+        as far as prompt cost is concerned, given ``quota_ready(u)``: when
+        ``u``'s quota next pays a token.
+
+        A debt is repaid only in steps, from what the quota holds then, and
+        a quota holds no more than its burst: a user in debt, or held by a
+        member of its group that is, needs a step whenever a debtor's quota
+        can pay again (sleeping longer would lose what the quota cannot
+        hold).  A member waiting for its turn in its group needs one when
+        the member first in line can go (if it is still asking) or loses
+        its turn, and its own quota can pay.
+        """
+        group_of = self.group_of
+        if group_of is None:
+            return quota_ready(user)
+        group = group_of(user)
+        if group is None or user in self.debt:
+            return quota_ready(user)
+        debtors = [u for u in self.debt if group_of(u) == group]
+        if debtors:
+            return min(map(quota_ready, debtors))
+        ready = quota_ready(user)
+        line = self._waiting.get(group)
+        if line:
+            first = _first_in_line(line)
+            if first != user:
+                _, asked = line[first]
+                # Asked in this step (and refused: its own quota is spent),
+                # it keeps its turn while it asks; otherwise the turn lapses.
+                turn = quota_ready(first) if asked == now_ns else asked + GROUP_TURN_NS
+                ready = max(ready, turn)
+        return ready
 
     def forget(self, key: Key) -> None:
         """The request left for good."""
