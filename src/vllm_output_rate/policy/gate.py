@@ -139,6 +139,7 @@ class StepGate:
         users on spare capacity (:mod:`~vllm_output_rate.policy.borrow`);
         they are listed in ``plan.borrowed``, not in ``plan.visible``.
         ``waiting``: users whose waiting requests would only run by borrowing."""
+        assert self.borrowing is not None, "borrow() is for a gate built with borrowing"
         borrowed = self.borrowing.offer(self.lanes, self.ledger, spare, waiting)
         if borrowed:
             plan.borrowed = borrowed
@@ -178,7 +179,7 @@ class StepGate:
         ):
             return False
         take_up_to = self.limiter.take_up_to
-        taken: list = []
+        taken: list[tuple[str, int]] = []
         for user, lane in lanes.order.items():
             streams = len(lane.decoding)
             if not streams:

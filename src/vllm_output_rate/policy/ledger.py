@@ -11,13 +11,14 @@ the rest: the single refund point.
 
 from __future__ import annotations
 
-from typing import Callable, Container, Hashable
+from collections import OrderedDict
+from typing import Any, Callable, Container, Hashable
 
 from vllm_output_rate.policy.lanes import Lanes
 from vllm_output_rate.policy.limiter import Limiter
 
 Key = Hashable
-_NOTHING: frozenset = frozenset()
+_NOTHING: frozenset[Key] = frozenset()
 
 
 class Ledger:
@@ -46,9 +47,9 @@ class Ledger:
         #: Keys charged one token in this step (not prepaid) -> user.
         self.charged: dict[Key, str] = {}
         #: Keys the plan paid for in this step.
-        self.prepaid: set | frozenset = _NOTHING
+        self.prepaid: set[Key] | frozenset[Key] = _NOTHING
         #: (user, prepaid keys) per user the plan paid for, in plan order.
-        self.offers: list[tuple[str, list]] = []
+        self.offers: list[tuple[str, list[Key]]] = []
         #: A repeated step: every resident stream is paid for.
         self.all_resident_prepaid = False
         #: Users the plan could not pay every stream for, in plan order.
@@ -87,8 +88,9 @@ class Ledger:
         self.all_resident_prepaid = all_resident_prepaid
         self.prepaid = _NOTHING if all_resident_prepaid else set()
 
-    def prepay(self, user: str, keys: list) -> None:
+    def prepay(self, user: str, keys: list[Key]) -> None:
         """Record that the plan paid for ``keys`` of ``user`` (one bulk take)."""
+        assert isinstance(self.prepaid, set), "a repeated step prepays every stream at once"
         self.prepaid.update(keys)
         self.offers.append((user, keys))
 
@@ -187,7 +189,7 @@ class Ledger:
         self.all_resident_prepaid = False
         return refunded
 
-    def settle_repeat(self, resident: list, sampled: Container[Key], all_sampled: bool) -> int:
+    def settle_repeat(self, resident: list[Key], sampled: Container[Key], all_sampled: bool) -> int:
         """End a repeated step (opened with ``all_resident_prepaid``) that
         started with ``resident``.
 
@@ -210,7 +212,7 @@ class Ledger:
             return 0
         if not all_sampled:
             user_of = self._user_of
-            by_user: dict[str, list] = {}
+            by_user: dict[str, list[Key]] = {}
             for key in resident:
                 by_user.setdefault(user_of[key], []).append(key)
             order = self._lanes.order
@@ -251,7 +253,8 @@ class Ledger:
 
 
 def _settle_offers(
-    offers: list, order: dict, sampled: Container[Key], all_prepaid_sampled: bool,
+    offers: list[tuple[str, list[Key]]], order: OrderedDict[Any, Any], sampled: Container[Key],
+    all_prepaid_sampled: bool,
     refund: Callable[[str, int, int], None], now_ns: int,
 ) -> tuple[int, dict[str, int]]:
     """Settle the plan's prepaid offers; returns (tokens refunded, user ->

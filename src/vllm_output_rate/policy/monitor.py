@@ -30,7 +30,7 @@ series).  :class:`ChargeHistory` keeps a few seconds of cumulative charges to an
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 NS_PER_S = 1_000_000_000
 #: The one series that stands for every user beyond the metrics cap.
@@ -76,7 +76,7 @@ class UserMonitor:
         engine: Mapping[str, int] | None = None,
         prompt_charged: Mapping[str, int] | None = None,
         borrowed: Mapping[str, int] | None = None,
-    ) -> dict:
+    ) -> dict[str, Any]:
         """One report; see the module doc.  ``engine`` holds engine-wide totals.
 
         ``charged`` / ``throttled_ns`` / ``prompt_charged`` are cumulative
@@ -127,7 +127,7 @@ class UserMonitor:
             elif user not in idle_since:
                 idle_since[user] = now_ns
 
-        users: dict[str, list] = {}
+        users: dict[str, list[Any]] = {}
         for user in new_configured.union(labelled):
             active, throttled, waiting = counts.get(user, (0, 0, 0))
             users[user] = [
@@ -141,7 +141,7 @@ class UserMonitor:
             ]
             if borrowed_inc is not None:
                 users[user].append(borrowed_inc.get(user, 0))
-        other = [0, 0.0, 0, 0, 0, None, 0]
+        other: list[Any] = [0, 0.0, 0, 0, 0, None, 0]
         if borrowed_inc is not None:
             other.append(0)
         for user in active_users:

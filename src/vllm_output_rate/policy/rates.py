@@ -11,9 +11,12 @@ from __future__ import annotations
 import math
 from fractions import Fraction
 from numbers import Real
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, Union
 
 from vllm_output_rate.policy.gcra import DEFAULT_BURST_NS, Gcra
+
+#: A rate in tokens per second: a float as configured, or the exact Fraction kept internally.
+Rate = Union[float, Fraction]
 
 
 def exact_rate(value: object, what: str = "rate") -> Fraction:
@@ -50,8 +53,8 @@ class RateTable:
 
     def __init__(
         self,
-        default_rate: float,
-        user_rates: Mapping[str, float] | None = None,
+        default_rate: Rate,
+        user_rates: Mapping[str, Rate] | None = None,
         burst_ns: int = DEFAULT_BURST_NS,
     ) -> None:
         if isinstance(burst_ns, bool) or not isinstance(burst_ns, int) or burst_ns <= 0:

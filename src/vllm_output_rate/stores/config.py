@@ -235,7 +235,9 @@ def add_store_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def merge_store_args(args: argparse.Namespace, section: dict | None) -> dict | None:
+def merge_store_args(
+    args: argparse.Namespace, section: dict[str, Any] | None
+) -> dict[str, Any] | None:
     """Fold the store flags into the ``output_rate`` section (None: feature off)."""
     url = getattr(args, "output_rate_store", None)
     extra = {

@@ -104,7 +104,7 @@ class LeaseBook:
         self._stats = stats
         self._wake_rounds = wake_rounds
         self._config = config
-        self.leases: dict[str, deque] = {}  # user -> deque of [expiry_ns, tokens]
+        self.leases: dict[str, deque[list[int]]] = {}  # user -> deque of [expiry_ns, tokens]
         self.last_expiry: dict[str, int] = {}  # expiry of the lease last spent from
         self.wanted_at: dict[str, int] = {}  # last time the scheduler wanted tokens
         self.short_at: dict[str, int] = {}  # last time the scheduler found none held

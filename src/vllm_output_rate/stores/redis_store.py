@@ -89,7 +89,7 @@ import os
 import socket
 import ssl
 import threading
-from typing import Sequence
+from typing import Any, Sequence
 from urllib.parse import urlsplit
 
 from vllm_output_rate.stores.config import (
@@ -334,10 +334,11 @@ class RedisLeaseBackend:
             return self._lease_cluster(burst_ns, asks, engine)
         self.commands += 1
         if not asks:
+            assert self._client is not None  # made in __init__ outside cluster mode
             self._client.ping()
             return []
         keys = [user_key(self.prefix, a.user) for a in asks]
-        args: list = [burst_ns, IDLE_MARGIN_MS, self._window_us, engine]
+        args: list[Any] = [burst_ns, IDLE_MARGIN_MS, self._window_us, engine]
         for a in asks:
             args += (a.want, a.give_back, a.interval_ns)
         reply = self._lease(keys=keys, args=args)
@@ -362,7 +363,7 @@ class RedisLeaseBackend:
 
     # -- Redis Cluster -----------------------------------------------------
 
-    def _cluster_client(self):
+    def _cluster_client(self) -> Any:
         from redis.cluster import ClusterNode, RedisCluster
 
         if self._client is None:
@@ -404,9 +405,9 @@ class RedisLeaseBackend:
         by_node: dict[str, list[int]] = {}
         for i, key in enumerate(keys):
             by_node.setdefault(client.get_node_from_key(key).name, []).append(i)
-        calls: list[tuple[list[int], list]] = []
+        calls: list[tuple[list[int], list[Any]]] = []
         for members in by_node.values():
-            args: list = [burst_ns, IDLE_MARGIN_MS, self._window_us, engine]
+            args: list[Any] = [burst_ns, IDLE_MARGIN_MS, self._window_us, engine]
             for i in members:
                 args += (asks[i].want, asks[i].give_back, asks[i].interval_ns)
             args += [keys[i] for i in members]
@@ -425,13 +426,16 @@ class RedisLeaseBackend:
                 grants[i] = LeaseGrant(int(g), int(w))
         return grants  # type: ignore[return-value]
 
-    def _pipeline(self, client, command: str, script: str, calls) -> list:
+    def _pipeline(
+        self, client: Any, command: str, script: str, calls: Sequence[tuple[list[int], list[Any]]]
+    ) -> list[Any]:
         """One script call per node group, all in one pipeline; replies or exceptions."""
         pipe = client.pipeline()
         for _, argv in calls:
             pipe.execute_command(command, script, 1, *argv)
         self.commands += len(calls)
-        return pipe.execute(raise_on_error=False)
+        replies: list[Any] = pipe.execute(raise_on_error=False)
+        return replies
 
     # -- both ----------------------------------------------------------------
 
@@ -451,7 +455,7 @@ def _credentials(url: str, password_env: str) -> tuple[str | None, str | None]:
     return user, password
 
 
-def _bounded(timeout_s: float) -> dict:
+def _bounded(timeout_s: float) -> dict[str, Any]:
     """Client options under which no call waits longer than ``timeout_s`` per
     step (connect, each reply) and a failure is reported, never retried."""
     from redis.backoff import NoBackoff
@@ -460,10 +464,10 @@ def _bounded(timeout_s: float) -> dict:
     return dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0))
 
 
-def _standalone_client(url: str, password: str | None, timeout_s: float):
+def _standalone_client(url: str, password: str | None, timeout_s: float) -> Any:
     import redis
 
-    extra = {} if split_userinfo(url)[1] or not password else {"password": password}
+    extra: dict[str, Any] = {} if split_userinfo(url)[1] or not password else {"password": password}
     scheme = urlsplit(url).scheme
     if scheme != "unix":
         extra["connection_class"] = _bounded_connection_class(scheme == "rediss")
@@ -508,7 +512,7 @@ def _bounded_lookup(host: str, port: int, timeout_s: float) -> BaseException | N
 
 
 @functools.lru_cache(maxsize=None)
-def _bounded_connection_class(tls: bool):
+def _bounded_connection_class(tls: bool) -> Any:
     """redis-py's TCP (or TLS) connection whose name lookup has the connect timeout.
 
     redis-py bounds the connect and every reply but not the lookup of the
@@ -518,8 +522,8 @@ def _bounded_connection_class(tls: bool):
     """
     from redis.connection import Connection, SSLConnection
 
-    class BoundedLookupConnection(SSLConnection if tls else Connection):
-        def _connect(self):
+    class BoundedLookupConnection(SSLConnection if tls else Connection):  # type: ignore[misc]
+        def _connect(self) -> Any:
             timeout_s = self.socket_connect_timeout or DEFAULT_TIMEOUT_S
             if isinstance(_bounded_lookup(self.host, self.port, timeout_s), TimeoutError):
                 raise socket.timeout(f"name lookup of {self.host!r} did not answer")
@@ -646,7 +650,9 @@ def _resolve(host: str, port: int, timeout_s: float) -> None:
         raise StoreConfigError(f"unknown host {host!r} ({reason})")
 
 
-def _probe_node(client, address: tuple[str, int] | None, scheme: str, password, timeout_s: float) -> None:
+def _probe_node(
+    client: Any, address: tuple[str, int] | None, scheme: str, password: str | None, timeout_s: float
+) -> None:
     """PING, the server's cluster mode and a script call: what every lease round needs."""
     from redis import exceptions as rx
 
@@ -683,7 +689,7 @@ def _probe_node(client, address: tuple[str, int] | None, scheme: str, password, 
         raise StoreConfigError(f"the server is a Redis Cluster node: use {meant}")
 
 
-def _cluster_enabled(client) -> bool | None:
+def _cluster_enabled(client: Any) -> bool | None:
     """Whether the server runs in cluster mode; None when the store user may not ask
     (the engines themselves never need INFO)."""
     from redis.exceptions import NoPermissionError

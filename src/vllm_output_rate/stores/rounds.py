@@ -95,6 +95,7 @@ class LeaseRounds:
         be asked for when nobody can be at the cadence round."""
         book = self._book
         with book.lock:
+            due: int | None
             if self._health.mode is not SHARED:
                 due = self.cadence_ns  # every round is a probe
             else:
