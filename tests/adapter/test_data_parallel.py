@@ -25,6 +25,14 @@ STREAMS = 3
 LIMITS = {"default_user_output_tokens_per_second": RATE}
 
 
+class _StoreClock(FakeClock):
+    """The harness clock, readable as the fake store reads its own (``now``)."""
+
+    @property
+    def now(self) -> int:
+        return self.now_ns
+
+
 def _rank_class(store, clock, rank: int) -> type:
     def factory(settings):
         return LeasedOutputRateLimiter(
@@ -36,11 +44,13 @@ def _rank_class(store, clock, rank: int) -> type:
 
 
 def test_two_ranks_share_one_quota():
-    clock = FakeClock()
+    clock = _StoreClock()
     store = FakeStore(clock)
     ranks = [
         Harness(LIMITS, scheduler_cls=_rank_class(store, clock, i), clock=clock) for i in range(2)
     ]
+    for h in ranks:
+        h.shadow = None  # a one-engine check: ranks on one store split its credit
     for h in ranks:
         for i in range(STREAMS):
             h.add("heavy", prompt_len=10 + i, max_tokens=40)
@@ -58,6 +68,8 @@ def test_two_ranks_share_one_quota():
             assert record.finished and len(record.sample_times) == record.max_tokens, rid
     ids = {h.sched.output_rate_limiter.engine_id for h in ranks}
     assert ids == {"dp0", "dp1"}
+    # Leased from the store throughout (not the local fallback).
+    assert all(h.sched.output_rate_limiter.stats["outages"] == 0 for h in ranks)
     for user in ("heavy", "other"):
         times = sorted(t for h in ranks for r in h.records.values() if r.user == user for t in r.sample_times)
         served = {i for i, h in enumerate(ranks) for r in h.records.values() if r.user == user}
@@ -81,3 +93,45 @@ def test_each_rank_leases_under_its_own_engine_id():
     finally:
         a.close()
         b.close()
+
+
+def test_charged_counter_is_the_tokens_given_when_requests_come_back():
+    """Issue 31: the data-parallel server once counted 243 tokens charged for
+    240 delivered.  A rank that emptied ends with a step that ran nothing, so
+    the next step repeats it (no plan); a new request whose user holds no
+    lease then is admitted cut short of its sampling position, and the
+    repeated step's settlement counted it as a stream that sampled: one
+    token on the per-user counter that was neither taken nor delivered.
+
+    Rounds of requests, each arriving after both ranks emptied and their
+    leases expired: on each rank the counter equals the tokens delivered
+    and the leased tokens spent."""
+    clock = _StoreClock()
+    store = FakeStore(clock)
+    limits = {"default_user_output_tokens_per_second": 20.0}
+    ranks = [
+        Harness(limits, scheduler_cls=_rank_class(store, clock, i), clock=clock) for i in range(2)
+    ]
+    for h in ranks:
+        h.shadow = None  # a one-engine check: ranks on one store split its credit
+    for _ in range(3):
+        for h in ranks:
+            for i in range(3):
+                h.add("u", prompt_len=4 + i, max_tokens=10)
+        for _ in range(5_000):
+            if not any(h.sched.has_requests() for h in ranks):
+                break
+            for h in ranks:
+                h.sched.output_rate_limiter.rounds.pump(clock())
+                if h.sched.has_requests():
+                    h.step(0)
+            clock.advance(10 * MS)
+        clock.advance(1_000 * MS)  # every lease expires
+    for h in ranks:
+        h.drain()
+        delivered = sum(len(r.sample_times) for r in h.records.values())
+        assert delivered == 3 * 3 * 10
+        assert all(r.finished for r in h.records.values())
+        assert h.sched.output_rate_gate.ledger.charged_tokens["u"] == delivered
+        assert h.sched.output_rate_limiter.book.tally.spent_total == delivered
+        assert h.sched.output_rate_limiter.stats["outages"] == 0

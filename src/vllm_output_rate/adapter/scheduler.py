@@ -818,9 +818,14 @@ class OutputRateSchedulerMixin(
             # resident list here), so only the admissions need settling.
             admitted = self._admit_new(self.running, num_resident)
         num_scheduled = output.num_scheduled_tokens
+        # The quick settlement counts every decoding stream in the lanes as
+        # sampled; an admission cut short of its sampling position (its user
+        # could not pay) is one of them now, so such a step settles key by
+        # key (issue 31: tokens counted that were neither taken nor given).
         all_sampled = (
             not self._preempted_in_step
             and len(num_scheduled) - len(admitted) == num_resident
+            and not any(request.is_prefill_chunk for request in admitted)
         )
         self._ledger.settle_repeat(resident, _SampledView(num_scheduled), all_sampled)
         if self._prompt_cost_on:
