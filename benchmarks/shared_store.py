@@ -84,7 +84,7 @@ def bench_calls(rounds: int) -> dict:
             leased.rounds.run(now)
 
     for user in USERS:
-        leased.available(user, lease_clock[0])
+        leased.want(user, lease_clock[0])
     leased.rounds.run(lease_clock[0], only_new=True)
     mem_ns, lease_ns = [], []
     for _ in range(rounds):

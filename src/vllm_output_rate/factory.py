@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_output_rate.policy.borrow import Borrowing, CeiledLimiter
-from vllm_output_rate.policy.groups import CapLimiter, GroupQuotas, GroupShareTable
+from vllm_output_rate.policy.borrow import Borrowing, ShareTable
+from vllm_output_rate.policy.groups import GroupCaps, GroupQuotas, GroupShareTable
 from vllm_output_rate.policy.limiter import Limiter, OutputRateLimiter
+from vllm_output_rate.policy.quota import ComposedLimiter, Level
 from vllm_output_rate.settings import OutputRateSettings
 from vllm_output_rate.stores.backend import LeaseConfig
 from vllm_output_rate.stores.lease import LeasedOutputRateLimiter
@@ -113,18 +114,20 @@ def make_borrowing(
             ceiling = make_ceiling_limiter(settings)
         else:
             ceiling.update_rates(*table.ceilings())
-        own: Limiter = CeiledLimiter(rate_limiter, ceiling, table)
-    else:
-        if ceiling is not None:
-            ceiling.close()
-            ceiling = None
-        own = rate_limiter
+    elif ceiling is not None:
+        ceiling.close()
+        ceiling = None
+    levels = [Level(rate_limiter)]
+    if ceiling is not None:  # a user with a ceiling above its rate pays it too
+        levels.append(Level(ceiling, applies=table.ceiled))
+    cap: GroupCaps | None = None
     if groups is None:
-        shares, cap, limiter = table, None, own
+        shares: ShareTable | GroupShareTable = table
     else:
         shares = GroupShareTable(table, groups)
-        cap = CapLimiter(rate_limiter, ceiling, table, groups)
-        limiter = groups.joint(own)
+        levels += groups.levels()
+        cap = GroupCaps(_own_cap_levels(table, rate_limiter, ceiling), groups)
+    limiter = rate_limiter if len(levels) == 1 else ComposedLimiter(levels)
     if not shares.any_borrower():
         return None, limiter
     if borrowing is None:
@@ -132,3 +135,14 @@ def make_borrowing(
     else:
         borrowing.update(shares, ceiling, cap)
     return borrowing, limiter
+
+
+def _own_cap_levels(table: ShareTable, rate: Limiter, ceiling: Limiter | None) -> list[Level]:
+    """The levels a user's borrowed token is paid on at its own level: its
+    ceiling when it has one above its rate, its rate when it is a hard cap,
+    none without a ceiling."""
+    levels = [Level(rate, applies=lambda user: not table.borrows(user))]
+    if ceiling is not None:
+        levels.insert(0, Level(ceiling, applies=table.ceiled))
+    return levels
+

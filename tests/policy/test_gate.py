@@ -671,19 +671,19 @@ def test_cleanup_every_256_plans():
     for i in range(1, 256):
         gate.plan(t + i, 1)
         gate.ledger.settle(set())
-    assert lim.tracked_users() == 1
+    assert len(lim.state) == 1
     assert lim.cleanups == []
     gate.plan(t + 256, 1)
     assert lim.cleanups == [t + 256]
-    assert lim.tracked_users() == 0
+    assert len(lim.state) == 0
     assert lim.try_take("idle-user", t + 300)
     for i in range(257, 512):
         gate.plan(t + i + S, 1)
-    assert lim.tracked_users() == 1
+    assert len(lim.state) == 1
     assert len(lim.cleanups) == 1
     gate.plan(t + 512 + S, 1)
     assert lim.cleanups == [t + 256, t + 512 + S]
-    assert lim.tracked_users() == 0
+    assert len(lim.state) == 0
 
 
 def test_cleanup_keeps_users_with_debt():
@@ -691,11 +691,11 @@ def test_cleanup_keeps_users_with_debt():
     add(gate, "slow", "s")
     step(gate, 0, 1)  # slow's TAT is now 2 s
     gate.plan(S, 1)
-    assert lim.tracked_users() == 1
+    assert len(lim.state) == 1
     gate.ledger.settle(set())
     gate.lanes.release("s")
     gate.plan(2 * S, 1)
-    assert lim.tracked_users() == 0
+    assert len(lim.state) == 0
 
 
 # ---------------------------------------------------------------------------

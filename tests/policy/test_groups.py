@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 from gate_harness import MS, S, GateWorld, bound, max_in_window
 from vllm_output_rate.factory import make_borrowing, make_group_quotas, make_limiter
 from vllm_output_rate.policy.gate import StepGate
-from vllm_output_rate.policy.groups import CapLimiter
+from vllm_output_rate.policy.groups import GroupCaps
+from vllm_output_rate.policy.quota import payers
 from vllm_output_rate.policy.prompt_cost import PromptCost
 from vllm_output_rate.settings import OutputRateSettings
 
@@ -84,8 +85,8 @@ def test_cap_of_each_level():
     }, {"lend": {"rate": 10, "ceil": 50}, "capped": 10})
     w = World(s)
     cap = w.borrowing.cap
-    assert isinstance(cap, CapLimiter)
-    levels = {user: [(lim, key) for lim, key in cap._levels(user)] for user in
+    assert isinstance(cap, GroupCaps)
+    levels = {user: list(payers(cap, user)) for user in
               ("hard", "free", "ceiled", "alone")}
     groups = w.groups
     assert levels["hard"] == [(w.rate, "hard"), (groups.ceiling, "lend")]

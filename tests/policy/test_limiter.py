@@ -141,7 +141,7 @@ def test_rates_and_burst_are_reported():
     assert lim.rates.exact_rate_of("slow") == Fraction(1, 10)
     assert lim.rates.exact_rate_of("third") == Fraction(7, 3)
     assert lim.rates.exact_rate_of("anyone") == Fraction(5, 2)
-    assert lim.tracked_users() == 0
+    assert len(lim.state) == 0
 
 
 # ---------------------------------------------------------------------------
@@ -161,7 +161,7 @@ def test_fresh_user_gets_burst_plus_one_then_even_pacing():
     assert not lim.try_take("u", t + 10 * MS - 1)
     assert lim.try_take("u", t + 10 * MS)
     assert not lim.try_take("u", t + 10 * MS)
-    assert lim.tracked_users() == 1
+    assert len(lim.state) == 1
 
 
 def test_users_are_independent_and_overrides_apply():
@@ -196,7 +196,7 @@ def test_ready_at_rounds_up_to_whole_nanosecond():
 def test_refund_for_unknown_user_is_noop():
     lim = OutputRateLimiter(5)
     lim.refund("ghost", 10)
-    assert lim.tracked_users() == 0
+    assert len(lim.state) == 0
     assert lim.available("ghost", 10) == 1
 
 
@@ -206,7 +206,7 @@ def test_refund_restores_immediately():
     assert lim.available("u", 0) == 0
     lim.refund("u", 0)
     assert lim.available("u", 0) == 1
-    assert lim.tracked_users() == 0  # idle again, state dropped
+    assert len(lim.state) == 0  # idle again, state dropped
     assert lim.try_take("u", 0)
 
 
@@ -214,13 +214,13 @@ def test_cleanup_drops_only_idle_users():
     lim = OutputRateLimiter(1, {"fast": 1000})
     assert lim.try_take("slow", 0)
     assert lim.try_take("fast", 0)
-    assert lim.tracked_users() == 2
+    assert len(lim.state) == 2
     # fast's TAT = 1 ms, slow's TAT = 1 s.
     assert lim.cleanup_idle_users(MS - 1) == 0
     assert lim.cleanup_idle_users(MS) == 1  # TAT == now is not in the future
-    assert lim.tracked_users() == 1
+    assert len(lim.state) == 1
     assert lim.cleanup_idle_users(S) == 1
-    assert lim.tracked_users() == 0
+    assert len(lim.state) == 0
     assert lim.cleanup_idle_users(2 * S) == 0
 
 
@@ -537,14 +537,14 @@ def test_cleanup_never_changes_any_later_outcome(seq_data, data):
         t += gap
         if data.draw(st.integers(0, 3), label="cleanup") == 0:
             cleaned += b.cleanup_idle_users(t)
-            assert b.tracked_users() <= a.tracked_users()
+            assert len(b.state) <= len(a.state)
         assert run_op(a, op, user, t) == run_op(b, op, user, t), (op, user, t)
         for u in USERS:
             assert observe(a, u, t) == observe(b, u, t)
     # After a cleanup at the end, nothing idle is tracked.
     end = t + 10**12
     b.cleanup_idle_users(end)
-    assert b.tracked_users() == 0
+    assert len(b.state) == 0
     for u in USERS:
         assert observe(a, u, end) == observe(b, u, end)
 
@@ -607,14 +607,14 @@ def test_take_up_to_equals_single_takes_until_the_first_refusal(seq_data, data):
 def test_bulk_take_examples():
     lim = OutputRateLimiter(20)  # 3 tokens when idle (100 ms burst, 50 ms interval)
     assert not lim.try_take("u", 0, 4)
-    assert lim.tracked_users() == 0  # all or none
+    assert len(lim.state) == 0  # all or none
     assert lim.try_take("u", 0, 3)
     assert lim.available("u", 0) == 0
     assert lim.ready_at_ns("u", 0) == 50 * MS
     lim.refund("u", 0, 2)
     assert lim.available("u", 0) == 2
     lim.refund("u", 0, 5)  # more than outstanding: back to idle
-    assert lim.tracked_users() == 0
+    assert len(lim.state) == 0
     assert lim.available("u", 0) == 3
 
 
@@ -712,7 +712,7 @@ def test_injected_store_holds_the_state_and_behaves_like_the_default():
 def test_default_store_is_a_plain_dict():
     # The scheduler calls the limiter every step; the default store must stay
     # the cheapest mapping there is.
-    assert type(OutputRateLimiter(5)._tat) is dict
+    assert type(OutputRateLimiter(5).state) is dict
 
 
 # ---------------------------------------------------------------------------

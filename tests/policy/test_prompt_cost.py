@@ -126,9 +126,9 @@ def test_a_chunk_not_scheduled_is_refunded_exactly():
     track(lanes, "a")
     track(lanes, "b")
     now = S
-    before = dict(limiter._tat)
+    before = dict(limiter.state)
     step(prompt, ledger, now, [("a", 0, 100, 400), ("b", 0, 50, 400)], scheduled=set())
-    assert limiter.net == 0 and not prompt.debt and limiter._tat == before
+    assert limiter.net == 0 and not prompt.debt and limiter.state == before
     assert prompt.credit.get("u", 0) == 0 and not prompt.prompt_tokens
     # One of two kept: exactly its cost, credit below one token.
     step(prompt, ledger, now, [("a", 0, 100, 400), ("b", 0, 50, 400)], scheduled={"b"})

@@ -128,21 +128,22 @@ def test_each_engine_counts_a_users_leases_asks_and_spending():
     store = FakeStore(clock)
     a, b = engine(store, clock, engine_id="a"), engine(store, clock, engine_id="b")
     assert a.figures("u") == {}  # never asked for
-    a.available("u", clock.now)
+    a.want("u", clock.now)
     a.rounds.run(clock.now, only_new=True)  # 3 tokens: the lease size at 30 tok/s
     store.tats["u"] += 6 * 33_333_334  # another engine's 6 tokens, just now
-    b.available("u", clock.now)
+    b.want("u", clock.now)
     b.rounds.run(clock.now, only_new=True)  # the store's 0.3 s of credit is used up: refused
     assert a.take_up_to("u", clock.now, 3) == 3
     a.refund("u", clock.now, 1)
     clock.now += 26 * MS  # half a round later: less than a token interval of headroom
-    b.available("u", clock.now)
+    b.want("u", clock.now)
     assert b.rounds.run(clock.now) == 1
     assert b.take_up_to("u", clock.now, 1) == 1
     assert b.figures("u") == {"asks": 2, "refused": 1, "leased": 1, "spent": 1,
                               "returned": 0, "expired": 0}
     clock.now += CFG.lifetime_ns
     assert a.available("u", clock.now) == 0  # the refunded token expired unspent
+    a.want("u", clock.now)
     a.rounds.run(clock.now)  # hands it back, and asks again (still short)
     assert a.figures("u") == {"asks": 2, "refused": 0, "leased": 6, "spent": 2,
                               "returned": 1, "expired": 1}
@@ -161,7 +162,7 @@ def test_refund_restores_until_the_lease_expires():
     clock = Clock()
     store = FakeStore(clock)
     lim = engine(store, clock)
-    lim.available("u", clock.now)
+    lim.want("u", clock.now)
     lim.rounds.run(clock.now, only_new=True)
     assert lim.take_up_to("u", clock.now, 3) == 3
     lim.refund("u", clock.now, 2)
@@ -181,7 +182,7 @@ def test_engines_share_one_quota():
     a, b = engine(store, clock), engine(store, clock)
     store.tats["u"] = clock.now + 200 * MS  # 0.2 s of the quota spent elsewhere just now
     for lim in (a, b):
-        lim.available("u", clock.now)
+        lim.want("u", clock.now)
     assert a.rounds.run(clock.now, only_new=True) == 3
     # In memory 30 tok/s with the 100 ms of credit left allows 4 at once;
     # the store's interval is rounded up to whole ns (33_333_334), so 3
@@ -199,12 +200,12 @@ def test_rates_changes_reach_the_asks():
     lim = engine(store, clock, default=30, rates={"v": 10})
     assert lim.update_rates(30, {"v": 1000}) == []  # nobody wanted quota yet
     assert lim.rates.exact_rate_of("v") == 1000
-    lim.available("v", clock.now)
+    lim.want("v", clock.now)
     lim.rounds.run(clock.now, only_new=True)
     assert store.calls[-1] == [LeaseAsk("v", 100, 0, 1_000_000)]
     assert lim.available("v", clock.now) == 100
     assert lim.rates.configured() == (Fraction(30), {"v": Fraction(1000)})
-    lim.available("w", clock.now)  # short: w is tracked from now on
+    lim.want("w", clock.now)  # short: w is tracked from now on
     # The reload log's figure: tracked users whose rate changed, and only them.
     assert lim.update_rates(30, {"v": 1000, "w": 5}) == ["w"]
     assert lim.update_rates(40, {"v": 1000, "w": 5}) == []  # both have overrides
@@ -218,12 +219,12 @@ def test_rate_changes_count_users_of_the_local_fallback():
     store = FakeStore(clock)
     lim = engine(store, clock, default=40, expected_engines=2)
     store.down = True
-    lim.available("u", clock.now)
+    lim.want("u", clock.now)
     lim.rounds.run(clock.now, only_new=True)
     clock.now += CFG.outage_after_ns
-    lim.available("u", clock.now)  # still short: the next round asks again
+    lim.want("u", clock.now)  # still short: the next round asks again
     lim.rounds.run(clock.now)
-    assert lim.mode == LOCAL
+    assert lim.health.mode == LOCAL
     lim.cleanup_idle_users(clock.now + S)  # the lease book forgets u ...
     assert lim.take_up_to("x", clock.now + S, 1) == 1  # ... the local limiter tracks x
     assert lim.update_rates(40, {"x": 40}) == []  # same rate
@@ -234,7 +235,7 @@ def test_outage_local_fallback_then_shared_again(caplog):
     clock = Clock()
     store = FakeStore(clock)
     lim = engine(store, clock, default=40, expected_engines=2)
-    lim.available("u", clock.now)
+    lim.want("u", clock.now)
     lim.rounds.run(clock.now, only_new=True)
     assert lim.available("u", clock.now) == 4
     store.down = True
@@ -243,13 +244,13 @@ def test_outage_local_fallback_then_shared_again(caplog):
             clock.now += 50 * MS
             lim.take_up_to("u", clock.now, 4)  # u keeps wanting quota
             lim.rounds.run(clock.now)
-            assert lim.mode == SHARED
+            assert lim.health.mode == SHARED
         assert lim.stats["failed_rounds"] == 5
         for _ in range(5):
             clock.now += 50 * MS
-            lim.available("u", clock.now)  # still wanted (and no take in local mode)
+            lim.want("u", clock.now)  # still wanted (and no take in local mode)
             lim.rounds.run(clock.now)
-    assert lim.mode == LOCAL
+    assert lim.health.mode == LOCAL
     outage_lines = [r for r in caplog.records if "unreachable" in r.getMessage()]
     assert len(outage_lines) == 1 and "fake://store" in outage_lines[0].getMessage()
     # Held leases were dropped; the local limiter runs at 40 / 2 = 20 tok/s.
@@ -264,7 +265,7 @@ def test_outage_local_fallback_then_shared_again(caplog):
     with caplog.at_level(logging.WARNING):
         lim.rounds.run(clock.now)
         lim.rounds.run(clock.now + 50 * MS)
-    assert lim.mode == SHARED
+    assert lim.health.mode == SHARED
     assert [r.getMessage() for r in caplog.records if "answers again" in r.getMessage()]
     assert lim.stats["outages"] == 1
 
@@ -275,14 +276,14 @@ def test_outage_closed_fallback_pauses_everyone():
     lim = engine(store, clock, fallback=CLOSED)
     store.down = True
     lim.rounds.run(clock.now)  # nobody wants quota: no round trip, nothing noticed
-    assert lim.mode == SHARED and not store.calls
+    assert lim.health.mode == SHARED and not store.calls
     assert lim.take_up_to("u", clock.now, 3) == 0
     lim.rounds.run(clock.now, only_new=True)  # asks for u, which fails
-    assert lim.mode == SHARED  # one failed round trip is not an outage yet
+    assert lim.health.mode == SHARED  # one failed round trip is not an outage yet
     clock.now += CFG.outage_after_ns
     assert lim.take_up_to("u", clock.now, 3) == 0
     lim.rounds.run(clock.now)
-    assert lim.mode == CLOSED
+    assert lim.health.mode == CLOSED
     assert lim.take_up_to("u", clock.now, 3) == 0
     assert not lim.try_take("u", clock.now)
     assert lim.available("u", clock.now) == 0
@@ -290,7 +291,7 @@ def test_outage_closed_fallback_pauses_everyone():
     store.down = False
     clock.now += 50 * MS
     assert lim.rounds.run(clock.now) == 0  # during an outage a round is a probe
-    assert lim.mode == SHARED and store.calls[-1] == []
+    assert lim.health.mode == SHARED and store.calls[-1] == []
     assert lim.take_up_to("u", clock.now, 3) == 0  # u is short: asked for next round
     clock.now += 50 * MS
     assert lim.rounds.run(clock.now) == 3
@@ -304,13 +305,13 @@ def test_idle_rounds_between_failed_ones_do_not_delay_the_outage():
     clock = Clock()
     store = FakeStore(clock)
     lim = engine(store, clock)
-    lim.available("u", clock.now)
+    lim.want("u", clock.now)
     lim.rounds.run(clock.now, only_new=True)  # the last answer
     answered = clock.now
     store.down = True
     idle = 0
     first_failure = None
-    while lim.mode == SHARED and clock.now < answered + 2 * S:
+    while lim.health.mode == SHARED and clock.now < answered + 2 * S:
         clock.now += 20 * MS
         lim.take_up_to("u", clock.now, 8)  # u keeps wanting quota
         failed = lim.stats["failed_rounds"]
@@ -322,7 +323,7 @@ def test_idle_rounds_between_failed_ones_do_not_delay_the_outage():
     # u was asked for 20 ms before: every other round sends nothing.  (Before
     # the fix each idle round counted as an answer: never an outage here.)
     assert idle >= 3
-    assert lim.mode == LOCAL
+    assert lim.health.mode == LOCAL
     # An idle round came right after the answer (nothing known since), so the
     # silence counts from the first failed round trip: noticed by the first
     # failed round outage_after_ns after it (rounds fail every 40 ms here).
@@ -351,7 +352,7 @@ def test_cleanup_forgets_users_not_wanted_lately():
     clock = Clock()
     store = FakeStore(clock)
     lim = engine(store, clock)
-    lim.available("u", clock.now)
+    lim.want("u", clock.now)
     lim.rounds.run(clock.now, only_new=True)
     lim.take_up_to("u", clock.now, 3)
     assert lim.book.users() == {"u"}
@@ -483,7 +484,7 @@ def share_run(rounds_ms, demand, seconds=20, rate=30, store=None, clock=None, en
                     got[i] += k
                     credit[i] -= k
                 else:
-                    lim.available("u", clock.now)
+                    lim.want("u", clock.now)
         clock.now += 5 * MS
     return got
 
@@ -736,7 +737,7 @@ def test_a_new_request_does_not_wait_out_the_lease_threads_sleep():
     rounds._wake.clear()
     short_at = clock.now
     for _ in range(10):
-        lim.available("fresh", clock.now)
+        lim.want("fresh", clock.now)
         wake = rounds.next_round_ns
         assert wake <= short_at + CFG.round_ns * 6 // 5 + CFG.round_ns // 10
         clock.now = max(clock.now + MS, wake)
@@ -773,7 +774,7 @@ def test_a_new_user_is_added_to_the_book_only_under_its_lock():
     store = FakeStore(clock)
     lim = engine(store, clock)
     checked = lim.book.wanted_at = _InsertsChecked(lim.book.lock)
-    lim.available("known", clock.now)
+    lim.want("known", clock.now)
     lim.rounds.run(clock.now, only_new=True)
     assert lim.take_up_to("known", clock.now, 1) == 1  # the lock-free path
     for i in range(20):
@@ -837,9 +838,9 @@ def _until_outage(lim, store, clock) -> None:
     """Store down; rounds every 50 ms, the user still wanting quota, until
     the fallback is in force."""
     store.down = True
-    while lim.mode == SHARED:
+    while lim.health.mode == SHARED:
         clock.now += 50 * MS
-        lim.available("u", clock.now)
+        lim.want("u", clock.now)
         lim.rounds.run(clock.now)
 
 
@@ -849,8 +850,9 @@ def _until_leased(lim, store, clock) -> int:
     store.down = False
     while True:
         clock.now += 50 * MS
+        lim.want("u", clock.now)
         held = lim.available("u", clock.now)
-        if held and lim.mode == SHARED:
+        if held and lim.health.mode == SHARED:
             return held
         lim.rounds.run(clock.now)
 
@@ -869,7 +871,7 @@ def test_a_refund_of_leased_tokens_during_an_outage_cancels_no_local_debt():
     _until_leased(lim, store, clock)
     assert lim.take_up_to("u", clock.now, 1) == 1  # from a lease
     _until_outage(lim, store, clock)
-    assert lim.mode == LOCAL
+    assert lim.health.mode == LOCAL
     local_before = lim.local.available("u", clock.now)
     assert local_before == 0  # still paying the first outage's token back
     lim.refund("u", clock.now, 1)

@@ -325,12 +325,12 @@ def test_a_node_down_is_an_outage_then_shared_again(cluster, prefix, caplog):
     try:
         with caplog.at_level(logging.WARNING, logger="vllm_output_rate.stores.lease"):
             run_engines(lims, users, 1.0)
-            assert all(lim.mode == SHARED for lim in lims)
+            assert all(lim.health.mode == SHARED for lim in lims)
             cluster.kill(1)
             deadline = time.monotonic_ns() + 10 * S
-            while time.monotonic_ns() < deadline and not all(l.mode == LOCAL for l in lims):
+            while time.monotonic_ns() < deadline and not all(l.health.mode == LOCAL for l in lims):
                 run_engines(lims, users, 0.05)
-            assert all(lim.mode == LOCAL for lim in lims)
+            assert all(lim.health.mode == LOCAL for lim in lims)
             # Local fallback: every user keeps being served, at rate / 2 per engine.
             local = run_engines(lims, users, 1.5)
             for per_engine in local:
@@ -346,10 +346,10 @@ def test_a_node_down_is_an_outage_then_shared_again(cluster, prefix, caplog):
             # cluster_state:ok, so they go back to the shared quota after that.
             restarted_at = time.monotonic_ns()
             while time.monotonic_ns() < restarted_at + 20 * S and not all(
-                l.mode == SHARED for l in lims
+                l.health.mode == SHARED for l in lims
             ):
                 run_engines(lims, users, 0.05)
-            assert all(lim.mode == SHARED for lim in lims)
+            assert all(lim.health.mode == SHARED for lim in lims)
             after = run_engines(lims, users, 1.5)
             for user in users:
                 assert sum(len(s[user]) for s in after) <= bound(int(1.5 * S), rate, 2)
@@ -382,11 +382,11 @@ def test_seed_list_and_unreachable_cluster_at_start(cluster, prefix):
     try:
         assert isinstance(lim, LeasedOutputRateLimiter) and lim.backend.cluster
         t0 = time.monotonic_ns()
-        lim.available("u", t0)
+        lim.want("u", t0)
         assert lim.rounds.run(t0) == 0
-        lim.available("u", t0 + 400 * MS)  # still short: the next round asks again
+        lim.want("u", t0 + 400 * MS)  # still short: the next round asks again
         lim.rounds.run(t0 + 400 * MS)  # no answer for 0.3 s: fall back
-        assert lim.mode == LOCAL
+        assert lim.health.mode == LOCAL
         assert lim.take_up_to("u", t0 + 400 * MS, 1) == 1
     finally:
         lim.close()

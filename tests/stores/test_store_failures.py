@@ -315,10 +315,10 @@ def _limiter(url: str, fallback: str) -> LeasedOutputRateLimiter:
 def _spend_until(lim: LeasedOutputRateLimiter, mode: str) -> str:
     """Keep a user asking (as a busy scheduler does) until ``mode`` or the hang guard."""
     deadline = time.monotonic() + LIVENESS_S
-    while time.monotonic() < deadline and lim.mode != mode:
+    while time.monotonic() < deadline and lim.health.mode != mode:
         lim.take_up_to("u", time.monotonic_ns(), 2)
         time.sleep(0.005)
-    return lim.mode
+    return lim.health.mode
 
 
 def _shared_and_answering(lim: LeasedOutputRateLimiter) -> bool:
@@ -327,7 +327,7 @@ def _shared_and_answering(lim: LeasedOutputRateLimiter) -> bool:
     while time.monotonic() < deadline and lim.stats["round_trips"] < 1:
         lim.take_up_to("u", time.monotonic_ns(), 2)
         time.sleep(0.005)
-    return lim.mode == SHARED and lim.stats["round_trips"] >= 1
+    return lim.health.mode == SHARED and lim.stats["round_trips"] >= 1
 
 
 @pytest.mark.parametrize("fallback", [LOCAL, CLOSED])

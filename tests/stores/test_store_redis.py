@@ -178,14 +178,14 @@ def test_redis_killed_then_restarted(prefix, caplog):
     try:
         with caplog.at_level(logging.WARNING, logger="vllm_output_rate.stores.lease"):
             spent = run_engines(lims, "u", 1.5)
-            assert all(lim.mode == SHARED for lim in lims)
+            assert all(lim.health.mode == SHARED for lim in lims)
             srv.stop()  # SIGKILL: an abrupt outage
             deadline = time.monotonic_ns() + LIVENESS_S * S
-            while time.monotonic_ns() < deadline and not all(l.mode == LOCAL for l in lims):
+            while time.monotonic_ns() < deadline and not all(l.health.mode == LOCAL for l in lims):
                 for lim in lims:
                     lim.take_up_to("u", time.monotonic_ns(), 1)
                 time.sleep(0.01)
-            assert all(lim.mode == LOCAL for lim in lims)
+            assert all(lim.health.mode == LOCAL for lim in lims)
             # Local fallback: each engine serves, within rate / expected engines.
             local = run_engines(lims, "u", 3.0)
             for per in local:
@@ -194,11 +194,11 @@ def test_redis_killed_then_restarted(prefix, caplog):
                 assert len(per) <= Fraction(span + DEFAULT_BURST_NS, S) * Fraction(rate, n) + 1
             srv.start()  # same port, empty (no persistence)
             deadline = time.monotonic_ns() + LIVENESS_S * S
-            while time.monotonic_ns() < deadline and not all(l.mode == SHARED for l in lims):
+            while time.monotonic_ns() < deadline and not all(l.health.mode == SHARED for l in lims):
                 for lim in lims:
                     lim.take_up_to("u", time.monotonic_ns(), 1)
                 time.sleep(0.01)
-            assert all(lim.mode == SHARED for lim in lims)
+            assert all(lim.health.mode == SHARED for lim in lims)
             # Shared again: one quota for both engines, and it serves.
             after = run_engines(lims, "u", 2.0)
             assert 0 < sum(map(len, after)) <= bound(2 * S, rate, n)
@@ -228,9 +228,9 @@ def test_engine_restart_gets_no_fresh_burst(server, prefix):
     clock.now += 5 * MS
     backend = redis_on_clock(server.url, clock, prefix)
     fresh = LeasedOutputRateLimiter(rate, {}, backend, clock=clock, start=False)
-    fresh.available("u", clock.now)
+    fresh.want("u", clock.now)
     assert fresh.rounds.run(clock.now, only_new=True) == 0  # debt is still in Redis
-    fresh.available("someone-else", clock.now)
+    fresh.want("someone-else", clock.now)
     assert fresh.rounds.run(clock.now, only_new=True) == 1  # a new user: one lease
     # Asked directly for more than a lease: u still nothing, a new user its burst.
     clock.now += 5 * MS
@@ -255,11 +255,11 @@ def test_password_from_env_is_used_and_never_shown(prefix, monkeypatch, caplog):
         srv.stop()
         with caplog.at_level(logging.WARNING):
             deadline = time.monotonic_ns() + LIVENESS_S * S
-            while lim.mode != LOCAL and time.monotonic_ns() < deadline:
-                lim.available("u", time.monotonic_ns())
+            while lim.health.mode != LOCAL and time.monotonic_ns() < deadline:
+                lim.want("u", time.monotonic_ns())
                 lim.rounds.run(time.monotonic_ns())
                 time.sleep(0.05)
-        assert lim.mode == LOCAL
+        assert lim.health.mode == LOCAL
         assert caplog.records and all("s3cret" not in r.getMessage() for r in caplog.records)
         lim.close()
         backend.close()
@@ -410,8 +410,8 @@ def test_store_mode_and_totals_reach_prometheus_and_follow_an_outage(prefix):
         assert first[("vllm:output_rate_store_spent_tokens_total", None)] == spent
         assert lim.figures("u")["spent"] == spent and lim.figures("u")["leased"] >= spent
         srv.stop()
-        spend(LIVENESS_S, until=lambda: lim.mode == LOCAL)
-        assert lim.mode == LOCAL
+        spend(LIVENESS_S, until=lambda: lim.health.mode == LOCAL)
+        assert lim.health.mode == LOCAL
         down = scrape()
         assert down[("vllm:output_rate_store_mode", "shared")] == 0
         assert down[("vllm:output_rate_store_mode", "local")] == 1
@@ -419,7 +419,7 @@ def test_store_mode_and_totals_reach_prometheus_and_follow_an_outage(prefix):
         assert down[("vllm:output_rate_store_failed_round_trips_total", None)] >= 1
         assert down[("vllm:output_rate_store_round_trips_total", None)] >= trips
         srv.start()
-        spend(LIVENESS_S, until=lambda: lim.mode == SHARED)
+        spend(LIVENESS_S, until=lambda: lim.health.mode == SHARED)
         spend(0.3)
         back = scrape()
         assert back[("vllm:output_rate_store_mode", "shared")] == 1

@@ -11,15 +11,18 @@ their rate quota may run anyway, *borrowing*:
 
 * **who**: users whose ceiling is above their rate, least weighted borrowed
   service first -- a virtual counter per user (tokens borrowed / weight),
-  one stream at a time (water-filling).  A user that starts borrowing again
-  starts at the smallest counter among the current borrowers (those that
-  could borrow when spare capacity was last offered, or wait for a slot to
-  borrow in), so idle time is never banked.  Free slots for borrowers'
-  waiting requests are handed out the same way (:meth:`Borrowing.admissions`),
-  not in arrival order;
+  one stream at a time (water-filling); a user's own streams borrow oldest
+  first (admission order, as stock vLLM runs requests to completion), so
+  its requests finish one after another, not together.  A user that starts
+  borrowing again starts at the smallest counter among the current
+  borrowers (those that could borrow when spare capacity was last offered,
+  or wait for a slot to borrow in), so idle time is never banked.  Free
+  slots for borrowers' waiting requests are handed out the same way
+  (:meth:`Borrowing.admissions`), not in arrival order;
 * **how much**: a second GCRA at ``ceil`` (the *ceiling* limiter) counts
-  every output token of such a user, guaranteed ones too
-  (:class:`CeiledLimiter` pays a guaranteed token on both quotas), so over
+  every output token of such a user, guaranteed ones too (the factory
+  composes the two quotas, :class:`~.quota.ComposedLimiter`, so a guaranteed
+  token is paid on both), so over
   any window ``W`` the user gets at most ``(W + burst) * ceil + 1`` tokens.
   Borrowed tokens are paid on the ceiling only: they are not debt on the
   rate quota.  No ceiling (``ceil: None``): borrowing is bounded by room only;
@@ -49,7 +52,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
-from typing import Any, Collection, Container, Hashable, Mapping, Sequence
+from typing import Collection, Container, Hashable, Mapping, Protocol, Sequence, cast
 
 from vllm_output_rate.policy.lanes import Lanes
 from vllm_output_rate.policy.ledger import Ledger
@@ -106,6 +109,10 @@ class ShareTable:
         """Users of this table are in no group (see ``policy/groups.py``)."""
         return None
 
+    def group_weight(self, group: str) -> float:
+        """Never asked: users of this table are in no group."""
+        raise KeyError(group)
+
     def ceilings(self) -> tuple[float, dict[str, float]]:
         """Default and per-user ceilings for the ceiling limiter (a rate
         where there is no finite ceiling: those users never ask it)."""
@@ -125,81 +132,40 @@ class ShareTable:
         return any(self.borrows(u) for u in self._users)
 
 
-class CeiledLimiter:
-    """The guaranteed quota of users with a ceiling, paid on both quotas.
+class BorrowerTable(Protocol):
+    """What :class:`Borrowing` asks of a table of shares: a :class:`ShareTable`,
+    or with groups a :class:`~.groups.GroupShareTable`."""
 
-    A :class:`~.limiter.Limiter` over the rate limiter ``rate`` and the
-    ceiling limiter ``ceiling``: for a user with a finite ceiling above its
-    rate a take succeeds only as far as both allow and is taken from both;
-    every other user is the rate limiter's alone.  Only used while some user
-    borrows (otherwise the gate holds the rate limiter itself).
-    """
+    def borrows(self, user: str) -> bool:
+        """Is the user's ceiling above its rate (or absent)?"""
 
-    def __init__(self, rate: Limiter, ceiling: Limiter, table: ShareTable) -> None:
-        self.rate = rate
-        self.ceiling = ceiling
-        self.table = table
+    def ceiled(self, user: str) -> bool:
+        """Does it borrow up to a finite ceiling (paid on the cap)?"""
 
-    def rate_of(self, user: str) -> float:
-        return self.rate.rate_of(user)
+    def weight(self, user: str) -> float:
+        """Its weight among the borrowers of its scope."""
 
-    def available(self, user: str, now_ns: int) -> int:
-        got = self.rate.available(user, now_ns)
-        if got and self.table.ceiled(user):
-            return min(got, self.ceiling.available(user, now_ns))
-        return got
+    def group_of(self, user: str) -> str | None:
+        """Its group (None: none)."""
 
-    def try_take(self, user: str, now_ns: int, count: int = 1) -> bool:
-        if not self.table.ceiled(user):
-            return self.rate.try_take(user, now_ns, count)
-        if self.ceiling.available(user, now_ns) < count:
-            return False
-        if not self.rate.try_take(user, now_ns, count):
-            return False
-        if not self.ceiling.try_take(user, now_ns, count):
-            self.rate.refund(user, now_ns, count)
-            return False
-        return True
+    def group_weight(self, group: str) -> float:
+        """A group's weight among the groups and ungrouped users."""
 
-    def take_up_to(self, user: str, now_ns: int, count: int) -> int:
-        if not self.table.ceiled(user):
-            return self.rate.take_up_to(user, now_ns, count)
-        room = self.ceiling.available(user, now_ns)
-        taken = self.rate.take_up_to(user, now_ns, min(count, room))
-        if taken:
-            paid = self.ceiling.take_up_to(user, now_ns, taken)
-            if paid < taken:
-                self.rate.refund(user, now_ns, taken - paid)
-                taken = paid
-        return taken
+    def ceilings(self) -> tuple[float, dict[str, float]]:
+        """Default and per-user ceilings for the ceiling limiter."""
 
-    def refund(self, user: str, now_ns: int, count: int = 1) -> None:
-        self.rate.refund(user, now_ns, count)
-        if self.table.ceiled(user):
-            self.ceiling.refund(user, now_ns, count)
+    def any_borrower(self) -> bool:
+        """Does anybody borrow?"""
 
-    def ready_at_ns(self, user: str, now_ns: int) -> int:
-        """When the user can run anything again: its guaranteed quota for a
-        user that does not borrow, else when it may borrow (the ceiling's
-        time; now without a ceiling)."""
-        if not self.table.borrows(user):
-            return self.rate.ready_at_ns(user, now_ns)
-        if self.table.ceiled(user):
-            return self.ceiling.ready_at_ns(user, now_ns)
-        return now_ns
 
-    def cleanup_idle_users(self, now_ns: int) -> int:
-        self.ceiling.cleanup_idle_users(now_ns)
-        return self.rate.cleanup_idle_users(now_ns)
+class GroupedCap(Limiter, Protocol):
+    """The cap with groups (:class:`~.groups.GroupCaps`): its levels apart."""
 
-    def update_rates(self, default_rate: float, user_rates: Mapping[str, float] | None = None) -> list[str]:
-        return self.rate.update_rates(default_rate, user_rates)
+    def own_available(self, user: str, now_ns: int) -> int:
+        """What the user's own level lets it borrow now."""
 
-    def figures(self) -> dict[str, int]:
-        return self.rate.figures()
-
-    def close(self) -> None:
-        """Nothing of its own: the owners of both limiters close them."""
+    def group_available(self, group: str, now_ns: int) -> int | None:
+        """What the group's cap lets all its members borrow now (None: no cap)."""
 
 
 class Borrowing:
@@ -210,17 +176,20 @@ class Borrowing:
 
     ``ceiling`` is the users' ceiling quota (None when only groups borrow);
     borrowed tokens are paid on ``cap``: the ceiling itself, or with groups
-    every level's cap (:class:`~.groups.CapLimiter`).  With groups the
+    every level's cap (:class:`~.groups.GroupCaps`).  With groups the
     ``table`` names each user's group (``group_of``, ``group_weight``), and
     spare capacity is shared in two levels: between groups and users without
     one by their weights (a counter per group: tokens borrowed / group
     weight), then inside a group by its members' weights.
     """
 
-    def __init__(self, table: ShareTable, ceiling: Limiter | None, cap: Any = None) -> None:
+    def __init__(
+        self, table: BorrowerTable, ceiling: Limiter | None, cap: Limiter | None = None
+    ) -> None:
         self.table = table
         self.ceiling = ceiling
-        self.cap = ceiling if cap is None else cap
+        #: What borrowed tokens are paid on (None: nobody has a finite ceiling).
+        self.cap: Limiter | None = ceiling if cap is None else cap
         #: user -> borrowed tokens that sampled, cumulative.
         self.borrowed_tokens: dict[str, int] = {}
         #: user -> tokens borrowed / weight (the virtual counter).
@@ -235,13 +204,16 @@ class Borrowing:
         self.active: set[str] = set()
         self.active_groups: set[str] = set()
         #: (user, keys) borrowed in the current step.
-        self.step: list[tuple[str, list]] = []
+        self.step: list[tuple[str, list[Key]]] = []
         self._now_ns = 0
 
-    def offer(self, lanes: Lanes, ledger: Ledger, room: int, waiting: Collection[str] = ()) -> list:
+    def offer(
+        self, lanes: Lanes, ledger: Ledger, room: int, waiting: Collection[str] = ()
+    ) -> list[Key]:
         """Borrow at most ``room`` hidden streams of users the plan found
-        short; pay them on the ceiling and mark them paid in the ledger.
-        Returns the borrowed keys, in the order chosen.
+        short, each user's oldest first; pay them on the ceiling and mark
+        them paid in the ledger.  Returns the borrowed keys, in the order
+        chosen.
 
         ``waiting``: users with waiting requests that would only run by
         borrowing.  They are current borrowers too (backlogged, waiting for
@@ -264,8 +236,8 @@ class Borrowing:
         scopes = self.scopes
         group_counters = self.group_counters
         floors = self._floors()
-        heap: list = []
-        streams: dict[str, list] = {}
+        heap: list[tuple[float, float, int, str]] = []
+        streams: dict[str, list[Key]] = {}
         #: group -> what its own cap lets all of its members borrow (None: no cap).
         group_left: dict[str, int | None] = {}
         for index, user in enumerate(ledger.short):
@@ -275,11 +247,18 @@ class Borrowing:
             if lane is None:
                 continue
             hidden = [k for k in lane.decoding if lane_of.get(k) == user and k not in prepaid]
+            if len(hidden) > 1:
+                # Oldest first, as stock vLLM runs requests to completion:
+                # borrowed in rotation, a user's requests would progress in
+                # lockstep and finish together, and its clients' turnaround
+                # would then leave it nothing to borrow with (issue 33).
+                lanes.in_admission_order(hidden)
             group = group_of(user)
             if table.ceiled(user) and hidden:
                 # A group's own cap is shared by its members (group_left
                 # below): a member it holds back stays a borrower.
-                room_now = cap.available if group is None else cap.own_available
+                assert cap is not None  # a ceiled user pays its ceiling
+                room_now = cap.available if group is None else cast(GroupedCap, cap).own_available
                 hidden = hidden[: room_now(user, now)]
             if not hidden:
                 continue
@@ -287,7 +266,7 @@ class Borrowing:
             start = counters[user] = self._start(user, floors)
             scopes[user] = group
             if group is not None and group not in group_left:
-                group_left[group] = cap.group_available(group, now)
+                group_left[group] = cast(GroupedCap, cap).group_available(group, now)
                 group_counters[group] = self._group_start(group, floors)
             heap.append((start if group is None else group_counters[group], start, index, user))
         # Users waiting for a slot to borrow in are current borrowers too.
@@ -309,7 +288,7 @@ class Borrowing:
         heapq.heapify(heap)
         step_groups = dict(group_counters) if group_left else group_counters
         taken: dict[str, int] = {}
-        order: list = []
+        order: list[Key] = []
         while heap and room > 0:
             primary, counter, index, user = heapq.heappop(heap)
             group = group_of(user) if group_left else None
@@ -333,15 +312,17 @@ class Borrowing:
                 primary = step_groups[group] = step_groups[group] + 1 / table.group_weight(group)
             if got + 1 < len(streams[user]):
                 heapq.heappush(heap, (primary, counter, index, user))
-        unpaid: set = set()
+        unpaid: set[Key] = set()
         for user, count in taken.items():
             keys = streams[user][:count]
             if table.ceiled(user):
+                assert cap is not None
                 paid = cap.take_up_to(user, now, count)
                 if paid < count:  # a quota that shrank since it was asked
                     unpaid.update(keys[paid:])
                     keys = keys[:paid]
             self.step.append((user, keys))
+            assert isinstance(prepaid, set), "a repeated step borrows nothing"
             prepaid.update(keys)
         if unpaid:
             order = [k for k in order if k not in unpaid]
@@ -350,7 +331,9 @@ class Borrowing:
     def can_lend(self, user: str, now_ns: int) -> bool:
         """Would :meth:`lend` pay for one token of ``user`` now?  Takes nothing."""
         table = self.table
-        return table.borrows(user) and (not table.ceiled(user) or self.cap.available(user, now_ns) > 0)
+        if not table.borrows(user):
+            return False
+        return not table.ceiled(user) or (self.cap is not None and self.cap.available(user, now_ns) > 0)
 
     def lend(self, ledger: Ledger, user: str, key: Key) -> bool:
         """Borrow the sampled token of a request of ``user`` given a slot by
@@ -364,10 +347,11 @@ class Borrowing:
         table = self.table
         if not table.borrows(user):
             return False
-        if table.ceiled(user) and self.cap.take_up_to(user, ledger.now_ns, 1) < 1:
+        if table.ceiled(user) and (self.cap is None or self.cap.take_up_to(user, ledger.now_ns, 1) < 1):
             return False
         self._now_ns = ledger.now_ns
         self.step.append((user, [key]))
+        assert isinstance(ledger.prepaid, set), "a repeated step lends nothing"
         ledger.prepaid.add(key)
         return True
 
@@ -402,7 +386,7 @@ class Borrowing:
         floors = self._floors()
         #: group -> its counter plus what it is committed to, per group weight.
         group_keys: dict[str, float] = {}
-        heap: list = []
+        heap: list[tuple[float, float, int, str, int]] = []
         for index, (user, costs) in enumerate(queued.items()):
             if not costs or not table.borrows(user):
                 continue
@@ -476,7 +460,7 @@ class Borrowing:
         for user, keys in self.step:
             served = {k for k in keys if k in sampled}
             unserved = len(keys) - len(served)
-            if unserved and table.ceiled(user):
+            if unserved and table.ceiled(user) and self.cap is not None:
                 self.cap.refund(user, self._now_ns, unserved)
             if not served:
                 continue
@@ -503,7 +487,9 @@ class Borrowing:
                 del counters[user]
                 self.scopes.pop(user, None)
 
-    def update(self, table: ShareTable, ceiling: Limiter | None, cap: Any = None) -> None:
+    def update(
+        self, table: BorrowerTable, ceiling: Limiter | None, cap: Limiter | None = None
+    ) -> None:
         """New shares and quotas (a reload); counters and totals are kept,
         except those of users the new table puts in another scope.
 

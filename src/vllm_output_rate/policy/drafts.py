@@ -43,9 +43,9 @@ went down afterwards would read as a restart (the whole total counted
 again).  So the total only grows.
 
 **Refunds go to who paid.**  A draft is refunded to the quotas that were
-charged for it, remembered at :meth:`DraftAccount.pay`: the limiter of
-that moment and, for a limiter paid together with a group
-(:class:`~.joint.JointLimiter`), the user's group of that moment.  Under
+charged for it, remembered at :meth:`DraftAccount.pay`
+(:func:`~.quota.payers`: every level of a composed limiter, under the key
+the user paid it with then, such as its group of that moment).  Under
 async scheduling a step's output arrives after the next step started, and a
 reload may have moved the user to another group (or given it a ceiling) in
 between: the new group never paid for those drafts.
@@ -58,34 +58,12 @@ from __future__ import annotations
 from collections import deque
 from typing import Any, Callable, Hashable
 
-from vllm_output_rate.policy.joint import JointLimiter
 from vllm_output_rate.policy.limiter import Limiter
+from vllm_output_rate.policy.quota import Payers, payers, refund_payers
 
 Key = Hashable
-#: Who was charged for a draft: the limiter that took it and, for a joint
-#: limiter, the shared key (the user's group) it was paid on then.
-Payer = tuple[Limiter, "str | None"]
-#: One key's drafts: (user, drafts, payer).
-Paid = tuple[str, int, Payer]
-
-
-def _payer(limiter: Limiter, user: str) -> Payer:
-    """Who a take of ``user``'s on ``limiter`` is paid by now."""
-    if isinstance(limiter, JointLimiter):
-        return limiter, limiter.shared_key(user)
-    return limiter, None
-
-
-def _refund(payer: Payer, user: str, now_ns: int, count: int) -> None:
-    """Give ``count`` back to the quotas ``payer`` names, whatever the
-    user's group is now."""
-    limiter, shared = payer
-    if isinstance(limiter, JointLimiter):
-        limiter.own.refund(user, now_ns, count)
-        if shared is not None:
-            limiter.shared.refund(shared, now_ns, count)
-    else:
-        limiter.refund(user, now_ns, count)
+#: One key's drafts: (user, drafts, the quotas that paid them).
+Paid = tuple[str, int, Payers]
 
 
 class DraftAccount:
@@ -127,7 +105,7 @@ class DraftAccount:
         if paid:
             earlier = self._paid.get(key)
             if earlier is None:
-                self._paid[key] = (user, paid, _payer(limiter, user))
+                self._paid[key] = (user, paid, payers(limiter, user))
             else:  # a second payment in the same step: no reload in between
                 self._paid[key] = (user, earlier[1] + paid, earlier[2])
         return paid
@@ -144,7 +122,7 @@ class DraftAccount:
         for key, (user, count, payer) in paid.items():
             keep = min(count, max(scheduled(key), 0))
             if keep < count:
-                _refund(payer, user, now_ns, count - keep)
+                refund_payers(payer, now_ns, count - keep)
                 refunded += count - keep
             if keep:
                 kept[key] = (user, keep, payer)
@@ -175,7 +153,7 @@ class DraftAccount:
             if emitted:
                 charged[user] = charged.get(user, 0) + emitted
             if emitted < count:
-                _refund(payer, user, now_ns, count - emitted)
+                refund_payers(payer, now_ns, count - emitted)
                 refunded += count - emitted
         self.rejected_total += refunded
         return refunded

@@ -68,8 +68,7 @@ from __future__ import annotations
 
 from typing import Collection, Hashable
 
-from vllm_output_rate.policy.borrow import Borrowing, CeiledLimiter
-from vllm_output_rate.policy.joint import JointLimiter
+from vllm_output_rate.policy.borrow import Borrowing
 from vllm_output_rate.policy.lanes import Lanes
 from vllm_output_rate.policy.ledger import Ledger
 from vllm_output_rate.policy.limiter import Limiter
@@ -77,7 +76,7 @@ from vllm_output_rate.policy.plan import StepPlan, plan_step
 from vllm_output_rate.policy.prompt_cost import PromptCost
 
 __all__ = [
-    "CLEANUP_EVERY_STEPS", "MAX_IDLE_WAIT_NS", "StepGate", "StepPlan", "guaranteed_ready_at_ns",
+    "CLEANUP_EVERY_STEPS", "MAX_IDLE_WAIT_NS", "StepGate", "StepPlan",
 ]
 
 Key = Hashable
@@ -208,8 +207,8 @@ class StepGate:
     def ready_at_ns(self, user: str, now_ns: int) -> int:
         """When ``user``, blocked in a step that ran nothing, can run again.
 
-        Its guaranteed quota must pay a token (every level of it,
-        :func:`guaranteed_ready_at_ns`) and its prompt cost let it go (debt
+        Its guaranteed quota must pay a token (every level of it: the
+        limiter's ready time) and its prompt cost let it go (debt
         paid, its group's turn come).  Borrowing is another way in, but in a
         step that ran nothing it already had its chance: a borrower it did
         not run is waiting for something borrowing does not pay (a prompt
@@ -221,7 +220,7 @@ class StepGate:
         limiter = self.ledger.limiter
 
         def quota_ready(who: str) -> int:
-            return guaranteed_ready_at_ns(limiter, who, now_ns)
+            return limiter.ready_at_ns(who, now_ns)
 
         prompt_cost = self.prompt_cost
         if prompt_cost is None:
@@ -254,25 +253,3 @@ class StepGate:
                 result[user] = (count, 0)
         return result
 
-
-def guaranteed_ready_at_ns(limiter: Limiter, user: str, now_ns: int) -> int:
-    """When ``limiter`` can pay ``user`` one guaranteed token: when every
-    quota it pays on can.
-
-    :meth:`Limiter.ready_at_ns` of the gate's limiter, except through a
-    :class:`~.borrow.CeiledLimiter`, whose answer for a borrower is when it
-    may *borrow* (now, without a ceiling): not when its own quota pays, which
-    is what a prompt chunk, a prompt debt or an in-turn admission waits for.
-    """
-    if isinstance(limiter, JointLimiter):
-        ready = guaranteed_ready_at_ns(limiter.own, user, now_ns)
-        key = limiter.shared_key(user)
-        if key is not None:
-            ready = max(ready, guaranteed_ready_at_ns(limiter.shared, key, now_ns))
-        return ready
-    if isinstance(limiter, CeiledLimiter):
-        ready = limiter.rate.ready_at_ns(user, now_ns)
-        if limiter.table.ceiled(user):
-            ready = max(ready, limiter.ceiling.ready_at_ns(user, now_ns))
-        return ready
-    return limiter.ready_at_ns(user, now_ns)

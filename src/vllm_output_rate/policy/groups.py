@@ -10,11 +10,12 @@ prompt cost) is paid on the user's quotas *and* on the group's, and a token
 goes only when both levels can pay:
 
 * a *guaranteed* token needs the user's guaranteed quota (its rate, and its
-  ceiling when it has one above the rate) and the group's (likewise);
-  :class:`~.joint.JointLimiter` pays both, all or nothing per token;
+  ceiling when it has one above the rate) and the group's (likewise): the
+  factory composes the levels (:class:`~.quota.ComposedLimiter`), which pays
+  them all, all or nothing per token;
 * a *borrowed* token (spare capacity, :mod:`.borrow`) needs each level's
   *cap*: its ceiling when it has one above its rate, its rate when it is a
-  hard cap, nothing without a ceiling (:class:`CapLimiter`).  So a user may
+  hard cap, nothing without a ceiling (:class:`GroupCaps`).  So a user may
   borrow when either level may (a hard-capped user of a group with a ceiling
   spends its own rate beyond the group's rate, up to the group's ceiling),
   and every level's ceiling bounds every token of it.
@@ -43,14 +44,11 @@ group per budget holder.
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Callable, Mapping, Sequence
 
-from vllm_output_rate.policy.borrow import CeiledLimiter, ShareTable
-from vllm_output_rate.policy.joint import JointLimiter
+from vllm_output_rate.policy.borrow import ShareTable
 from vllm_output_rate.policy.limiter import Limiter
-
-#: What a quota without a cap could pay for: more than any step asks.
-_UNBOUNDED = 1 << 62
+from vllm_output_rate.policy.quota import ComposedLimiter, Level
 
 
 def _cap(table: ShareTable, key: str, rate: Limiter, ceiling: Limiter | None) -> Limiter | None:
@@ -108,18 +106,39 @@ class GroupQuotas:
         return out
 
     def guaranteed(self) -> Limiter:
-        """The groups' guaranteed quota: rate, and ceiling for a group with one."""
+        """The groups' guaranteed quota, keyed by group: rate, and ceiling for
+        a group with one."""
         if self.ceiling is None:
             return self.rate
-        return CeiledLimiter(self.rate, self.ceiling, self.table)
+        return ComposedLimiter(self.levels(_group))
+
+    def levels(self, key_of: Callable[[str], str | None] | None = None) -> list[Level]:
+        """The levels of the groups' guaranteed quota, paid by each user under
+        its group (``key_of``: another mapping to groups)."""
+        key_of = self.of if key_of is None else key_of
+        levels = [Level(self.rate, key_of)]
+        if self.ceiling is not None:
+            levels.append(Level(self.ceiling, key_of, self._ceiled))
+        return levels
+
+    def cap_levels(self) -> list[Level]:
+        """The levels a borrowed token of a user is paid on at its group: the
+        group's ceiling when it has one above its rate, its rate when it is a
+        hard cap, none without a ceiling."""
+        levels = [Level(self.rate, self.of, self._hard_capped)]
+        if self.ceiling is not None:
+            levels.insert(0, Level(self.ceiling, self.of, self._ceiled))
+        return levels
+
+    def _ceiled(self, group: str) -> bool:
+        return self.table.ceiled(group)
+
+    def _hard_capped(self, group: str) -> bool:
+        return not self.table.borrows(group)
 
     def cap(self, group: str) -> Limiter | None:
         """The quota a borrowed token of ``group`` is paid on (None: none)."""
         return _cap(self.table, group, self.rate, self.ceiling)
-
-    def joint(self, own: Limiter) -> JointLimiter:
-        """Users' guaranteed quota ``own`` paid together with their groups'."""
-        return JointLimiter(own, self.guaranteed(), self.of)
 
     def close(self) -> None:
         self.rate.close()
@@ -133,7 +152,7 @@ class GroupShareTable:
 
     A user *borrows* when its own limit or its group's has room above the
     rate; it is *ceiled* (its borrowed tokens are paid on a quota,
-    :class:`CapLimiter`) unless neither level has a ceiling.  A user without a
+    :class:`GroupCaps`) unless neither level has a ceiling.  A user without a
     group is the users' table's alone.
     """
 
@@ -170,36 +189,25 @@ class GroupShareTable:
         return self.users.any_borrower() or self.groups.table.any_borrower()
 
 
-class CapLimiter:
-    """The quota borrowed tokens are paid on, per user, at both levels.
+class GroupCaps(ComposedLimiter):
+    """The quota borrowed tokens are paid on, per user, at both levels: what
+    :class:`~.borrow.Borrowing` needs of its cap.
 
-    What :class:`~.borrow.Borrowing` needs of its ceiling (``available``,
-    ``take_up_to``, ``refund``), over users: each level (the user, its group)
-    with a cap contributes one quota -- its ceiling when it has one above its
-    rate, its rate when it is a hard cap -- and a token is taken only when all
-    of them can pay, from all of them.  ``ceiling`` is the users' ceiling
-    limiter (None while no user has a ceiling above its rate).
+    A composition of the user's own cap levels ``own`` (its ceiling when it
+    has one above its rate, its rate when it is a hard cap) and its group's
+    (:meth:`GroupQuotas.cap_levels`): a token is taken only when all of them
+    can pay, from all of them.  Borrowing also asks each level alone, since
+    a group's cap is shared by its members within a step.
     """
 
-    def __init__(self, rate: Limiter, ceiling: Limiter | None, users: ShareTable, groups: GroupQuotas) -> None:
-        self.rate = rate
-        self.ceiling = ceiling
-        self.users = users
+    def __init__(self, own: Sequence[Level], groups: GroupQuotas) -> None:
+        super().__init__([*own, *groups.cap_levels()])
+        self._own = ComposedLimiter(own)
         self.groups = groups
 
-    def _own(self, user: str) -> Limiter | None:
-        """The user's own cap, its group's aside."""
-        return _cap(self.users, user, self.rate, self.ceiling)
-
-    def _levels(self, user: str) -> list[tuple[Limiter, str]]:
-        own = self._own(user)
-        levels: list[tuple[Limiter, str]] = [] if own is None else [(own, user)]
-        group = self.groups.of(user)
-        if group is not None:
-            cap = self.groups.cap(group)
-            if cap is not None:
-                levels.append((cap, group))
-        return levels
+    def own_available(self, user: str, now_ns: int) -> int:
+        """Tokens the user's own cap could pay for now, its group's aside."""
+        return self._own.available(user, now_ns)
 
     def group_available(self, group: str, now_ns: int) -> int | None:
         """Tokens ``group``'s own cap could pay for now, shared by its members
@@ -207,37 +215,6 @@ class CapLimiter:
         cap = self.groups.cap(group)
         return None if cap is None else cap.available(group, now_ns)
 
-    def own_available(self, user: str, now_ns: int) -> int:
-        """Tokens the user's own cap could pay for now, its group's aside."""
-        own = self._own(user)
-        return _UNBOUNDED if own is None else own.available(user, now_ns)
 
-    def available(self, user: str, now_ns: int) -> int:
-        return min((limiter.available(key, now_ns) for limiter, key in self._levels(user)), default=_UNBOUNDED)
-
-    def take_up_to(self, user: str, now_ns: int, count: int) -> int:
-        """Take as many of ``count`` as every level allows, from every level."""
-        levels = self._levels(user)
-        taken = min(count, self.available(user, now_ns))
-        if taken <= 0:
-            return 0
-        paid: list[tuple[Limiter, str]] = []
-        for limiter, key in levels:
-            got = limiter.take_up_to(key, now_ns, taken)
-            if got < taken:
-                for earlier, earlier_key in paid:
-                    earlier.refund(earlier_key, now_ns, taken - got)
-                taken = got
-            paid.append((limiter, key))
-        return taken
-
-    def refund(self, user: str, now_ns: int, count: int = 1) -> None:
-        for limiter, key in self._levels(user):
-            limiter.refund(key, now_ns, count)
-
-    def ready_at_ns(self, user: str, now_ns: int) -> int:
-        """When every level's cap can pay one token again."""
-        return max((limiter.ready_at_ns(key, now_ns) for limiter, key in self._levels(user)), default=now_ns)
-
-    def close(self) -> None:
-        """Nothing of its own: the owners of the quotas close them."""
+def _group(group: str) -> str:
+    return group

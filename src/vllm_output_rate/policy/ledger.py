@@ -95,7 +95,9 @@ class Ledger:
         self.offers.append((user, keys))
 
     def fall_short(self, user: str) -> None:
-        """The plan could not pay for every stream of ``user``: it is blocked."""
+        """The plan could not pay for every stream of ``user``: it is blocked
+        (and its next token declared wanted)."""
+        self.limiter.want(user, self.now_ns)
         self.short.append(user)
         self.blocked.add(user)
 
@@ -117,7 +119,8 @@ class Ledger:
         return False
 
     def can_charge(self, key: Key) -> bool:
-        """Would :meth:`charge` succeed now?  Takes nothing; a no is remembered."""
+        """Would :meth:`charge` succeed now?  Takes nothing; a no is remembered
+        (and the token declared wanted)."""
         if key in self.charged or key in self.prepaid or (
             self.all_resident_prepaid and key in self._lane_of
         ):
@@ -127,6 +130,7 @@ class Ledger:
             return False
         if self.limiter.available(user, self.now_ns) > 0:
             return True
+        self.limiter.want(user, self.now_ns)
         self.refused.add(user)
         self.blocked.add(user)
         return False
@@ -140,10 +144,14 @@ class Ledger:
         )
 
     def quota_now(self, user: str) -> int:
-        """Tokens ``user`` could still be charged in this step (0 once refused)."""
+        """Tokens ``user`` could still be charged in this step (0 once
+        refused; none left declares the next token wanted)."""
         if user in self.refused:
             return 0
-        return self.limiter.available(user, self.now_ns)
+        left = self.limiter.available(user, self.now_ns)
+        if not left:
+            self.limiter.want(user, self.now_ns)
+        return left
 
     def is_served_now(self, key: Key) -> bool:
         """Was a decoding stream of the key's user paid for in this step?"""

@@ -33,7 +33,7 @@ from __future__ import annotations
 from typing import Mapping, MutableMapping, Protocol
 
 from vllm_output_rate.policy.gcra import DEFAULT_BURST_NS, NS_PER_S  # noqa: F401  (re-exported)
-from vllm_output_rate.policy.rates import RateTable, exact_rate  # noqa: F401  (re-exported)
+from vllm_output_rate.policy.rates import Rate, RateTable, exact_rate  # noqa: F401  (re-exported)
 
 #: The per-user state store of the in-memory limiter: ``user -> TAT`` on the
 #: user's scaled clock; a user without an entry is idle.  Any
@@ -45,16 +45,22 @@ StateStore = MutableMapping[str, int]
 class Limiter(Protocol):
     """What the gate and the scheduler need of a per-user output-token quota.
 
-    Implemented by :class:`OutputRateLimiter` (one engine, in memory) and by
-    the store layer's leased limiter (one quota shared by several engines).
-    Every operation takes ``now_ns`` from the caller's monotonic clock.
+    Implemented by :class:`OutputRateLimiter` (one engine, in memory), by the
+    store layer's leased limiter (one quota shared by several engines) and by
+    :class:`~.quota.ComposedLimiter` (several quotas paid together).  Every
+    operation takes ``now_ns`` from the caller's monotonic clock.  Asking
+    (``available``, ``ready_at_ns``) changes nothing; demand is declared by
+    ``want`` (a take that comes up short declares its shortfall itself).
     """
 
     def rate_of(self, user: str) -> float:
         """The user's configured tokens per second."""
 
     def available(self, user: str, now_ns: int) -> int:
-        """How many tokens the user could take in a row at ``now_ns``."""
+        """How many tokens the user could take in a row at ``now_ns``; no side effect."""
+
+    def want(self, user: str, now_ns: int, count: int = 1) -> None:
+        """Declare that the user needs ``count`` tokens it may not hold (a leased quota asks its store)."""
 
     def try_take(self, user: str, now_ns: int, count: int = 1) -> bool:
         """Take ``count`` tokens if the quota allows all of them; else take none."""
@@ -66,17 +72,16 @@ class Limiter(Protocol):
         """Give back ``count`` tokens taken earlier and not used."""
 
     def ready_at_ns(self, user: str, now_ns: int) -> int:
-        """The earliest time >= ``now_ns`` at which the user can take one token."""
+        """The earliest time >= ``now_ns`` at which the user can take one token; no side effect."""
 
     def cleanup_idle_users(self, now_ns: int) -> int:
         """Forget users whose quota is whole again; return how many."""
 
-    def update_rates(self, default_rate: float, user_rates: Mapping[str, float] | None = None) -> list[str]:
+    def update_rates(self, default_rate: Rate, user_rates: Mapping[str, Rate] | None = None) -> list[str]:
         """Replace the configured rates; return the active users whose rate changed."""
 
     def figures(self, user: str | None = None) -> dict[str, int]:
-        """Counters for the metrics endpoint, or with ``user`` that user's
-        (both empty for a limiter without a store)."""
+        """Store counters for the metrics endpoint, or with ``user`` that user's ({} without a store)."""
 
     def close(self) -> None:
         """Release what the limiter holds (threads, connections)."""
@@ -88,7 +93,8 @@ class OutputRateLimiter:
     ``default_rate`` applies to every user without an entry in
     ``user_rates``.  Rates are tokens per second (positive, finite, may be
     fractional).  ``burst_ns`` is how far a user's TAT may run ahead of now.
-    The rates are :attr:`rates` (a :class:`~.rates.RateTable`).
+    The rates are :attr:`rates` (a :class:`~.rates.RateTable`), the per-user
+    state :attr:`state`.
 
     All methods take ``now_ns`` from the caller; callers must never pass a
     time earlier than one they passed before (a monotonic clock).
@@ -96,8 +102,8 @@ class OutputRateLimiter:
 
     def __init__(
         self,
-        default_rate: float,
-        user_rates: Mapping[str, float] | None = None,
+        default_rate: Rate,
+        user_rates: Mapping[str, Rate] | None = None,
         burst_ns: int = DEFAULT_BURST_NS,
         store: StateStore | None = None,
     ) -> None:
@@ -105,11 +111,12 @@ class OutputRateLimiter:
         self.burst_ns = burst_ns
         # The table's own dict and default, read directly on the hot path.
         self._overrides, self._default = self.rates.overrides, self.rates.default
-        # user -> TAT on that user's scaled clock.  Absent == idle.
-        self._tat: StateStore = {} if store is None else store
+        #: user -> TAT on that user's scaled clock (absent == idle); its
+        #: length is how many users hold limiter state.
+        self.state: StateStore = {} if store is None else store
 
     def update_rates(
-        self, default_rate: float, user_rates: Mapping[str, float] | None = None
+        self, default_rate: Rate, user_rates: Mapping[str, Rate] | None = None
     ) -> list[str]:
         """Replace the configured rates; return the tracked users whose rate changed.
 
@@ -125,7 +132,7 @@ class OutputRateLimiter:
         TAT: a take needs ``TAT - now <= burst`` whatever came before.)
         """
         old, new = self.rates, RateTable(default_rate, user_rates, self.burst_ns)
-        tat = self._tat
+        tat = self.state
         changed = old.changed_for(new, list(tat))
         for user in changed:
             tat[user] = old.of(user).moved_to(tat[user], new.of(user))
@@ -137,10 +144,6 @@ class OutputRateLimiter:
         """Configured tokens/s of ``user``."""
         return float(self._overrides.get(user, self._default).rate)
 
-    def tracked_users(self) -> int:
-        """How many users currently hold limiter state."""
-        return len(self._tat)
-
     def ready_at_ns(self, user: str, now_ns: int) -> int:
         """Earliest time >= ``now_ns`` at which ``try_take(user)`` succeeds.
 
@@ -148,11 +151,14 @@ class OutputRateLimiter:
         succeeds and a take one nanosecond earlier does not (unless the
         returned value is ``now_ns`` itself).
         """
-        return self._overrides.get(user, self._default).ready_at(self._tat, user, now_ns)
+        return self._overrides.get(user, self._default).ready_at(self.state, user, now_ns)
 
     def available(self, user: str, now_ns: int) -> int:
         """How many takes in a row would succeed for ``user`` at ``now_ns``."""
-        return self._overrides.get(user, self._default).available(self._tat, user, now_ns)
+        return self._overrides.get(user, self._default).available(self.state, user, now_ns)
+
+    def want(self, user: str, now_ns: int, count: int = 1) -> None:
+        """Nothing to ask for: every token is here."""
 
     def try_take(self, user: str, now_ns: int, count: int = 1) -> bool:
         """Take ``count`` tokens of ``user``'s quota at ``now_ns``, all or none.
@@ -162,7 +168,7 @@ class OutputRateLimiter:
         """
         if count <= 0:
             return True
-        return self._overrides.get(user, self._default).take_all(self._tat, user, now_ns, count)
+        return self._overrides.get(user, self._default).take_all(self.state, user, now_ns, count)
 
     def take_up_to(self, user: str, now_ns: int, count: int) -> int:
         """Take as many of ``count`` tokens as ``user``'s quota allows at ``now_ns``.
@@ -171,7 +177,7 @@ class OutputRateLimiter:
         :meth:`try_take` calls at the same instant, stopping at the first
         refusal, would take -- in one computation.
         """
-        return self._overrides.get(user, self._default).take_up_to(self._tat, user, now_ns, count)
+        return self._overrides.get(user, self._default).take_up_to(self.state, user, now_ns, count)
 
     def refund(self, user: str, now_ns: int, count: int = 1) -> None:
         """Give back ``count`` tokens taken earlier at a time <= ``now_ns``.
@@ -180,7 +186,7 @@ class OutputRateLimiter:
         (it is idle, so its quota is already whole) does nothing; a refund
         that leaves TAT at or before now makes the user idle again.
         """
-        self._overrides.get(user, self._default).refund(self._tat, user, now_ns, count)
+        self._overrides.get(user, self._default).refund(self.state, user, now_ns, count)
 
     def cleanup_idle_users(self, now_ns: int) -> int:
         """Forget users whose TAT is not in the future; return how many.
@@ -189,9 +195,9 @@ class OutputRateLimiter:
         it changes no later outcome; it only bounds memory.
         """
         of = self.rates.of
-        idle = [user for user, tat in self._tat.items() if of(user).is_idle(tat, now_ns)]
+        idle = [user for user, tat in self.state.items() if of(user).is_idle(tat, now_ns)]
         for user in idle:
-            del self._tat[user]
+            del self.state[user]
         return len(idle)
 
     def figures(self, user: str | None = None) -> dict[str, int]:

@@ -140,6 +140,7 @@ class PromptCost:
         if not self.debt.get(user) and not self._held_by_group(user) and user not in ledger.refused:
             if ledger.is_charged(key) or ledger.limiter.available(user, ledger.now_ns) > 0:
                 return True
+            ledger.limiter.want(user, ledger.now_ns)
         ledger.refused.add(user)
         ledger.blocked.add(user)
         return False

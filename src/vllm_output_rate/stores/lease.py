@@ -118,11 +118,11 @@ import os
 import socket
 import threading
 import time
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 
 from vllm_output_rate.policy.gcra import DEFAULT_BURST_NS
 from vllm_output_rate.policy.limiter import OutputRateLimiter
-from vllm_output_rate.policy.rates import RateTable
+from vllm_output_rate.policy.rates import Rate, RateTable
 from vllm_output_rate.stores.backend import LOCAL, MODES, MS, SHARED, LeaseBackend, LeaseConfig
 from vllm_output_rate.stores.fingerprints import LimitsFingerprints
 from vllm_output_rate.stores.health import StoreHealth
@@ -152,7 +152,7 @@ class TakeSources:
     KEEP_RUNS = 2
 
     def __init__(self) -> None:
-        self.runs: dict[str, list[list]] = {}
+        self.runs: dict[str, list[list[Any]]] = {}
 
     def took(self, user: str, source: str, count: int, now_ns: int) -> None:
         runs = self.runs.get(user)
@@ -199,7 +199,8 @@ class LeasedOutputRateLimiter:
     of a shared GCRA quota.
 
     Same meaning as the in-memory limiter's, except that quota arrives from
-    the store in leases: ``available`` is what this engine holds now,
+    the store in leases: ``available`` is what this engine holds now (asking
+    for more is :meth:`want`, or a take that comes up short),
     ``ready_at_ns`` is when the next lease is expected (an estimate, never
     "now" while nothing is held).  Thread-safe: the scheduler thread and the
     lease thread share the book's lock, held only for dict work, never
@@ -208,13 +209,14 @@ class LeasedOutputRateLimiter:
 
     Parts, for tests and benchmarks: :attr:`rates`, :attr:`book`,
     :attr:`rounds` (``run``, ``pump``, ``drive_by_hand``), :attr:`health`,
-    :attr:`fingerprints`, :attr:`local` (the fallback limiter), :attr:`stats`.
+    :attr:`fingerprints`, :attr:`local` (the fallback limiter), :attr:`stats`;
+    the mode in force (shared, or the fallback) is ``health.mode``.
     """
 
     def __init__(
         self,
-        default_rate: float,
-        user_rates: Mapping[str, float] | None,
+        default_rate: Rate,
+        user_rates: Mapping[str, Rate] | None,
         backend: LeaseBackend,
         burst_ns: int = DEFAULT_BURST_NS,
         config: LeaseConfig = LeaseConfig(),
@@ -247,16 +249,11 @@ class LeasedOutputRateLimiter:
         if start:
             self.rounds.start()
 
-    @property
-    def mode(self) -> str:
-        """``shared`` while the store answers, else the fallback in force."""
-        return self.health.mode
-
     def rate_of(self, user: str) -> float:
         return float(self.rates.exact_rate_of(user))
 
     def update_rates(
-        self, default_rate: float, user_rates: Mapping[str, float] | None = None
+        self, default_rate: Rate, user_rates: Mapping[str, Rate] | None = None
     ) -> list[str]:
         """New limits; return the users this engine tracks whose rate changed.
 
@@ -278,12 +275,19 @@ class LeasedOutputRateLimiter:
         mode = self.health.mode
         if mode is not SHARED:
             return self.local.available(user, now_ns) if mode is LOCAL else 0
+        with self.book.lock:
+            return self.book.held(user, now_ns)
+
+    def want(self, user: str, now_ns: int, count: int = 1) -> None:
+        """The user needs ``count`` tokens: unless this engine holds them, the
+        lease thread asks the store for the user (at once for a new user).
+        Nothing to ask for while the store is out."""
+        if self.health.mode is not SHARED:
+            return
         book = self.book
         with book.lock:
-            have = book.held(user, now_ns)
-            if not have:
+            if book.held(user, now_ns) < count:
                 book.want(user, now_ns)
-            return have
 
     def try_take(self, user: str, now_ns: int, count: int = 1) -> bool:
         if count <= 0:
@@ -391,7 +395,7 @@ class LeasedOutputRateLimiter:
         (:class:`~.lease_book.LeaseTally`: asks, refused, leased, spent,
         returned, expired), read by the admin route.
 
-        ``store_mode`` is the index of :attr:`mode` in :data:`MODES` (a
+        ``store_mode`` is the index of ``health.mode`` in :data:`MODES` (a
         gauge); names ending in ``_total`` are running totals since start
         (the report turns them into increments).  Read without the lock: each
         figure is one int the lease thread replaces whole.
