@@ -29,6 +29,18 @@ What
       VTC sent in proportion to the weights
       (``--weighted-arrivals weights``); the default sends equally, so that
       FCFS does not hand out the weighted shares by accident.
+    * ``equal-rates-1-3`` (``E1``, ``E3``) and ``equal-rates-1-2-3-4``
+      (``Q1``..``Q4``): the same offered load as ``weighted`` (0.8 C each,
+      all backlogged), but every client has the same small guaranteed rate
+      (``--equal-rate``, 5 tok/s) and the weights 1:3 or 1:2:3:4.  In
+      ``weighted`` the guaranteed rates are already split by weight, so the
+      hard caps alone split 1:2:3:4 and the figure cannot tell whether the
+      weights do anything (issue 33); here only the weights can split the
+      spare capacity.  Their figure (``shares`` only): each client's share
+      of the *borrowed* tokens, from the engine's per-user borrowed-token
+      counter, per window and over the windows after the first, against
+      its weight share (targets: 0.75 +- 0.05 for ``E3``; each within 10 %
+      of its weight share for 1:2:3:4).
 
     Guaranteed rates (``hard`` and ``shares``): ``--guaranteed`` (default
     0.5) of C, split over a workload's clients by weight; the hard caps are
@@ -110,7 +122,23 @@ How
     --enable-per-request-metrics`` (8 running requests keep the request
     rates, and with them the API server's and the client's work, within
     what this 2-core machine can carry), the
-    workloads one after the other on it.  Before the first workload of the
+    workloads one after the other on it.
+
+    Slot settings and scheduler classes: ``--slots many`` (the default:
+    the bench model, 8 active slots) and ``--slots few`` (the tiny model,
+    4 active slots, where the issue's figures were taken); ``--active-seqs``
+    and ``--model`` set either by hand.  ``--async-scheduling on|off``
+    passes vLLM's own flag.  vLLM 0.32's default on GPU is async scheduling
+    (the plugin then runs ``OutputRateAsyncScheduler``), but the CPU build
+    turns it off in its platform config whatever the flag says
+    (``CpuPlatform.check_and_update_config`` sets ``async_scheduling =
+    False``), so on this testbed every run uses ``OutputRateScheduler``;
+    the class the engine really ran is read from its log and recorded
+    (``scheduler_class``).  The asynchronous scheduler's decisions are
+    covered on the fake clock (``tests/adapter/test_borrowing_shapes.py``).
+    A run with other than the default slots or scheduling writes its own
+    JSON and PNG (``fair_share-4active-tiny-llama.json`` and so on), so the
+    settings do not overwrite each other.  Before the first workload of the
     run, C is measured on the first server: ``--calibrate-streams`` closed-loop
     streams of the workload's request shape for ``--calibrate-s`` seconds
     after a short warm-up, C = the increase of
@@ -141,8 +169,10 @@ Usage::
         .venv/bin/python benchmarks/fair_share.py [--mode stock --mode hard ...]
 
 writes ``docs/benchmarks/fair_share.json`` and ``.png`` (``--out PREFIX``
-elsewhere); about 4-5 minutes per mode (server startup, two 60-s
-workloads, the drains) plus 20 s of calibration.
+elsewhere); about 6-7 minutes per mode (server startup, four 60-s
+workloads and the solo load, the drains) plus 20 s of calibration;
+``--workload equal-rates-1-3 --mode shares`` runs one alone (C is reused
+from the JSON when there is one).
 """
 
 from __future__ import annotations
@@ -173,12 +203,19 @@ SCHEMA = "vllm-output-rate-fair-share/1"
 #: ``make bench-model``: 8 layers, slow enough per step that the engine, not
 #: the API server or the clients, is what the workloads saturate.
 BENCH_MODEL_DIR = Path("models/bench-llama")
-#: --max-num-active-seqs of every server: at most this many tokens per step.
+#: --max-num-active-seqs of every server by default (``--active-seqs``): at most this many tokens per step.
 ACTIVE_SEQS = 8
 STOCK, HARD, SHARES = "stock", "hard", "shares"
 MODES = (STOCK, HARD, SHARES)
 OVERLOAD, WEIGHTED, SOLO = "overload", "weighted", "solo"
-WORKLOADS = (OVERLOAD, WEIGHTED, SOLO)
+#: Equal guaranteed rates, unequal weights (issue 33): only the weights can split the spare capacity.
+EQUAL_13, EQUAL_1234 = "equal-rates-1-3", "equal-rates-1-2-3-4"
+EQUAL_RATE_WORKLOADS = (EQUAL_13, EQUAL_1234)
+WORKLOADS = (OVERLOAD, WEIGHTED, EQUAL_13, EQUAL_1234, SOLO)
+#: Two slot settings (``--slots``): few active slots on the tiny model, many on the bench model.
+SLOT_SETTINGS = {"few": ("models/tiny-llama", 4), "many": ("models/bench-llama", ACTIVE_SEQS)}
+#: The engine log names the plugin's scheduler class (vLLM warns about a custom scheduler class).
+SCHEDULER_CLASSES = ("OutputRateAsyncScheduler", "OutputRateScheduler")
 LIGHT = "light"
 #: The issue's target for one borrower alone: its tok/s >= 0.95 x the same load on stock vLLM.
 TARGET_SOLO_RATIO = 0.95
@@ -195,11 +232,14 @@ TARGET_LIGHT_TTFT_RATIO = 1.2
 LIGHT_PROMPT_TOKENS = 16
 SERVER_FLAGS = ["--max-num-seqs", "16", "--max-num-active-seqs", str(ACTIVE_SEQS), "--max-model-len", "1024",
                 "--enforce-eager", "--disable-uvicorn-access-log", "--enable-per-request-metrics"]
+#: The issue's target for equal rates and weights 1:3: the weight-3 client's share of borrowed tokens, +-.
+TARGET_BORROWED_SHARE_TOLERANCE = 0.05
 NEVER_HIT = 100000.0
 #: The options that shape the load: modes compared on one page must share them.
 WORKLOAD_OPTIONS = ("duration", "window", "prompt_tokens", "max_tokens", "overload_load", "weighted_load",
                     "weighted_arrivals", "guaranteed", "light_interval", "light_max_tokens", "light_rate",
-                    "max_outstanding", "stream_interval", "model")
+                    "max_outstanding", "stream_interval", "model", "active_seqs", "async_scheduling",
+                    "equal_rate")
 
 
 def workload_config(args: argparse.Namespace) -> dict[str, Any]:
@@ -223,13 +263,25 @@ def workloads(args: argparse.Namespace) -> dict[str, list[Client]]:
     return {
         OVERLOAD: [Client("A", 1.0, a), Client("B", 1.0, b)],
         WEIGHTED: [Client(f"W{int(w)}", w, load) for w, load in zip(weights, loads)],
+        # Each sends 0.8 C as the weighted clients do: all backlogged.
+        EQUAL_13: [Client(f"E{int(w)}", w, args.weighted_load) for w in (1.0, 3.0)],
+        EQUAL_1234: [Client(f"Q{int(w)}", w, args.weighted_load) for w in weights],
     }
 
 
-def guaranteed_rates(clients: list[Client], capacity: float, fraction: float) -> dict[str, float]:
-    """Each client's rate: ``fraction`` of C split by weight (two decimals)."""
+def guaranteed_rates(clients: list[Client], capacity: float, fraction: float,
+                     equal_rate: float | None = None) -> dict[str, float]:
+    """Each client's rate: ``fraction`` of C split by weight (two decimals), or
+    ``equal_rate`` tok/s each (the equal-rate workloads)."""
+    if equal_rate is not None:
+        return {c.user: equal_rate for c in clients}
     total = sum(c.weight for c in clients)
     return {c.user: round(fraction * capacity * c.weight / total, 2) for c in clients}
+
+
+def workload_rates(name: str, clients: list[Client], capacity: float, args) -> dict[str, float]:
+    return guaranteed_rates(clients, capacity, args.guaranteed,
+                            args.equal_rate if name in EQUAL_RATE_WORKLOADS else None)
 
 
 def user_limits(mode: str, loads: dict[str, list[Client]], capacity: float, args) -> dict[str, Any] | None:
@@ -238,19 +290,33 @@ def user_limits(mode: str, loads: dict[str, list[Client]], capacity: float, args
         return None
     limits: dict[str, Any] = {LIGHT: args.light_rate,
                               SOLO: args.solo_rate if mode == HARD else {"rate": args.solo_rate, "ceil": None}}
-    for clients in loads.values():
-        rates = guaranteed_rates(clients, capacity, args.guaranteed)
+    for name, clients in loads.items():
+        rates = workload_rates(name, clients, capacity, args)
         for c in clients:
             limits[c.user] = (rates[c.user] if mode == HARD
                               else {"rate": rates[c.user], "ceil": None, "weight": c.weight})
     return limits
 
 
-def server_args(limits: dict[str, Any] | None) -> list[str]:
+def server_args(limits: dict[str, Any] | None, active_seqs: int = ACTIVE_SEQS,
+                async_scheduling: str = "default") -> list[str]:
+    flags = [*SERVER_FLAGS]
+    flags[flags.index("--max-num-active-seqs") + 1] = str(active_seqs)
+    if async_scheduling != "default":
+        # vLLM's own flag; the CPU build turns async scheduling off whatever it says (see How).
+        flags.append("--async-scheduling" if async_scheduling == "on" else "--no-async-scheduling")
     if limits is None:
-        return list(SERVER_FLAGS)
-    return [*SERVER_FLAGS, "--default-user-output-tokens-per-second", f"{NEVER_HIT:g}",
+        return flags
+    return [*flags, "--default-user-output-tokens-per-second", f"{NEVER_HIT:g}",
             "--user-output-tokens-per-second", json.dumps(limits)]
+
+
+def scheduler_class(log_text: str) -> str | None:
+    """The plugin's scheduler class the engine ran, from its log (None: stock, or not logged)."""
+    for name in SCHEDULER_CLASSES:
+        if f"adapter.scheduler.{name}" in log_text:
+            return name
+    return None
 
 
 def refused(limits: dict[str, Any] | None) -> str | None:
@@ -592,7 +658,42 @@ def light_summary(records: list[RequestRecord], duration: float, interval: float
     }
 
 
-def analyse(raw: dict[str, Any], clients: list[Client], mode: str, capacity: float, args) -> dict[str, Any]:
+def borrowed_shares(readings, clients: list[Client], window_s: float, n: int, max_skew: float) -> dict[str, Any]:
+    """Each client's share of the borrowed tokens (the engine's borrowed-token
+    counter) per window and over the windows after the first, against its
+    weight share (the equal-rate workloads' figure: only the weights split what
+    is borrowed)."""
+    users = [c.user for c in clients]
+    weight_total = sum(c.weight for c in clients)
+    windows = analysis.counter_windows(counter_series(readings, "borrowed"), window_s, n, max_skew)
+    per_window: dict[str, list[float | None]] = {u: [] for u in users}
+    deviations: list[float] = []
+    for k in range(n):
+        got = {u: (windows.get(u) or [None] * n)[k] for u in users}
+        total = sum(v for v in got.values() if v is not None)
+        if any(v is None for v in got.values()) or total <= 0:
+            for u in users:
+                per_window[u].append(None)
+            continue
+        for c in clients:
+            share = got[c.user] / total
+            per_window[c.user].append(round(share, 3))
+            if k > 0:
+                deviations.append(abs(share / (c.weight / weight_total) - 1))
+    after = {u: sum(v for v in (windows.get(u) or [])[1:] if v is not None) for u in users}
+    total_after = sum(after.values())
+    return {
+        "per_window": per_window,
+        "after_first_window": {u: round(after[u] / total_after, 3) if total_after else None for u in users},
+        "weight_share": {c.user: round(c.weight / weight_total, 3) for c in clients},
+        "borrowed_tokens_after_first_window": {u: round(v) for u, v in after.items()},
+        "windows_counted": len(deviations) // max(len(users), 1),
+        "max_share_deviation": round(max(deviations), 3) if deviations else None,
+    }
+
+
+def analyse(raw: dict[str, Any], clients: list[Client], mode: str, capacity: float, args,
+            name: str = WEIGHTED) -> dict[str, Any]:
     w, duration = args.window, args.duration
     n = int(round(duration / w))
     users = [c.user for c in clients]
@@ -626,7 +727,7 @@ def analyse(raw: dict[str, Any], clients: list[Client], mode: str, capacity: flo
         by_status[r.status] = by_status.get(r.status, 0) + 1
         if r.error and r.status in measure.ERROR_STATUSES:
             errors[r.error[:120]] = errors.get(r.error[:120], 0) + 1
-    rates = guaranteed_rates(clients, capacity, args.guaranteed)
+    rates = workload_rates(name, clients, capacity, args)
     per_user = {}
     for c in clients:
         per_user[c.user] = {
@@ -675,6 +776,9 @@ def analyse(raw: dict[str, Any], clients: list[Client], mode: str, capacity: flo
         "send_late_max_s": max(raw["send_late"], default=None),
         "plot_bin_s": bin_s,
         "plot_series": {u: rounded(plot_series[u], bin_s) for u in users},
+        "active_seqs": args.active_seqs,
+        **({"borrowed_shares": borrowed_shares(readings, clients, w, n, args.max_skew)}
+           if mode == SHARES and any(r.get("borrowed") for _, r in readings) else {}),
     }
 
 
@@ -698,7 +802,8 @@ def run_mode(mode: str, args, doc: dict[str, Any], loads: dict[str, list[Client]
     capacity = doc["capacity"]["tok_s"] if doc.get("capacity") else None
     if capacity is None and mode not in (STOCK, CALIBRATE_ONLY):
         raise RuntimeError("C must be measured on a stock server first")
-    result["server_args"] = server_args(user_limits(mode, loads, capacity, args) if capacity else None)
+    result["server_args"] = server_args(user_limits(mode, loads, capacity, args) if capacity else None,
+                                        args.active_seqs, args.async_scheduling)
     print(f"[{mode}] starting server: {shlex.join(result['server_args'])}", flush=True)
     with benchkit.running_engines([(f"fair-share-{mode}", result["server_args"])], log_dir,
                                   model=args.model) as (server,):
@@ -734,11 +839,15 @@ def run_mode(mode: str, args, doc: dict[str, Any], loads: dict[str, list[Client]
                 + f"; {args.duration:g} s", flush=True)
             load_before = loadavg()
             raw = asyncio.run(run_workload(server.base_url, model, clients, capacity, prompts, args))
-            result["workloads"][name] = analyse(raw, clients, mode, capacity, args)
+            result["workloads"][name] = analyse(raw, clients, mode, capacity, args, name)
             result["workloads"][name].update(started_at=result["started_at"], load_before=load_before,
                                              load_after=loadavg())
             print(workload_report(name, mode, result["workloads"][name]), flush=True)
         result["server_log_tail"] = server.log_tail(20)
+        log_path = getattr(server, "log_path", None)
+        # On the CPU build this is OutputRateScheduler whatever --async-scheduling says.
+        result["scheduler_class"] = (scheduler_class(Path(log_path).read_text(errors="replace"))
+                                     if log_path and Path(log_path).is_file() else None)
     result["load_after"] = loadavg()
     result["wall_s"] = round(time.monotonic() - began, 1)
     return result
@@ -768,12 +877,18 @@ def workload_report(name: str, mode: str, w: dict[str, Any]) -> str:
     return "\n".join([
         f"[{mode}] {name}: total {w['throughput_tok_s']:.1f} tok/s (vllm:generation_tokens_total), "
         f"{w.get('engine_steps_per_s', 0):.0f} engine steps/s, "
-        f"{_f(w.get('tokens_per_step'), '.1f')} tokens per step of {ACTIVE_SEQS}; "
+        f"{_f(w.get('tokens_per_step'), '.1f')} tokens per step of {w.get('active_seqs', ACTIVE_SEQS)}; "
         f"service per {w['window_s']:g} s window from {w['service_source']}",
         table(["user", "weight", "offered tok/s", "guaranteed", "tokens per window", "tok/s after 1st", "skipped"],
               rows),
         f"service difference (tokens per unit weight per window, windows after the first): "
         f"max {_f(f['max'])}, mean {_f(f['mean'])}; largest share deviation {_f(f['max_share_deviation'], '.1%')}",
+        *([] if not w.get("borrowed_shares") else [
+            "share of borrowed tokens after the first window (engine counter): " + ", ".join(
+                f"{u} {_f(v, '.3f')} (weight share {w['borrowed_shares']['weight_share'][u]:.3f})"
+                for u, v in w["borrowed_shares"]["after_first_window"].items())
+            + f"; largest per-window deviation {_f(w['borrowed_shares']['max_share_deviation'], '.1%')} over "
+              f"{w['borrowed_shares']['windows_counted']} windows"]),
         f"client sent up to {_f(w.get('send_late_max_s'), '.1f')} s late; "
         f"light: {light['with_first_token']}/{light['requests']} requests, first token p50 "
         f"{_f(light['ttft_p50_s'] and light['ttft_p50_s'] * 1000)} ms, p90 "
@@ -805,8 +920,9 @@ def plot(doc: dict[str, Any], path: Path, source: Path | None = None) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    names = (OVERLOAD, WEIGHTED)
-    fig = Figure(figsize=(12, 6.5), dpi=100)
+    ran = {name for r in doc["modes"].values() for name in ((r or {}).get("workloads") or {})}
+    names = [OVERLOAD, WEIGHTED] + [name for name in EQUAL_RATE_WORKLOADS if name in ran]
+    fig = Figure(figsize=(12, 3.25 * len(names)), dpi=100)
     FigureCanvasAgg(fig)
     axes = fig.subplots(len(names), len(MODES), sharex=True, sharey="row", squeeze=False)
     for col, mode in enumerate(MODES):
@@ -842,10 +958,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mode", action="append", choices=MODES,
                    help="stock, hard or shares; repeatable (default: all three)")
-    p.add_argument("--out", default=str(RESULTS_DIR / "fair_share"), metavar="PREFIX",
-                   help="writes PREFIX.json and PREFIX.png (default: %(default)s)")
-    p.add_argument("--model", default=str(BENCH_MODEL_DIR),
-                   help="model path (default: the bench model, `make bench-model`; see How)")
+    p.add_argument("--out", default=None, metavar="PREFIX",
+                   help="writes PREFIX.json and PREFIX.png (default: docs/benchmarks/fair_share, with the "
+                        "slot setting and scheduling appended when they are not the defaults)")
+    p.add_argument("--model", default=None,
+                   help="model path (default: the bench model, `make bench-model`, or the --slots setting's)")
+    p.add_argument("--slots", choices=sorted(SLOT_SETTINGS),
+                   help="few: the tiny model with 4 active slots; many: the bench model with 8 "
+                        "(--model and --active-seqs override either)")
+    p.add_argument("--active-seqs", type=int, default=None,
+                   help=f"--max-num-active-seqs of every server (default {ACTIVE_SEQS}, or the --slots setting's)")
+    p.add_argument("--async-scheduling", choices=("default", "on", "off"), default="default",
+                   help="vLLM's --async-scheduling / --no-async-scheduling (default: vLLM's choice; the CPU "
+                        "build runs the synchronous scheduler whatever this says, see How)")
+    p.add_argument("--equal-rate", type=float, default=5.0,
+                   help="each client's guaranteed rate in the equal-rate workloads, tok/s (default 5)")
     p.add_argument("--duration", type=float, default=60.0, help="seconds of load per workload (default 60)")
     p.add_argument("--window", type=float, default=10.0, help="service window, s (default 10)")
     p.add_argument("--plot-bin", type=float, default=5.0, help="bin of the figure's series, s (default 5)")
@@ -871,7 +998,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="tokens per streamed chunk of the workload requests (vLLM's per-request "
                         "stream_interval; the light user's requests stream every token)")
     p.add_argument("--workload", action="append", choices=WORKLOADS,
-                   help="overload, weighted or solo; repeatable (default: all three). A mode's other "
+                   help="overload, weighted, equal-rates-1-3, equal-rates-1-2-3-4 or solo; repeatable "
+                        "(default: all five). A mode's other "
                         "workloads keep their earlier result in the JSON")
     p.add_argument("--solo-streams", type=int, default=12, help="streams of the solo user (default 12)")
     p.add_argument("--solo-rate", type=float, default=10.0,
@@ -886,6 +1014,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--log-dir", default=None, help="server logs (default: a temporary folder)")
     p.add_argument("--replot", action="store_true", help="only draw PREFIX.png again from PREFIX.json")
     args = p.parse_args(argv)
+    slot_model, slot_active = SLOT_SETTINGS[args.slots] if args.slots else (str(BENCH_MODEL_DIR), ACTIVE_SEQS)
+    args.model = args.model or slot_model
+    args.active_seqs = args.active_seqs or slot_active
+    if args.out is None:
+        suffix = ""
+        if args.active_seqs != ACTIVE_SEQS or Path(args.model) != BENCH_MODEL_DIR:
+            suffix += f"-{args.active_seqs}active-{Path(args.model).name}"
+        if args.async_scheduling != "default":
+            suffix += f"-async-{args.async_scheduling}"
+        args.out = str(RESULTS_DIR / f"fair_share{suffix}")
     # Stock first: when C is not known yet, the stock server measures it.
     args.mode = sorted(dict.fromkeys(args.mode or MODES), key=MODES.index)
     args.workload = sorted(dict.fromkeys(args.workload or WORKLOADS), key=WORKLOADS.index)
