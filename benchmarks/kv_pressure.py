@@ -9,20 +9,34 @@ What
     5 tok/s; every other user gets 100000 tok/s (never hit).
 
     * ``A`` opens several long streams (default 7 x 300-token prompts,
-      ``max_tokens`` 80).  Throttled, they stay resident and keep their KV
-      blocks: 7 x ceil(300/128) = 21 of the 24 blocks (one of which vLLM
-      keeps as its null block) when the CPU block size is 128.
-    * ``B`` sends one streaming request whose prompt needs more blocks than
-      are free (default 450 tokens + 16 generated = 4 blocks), so admitting it
-      requires evicting (preempting) one of A's throttled streams.
+      ``max_tokens`` 80).  Residency follows the rate (issue 32,
+      ``policy/residency.py``): only max(1, floor(5 / p)) of them become
+      resident (p = A's ``min_stream_tokens_per_second``, default 2: 2
+      streams), the rest wait un-admitted holding no KV.  Without that rule
+      (``--a-min-pace 0``) all seven stay resident, throttled, holding
+      7 x ceil(300/128) = 21 of the 24 blocks (one of which vLLM keeps as its
+      null block) when the CPU block size is 128.
+    * ``B`` sends one streaming request (default 450 tokens + 16 generated =
+      4 blocks); with all of A's streams resident that is more than is free,
+      so admitting it would require evicting one of them.
 
     Measured: B's time to first token (TTFT, client side, from sending the
     request to the first streamed token) when B is **alone** (nothing else on
-    the server) and under **pressure** (A's streams hold most blocks, measured
-    from ``vllm:kv_cache_usage_perc`` just before B is sent).  Repeated
-    ``--reps`` times (default 10); reported: medians and the ratio pressure / alone
-    (target <= 2).  Also per trial: KV usage before B, requests running /
-    waiting before and right after B (A still running), B's total latency.
+    the server) and **beside A** (pressure; KV usage from
+    ``vllm:kv_cache_usage_perc`` just before B is sent).  Repeated ``--reps``
+    times (default 20).  Reported for B: TTFT p50 / p90 / max and failures
+    (no first token within ``--b-timeout``) per condition; for A: its tokens/s
+    over each pressure trial against its limit, its resident requests over
+    time (``vllm:output_rate_requests{user="A", state="active|throttled"}``,
+    polled every ``--poll-s``; the engine refreshes it about once a second)
+    against the bound floor(rate / p) + 1, its own first-token times (the
+    price of waiting un-admitted; a stream still without a token when its
+    trial ends is counted apart), and recompute per output token over the
+    run.  Targets (issue 32): B beside A with **0 failures** and TTFT p90
+    <= 2 x B alone's p90; A at >= 0.95 x its limit; A's resident requests
+    within the bound at every sample.  A target is met only with 0 failures.
+    Also per trial: requests running / waiting before and right after B,
+    B's total latency.
 
     Evidence that B got in by evicting A (not by luck): in every trial one
     ``/metrics`` read right after B finished (A still running) gives requests
@@ -85,6 +99,8 @@ from pathlib import Path
 
 import httpx
 
+from vllm_output_rate.policy.residency import DEFAULT_MIN_STREAM_TOKENS_PER_SECOND, residency_cap
+from vllm_output_rate.settings import MIN_PACE_KEY
 from vllm_output_rate.tools import benchkit, measure
 from vllm_output_rate.tools.render import figure_metadata, sibling_json
 from vllm_output_rate.tools.benchkit import RESULTS_DIR, fmt_load, loadavg, machine_line, table
@@ -94,8 +110,10 @@ from vllm_output_rate.tools.serverproc import DEFAULT_MODEL_DIR, SERVE_WITH_CHUR
 
 benchkit.use_cpu_testbed_env()
 
-SCHEMA = "vllm-output-rate-kv-pressure/1"
-TARGET_RATIO = 2.0
+SCHEMA = "vllm-output-rate-kv-pressure/2"
+TARGET_RATIO = 2.0  # B beside A: TTFT p90 <= this x B alone's p90 (and the old median ratio)
+TARGET_A_RATE = 0.95  # A's tokens/s over a pressure trial, as a fraction of its limit
+USER_REQUESTS = "vllm:output_rate_requests"
 ALONE, PRESSURE = "alone", "pressure"
 USER_A, USER_B = "A", "B"
 
@@ -127,6 +145,23 @@ def body(model: str, user: str, prompt: list[int], max_tokens: int) -> dict:
     return measure.stream_body(model, user, max_tokens, prompt)
 
 
+def a_resident(m: dict) -> float | None:
+    """A's resident requests (running or throttled, holding KV) per the engine's report."""
+    parts = [metric_sum(m, USER_REQUESTS, user=USER_A, state=state) for state in ("active", "throttled")]
+    return None if all(p is None for p in parts) else sum(p or 0 for p in parts)
+
+
+async def poll_residency(client: httpx.AsyncClient, t0: float, period_s: float, out: list) -> None:
+    """Append (t, A resident, KV usage) every ``period_s`` until cancelled."""
+    while True:
+        try:
+            m = await get_metrics(client)
+        except httpx.HTTPError:  # a slow /metrics read on a loaded machine: no sample
+            m = {}
+        out.append((round(time.monotonic() - t0, 3), a_resident(m), metric_sum(m, "vllm:kv_cache_usage_perc")))
+        await asyncio.sleep(period_s)
+
+
 async def wait_drained(client: httpx.AsyncClient, timeout_s: float) -> dict:
     deadline = time.monotonic() + timeout_s
     while True:
@@ -156,6 +191,8 @@ async def trial(
     t0 = time.monotonic()
     a_records: list[RequestRecord] = []
     a_tasks: list[asyncio.Task] = []
+    residency: list = []  # (t, A resident, KV usage) while A runs
+    poller = None
     if condition == PRESSURE:
         for i in range(args.a_streams):
             rec = RequestRecord(user=USER_A, stream=i, start=time.monotonic() - t0)
@@ -163,12 +200,17 @@ async def trial(
             prompt = random_prompt(rng, args.a_prompt_tokens, info["vocab"])
             a_tasks.append(asyncio.create_task(
                 run_request(client, body(model, USER_A, prompt, args.a_max_tokens), rec, t0)))
-        # Wait until A's prompts are resident (KV usage reaches what they need).
+        poller = asyncio.create_task(poll_residency(client, t0, args.poll_s, residency))
+        # Wait until A's admitted prompts are resident (KV usage reaches what
+        # they need): as many as its residency cap lets in.
         want = info["a_blocks_expected"] / info["num_blocks"] * 0.999
         deadline = time.monotonic() + args.hold_timeout
         while True:
-            g = gauges(await get_metrics(client))
-            if (g["kv_cache_usage"] or 0) >= want and (g["running"] or 0) >= args.a_streams:
+            try:
+                g = gauges(await get_metrics(client))
+            except httpx.HTTPError:  # retried until the hold timeout
+                g = {"kv_cache_usage": None, "running": None}
+            if (g["kv_cache_usage"] or 0) >= want and (g["running"] or 0) >= info["a_resident_expected"]:
                 break
             if time.monotonic() > deadline:
                 result["hold_timeout"] = True
@@ -207,14 +249,29 @@ async def trial(
         # With rotation, each of A's streams gets about rate / streams tok/s.
         result["a_streams_starved_during_linger"] = sum(1 for g in gained if g == 0)
     if condition == PRESSURE:
+        if args.a_linger > 0 and not diagnostic:
+            await asyncio.sleep(args.a_linger)  # A's rate and residency over a longer run
         still = sum(1 for t in a_tasks if not t.done())
+        end = time.monotonic() - t0
         for t in a_tasks:
             t.cancel()
         await asyncio.gather(*a_tasks, return_exceptions=True)
+        if poller is not None:
+            poller.cancel()
+            await asyncio.gather(poller, return_exceptions=True)
         result["a_streams_in_flight_at_b_end"] = still
         result["a_tokens"] = sum(len(r.token_times) for r in a_records)
         result["a_errors"] = [r.error for r in a_records if r.error and r.status != "cancelled"]
         result["a_tokens_per_s"] = round(result["a_tokens"] / (time.monotonic() - t0), 2)
+        # From A's first token to the trial's end: the rate it was held to.
+        firsts = [r.token_times[0] for r in a_records if r.token_times]
+        if firsts and end > min(firsts):
+            span = end - min(firsts)
+            result["a_rate_span_s"] = round(span, 3)
+            result["a_tokens_per_s_paced"] = round(result["a_tokens"] / span, 3)
+        result["a_ttft_s"] = [round(r.token_times[0] - r.start, 4) for r in a_records if r.token_times]
+        result["a_without_token"] = sum(1 for r in a_records if not r.token_times)
+        result["a_resident_samples"] = residency
     result["finished_requests"] = (b.status == FINISHED) + sum(1 for r in a_records if r.status == FINISHED)
     result["drained"] = await wait_drained(client, 30)
     result["load_end"] = loadavg()
@@ -256,7 +313,7 @@ async def run_all(server, args, info: dict) -> list[dict]:
 # --------------------------------------------------------------------------
 
 
-def analyse(trials: list[dict]) -> dict:
+def analyse(trials: list[dict], a_limit: float = 5.0, a_bound: int | None = None) -> dict:
     out: dict = {}
     for cond in (ALONE, PRESSURE):
         ts = [t for t in trials if t["condition"] == cond]
@@ -273,6 +330,8 @@ def analyse(trials: list[dict]) -> dict:
             "preemptions_during_b_total": sum(t["preemptions_during_b"] or 0 for t in ts),
             "b_latency_median_s": statistics.median([t["b_latency_s"] for t in ts if t["b_latency_s"] is not None] or [math.nan]),
         }
+    for cond in (ALONE, PRESSURE):
+        out[cond]["ttft_p50_s"] = out[cond]["ttft_median_s"]
     ratio = None
     if out[ALONE]["ttft_median_s"] and out[PRESSURE]["ttft_median_s"] is not None:
         ratio = out[PRESSURE]["ttft_median_s"] / out[ALONE]["ttft_median_s"]
@@ -280,8 +339,49 @@ def analyse(trials: list[dict]) -> dict:
     lat_a, lat_p = out[ALONE]["b_latency_median_s"], out[PRESSURE]["b_latency_median_s"]
     out["ratio_median_b_latency"] = (lat_p / lat_a) if lat_a and not math.isnan(lat_a) and not math.isnan(lat_p) else None
     out["target_ratio"] = TARGET_RATIO
-    out["meets_target"] = None if ratio is None else ratio <= TARGET_RATIO
+    out["a"] = analyse_a(trials, a_limit, a_bound)
+    p90_a, p90_p = out[ALONE]["ttft_p90_s"], out[PRESSURE]["ttft_p90_s"]
+    failures = out[ALONE]["b_failures"] + out[PRESSURE]["b_failures"]
+    checks = {
+        "b_zero_failures": failures == 0,
+        "b_p90_within_ratio_of_alone": None if not p90_a or p90_p is None else p90_p <= TARGET_RATIO * p90_a,
+        "a_rate_at_limit": out["a"]["meets_rate"],
+        "a_resident_within_bound": out["a"]["within_bound"],
+    }
+    out["targets"] = checks
+    out["ratio_p90_ttft"] = None if not p90_a or p90_p is None else p90_p / p90_a
+    # Met only with 0 failures, and every other check known and passed.
+    out["meets_target"] = failures == 0 and all(v is True for v in checks.values())
     return out
+
+
+def analyse_a(trials: list[dict], limit: float, bound: int | None) -> dict:
+    """A's rate against its limit, its resident requests against the bound,
+    and its own first-token times, over the pressure trials."""
+    ts = [t for t in trials if t["condition"] == PRESSURE]
+    rates = [t["a_tokens_per_s_paced"] for t in ts if t.get("a_tokens_per_s_paced") is not None]
+    samples = [s for t in ts for s in t.get("a_resident_samples") or [] if s[1] is not None]
+    resident = [s[1] for s in samples]
+    ttfts = [x for t in ts for x in t.get("a_ttft_s") or []]
+    worst_rate = min(rates) if rates else None
+    return {
+        "limit": limit,
+        "bound": bound,
+        "tokens_per_s_median": statistics.median(rates) if rates else None,
+        "tokens_per_s_min": worst_rate,
+        "rate_ratio_min": None if worst_rate is None else worst_rate / limit,
+        "meets_rate": None if worst_rate is None else worst_rate >= TARGET_A_RATE * limit,
+        "resident_samples": len(resident),
+        "resident_max": max(resident) if resident else None,
+        "resident_median": statistics.median(resident) if resident else None,
+        "within_bound": None if not resident else (bound is None or max(resident) <= bound),
+        "ttft_n": len(ttfts),
+        "ttft_p50_s": percentile(ttfts, 50),
+        "ttft_p90_s": percentile(ttfts, 90),
+        "ttft_max_s": max(ttfts) if ttfts else None,
+        "streams_without_token": sum(t.get("a_without_token", 0) for t in ts),
+        "streams": sum(len(t.get("a_ttft_s") or []) + t.get("a_without_token", 0) for t in ts),
+    }
 
 
 def ms(x) -> str:
@@ -310,8 +410,8 @@ def report(doc: dict) -> str:
     parts.append(table(["rep", "condition", "B TTFT ms", "B latency ms", "KV % before B",
                         "running/waiting before B", "running/waiting after B", "KV % after B",
                         "B status", "load 1/5/15"], rows))
-    parts.append("(after B = one /metrics read right after B finished, A still running: "
-                 "6 running / 1 waiting means B evicted one of A's 7 streams)")
+    parts.append("(after B = one /metrics read right after B finished, A still running; A's "
+                 f"streams beyond its residency cap ({info.get('a_resident_expected')}) wait un-admitted)")
     diag = info.get("diagnostic")
     if diag and diag.get("after_linger"):
         d = diag["after_b"]
@@ -325,12 +425,14 @@ def report(doc: dict) -> str:
             f"A tokens per stream during those {doc['config']['diagnostic_linger']:g} s "
             f"{diag['a_tokens_gained_per_stream_during_linger']}, A errors {len(diag.get('a_errors') or [])}"
         )
-        if diag["a_streams_starved_during_linger"] or (diag["after_linger"]["waiting"] or 0) > 0:
+        unadmitted = doc["config"]["a_streams"] - info.get("a_resident_expected", doc["config"]["a_streams"])
+        if (diag["a_streams_starved_during_linger"] > unadmitted
+                or (diag["after_linger"]["waiting"] or 0) > unadmitted):
             parts.append(
                 f"WARNING: {diag['a_streams_starved_during_linger']} of A's streams got no token in "
                 f"{doc['config']['diagnostic_linger']:g} s while its other streams did, and "
-                f"{diag['after_linger']['waiting']:.0f} request(s) still waiting with free KV: "
-                "the evicted throttled stream is not re-admitted while its siblings use the quota"
+                f"{diag['after_linger']['waiting']:.0f} request(s) still waiting, more than the "
+                f"{unadmitted} its residency cap keeps un-admitted"
             )
     parts.append(
         f"vllm:num_preemptions_total over the trials: {info.get('preemptions_at_start')} -> "
@@ -340,11 +442,27 @@ def report(doc: dict) -> str:
     srows = []
     for cond in (ALONE, PRESSURE):
         s = a[cond]
-        srows.append([cond, str(s["n"]), ms(s["ttft_median_s"]), ms(s["ttft_p90_s"]), ms(s["ttft_min_s"]),
+        srows.append([cond, str(s["n"]), ms(s["ttft_p50_s"]), ms(s["ttft_p90_s"]), ms(s["ttft_min_s"]),
                       ms(s["ttft_max_s"]), ms(s["b_latency_median_s"]), str(s["b_failures"]),
                       "-" if s["kv_usage_before_b_median"] is None else f"{s['kv_usage_before_b_median'] * 100:.1f}"])
-    parts.append(table(["condition", "n", "TTFT median ms", "p90", "min", "max", "B latency median ms", "B failures",
+    parts.append(table(["condition", "n", "TTFT p50 ms", "p90", "min", "max", "B latency median ms", "B failures",
                         "KV % before B (median)"], srows))
+    aa = a.get("a")
+    if aa:
+        parts.append(
+            f"A (limit {aa['limit']:g} tok/s, resident bound floor(rate / min pace) + 1 = {aa['bound']}): "
+            f"tok/s over each pressure trial median {aa['tokens_per_s_median']} / min {aa['tokens_per_s_min']} "
+            f"(target >= {TARGET_A_RATE:g} x limit); resident requests max {aa['resident_max']} / median "
+            f"{aa['resident_median']} over {aa['resident_samples']} samples; first token p50 / p90 / max "
+            f"{ms(aa['ttft_p50_s'])} / {ms(aa['ttft_p90_s'])} / {ms(aa['ttft_max_s'])} ms over "
+            f"{aa['ttft_n']} streams, {aa['streams_without_token']} of {aa['streams']} streams had no token "
+            f"when their trial ended (waiting un-admitted)")
+    if a.get("targets"):
+        checks = ", ".join(f"{k} {v}" for k, v in a["targets"].items())
+        parts.append(f"targets: {checks} -> {'met' if a['meets_target'] else 'NOT met'} "
+                     f"(met only with 0 failures)"
+                     + (f"; TTFT p90 ratio beside A / alone = {a['ratio_p90_ttft']:.2f}"
+                        if a.get("ratio_p90_ttft") is not None else ""))
     if a["ratio_median_ttft"] is not None:
         verdict = "meets" if a["meets_target"] else "MISSES"
         parts.append(f"median TTFT ratio pressure/alone = {a['ratio_median_ttft']:.2f} "
@@ -387,6 +505,14 @@ def plot(doc: dict, path: Path, source: Path | None = None) -> None:
     fig.savefig(str(path), metadata=figure_metadata(source or sibling_json(path)))
 
 
+def a_limit(args) -> float | dict:
+    """A's entry of ``--user-output-tokens-per-second``: its rate, with its
+    own minimum pace when one is asked for."""
+    if args.a_min_pace is None:
+        return args.a_rate
+    return {"rate": args.a_rate, MIN_PACE_KEY: args.a_min_pace}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description="TTFT of an unlimited user alone vs while a throttled user holds most KV blocks.")
@@ -407,7 +533,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds to wait for A's streams to hold their blocks (default 20)")
     parser.add_argument("--hold-extra", type=float, default=1.0,
                         help="extra seconds after A holds its blocks, before B (default 1)")
-    parser.add_argument("--reps", type=int, default=10, help="repetitions of each condition (default 10)")
+    parser.add_argument("--reps", type=int, default=20, help="repetitions of each condition (default 20)")
+    parser.add_argument("--a-min-pace", type=float, default=None,
+                        help="A's min_stream_tokens_per_second (default: the plugin's default; 0: no "
+                             "residency cap, all of A's streams resident as before issue 32)")
+    parser.add_argument("--a-linger", type=float, default=2.0,
+                        help="seconds A keeps running after B in each pressure trial, for its rate "
+                             "and residency figures (default 2)")
+    parser.add_argument("--poll-s", type=float, default=0.5,
+                        help="period of the /metrics reads of A's resident requests (default 0.5)")
     parser.add_argument("--seed", type=int, default=0, help="random prompts' seed")
     parser.add_argument("--server-arg", action="append", default=[], metavar="ARG",
                         help="extra vllm serve argument, repeatable")
@@ -421,7 +555,7 @@ def main(argv: list[str] | None = None) -> int:
         "--max-num-seqs", "16",
         "--max-num-active-seqs", "8",
         "--default-user-output-tokens-per-second", "100000",
-        "--user-output-tokens-per-second", json.dumps({USER_A: args.a_rate}),
+        "--user-output-tokens-per-second", json.dumps({USER_A: a_limit(args)}),
         *args.server_arg,
     ]
     doc = benchkit.start_report(SCHEMA, args, server_args)
@@ -443,6 +577,10 @@ def main(argv: list[str] | None = None) -> int:
         cache_info = (m.get("vllm:cache_config_info") or [({}, 0)])[0][0]
         num_blocks = int(float(cache_info.get("num_gpu_blocks", args.blocks)))
         block_size = int(float(cache_info.get("block_size", 16)))
+        pace = DEFAULT_MIN_STREAM_TOKENS_PER_SECOND if args.a_min_pace is None else args.a_min_pace
+        cap = residency_cap(args.a_rate, pace)
+        a_resident_expected = args.a_streams if cap is None else min(args.a_streams, cap)
+        a_bound = None if cap is None else math.floor(args.a_rate / pace) + 1
         info = {
             "cache_config_info": cache_info,
             "num_blocks": num_blocks,
@@ -451,7 +589,9 @@ def main(argv: list[str] | None = None) -> int:
             "vocab": int(config["vocab_size"]),
             # A request holds ceil(tokens / block_size) blocks; A's prompts
             # plus their first tokens, B's prompt plus all its tokens.
-            "a_blocks_expected": args.a_streams * math.ceil((args.a_prompt_tokens + 1) / block_size),
+            "a_resident_expected": a_resident_expected,
+            "a_resident_bound": a_bound,
+            "a_blocks_expected": a_resident_expected * math.ceil((args.a_prompt_tokens + 1) / block_size),
             "b_blocks_needed": math.ceil((args.b_prompt_tokens + args.b_max_tokens) / block_size),
         }
         if doc["logged_kv_cache_tokens"] is not None:
@@ -469,11 +609,11 @@ def main(argv: list[str] | None = None) -> int:
                                    sum(t.get("finished_requests", 0) for t in every_trial))
         doc["server_log_tail"] = server.log_tail(40)
     benchkit.finish_report(doc)
-    doc["analysis"] = analyse(doc["trials"])
+    doc["analysis"] = analyse(doc["trials"], args.a_rate, doc["kv"].get("a_resident_bound"))
     print("\n" + report(doc))
     benchkit.write_outputs(doc, args.out, plot=plot)
     failures = doc["analysis"][ALONE]["b_failures"] + doc["analysis"][PRESSURE]["b_failures"]
-    return 1 if failures else 0
+    return 1 if failures or not doc["analysis"]["meets_target"] else 0
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from vllm_output_rate.policy.borrow import Borrowing, ShareTable
 from vllm_output_rate.policy.groups import GroupCaps, GroupQuotas, GroupShareTable
 from vllm_output_rate.policy.limiter import Limiter, OutputRateLimiter
 from vllm_output_rate.policy.quota import ComposedLimiter, Level
+from vllm_output_rate.policy.residency import Residency
 from vllm_output_rate.settings import OutputRateSettings
 from vllm_output_rate.stores.backend import LeaseConfig
 from vllm_output_rate.stores.lease import LeasedOutputRateLimiter
@@ -146,3 +147,25 @@ def _own_cap_levels(table: ShareTable, rate: Limiter, ceiling: Limiter | None) -
         levels.insert(0, Level(ceiling, applies=table.ceiled))
     return levels
 
+
+def _residency_args(settings: OutputRateSettings) -> tuple:
+    def limit_of(user: str) -> tuple[float, float | None]:
+        rate, ceil, _weight = settings.limit_of(user)
+        return rate, ceil
+
+    return (
+        settings.min_stream_tokens_per_second,
+        settings.user_min_stream_tokens_per_second,
+        limit_of,
+    )
+
+
+def make_residency(settings: OutputRateSettings) -> Residency:
+    """Per-user residency caps (``policy/residency.py``): a hard-capped user's
+    cap counts its rate, a borrower's its ceiling (none without a ceiling)."""
+    return Residency(*_residency_args(settings))
+
+
+def update_residency(residency: Residency, settings: OutputRateSettings) -> None:
+    """The caps of ``settings`` (after a reload), in the same object."""
+    residency.update(*_residency_args(settings))

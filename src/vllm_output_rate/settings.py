@@ -53,6 +53,7 @@ from typing import Any, Mapping
 from vllm_output_rate.policy.borrow import Share, ShareTable
 from vllm_output_rate.policy.eviction import DEFAULT_RECOMPUTE_RATIO
 from vllm_output_rate.policy.monitor import OTHER_USERS
+from vllm_output_rate.policy.residency import DEFAULT_MIN_STREAM_TOKENS_PER_SECOND
 from vllm_output_rate.stores.config import StoreSettings, parse_store_section
 
 CONFIG_KEY = "output_rate"
@@ -89,6 +90,12 @@ INPUT_TOKEN_WEIGHT_FLAG = "--output-rate-input-token-weight"
 GROUPS_KEY = "groups"
 GROUPS_FLAG = "--output-rate-groups"
 GROUP_KEY = "group"
+#: Minimum pace of one resident stream (tok/s): a user's requests become
+#: resident only as far as its quota keeps each moving at this pace
+#: (``policy/residency.py``).  Top-level: everybody's default (also a limits
+#: file key, reloaded); in a user's ``{rate, ...}``: that user's own; 0: off.
+MIN_PACE_KEY = "min_stream_tokens_per_second"
+MIN_PACE_FLAG = "--output-rate-min-stream-tokens-per-second"
 #: Range of every rate, ceiling and weight (tok/s; see the module docstring).
 MIN_RATE = 1e-6
 MAX_RATE = 1e9
@@ -98,7 +105,7 @@ MAX_RATIO = 1e6
 RESERVED_NAMES = frozenset({OTHER_USERS})
 _SECTION_KEYS = {
     DEFAULT_KEY, OVERRIDES_KEY, LIMITS_FILE_KEY, METRICS_MAX_USERS_KEY, STORE_KEY,
-    RECOMPUTE_BUDGET_KEY, INPUT_TOKEN_WEIGHT_KEY, GROUPS_KEY,
+    RECOMPUTE_BUDGET_KEY, INPUT_TOKEN_WEIGHT_KEY, GROUPS_KEY, MIN_PACE_KEY,
 }
 
 
@@ -127,6 +134,9 @@ class OutputRateSettings:
     an entry without the key ``group`` is in ``default_group``, an entry
     with ``"group": null`` in none);
     ``default_group``: the group of every user without an entry (None: none).
+    ``min_stream_tokens_per_second`` / ``user_min_stream_tokens_per_second``:
+    the minimum pace per resident stream, everybody's and per user (0: no
+    residency cap; see ``policy/residency.py``).
     """
 
     default_rate: float
@@ -142,6 +152,8 @@ class OutputRateSettings:
     group_shares: Mapping[str, Share] = field(default_factory=dict)
     user_groups: Mapping[str, str] = field(default_factory=dict)
     default_group: str | None = None
+    min_stream_tokens_per_second: float = DEFAULT_MIN_STREAM_TOKENS_PER_SECOND
+    user_min_stream_tokens_per_second: Mapping[str, float] = field(default_factory=dict)
 
     def to_config(self) -> dict[str, Any]:
         """The ``additional_config["output_rate"]`` form of these settings."""
@@ -167,6 +179,8 @@ class OutputRateSettings:
             config[RECOMPUTE_BUDGET_KEY] = self.recompute_budget
         if self.input_token_weight:
             config[INPUT_TOKEN_WEIGHT_KEY] = self.input_token_weight
+        if self.min_stream_tokens_per_second != DEFAULT_MIN_STREAM_TOKENS_PER_SECOND:
+            config[MIN_PACE_KEY] = self.min_stream_tokens_per_second
         return config
 
     def _user_value(self, user: str) -> Any:
@@ -175,8 +189,19 @@ class OutputRateSettings:
         group = self.user_groups.get(user)
         share = self.user_shares.get(user)
         if group == self.default_group:
-            return _limit_value(self.user_rates[user], share)
-        return _limit_value(self.user_rates[user], share, group, group_key=True)
+            value = _limit_value(self.user_rates[user], share)
+        else:
+            value = _limit_value(self.user_rates[user], share, group, group_key=True)
+        pace = self.user_min_stream_tokens_per_second.get(user)
+        if pace is None:
+            return value
+        value = dict(value) if isinstance(value, Mapping) else {"rate": value}
+        value[MIN_PACE_KEY] = pace
+        return value
+
+    def min_pace_of(self, user: str) -> float:
+        """``user``'s minimum pace per resident stream (0: no residency cap)."""
+        return self.user_min_stream_tokens_per_second.get(user, self.min_stream_tokens_per_second)
 
     @classmethod
     def from_additional_config(
@@ -207,6 +232,10 @@ class OutputRateSettings:
         input_token_weight = validate_input_token_weight(
             section.get(INPUT_TOKEN_WEIGHT_KEY, 0), f"{where}[{INPUT_TOKEN_WEIGHT_KEY!r}]"
         )
+        min_pace = validate_min_pace(
+            section.get(MIN_PACE_KEY, DEFAULT_MIN_STREAM_TOKENS_PER_SECOND),
+            f"{where}[{MIN_PACE_KEY!r}]",
+        )
         try:
             store = parse_store_section(section.get(STORE_KEY))
         except ValueError as exc:
@@ -218,7 +247,7 @@ class OutputRateSettings:
                 raise OutputRateConfigError(
                     f"{where}[{LIMITS_FILE_KEY!r}]: must be a file path"
                 )
-            rates = load_limits_file(limits_file, input_token_weight)
+            rates = load_limits_file(limits_file, input_token_weight, min_pace)
             return dataclasses.replace(
                 rates,
                 limits_file=limits_file,
@@ -246,6 +275,7 @@ class OutputRateSettings:
             store=store,
             recompute_budget=recompute_budget,
             input_token_weight=input_token_weight,
+            min_stream_tokens_per_second=min_pace,
         )
 
     def rate_of(self, user: str) -> float:
@@ -405,11 +435,21 @@ def _user_group(
     return {k: v for k, v in value.items() if k != GROUP_KEY}, group
 
 
+def _user_pace(value: Any, what: str) -> tuple[Any, float | None]:
+    """``value`` without its minimum pace key, and that pace (validated)."""
+    if not isinstance(value, Mapping) or MIN_PACE_KEY not in value:
+        return value, None
+    pace = validate_min_pace(value[MIN_PACE_KEY], f"{what}[{MIN_PACE_KEY!r}]")
+    return {k: v for k, v in value.items() if k != MIN_PACE_KEY}, pace
+
+
 def validate_grouped_limits(
-    value: Any, what: str, groups: Any = (), default_group: str | None = None
+    value: Any, what: str, groups: Any = (), default_group: str | None = None,
+    paces: dict[str, float] | None = None,
 ) -> tuple[dict[str, float], dict[str, Share], dict[str, str]]:
     """Per-user limits, each may name one of ``groups``: (user -> rate, user ->
     share for those given as mappings, user -> group for those in one).
+    ``paces`` receives each user's own ``min_stream_tokens_per_second``.
 
     An entry without the key ``group`` is in ``default_group`` (the
     default's group: a rate of its own does not take a user out of it);
@@ -423,6 +463,9 @@ def validate_grouped_limits(
         validate_overrides({user: 1}, what)  # the checks of a user name
         if isinstance(limit, str):
             raise OutputRateConfigError(f"{what}[{user!r}]: must be a number, got {limit!r}")
+        limit, pace = _user_pace(limit, f"{what}[{user!r}]")
+        if pace is not None and paces is not None:
+            paces[user] = pace
         limit, group = _user_group(limit, f"{what}[{user!r}]", groups, default_group)
         rate, share = validate_limit(limit, f"{what}[{user!r}]")
         user_rates[user] = rate
@@ -463,13 +506,15 @@ def validate_all_limits(
     known = group_rates if check_groups else ANY_GROUP
     default, default_group = _user_group(default, where_default, known)
     default_rate, default_share = validate_limit(default, where_default)
+    paces: dict[str, float] = {}
     user_rates, user_shares, user_groups = validate_grouped_limits(
-        overrides, where_users, known, default_group
+        overrides, where_users, known, default_group, paces
     )
     return dict(
         default_rate=default_rate, default_share=default_share, default_group=default_group,
         user_rates=user_rates, user_shares=user_shares, user_groups=user_groups,
         group_rates=group_rates, group_shares=group_shares,
+        user_min_stream_tokens_per_second=paces,
     )
 
 
@@ -503,6 +548,19 @@ def validate_rate(value: Any, what: str) -> float:
             f"and the borrowing counters represent), got {value!r}"
         )
     return as_float
+
+
+def validate_min_pace(value: Any, what: str) -> float:
+    """A minimum pace per resident stream: 0 (no residency cap) or a rate
+    in [MIN_RATE, MAX_RATE], or OutputRateConfigError naming ``what``."""
+    if not isinstance(value, bool) and isinstance(value, (int, float)) and value == 0:
+        return 0.0
+    if isinstance(value, str):
+        raise OutputRateConfigError(f"{what}: must be a number, got {value!r}")
+    try:
+        return validate_rate(value, what)
+    except OutputRateConfigError as exc:
+        raise OutputRateConfigError(f"{exc} (0 turns the residency cap off)") from None
 
 
 def validate_overrides(value: Any, what: str) -> dict[str, float]:
@@ -656,7 +714,11 @@ def read_mapping_file(path: str, what: str) -> Mapping[str, Any]:
     return data
 
 
-def load_limits_file(path: str, input_token_weight: float = 0.0) -> OutputRateSettings:
+def load_limits_file(
+    path: str,
+    input_token_weight: float = 0.0,
+    min_pace: float = DEFAULT_MIN_STREAM_TOKENS_PER_SECOND,
+) -> OutputRateSettings:
     """Rates from a limits file, validated as a whole.
 
     The file holds the same keys as ``additional_config["output_rate"]``::
@@ -665,14 +727,17 @@ def load_limits_file(path: str, input_token_weight: float = 0.0) -> OutputRateSe
         user_output_tokens_per_second: {user-a: 20, user-b: {rate: 10, ceil: 500, group: team}}
         groups: {team: {rate: 300, ceil: 600}}   # optional
         input_token_weight: 0.5        # optional
+        min_stream_tokens_per_second: 1  # optional
 
     The default is required (the file alone turns the feature on).  A file
-    without ``input_token_weight`` keeps ``input_token_weight`` (the flag's).
+    without ``input_token_weight`` keeps ``input_token_weight`` (the flag's),
+    one without ``min_stream_tokens_per_second`` keeps ``min_pace``.
     """
     what = f"{LIMITS_FILE_FLAG}"
     data = read_mapping_file(path, what)
     unknown = sorted(
-        set(data) - {DEFAULT_KEY, OVERRIDES_KEY, INPUT_TOKEN_WEIGHT_KEY, GROUPS_KEY}, key=repr
+        set(data) - {DEFAULT_KEY, OVERRIDES_KEY, INPUT_TOKEN_WEIGHT_KEY, GROUPS_KEY, MIN_PACE_KEY},
+        key=repr,
     )
     if unknown:
         raise OutputRateConfigError(f"{what} {path!r}: unknown keys {unknown}")
@@ -692,6 +757,9 @@ def load_limits_file(path: str, input_token_weight: float = 0.0) -> OutputRateSe
         input_token_weight=validate_input_token_weight(
             data.get(INPUT_TOKEN_WEIGHT_KEY, input_token_weight),
             f"{what} {path!r}[{INPUT_TOKEN_WEIGHT_KEY!r}]",
+        ),
+        min_stream_tokens_per_second=validate_min_pace(
+            data.get(MIN_PACE_KEY, min_pace), f"{what} {path!r}[{MIN_PACE_KEY!r}]"
         ),
     )
 

@@ -26,6 +26,9 @@ from vllm_output_rate.tools.scheduler_sim import MS, Harness, max_in_window
 
 SLOW = {"default_user_output_tokens_per_second": 1000, "user_output_tokens_per_second": {"slow": 1}}
 ITEM = 32  # embeddings per image
+# The residency cap off (issue 32): these tests keep several requests of a
+# 1 tok/s user resident, to check what a throttled resident request holds.
+SLOW_RESIDENT = SLOW | {"min_stream_tokens_per_second": 0}
 
 
 def _held_by(h: Harness, request) -> set[int]:
@@ -87,7 +90,8 @@ def test_throttled_image_requests_hold_no_encoder_cache(async_):
     are prefilled and then wait for quota at 1 tok/s, hidden most of the
     time; meanwhile another user's image requests (different images) each
     get the cache in turn."""
-    h = _checked(Harness(SLOW, async_=async_, encoder_cache_size=ITEM, max_num_batched_tokens=256))
+    h = _checked(Harness(SLOW_RESIDENT, async_=async_, encoder_cache_size=ITEM,
+                         max_num_batched_tokens=256))
     slow = [h.add("slow", prompt_len=48, max_tokens=3, images=[(8, ITEM, f"slow-{i}")])
             for i in range(3)]
     for _ in range(6):
@@ -112,7 +116,7 @@ def test_prompt_ending_in_an_image_is_not_split_when_chunking_it_is_off():
     quota: the chunk stops before the image instead of one short of the
     prompt's end (inside the image); the image's encoder output waits in
     the cache."""
-    h = _checked(Harness(SLOW, chunked=True, encoder_cache_size=ITEM,
+    h = _checked(Harness(SLOW_RESIDENT, chunked=True, encoder_cache_size=ITEM,
                          disable_chunked_mm_input=True, max_num_batched_tokens=256))
     h.add("slow", prompt_len=8, max_tokens=2)
     h.step()  # "slow" spends its burst

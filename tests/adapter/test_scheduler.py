@@ -65,6 +65,10 @@ def test_clock_read_once_per_step():
 # -- the guarantee over long random runs -----------------------------------------------
 
 RATES = {"a": 50.0, "b": 20.0, "c": 7.5, "__anonymous__": 30.0}
+# The residency cap off (issue 32, tests/adapter/test_residency_scheduler.py):
+# the tests using it keep more requests of a throttled user resident than its
+# rate supports, to check what resident throttled requests do and give up.
+RESIDENT = {"min_stream_tokens_per_second": 0}
 
 
 def _long_run(async_: bool, seed: int, seconds: float = 20.0):
@@ -146,7 +150,7 @@ def _exhaust(h: Harness, user: str, streams: int, steps: int = 3):
 
 
 def test_other_user_admitted_while_user_is_throttled():
-    h = Harness(limits(1000, a=5), max_num_seqs=8, max_num_active_seqs=2)
+    h = Harness(limits(1000, a=5) | RESIDENT, max_num_seqs=8, max_num_active_seqs=2)
     _exhaust(h, "a", streams=6, steps=8)
     assert len(h.sched.running) == 6  # a's streams stay resident with their KV
     b = h.add("b", prompt_len=8, max_tokens=5)
@@ -231,7 +235,7 @@ def test_throttled_prefill_waits_whole_without_chunked_prefill():
 def test_kv_pressure_preempts_throttled_requests_first_fcfs():
     # 10 usable blocks of 16 tokens.  a's 3 throttled streams hold 6; b's
     # growing stream must take theirs, not lose its own.
-    h = Harness(limits(1000, a=2), num_blocks=11, max_num_seqs=8, max_num_active_seqs=8)
+    h = Harness(limits(1000, a=2) | RESIDENT, num_blocks=11, max_num_seqs=8, max_num_active_seqs=8)
     a_reqs = _exhaust(h, "a", streams=3, steps=1)
     for r in a_reqs:
         r  # each holds ceil((8 + 1) / 16) blocks after its first token
@@ -250,7 +254,7 @@ def test_kv_pressure_preempts_throttled_requests_first_fcfs():
 
 
 def test_kv_pressure_admits_waiting_request_of_other_user():
-    h = Harness(limits(1000, a=2), num_blocks=9, max_num_seqs=8, max_num_active_seqs=8)
+    h = Harness(limits(1000, a=2) | RESIDENT, num_blocks=9, max_num_seqs=8, max_num_active_seqs=8)
     a_reqs = [h.add("a", prompt_len=40, max_tokens=100) for _ in range(2)]
     for _ in range(3):
         h.step(10 * MS)
@@ -273,7 +277,7 @@ def test_evicted_stream_of_a_served_user_takes_its_turn_again():
     # a (5 tok/s) has 4 streams holding most KV; b's request evicts one of
     # them.  Once b is done, the evicted stream must come back and share a's
     # quota with its siblings instead of waiting for them all to finish.
-    h = Harness(limits(1000, a=5), num_blocks=20, max_num_seqs=8, max_num_active_seqs=8)
+    h = Harness(limits(1000, a=5) | RESIDENT, num_blocks=20, max_num_seqs=8, max_num_active_seqs=8)
     a_reqs = [  # distinct prompts: no shared prefix blocks
         h.add("a", prompt=[200 + 4 * i + j % 3 for j in range(60)], max_tokens=40)
         for i in range(4)
@@ -297,7 +301,7 @@ def test_priority_policy_evicts_throttled_only_within_its_priority():
     # a (throttled) has priority 0 = more important than b's priority 1:
     # b's own request must be the victim, not a's.
     h = Harness(
-        limits(1000, a=2), num_blocks=9, max_num_seqs=8, max_num_active_seqs=8, policy="priority"
+        limits(1000, a=2) | RESIDENT, num_blocks=9, max_num_seqs=8, max_num_active_seqs=8, policy="priority"
     )
     a_reqs = [h.add("a", prompt_len=40, max_tokens=100, priority=0) for _ in range(2)]
     for _ in range(3):
@@ -312,7 +316,7 @@ def test_priority_policy_evicts_throttled_only_within_its_priority():
 
     # Same priority: the throttled requests go first.
     h = Harness(
-        limits(1000, a=2), num_blocks=9, max_num_seqs=8, max_num_active_seqs=8, policy="priority"
+        limits(1000, a=2) | RESIDENT, num_blocks=9, max_num_seqs=8, max_num_active_seqs=8, policy="priority"
     )
     a_reqs = [h.add("a", prompt_len=40, max_tokens=100, priority=1) for _ in range(2)]
     for _ in range(3):
@@ -635,7 +639,7 @@ def test_slot_preemptions_never_exceed_admissions_of_other_users(async_):
 def test_new_requests_of_a_user_take_turns_with_its_streams(chunked, async_):
     """Four requests of one user at 5 tok/s: each gets its first token within
     a rotation of the others, not after the earlier ones finished."""
-    h = Harness(limits(1000, a=5), async_=async_, chunked=chunked, max_num_seqs=8)
+    h = Harness(limits(1000, a=5) | RESIDENT, async_=async_, chunked=chunked, max_num_seqs=8)
     reqs = [h.add("a", prompt_len=8, max_tokens=20) for _ in range(4)]
     for _ in range(150):  # 1.5 s: with turns every request has started by ~0.6 s
         h.step(10 * MS)

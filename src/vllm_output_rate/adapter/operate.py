@@ -31,10 +31,13 @@ import threading
 import time
 from typing import Any, Callable
 
+from vllm_output_rate.factory import update_residency
 from vllm_output_rate.policy.monitor import OTHER_USERS, ChargeHistory, GroupTotals, UserMonitor
+from vllm_output_rate.policy.residency import DEFAULT_MIN_STREAM_TOKENS_PER_SECOND
 from vllm_output_rate.settings import (
     CONFIG_KEY,
     INPUT_TOKEN_WEIGHT_KEY,
+    MIN_PACE_KEY,
     OutputRateConfigError,
     OutputRateSettings,
     file_signature,
@@ -63,10 +66,13 @@ class LimitsFileWatcher:
         on_bad: Callable[[str], None],
         interval_s: float = FILE_CHECK_S,
         input_token_weight: float = 0.0,
+        min_pace: float = DEFAULT_MIN_STREAM_TOKENS_PER_SECOND,
     ) -> None:
         self.path = path
         #: The weight a file without ``input_token_weight`` means (the flag's).
         self.input_token_weight = input_token_weight
+        #: The pace a file without ``min_stream_tokens_per_second`` means.
+        self.min_pace = min_pace
         self._on_good = on_good
         self._on_bad = on_bad
         self._interval_s = interval_s
@@ -87,7 +93,7 @@ class LimitsFileWatcher:
         if signature == self._signature:
             return False
         try:
-            settings = load_limits_file(self.path, self.input_token_weight)
+            settings = load_limits_file(self.path, self.input_token_weight, self.min_pace)
         except Exception as exc:  # any failure is a rejected file, never a dead watcher
             reason = str(exc) if isinstance(exc, OutputRateConfigError) else (
                 f"{self.path!r}: {type(exc).__name__}: {exc}"
@@ -145,6 +151,7 @@ class OperateSchedulerMixin:
             self._output_rate_watcher = LimitsFileWatcher(
                 settings.limits_file, self._limits_changed, self._limits_rejected,
                 input_token_weight=section.get(INPUT_TOKEN_WEIGHT_KEY, 0.0),
+                min_pace=section.get(MIN_PACE_KEY, DEFAULT_MIN_STREAM_TOKENS_PER_SECOND),
             )
             self._output_rate_watcher.start()
 
@@ -167,8 +174,12 @@ class OperateSchedulerMixin:
             default_share=new.default_share, user_shares=dict(new.user_shares),
             group_rates=dict(new.group_rates), group_shares=dict(new.group_shares),
             user_groups=dict(new.user_groups), default_group=new.default_group,
+            min_stream_tokens_per_second=new.min_stream_tokens_per_second,
+            user_min_stream_tokens_per_second=dict(new.user_min_stream_tokens_per_second),
         )
         self.set_input_token_weight(new.input_token_weight)
+        # Caps follow the new limits; streams now beyond them give way first.
+        update_residency(self.output_rate_residency, self.output_rate_settings)
         self.apply_output_rate_shares(self.output_rate_settings)
         self.output_rate_reloads += 1
         logger.info(

@@ -22,13 +22,17 @@ from vllm_output_rate.settings import (
     LIMITS_FILE_KEY,
     METRICS_MAX_USERS_FLAG,
     METRICS_MAX_USERS_KEY,
+    MIN_PACE_FLAG,
+    MIN_PACE_KEY,
     RECOMPUTE_BUDGET_FLAG,
     RECOMPUTE_BUDGET_KEY,
     OutputRateConfigError,
     load_limits_file,
     validate_input_token_weight,
+    validate_min_pace,
     validate_recompute_budget,
 )
+from vllm_output_rate.policy.residency import DEFAULT_MIN_STREAM_TOKENS_PER_SECOND
 from vllm_output_rate.policy.eviction import DEFAULT_RECOMPUTE_RATIO
 from vllm_output_rate.stores.config import int_arg
 
@@ -46,6 +50,17 @@ from .identity import (
 logger = logging.getLogger(__name__)
 
 ADMIN_KEY_FLAG = "--output-rate-admin-key"
+
+
+def _min_pace_arg(text: str) -> float:
+    try:
+        value: object = float(text)
+    except ValueError:
+        value = text  # refused by the validator, with the text in its message
+    try:
+        return validate_min_pace(value, "value")
+    except OutputRateConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("value: ")) from None
 
 
 def _recompute_budget_arg(text: str) -> float:
@@ -135,6 +150,17 @@ def add_operate_args(parser: argparse.ArgumentParser) -> None:
         f"(default {DEFAULT_RECOMPUTE_RATIO}); 0 never evicts for a waiting request.",
     )
     group.add_argument(
+        MIN_PACE_FLAG,
+        dest="output_rate_min_stream_tokens_per_second",
+        type=_min_pace_arg,
+        default=None,
+        metavar="TOKENS_PER_S",
+        help="Minimum pace of one resident stream: a user's requests get KV only as far "
+        "as its quota keeps each moving at this pace, at most max(1, floor(rate / pace)) "
+        f"of them (default {DEFAULT_MIN_STREAM_TOKENS_PER_SECOND:g}); 0 turns the cap off. "
+        "Per user: the key min_stream_tokens_per_second of its {rate, ...}.",
+    )
+    group.add_argument(
         INPUT_TOKEN_WEIGHT_FLAG,
         dest="output_rate_input_token_weight",
         type=_input_token_weight_arg,
@@ -168,6 +194,7 @@ def merge_operate_args(args: argparse.Namespace, section: dict | None) -> dict |
     max_users = getattr(args, "output_rate_metrics_max_users", None)
     recompute_budget = getattr(args, "output_rate_recompute_budget", None)
     input_token_weight = getattr(args, "output_rate_input_token_weight", None)
+    min_pace = getattr(args, "output_rate_min_stream_tokens_per_second", None)
     identity = getattr(args, "output_rate_identity", None) or "body"
     if section is None:
         if identity != "body" or max_users is not None or recompute_budget is not None:
@@ -175,11 +202,14 @@ def merge_operate_args(args: argparse.Namespace, section: dict | None) -> dict |
                 f"{IDENTITY_FLAG} / {METRICS_MAX_USERS_FLAG} / {RECOMPUTE_BUDGET_FLAG} need "
                 f"the feature on ({DEFAULT_FLAG} or {LIMITS_FILE_FLAG})"
             )
-        if input_token_weight is not None:
-            raise OutputRateConfigError(
-                f"{INPUT_TOKEN_WEIGHT_FLAG} needs the feature on ({DEFAULT_FLAG} or {LIMITS_FILE_FLAG})"
-            )
+        for value, flag in ((input_token_weight, INPUT_TOKEN_WEIGHT_FLAG), (min_pace, MIN_PACE_FLAG)):
+            if value is not None:
+                raise OutputRateConfigError(
+                    f"{flag} needs the feature on ({DEFAULT_FLAG} or {LIMITS_FILE_FLAG})"
+                )
         return None
+    if min_pace is not None:
+        section[MIN_PACE_KEY] = min_pace
     if input_token_weight is not None:
         section[INPUT_TOKEN_WEIGHT_KEY] = input_token_weight
     if max_users is not None:

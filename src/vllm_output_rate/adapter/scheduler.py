@@ -51,10 +51,12 @@ speculative decoding, where it refunds the drafts the model rejected
 for them, so they are exact under async scheduling too.
 
 The scheduler mixin is :class:`OutputRateSchedulerMixin` (the step) over
-six hook classes, one concern each: :class:`MembershipHooks` (the lanes
+seven hook classes, one concern each: :class:`MembershipHooks` (the lanes
 follow vLLM's request lifecycle), :class:`ChargingHooks` (per-request
 charges and waiting-queue skips), :class:`AdapterHooks` (hidden requests'
-LoRA adapters stay counted against ``max_loras``), :class:`EvictionHooks`
+LoRA adapters stay counted against ``max_loras``), :class:`ResidencyHooks`
+(a user's requests are admitted only as far as its quota keeps them moving
+at the minimum pace; the rest wait un-admitted), :class:`EvictionHooks`
 (slot and KV pressure), :class:`BorrowingHooks` (spare capacity for users
 with a ceiling above their rate, handed to vLLM after every guaranteed
 request; groups of users paying every token together) and
@@ -76,7 +78,12 @@ from vllm.v1.request import Request, RequestStatus
 
 from vllm_output_rate.adapter.operate import OperateSchedulerMixin
 from vllm_output_rate.adapter.prompt_cost import PromptCostHooks
-from vllm_output_rate.factory import make_borrowing, make_group_quotas, make_limiter
+from vllm_output_rate.factory import (
+    make_borrowing,
+    make_group_quotas,
+    make_limiter,
+    make_residency,
+)
 from vllm_output_rate.policy.displacement import Displacement, fits_in_free_kv
 from vllm_output_rate.policy.drafts import DraftAccount
 from vllm_output_rate.policy.eviction import EvictionBudget
@@ -206,6 +213,8 @@ class ChargingHooks:
             return True
         if request.lora_request is not None and not self._adapter_fits(request):
             return False
+        if not self._residency_admits(request):
+            return False  # waits un-admitted: its user's quota moves no more streams
         ledger = self._ledger
         user_of = self._lanes.user_of
         if self._slot_donors:
@@ -298,6 +307,40 @@ class AdapterHooks:
             known |= _adapters_of(running[self._adapters_seen:])
             self._adapters_seen = len(running)
         return lora_id in known or len(known) < self.lora_config.max_loras
+
+
+class ResidencyHooks:
+    """Residency follows the rate (:mod:`~vllm_output_rate.policy.residency`).
+
+    A waiting request of a user that already holds as many resident requests
+    as its quota keeps moving at the minimum pace is skipped through vLLM's
+    own skip path: it keeps its place in the queue and holds no KV, and the
+    requests behind it are reached.  Those resident beyond the cap (a lowered
+    limit) are released first for other users' waiting requests
+    (``Displacement``, given the same :class:`~.policy.residency.Residency`).
+    """
+
+    #: len(self.running) when the step began: vLLM appends its admissions.
+    _running_at_start: int = 0
+
+    def _residency_admits(self, request: Request) -> bool:
+        """May ``request`` become resident in this step (its user's cap)?"""
+        lanes = self._lanes
+        user_of = lanes.user_of
+        user = user_of[request]
+        room = self.output_rate_residency.room(user, lanes.resident_count(user))
+        if room is None:
+            return True
+        if room <= 0:
+            return False
+        # This step's admissions are not in the lanes yet (see _admit_new).
+        admitted = 0
+        for r in self.running[self._running_at_start:]:
+            if user_of.get(r) == user:
+                admitted += 1
+                if admitted >= room:
+                    return False
+        return True
 
 
 class EvictionHooks:
@@ -591,6 +634,7 @@ class OutputRateSchedulerMixin(
     MembershipHooks,
     ChargingHooks,
     AdapterHooks,
+    ResidencyHooks,
     EvictionHooks,
     BorrowingHooks,
     SpecDecodeHooks,
@@ -653,6 +697,9 @@ class OutputRateSchedulerMixin(
         # What evictions on behalf of waiting requests may make the engine
         # recompute; the budget holds one longest request (none at ratio 0).
         ratio = settings.recompute_budget
+        # Resident requests per user: as many as its quota keeps moving at
+        # the minimum pace (the planner and Displacement read it too).
+        self.output_rate_residency = self._lanes.residency = make_residency(settings)
         self.output_rate_eviction_budget = EvictionBudget(
             burst_tokens=self.vllm_config.model_config.max_model_len if ratio > 0 else 0,
             ratio=ratio,
@@ -665,6 +712,8 @@ class OutputRateSchedulerMixin(
             tokens_held=_tokens_held,
             priority_of=_priority_of if self._priority_policy else None,
             can_release=self._request_blocks_can_be_freed,
+            residency=self.output_rate_residency,
+            generated_of=_generated,
         )
         self._held_for_other_reasons = False
         self._stock_allocate_slots = self.kv_cache_manager.allocate_slots
@@ -845,6 +894,7 @@ class OutputRateSchedulerMixin(
         self._held_for_other_reasons = False
         self._prepaid = prepaid
         self._step_plan = plan
+        self._running_at_start = len(self.running)
         if all_visible_prepaid and self._draft_account is None:
             # vLLM's running loop will only meet decoding streams already
             # paid for, so it may call its own hook directly, without this
@@ -949,6 +999,11 @@ def _can_progress_unpaid(request: Request) -> bool:
 def _output_left(request: Request) -> int:
     """Tokens the request may still output (at most: it may stop sooner)."""
     return max(request.max_tokens - request.num_output_tokens, 1)
+
+
+def _generated(request: Request) -> int:
+    """Output tokens a request has generated (released least-first)."""
+    return request.num_output_tokens
 
 
 def _tokens_held(request: Request) -> int:

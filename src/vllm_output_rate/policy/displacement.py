@@ -20,6 +20,7 @@ from vllm_output_rate.policy.eviction import EvictionBudget, evens_out
 from vllm_output_rate.policy.lanes import Lanes
 from vllm_output_rate.policy.ledger import Ledger
 from vllm_output_rate.policy.plan import StepPlan
+from vllm_output_rate.policy.residency import Residency
 from vllm_output_rate.policy.victims import throttled_victims
 
 Key = Hashable
@@ -40,7 +41,14 @@ class Displacement:
       rate-weighted shares (:func:`~vllm_output_rate.policy.eviction.evens_out`)
       and its recompute must be affordable from ``budget``; a running
       request that needs KV would cost a preemption anyway, so any throttled
-      victim will do.
+      victim will do;
+    * with a :class:`~vllm_output_rate.policy.residency.Residency`, a waiting
+      request of a user within its residency cap first takes the KV of a
+      throttled stream beyond its own user's cap (a surplus: resident since
+      before a limit was lowered), the one that generated least, if the
+      budget affords it -- also when its user holds resident streams
+      already; evens_out is not asked, the caps keep such moves from
+      cycling (see :meth:`_surplus_victim`).
     """
 
     def __init__(
@@ -53,6 +61,8 @@ class Displacement:
         tokens_held: Callable[[Key], int],
         priority_of: Callable[[Key], int] | None,
         can_release: Callable[[Key], bool],
+        residency: Residency | None = None,
+        generated_of: Callable[[Key], int] | None = None,
     ) -> None:
         self._lanes = lanes
         self._ledger = ledger
@@ -61,6 +71,10 @@ class Displacement:
         self._tokens_held = tokens_held
         self._priority_of = priority_of
         self._can_release = can_release
+        #: Residency caps (:mod:`~vllm_output_rate.policy.residency`): a
+        #: user's streams beyond its cap are released first.
+        self.residency = residency
+        self._generated_of = generated_of or tokens_held
 
     def victim_for(self, key: Key, waiting: bool, least_important: int | None = None) -> Key | None:
         """The throttled request that gives way for ``key``, or None.
@@ -77,19 +91,23 @@ class Displacement:
         user_of = lanes.user_of
         requester = user_of[key]
         resident_count = lanes.resident_count
-        if waiting and resident_count(requester):
-            # Served through resident streams already: evicting others for
-            # it would churn.
-            return None
         ledger = self._ledger
-        if not ledger.can_charge(key):
-            return None
         priority_of = self._priority_of
         floor = None
         if priority_of is not None:
             floor = priority_of(key)
             if not waiting and least_important is not None:
                 floor = max(floor, least_important)
+        if waiting and self.residency is not None:
+            surplus = self._surplus_victim(self.residency, key, requester, floor)
+            if surplus is not None:
+                return surplus
+        if waiting and resident_count(requester):
+            # Served through resident streams already: evicting others for
+            # it would churn.
+            return None
+        if not ledger.can_charge(key):
+            return None
         rate_of = ledger.limiter.rate_of
         requester_resident = resident_count(requester)
         requester_rate = rate_of(requester)
@@ -103,12 +121,65 @@ class Displacement:
                     continue
                 if not self._budget.affords(self._tokens_held(victim)):
                     continue  # its recompute would cost more than serving has earned
-            if floor is not None and priority_of(victim) < floor:
+            if priority_of is not None and floor is not None and priority_of(victim) < floor:
                 continue
             if not self._can_release(victim):
                 continue
             return victim
         return None
+
+    def _surplus_victim(
+        self, residency: Residency, key: Key, requester: str, floor: int | None
+    ) -> Key | None:
+        """A throttled stream beyond its user's residency cap, for a waiting
+        ``key`` whose user can pay now and is within its own cap.
+
+        Such a stream holds KV its user's quota cannot keep moving at the
+        minimum pace (it became resident before a limit was lowered, or while
+        a borrower had spare capacity).  Of all of them, the one that has
+        generated least goes first, so its recompute stays small; its
+        recompute must be affordable from the budget.  Evictions cannot
+        cycle: the victim's user is above its cap and may not admit again
+        until it is below it, the requester's user stays within its own.
+        """
+        lanes = self._lanes
+        resident_count = lanes.resident_count
+        priority_of = self._priority_of
+        # Pure checks first: asking the ledger or the limiter has effects (a
+        # user found unable to pay is not asked again in the step).
+        if not any(
+            user != requester and residency.surplus(user, resident_count(user)) > 0
+            for user in self._ledger.short
+        ):
+            return None
+        if not residency.admits(requester, resident_count(requester)):
+            return None
+        if not self._ledger.can_charge(key):
+            return None
+        user_of = lanes.user_of
+        surplus_of: dict[str, int] = {}
+        best: Key | None = None
+        best_generated = 0
+        for victim in throttled_victims(lanes, self._ledger):
+            user = user_of[victim]
+            if user == requester or victim is key:
+                continue
+            surplus = surplus_of.get(user)
+            if surplus is None:
+                surplus = surplus_of[user] = residency.surplus(user, resident_count(user))
+            if surplus <= 0:
+                continue
+            if priority_of is not None and floor is not None and priority_of(victim) < floor:
+                continue
+            generated = self._generated_of(victim)
+            if best is not None and generated >= best_generated:
+                continue
+            if not self._budget.affords(self._tokens_held(victim)):
+                continue
+            if not self._can_release(victim):
+                continue
+            best, best_generated = victim, generated
+        return best
 
     def free_slots_for(
         self,

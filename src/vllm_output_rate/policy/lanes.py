@@ -10,7 +10,10 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Hashable, Iterable, Iterator
+from typing import TYPE_CHECKING, Hashable, Iterable, Iterator
+
+if TYPE_CHECKING:
+    from vllm_output_rate.policy.residency import Residency
 
 Key = Hashable
 
@@ -26,15 +29,15 @@ class Lane:
     their turn like a stream (see :meth:`Lanes.wait_in_turn`).
     """
 
-    decoding: deque = field(default_factory=deque)
-    progressing: dict = field(default_factory=dict)
+    decoding: deque[Key] = field(default_factory=deque)
+    progressing: dict[Key, None] = field(default_factory=dict)
     waiting: int = 0
 
     def __len__(self) -> int:
         """Resident requests of the user (in-turn waiting ones not counted)."""
         return len(self.decoding) - self.waiting + len(self.progressing)
 
-    def rotate_front(self, offered: list, served: Iterable[Key]) -> None:
+    def rotate_front(self, offered: list[Key], served: Iterable[Key]) -> None:
         """``offered`` was the front of the rotation: its ``served`` keys move
         to the back, the rest keep their places (keys may have left since)."""
         decoding = self.decoding
@@ -43,7 +46,7 @@ class Lane:
         decoding.extendleft(reversed([key for key in head if key not in served_set]))
         decoding.extend(key for key in head if key in served_set)
 
-    def served_to_back(self, served: set) -> None:
+    def served_to_back(self, served: set[Key]) -> None:
         """Keys in ``served`` move behind all others; both groups keep their order."""
         decoding = self.decoding
         rest = [key for key in decoding if key not in served]
@@ -73,7 +76,7 @@ class Lanes:
         #: Resident key -> its user.
         self.lane_of: dict[Key, str] = {}
         #: Waiting keys that take turns in their user's rotation.
-        self.in_turn: set = set()
+        self.in_turn: set[Key] = set()
         #: user -> lane, in service order (least recently served first).
         self.order: OrderedDict[str, Lane] = OrderedDict()
         #: Bumped on every membership change (see the class invariants).
@@ -81,6 +84,10 @@ class Lanes:
         self._tracked_per_user: dict[str, int] = {}
         self._admitted_at: dict[Key, int] = {}  # resident key -> admission number
         self._admissions = 0
+        #: How many requests each user may hold resident
+        #: (:class:`~vllm_output_rate.policy.residency.Residency`, set by the
+        #: gate's owner); None: no residency cap.
+        self.residency: Residency | None = None
 
     def track(self, key: Key, user: str) -> None:
         """Remember the user of a request (resolved once, at arrival)."""
@@ -184,7 +191,7 @@ class Lanes:
         lane = self.order.get(user)
         return 0 if lane is None else len(lane)
 
-    def in_admission_order(self, keys: list) -> None:
+    def in_admission_order(self, keys: list[Key]) -> None:
         """Sort resident ``keys`` in place into the order they became resident."""
         keys.sort(key=self._admitted_at.__getitem__)
 

@@ -9,23 +9,26 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from itertools import islice
+from typing import Hashable
 
 from vllm_output_rate.policy.lanes import Lane, Lanes
 from vllm_output_rate.policy.ledger import Ledger
+
+Key = Hashable
 
 
 @dataclass(slots=True)
 class StepPlan:
     """What :func:`plan_step` decided for one step."""
 
-    visible: list  # keys to show the scheduler, in service order
+    visible: list[Key]  # keys to show the scheduler, in service order
     hidden: int  # resident requests kept out of sight
     over_cap: bool  # some runnable request was hidden only because slots ran out
-    prepaid: set  # visible decoding keys whose token is already taken
-    prefills: list  # visible keys that are still prefilling
+    prepaid: set[Key]  # visible decoding keys whose token is already taken
+    prefills: list[Key]  # visible keys that are still prefilling
     throttled: bool  # some resident request waits for its user's quota
     reserved: int = 0  # waiting requests whose turn came: quota kept for their admission
-    borrowed: list = field(default_factory=list)  # keys run on spare capacity (policy.borrow)
+    borrowed: list[Key] = field(default_factory=list)  # keys run on spare capacity (policy.borrow)
 
 
 def plan_step(lanes: Lanes, ledger: Ledger, slots: int) -> StepPlan:
@@ -48,10 +51,11 @@ def plan_step(lanes: Lanes, ledger: Ledger, slots: int) -> StepPlan:
     limiter = ledger.limiter
     take_up_to = limiter.take_up_to
     prepaid = ledger.prepaid
+    assert isinstance(prepaid, set), "a planned step's ledger collects what it prepays"
     offers = ledger.offers
     num_resident = len(lanes.lane_of)
-    visible: list = []
-    prefills: list = []
+    visible: list[Key] = []
+    prefills: list[Key] = []
     room = max(slots, 0)
     over_cap = False
     reserved = 0
@@ -106,7 +110,7 @@ def plan_step(lanes: Lanes, ledger: Ledger, slots: int) -> StepPlan:
 
 
 def _offer_in_turn(
-    lanes: Lanes, ledger: Ledger, user: str, lane: Lane, room: int, admit_room: int, visible: list
+    lanes: Lanes, ledger: Ledger, user: str, lane: Lane, room: int, admit_room: int, visible: list[Key]
 ) -> tuple[int, int, bool]:
     """Plan a lane whose rotation holds waiting requests (see Lanes.wait_in_turn).
 
@@ -119,6 +123,14 @@ def _offer_in_turn(
     in_turn = lanes.in_turn
     limiter = ledger.limiter
     now_ns = ledger.now_ns
+    residency = lanes.residency
+    if residency is not None:
+        # A request the user's residency cap keeps out is passed over like
+        # one the active cap keeps out: it must not hold its turn (and the
+        # user's token) while the user's resident streams wait behind it.
+        cap_room = residency.room(user, len(lane))
+        if cap_room is not None and cap_room < admit_room:
+            admit_room = cap_room
     candidates = []
     resident_left = 0
     for key in lane.decoding:
