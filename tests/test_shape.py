@@ -97,3 +97,12 @@ def _large_classes() -> list[str]:
 
 def test_no_class_has_more_than_twelve_methods():
     assert _large_classes() == []
+
+
+def test_policy_and_stores_type_check_strictly():
+    """mypy --strict on the two plain-Python layers (pyproject's [tool.mypy]):
+    a protocol whose implementations drift apart fails here, not in an engine."""
+    mypy = shutil.which("mypy", path=str(Path(sys.executable).parent))
+    assert mypy, "mypy is not installed (it is in the [dev] extra)"
+    done = subprocess.run([mypy], cwd=REPO, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
