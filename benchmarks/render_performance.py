@@ -494,11 +494,18 @@ def itl_instruction_lines(doc: Doc) -> list[str]:
 def kv_lines(doc: Doc, extra: dict[str, Doc | None], image: str | None) -> list[str]:
     a, cfg = doc["analysis"], doc["config"]
     ms = lambda x: "-" if x is None else f"{1000 * x:.0f} ms"  # noqa: E731
+    kv_used = 100 * (a["pressure"]["kv_usage_before_b_median"] or 0)
+    a_figures = a.get("a")  # schema 2 (residency follows the rate): A's own figures
+    if a_figures is None:
+        setting = (f"long streams holds most KV blocks (median KV usage {kv_used:.0f} % when B arrives); "
+                   "B, unlimited, needs more blocks than are free.")
+    else:
+        setting = (f"long streams; residency follows the rate, so at most {a_figures['bound']} of them may be "
+                   f"resident (median KV usage {kv_used:.0f} % when B arrives; B, unlimited, needs more "
+                   "blocks than A's streams would leave free if all of them were resident).")
     lines = [
         f"`--num-gpu-blocks-override {cfg['blocks']}`; user A at {cfg['a_rate']:g} tok/s with {cfg['a_streams']} "
-        f"long streams holds most KV blocks (median KV usage "
-        f"{100 * (a['pressure']['kv_usage_before_b_median'] or 0):.0f} % when B arrives); B, unlimited, "
-        "needs more blocks than are free.",
+        + setting,
         "",
         f"| B's first token | trials | median | p90 | B failures (no first token within {cfg['b_timeout']:g} s) |",
         "| --- | ---: | ---: | ---: | ---: |",
@@ -513,6 +520,27 @@ def kv_lines(doc: Doc, extra: dict[str, Doc | None], image: str | None) -> list[
                   f"within {cfg['b_timeout']:g} s" if failures else None)
         lines += ["", f"Ratio of medians: **{a['ratio_median_ttft']:.2f}**"
                   + _verdict(a["ratio_median_ttft"], a.get("target_ratio"), failed=failed) + "."]
+    if a_figures is not None:
+        targets = a.get("targets") or {}
+        lines += [
+            "",
+            "| A (throttled) | figure | target |",
+            "| --- | ---: | --- |",
+            f"| tok/s per pressure trial, min / median (client clock) | {a_figures['tokens_per_s_min']:.2f} / "
+            f"{a_figures['tokens_per_s_median']:.2f} | ≥ 0.95 × {a_figures['limit']:g}: "
+            f"{'met' if targets.get('a_rate_at_limit') else '**missed**'} |",
+            f"| resident requests, max over {a_figures['resident_samples']} samples | "
+            f"{a_figures['resident_max']:.0f} | ≤ {a_figures['bound']}: "
+            f"{'met' if targets.get('a_resident_within_bound') else '**missed**'} |",
+            f"| its own first token, p50 / p90 / max ({a_figures['ttft_n']} streams) | "
+            f"{ms(a_figures['ttft_p50_s'])} / {ms(a_figures['ttft_p90_s'])} / {ms(a_figures['ttft_max_s'])} | "
+            f"the price of waiting un-admitted; {a_figures['streams_without_token']} of "
+            f"{a_figures['streams']} streams had no token yet when their trial ended |",
+        ]
+        if a.get("ratio_p90_ttft") is not None:
+            lines += ["", f"B's p90 beside A / alone: **{a['ratio_p90_ttft']:.2f}**"
+                      + _verdict(a["ratio_p90_ttft"], a.get("target_ratio"),
+                                 failed=None if targets.get("b_zero_failures") else "B failures") + "."]
     churn = doc.get("churn") or {}
     if churn.get("preemptions_per_finished_request") is not None:
         lines.append(f"Churn over all trials: {churn['preemptions_per_finished_request']} preemptions per "
