@@ -157,3 +157,35 @@ def test_drafts_rejected_after_a_reload_moved_their_user_go_back_to_the_group_th
     assert groups.rate.available("B", now) == 0  # no credit for what it never paid
     assert rate.available("x", now) == full
 
+
+
+def test_drafts_rejected_after_a_reload_gave_their_user_a_ceiling_credit_no_ceiling():
+    """The ceiling variant of the test above (the charge-path machine's
+    "refund of 2 to users' ceiling"): drafts paid while the user had no
+    ceiling go back to its rate only, not to the ceiling a reload gave it
+    while they were in flight."""
+    def settings_with(x_limit: object) -> OutputRateSettings:
+        return OutputRateSettings.from_additional_config({"output_rate": {
+            "default_user_output_tokens_per_second": 100,
+            "user_output_tokens_per_second": {"x": x_limit,
+                                              "v": {"rate": 100, "ceil": 400}},
+        }})
+
+    now = 10**12
+    before = settings_with(100)
+    rate = make_limiter(before)
+    borrowing, limiter = make_borrowing(before, rate, None, None)
+    ceiling = borrowing.ceiling
+    account = DraftAccount(limiter, {})
+    assert account.pay("rx", "x", now, 3) == 3
+    account.settle_step("s1", now, lambda key: 3)
+    assert rate.available("x", now) == rate.available("v", now) - 3
+    after = settings_with({"rate": 100, "ceil": 400})
+    borrowing, account.limiter = make_borrowing(after, rate, borrowing, None)
+    assert borrowing.ceiling is ceiling and borrowing.table.ceiled("x")
+    full = ceiling.available("x", now)
+    assert ceiling.take_up_to("x", now, full) == full  # x spends its new ceiling
+    # s1's output: all three drafts rejected.
+    assert account.settle_output("s1", now, lambda key: 0) == 3
+    assert rate.available("x", now) == rate.available("v", now)  # the quota that paid
+    assert ceiling.available("x", now) == 0  # no credit for what it never paid

@@ -892,3 +892,26 @@ def test_a_refund_of_local_tokens_after_the_outage_credits_no_lease():
     assert lim.take_up_to("u", clock.now, 1) == 1  # from the lease
     lim.refund("u", clock.now, 3)  # the lease's one, then the local two
     assert lim.available("u", clock.now) == held
+
+
+def test_a_refund_beyond_the_remembered_takes_credits_no_local_fallback():
+    """Only the last KEEP_RUNS runs of takes are remembered.  Lease, outage,
+    lease again, outage again: the first lease's token is no longer
+    remembered when it is refunded.  It must not go to the local fallback
+    (in force now), which lent the user one token only."""
+    clock = Clock()
+    store = FakeStore(clock)
+    lim = engine(store, clock, default=40, expected_engines=2)  # local: 20 tok/s
+    _until_leased(lim, store, clock)
+    assert lim.take_up_to("u", clock.now, 1) == 1  # lease
+    _until_outage(lim, store, clock)
+    assert lim.take_up_to("u", clock.now, 1) == 1  # local
+    _until_leased(lim, store, clock)
+    assert lim.take_up_to("u", clock.now, 1) == 1  # lease (the first run is dropped)
+    _until_outage(lim, store, clock)
+    assert lim.health.mode == LOCAL
+    lent = []
+    local_refund = lim.local.refund
+    lim.local.refund = lambda user, now_ns, count=1: (lent.append(count), local_refund(user, now_ns, count))
+    lim.refund("u", clock.now, 3)
+    assert sum(lent) <= 1

@@ -335,12 +335,12 @@ class LeasedOutputRateLimiter:
         (:class:`TakeSources`): to their lease, spendable again until it
         expires (nothing, if the lease was dropped when an outage began: the
         store keeps it charged), or to the local fallback.  Tokens no record
-        accounts for (a user idle for ``TAKES_KEEP_NS``) go where takes go now."""
+        accounts for (their run was dropped, :attr:`TakeSources.KEEP_RUNS`,
+        or the user was idle for ``TAKES_KEEP_NS``) go back nowhere: the
+        source in force now may not be the one that gave them."""
         if count <= 0:
             return
         for source, back in self.sources.split(user, count):
-            if source is None:
-                source = self.health.mode
             if source is LOCAL:
                 self.local.refund(user, now_ns, back)
             elif source is SHARED:
