@@ -41,6 +41,7 @@ import httpx
 import pytest
 
 from server_harness import running_server
+from vllm_output_rate.policy.residency import DEFAULT_MIN_STREAM_TOKENS_PER_SECOND, residency_cap
 from vllm_output_rate.tools import measure
 
 pytestmark = pytest.mark.server
@@ -464,9 +465,13 @@ def test_unlimited_user_unaffected_by_throttled_flood(server):
         f"({r_flood / r_solo:.2f} of solo); default user under flood {r_other:.1f} tok/s "
         f"(server clock {r_other_server:.1f}); gauges during flood {during}"
     )
-    # The flood is resident (12 running) but at most MAX_ACTIVE of it active.
-    assert during["vllm:num_requests_running"] == n_flood, during
-    assert during["vllm:num_requests_waiting"] == 0, during
+    # The flood is resident up to its residency cap (floor(20 / 2) = 10 of
+    # 12: residency follows the rate), the rest waits un-admitted; at most
+    # MAX_ACTIVE of it is active.
+    cap = residency_cap(USER_RATES["slow"], DEFAULT_MIN_STREAM_TOKENS_PER_SECOND)
+    assert cap is not None and cap < n_flood
+    assert during["vllm:num_requests_running"] == cap, during
+    assert during["vllm:num_requests_waiting"] == n_flood - cap, during
     # The flood's quota never held `fast` back.
     assert fast_throttled == 0, fast_throttled
     # Cancelling the throttled (hidden) flood streams frees everything.
