@@ -15,6 +15,8 @@ debts -> ``plan`` -> ``borrow`` -> charges and prompt chunks ->
 
 from __future__ import annotations
 
+import pytest
+
 from gate_harness import MS, S
 from vllm_output_rate.factory import make_borrowing, make_group_quotas, make_limiter
 from vllm_output_rate.policy.gate import StepGate
@@ -136,16 +138,21 @@ BORROWER_WITHOUT_CEILING = {"b": {"rate": 10, "ceil": None}}
 BORROWER_WITH_CEILING = {"b": {"rate": 10, "ceil": 50}}
 
 
-def test_a_borrower_waiting_on_its_prompt_debt_sleeps_until_it_is_paid():
-    """Rate 10, no ceiling, weight 1: its second prompt waits on the first's
-    debt, which borrowing cannot pay.  The engine used to be told 0 at every
-    empty step; now every wait is positive, there is at most one empty step
-    per token of its rate, and the prompt goes exactly when a 1 ms poll
-    would have sent it (the wait never overshoots)."""
-    engine = debt_then_second_prompt(limits(BORROWER_WITHOUT_CEILING))
+@pytest.mark.parametrize(
+    "borrower", [BORROWER_WITHOUT_CEILING, BORROWER_WITH_CEILING], ids=["no-ceiling", "ceiling-50"]
+)
+def test_a_borrower_waiting_on_its_prompt_debt_sleeps_until_it_is_paid(borrower):
+    """Rate 10, weight 1: its second prompt waits on the first's debt, which
+    borrowing cannot pay.  The engine used to be told 0 at every empty step
+    (without a ceiling: borrowing answered "now"; with a ceiling of 50, which
+    refills five times faster than the rate, its room answered "now" too,
+    though the debt is paid on both).  Now every wait is positive, there is
+    at most one empty step per token of its rate, and the prompt goes exactly
+    when a 1 ms poll would have sent it (the wait never overshoots)."""
+    engine = debt_then_second_prompt(limits(borrower))
     owed = engine.prompt.debt["b"]
     went = engine.run_until_sent("second")
-    polled = debt_then_second_prompt(limits(BORROWER_WITHOUT_CEILING)).poll_until_sent("second")
+    polled = debt_then_second_prompt(limits(borrower)).poll_until_sent("second")
     assert went <= polled
     assert all(wait > 0 for wait in engine.waits)
     assert len(engine.waits) <= owed + 1
@@ -187,19 +194,6 @@ def test_a_borrowers_in_turn_waiting_request_sleeps_until_its_quota_can():
     engine.gate.lanes.wait_in_turn("w")
     wait = engine.step()
     assert wait == engine.rate.ready_at_ns("b", engine.now) - engine.now > 0
-
-
-def test_a_ceiled_borrower_in_prompt_debt_does_not_wake_when_only_its_ceiling_has_room():
-    """Rate 10, ceiling 50: the ceiling refills five times faster than the
-    rate, but the debt is paid on both, so the ceiling having room is no
-    reason to wake (it used to mean 0: an empty step after every other)."""
-    engine = debt_then_second_prompt(limits(BORROWER_WITH_CEILING))
-    owed = engine.prompt.debt["b"]
-    went = engine.run_until_sent("second")
-    polled = debt_then_second_prompt(limits(BORROWER_WITH_CEILING)).poll_until_sent("second")
-    assert went <= polled
-    assert all(wait > 0 for wait in engine.waits)
-    assert len(engine.waits) <= owed + 1
 
 
 def test_a_ceiled_borrower_with_hidden_streams_still_wakes_when_its_ceiling_pays():

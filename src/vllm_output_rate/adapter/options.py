@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-from typing import Any
+from typing import Any, Callable
 
 from vllm_output_rate.settings import (
     DEFAULT_FLAG,
@@ -52,26 +52,21 @@ logger = logging.getLogger(__name__)
 ADMIN_KEY_FLAG = "--output-rate-admin-key"
 
 
-def _min_pace_arg(text: str) -> float:
-    try:
-        value: object = float(text)
-    except ValueError:
-        value = text  # refused by the validator, with the text in its message
-    try:
-        return validate_min_pace(value, "value")
-    except OutputRateConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc).removeprefix("value: ")) from None
+def _validated_number(validate: Callable[[object, str], float]) -> Callable[[str], float]:
+    """An argparse ``type`` that parses a number and checks it with the
+    settings' own validator (one message, wherever the value comes from)."""
 
+    def parse(text: str) -> float:
+        try:
+            value: object = float(text)
+        except ValueError:
+            value = text  # refused by the validator, with the text in its message
+        try:
+            return validate(value, "value")
+        except OutputRateConfigError as exc:
+            raise argparse.ArgumentTypeError(str(exc).removeprefix("value: ")) from None
 
-def _recompute_budget_arg(text: str) -> float:
-    try:
-        value: object = float(text)
-    except ValueError:
-        value = text  # refused by the validator, with the text in its message
-    try:
-        return validate_recompute_budget(value, "value")
-    except OutputRateConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc).removeprefix("value: ")) from None
+    return parse
 
 
 def _input_token_weight_arg(text: str) -> float:
@@ -142,7 +137,7 @@ def add_operate_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         RECOMPUTE_BUDGET_FLAG,
         dest="output_rate_recompute_budget",
-        type=_recompute_budget_arg,
+        type=_validated_number(validate_recompute_budget),
         default=None,
         metavar="RATIO",
         help="Recomputed tokens per output token that evicting throttled requests "
@@ -152,7 +147,7 @@ def add_operate_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         MIN_PACE_FLAG,
         dest="output_rate_min_stream_tokens_per_second",
-        type=_min_pace_arg,
+        type=_validated_number(validate_min_pace),
         default=None,
         metavar="TOKENS_PER_S",
         help="Minimum pace of one resident stream: a user's requests get KV only as far "
