@@ -75,9 +75,7 @@ from vllm_output_rate.policy.limiter import Limiter
 from vllm_output_rate.policy.plan import StepPlan, plan_step
 from vllm_output_rate.policy.prompt_cost import PromptCost
 
-__all__ = [
-    "CLEANUP_EVERY_STEPS", "MAX_IDLE_WAIT_NS", "StepGate", "StepPlan",
-]
+__all__ = ["CLEANUP_EVERY_STEPS", "MAX_IDLE_WAIT_NS", "StepGate", "StepPlan"]
 
 Key = Hashable
 
@@ -252,4 +250,3 @@ class StepGate:
             if user not in result:
                 result[user] = (count, 0)
         return result
-

@@ -117,8 +117,7 @@ class ComposedLimiter:
         return _available(payers(self, user), now_ns)
 
     def want(self, user: str, now_ns: int, count: int = 1) -> None:
-        for limiter, key in payers(self, user):
-            limiter.want(key, now_ns, count)
+        _want(payers(self, user), now_ns, count)
 
     def try_take(self, user: str, now_ns: int, count: int = 1) -> bool:
         if count <= 0:
@@ -129,7 +128,7 @@ class ComposedLimiter:
             if taken == count:
                 return True
             refund_payers(paid_by, now_ns, taken)  # a level shrank since it was asked: none
-        self.want(user, now_ns, count)
+        _want(paid_by, now_ns, count)
         return False
 
     def take_up_to(self, user: str, now_ns: int, count: int) -> int:
@@ -138,7 +137,7 @@ class ComposedLimiter:
         paid_by = payers(self, user)
         taken = _take(paid_by, now_ns, min(count, _available(paid_by, now_ns)))
         if taken < count:
-            self.want(user, now_ns, count - taken)
+            _want(paid_by, now_ns, count - taken)
         return taken
 
     def refund(self, user: str, now_ns: int, count: int = 1) -> None:
@@ -171,6 +170,12 @@ class ComposedLimiter:
 
     def close(self) -> None:
         """Nothing of its own: the owners of the levels close them."""
+
+
+def _want(paid_by: Payers, now_ns: int, count: int) -> None:
+    """Declare ``count`` tokens wanted on every quota of ``paid_by``."""
+    for limiter, key in paid_by:
+        limiter.want(key, now_ns, count)
 
 
 def _take(paid_by: Payers, now_ns: int, count: int) -> int:

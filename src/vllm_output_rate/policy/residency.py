@@ -124,10 +124,6 @@ class Residency:
         self._limit_of = limit_of
         self._caps.clear()
 
-    def pace_of(self, user: str) -> float:
-        """``user``'s minimum pace per resident stream (0: no cap)."""
-        return self._paces.get(user, self._default_pace)
-
     def cap(self, user: str) -> int | None:
         """Resident requests ``user`` may be admitted up to (None: no cap)."""
         rate, ceil = self._limit_of(user)
