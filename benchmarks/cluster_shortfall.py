@@ -43,9 +43,9 @@ import time
 
 import httpx
 
-from vllm_output_rate.tools import benchkit
 from vllm_output_rate.tools.redisproc import RedisProcess
 from vllm_output_rate.tools.serverproc import ADMIN_ROUTE_ENV, DEFAULT_MODEL_DIR
+from vllm_output_rate_harness import benchkit
 
 SCHEMA = "vllm-output-rate-cluster-shortfall/1"
 HEAVY = 30

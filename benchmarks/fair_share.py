@@ -192,10 +192,11 @@ from pathlib import Path
 from typing import Any
 
 from vllm_output_rate.settings import OutputRateConfigError, parse_cli
-from vllm_output_rate.tools import analysis, benchkit, measure
+from vllm_output_rate.tools import analysis, measure
 from vllm_output_rate.tools.render import figure_metadata, sibling_json
-from vllm_output_rate.tools.benchkit import RESULTS_DIR, fmt_load, loadavg, machine_line, table
 from vllm_output_rate.tools.measure import RequestRecord, percentile, run_request
+from vllm_output_rate_harness import benchkit
+from vllm_output_rate_harness.benchkit import RESULTS_DIR, fmt_load, loadavg, machine_line, table
 
 benchkit.use_cpu_testbed_env()
 

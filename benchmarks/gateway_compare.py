@@ -10,7 +10,7 @@ What
     * ``gateway``: LiteLLM's proxy in front of that same stock server, set up
       as a new user would: no database, per-key limits returned by its
       ``custom_auth`` hook (``tpm_limit`` = the tok/s limit x 60),
-      ``token_rate_limit_type: output`` (:mod:`vllm_output_rate.tools.gateway`
+      ``token_rate_limit_type: output`` (:mod:`vllm_output_rate_harness.gateway`
       writes the hook and the config);
     * ``plugin``: a fresh server with the plugin, the heavy user at the same
       limit, everybody else at ``--default-limit``.
@@ -41,7 +41,7 @@ How (clocks)
       per user (``GET /v1/output_rate/users``, read every
       ``--read-every`` s); a window's count is the growth between two reads
       that lie at most W apart, send of the first to answer of the second,
-      so it never overstates (:func:`~vllm_output_rate.tools.gateway.counter_most_in_window`).
+      so it never overstates (:func:`~vllm_output_rate_harness.gateway.counter_most_in_window`).
       Stock vLLM and the gateway have no per-user counter: their windows are
       on client receive times only.
     * First token: from just before the light user's request is sent to its
@@ -87,12 +87,13 @@ from typing import Any
 
 import httpx
 
-from vllm_output_rate.tools import benchkit, gateway, measure
+from vllm_output_rate.tools import measure
 from vllm_output_rate.tools.render import figure_metadata, sibling_json
 from vllm_output_rate.tools.analysis import rate_series, time_to_first_token
-from vllm_output_rate.tools.benchkit import RESULTS_DIR, fmt_load, loadavg, machine_line, table
 from vllm_output_rate.tools.measure import ERROR_STATUSES, HTTP_ERROR, RequestRecord, percentile
 from vllm_output_rate.tools.serverproc import ADMIN_ROUTE_ENV, DEFAULT_MODEL_DIR
+from vllm_output_rate_harness import benchkit, gateway
+from vllm_output_rate_harness.benchkit import RESULTS_DIR, fmt_load, loadavg, machine_line, table
 
 benchkit.use_cpu_testbed_env()
 

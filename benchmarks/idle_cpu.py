@@ -108,12 +108,13 @@ from pathlib import Path
 
 import psutil
 
-from vllm_output_rate.tools import benchkit, measure
+from vllm_output_rate.tools import measure
 from vllm_output_rate.tools.render import figure_metadata, sibling_json
-from vllm_output_rate.tools.benchkit import RESULTS_DIR, ROLES, as_share, fmt_load, loadavg, machine_line, table
 from vllm_output_rate.tools.measure import RequestRecord, fetch_metrics_async, metric_sum, run_request
 from vllm_output_rate.tools.redisproc import RedisProcess
 from vllm_output_rate.tools.serverproc import DEFAULT_MODEL_DIR
+from vllm_output_rate_harness import benchkit
+from vllm_output_rate_harness.benchkit import RESULTS_DIR, ROLES, as_share, fmt_load, loadavg, machine_line, table
 
 benchkit.use_cpu_testbed_env()
 

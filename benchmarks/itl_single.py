@@ -71,8 +71,11 @@ import sys
 import time
 from pathlib import Path
 
-from vllm_output_rate.tools import benchkit, measure
-from vllm_output_rate.tools.benchkit import (
+from vllm_output_rate.tools import measure
+from vllm_output_rate.tools.measure import DEFAULT_PROMPT, RequestRecord, run_request
+from vllm_output_rate.tools.serverproc import DEFAULT_MODEL_DIR
+from vllm_output_rate_harness import benchkit
+from vllm_output_rate_harness.benchkit import (
     CALIBRATION_TOGGLES,
     RESULTS_DIR,
     fmt_load,
@@ -80,8 +83,6 @@ from vllm_output_rate.tools.benchkit import (
     machine_line,
     table,
 )
-from vllm_output_rate.tools.measure import DEFAULT_PROMPT, RequestRecord, run_request
-from vllm_output_rate.tools.serverproc import DEFAULT_MODEL_DIR
 
 benchkit.use_cpu_testbed_env()
 

@@ -101,12 +101,13 @@ import httpx
 
 from vllm_output_rate.policy.residency import DEFAULT_MIN_STREAM_TOKENS_PER_SECOND, residency_cap
 from vllm_output_rate.settings import MIN_PACE_KEY
-from vllm_output_rate.tools import benchkit, measure
+from vllm_output_rate.tools import measure
 from vllm_output_rate.tools.render import figure_metadata, sibling_json
-from vllm_output_rate.tools.benchkit import RESULTS_DIR, fmt_load, loadavg, machine_line, table
-from vllm_output_rate.tools.churn import churn_costs, churn_line, recompute_figures
 from vllm_output_rate.tools.measure import FINISHED, RequestRecord, metric_sum, percentile, run_request
-from vllm_output_rate.tools.serverproc import DEFAULT_MODEL_DIR, SERVE_WITH_CHURN
+from vllm_output_rate.tools.serverproc import DEFAULT_MODEL_DIR
+from vllm_output_rate_harness import benchkit
+from vllm_output_rate_harness.benchkit import RESULTS_DIR, fmt_load, loadavg, machine_line, table
+from vllm_output_rate_harness.churn import SERVE_WITH_CHURN, churn_costs, churn_line, recompute_figures
 
 benchkit.use_cpu_testbed_env()
 

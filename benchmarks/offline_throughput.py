@@ -18,8 +18,8 @@ import os
 import statistics
 import time
 
-from vllm_output_rate.tools import benchkit
 from vllm_output_rate.tools.serverproc import DEFAULT_MODEL_DIR
+from vllm_output_rate_harness import benchkit
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 benchkit.use_cpu_testbed_env()

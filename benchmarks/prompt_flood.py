@@ -62,11 +62,12 @@ import time
 from fractions import Fraction
 from pathlib import Path
 
-from vllm_output_rate.tools import benchkit, measure
+from vllm_output_rate.tools import measure
 from vllm_output_rate.tools.render import figure_metadata, sibling_json
-from vllm_output_rate.tools.benchkit import RESULTS_DIR, fmt_load, loadavg, machine_line, table
 from vllm_output_rate.tools.measure import FINISHED, RequestRecord, metric_sum, run_request
 from vllm_output_rate.tools.serverproc import DEFAULT_MODEL_DIR
+from vllm_output_rate_harness import benchkit
+from vllm_output_rate_harness.benchkit import RESULTS_DIR, fmt_load, loadavg, machine_line, table
 
 benchkit.use_cpu_testbed_env()
 

@@ -30,8 +30,8 @@ from typing import Any, Callable
 
 from vllm_output_rate.tools import demo_cluster, report
 from vllm_output_rate.tools.analysis import BURST_S, shared_slack_s
-from vllm_output_rate.tools.benchkit import RESULTS_DIR
 from vllm_output_rate.tools.render import record_mismatch
+from vllm_output_rate_harness.benchkit import RESULTS_DIR
 
 COMMAND = "python benchmarks/render_performance.py"
 Doc = dict[str, Any]

@@ -60,11 +60,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
 
-from vllm_output_rate.tools import benchkit  # noqa: E402
 from vllm_output_rate.tools.render import figure_metadata, sibling_json  # noqa: E402
-from vllm_output_rate.tools.benchkit import CALIBRATION_TOGGLES, RESULTS_DIR  # noqa: E402
 from vllm_output_rate.tools.redisproc import RedisProcess  # noqa: E402
-from vllm_output_rate.tools.scheduler_sim import MS, TOKEN, Harness  # noqa: E402
+from vllm_output_rate_harness import benchkit  # noqa: E402
+from vllm_output_rate_harness.benchkit import CALIBRATION_TOGGLES, RESULTS_DIR  # noqa: E402
+from vllm_output_rate_harness.scheduler_sim import MS, TOKEN, Harness  # noqa: E402
 
 SCHEMA = "vllm-output-rate-scheduler-step/1"
 RESIDENT = (16, 64, 256, 1024)

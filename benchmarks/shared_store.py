@@ -28,8 +28,8 @@ import time
 from vllm_output_rate.policy.limiter import OutputRateLimiter
 from vllm_output_rate.stores.backend import LeaseGrant
 from vllm_output_rate.stores.lease import LeasedOutputRateLimiter
-from vllm_output_rate.tools import benchkit
 from vllm_output_rate.tools.redisproc import RedisProcess
+from vllm_output_rate_harness import benchkit
 
 SCHEMA = "vllm-output-rate-shared-store/1"
 

@@ -31,7 +31,7 @@ preemptions per finished request (``vllm:num_preemptions_total``) and
 recomputed tokens per output token, where recomputed = tokens of re-admitted
 preempted requests (prompt + output so far) minus those found in the prefix
 cache, exported by the churn stat logger the own server is started with
-(``vllm_output_rate.tools.churn``; an external ``--url`` server has no such
+(``vllm_output_rate_harness.churn``; an external ``--url`` server has no such
 counters and gets preemptions only).  Output tokens are vLLM's
 ``vllm:generation_tokens_total`` over the run.
 
@@ -74,14 +74,15 @@ import time
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 
-from vllm_output_rate.tools import benchkit, measure
+from vllm_output_rate.tools import measure
 from vllm_output_rate.tools.analysis import envelope_worst, guarantee_bound, sliding_excess
-from vllm_output_rate.tools.benchkit import RESULTS_DIR
-from vllm_output_rate.tools.churn import churn_costs, churn_line, recompute_figures
 from vllm_output_rate.tools.engine_counters import CounterReader, Outage, cumulative, widened_bound, worst_window
 from vllm_output_rate.tools.measure import max_in_window
 from vllm_output_rate.tools.redisproc import RedisProcess
-from vllm_output_rate.tools.serverproc import ADMIN_ROUTE_ENV, DEFAULT_MODEL_DIR, SERVE_WITH_CHURN
+from vllm_output_rate.tools.serverproc import ADMIN_ROUTE_ENV, DEFAULT_MODEL_DIR
+from vllm_output_rate_harness import benchkit
+from vllm_output_rate_harness.benchkit import RESULTS_DIR
+from vllm_output_rate_harness.churn import SERVE_WITH_CHURN, churn_costs, churn_line, recompute_figures
 
 benchkit.use_cpu_testbed_env()
 

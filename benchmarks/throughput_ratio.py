@@ -96,8 +96,10 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from vllm_output_rate.tools import benchkit, measure
-from vllm_output_rate.tools.benchkit import (
+from vllm_output_rate.tools import measure
+from vllm_output_rate.tools.measure import DEFAULT_PROMPT, FINISHED, RequestRecord, percentile, run_request
+from vllm_output_rate_harness import benchkit
+from vllm_output_rate_harness.benchkit import (
     RESULTS_DIR,
     as_share,
     fmt_load,
@@ -105,7 +107,6 @@ from vllm_output_rate.tools.benchkit import (
     machine_line,
     table,
 )
-from vllm_output_rate.tools.measure import DEFAULT_PROMPT, FINISHED, RequestRecord, percentile, run_request
 
 benchkit.use_cpu_testbed_env()
 

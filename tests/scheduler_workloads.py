@@ -1,4 +1,4 @@
-"""Random three-user workloads on :class:`~vllm_output_rate.tools.scheduler_sim.Harness`.
+"""Random three-user workloads on :class:`~vllm_output_rate_harness.scheduler_sim.Harness`.
 
 Shared by the property tests that check a vLLM feature under binding limits
 (``tests/adapter/test_lora.py``, ``tests/adapter/test_multimodal.py``): the
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from vllm_output_rate.tools.scheduler_sim import MS, Harness, max_in_window
+from vllm_output_rate_harness.scheduler_sim import MS, Harness, max_in_window
 
 #: One slow user at 2 tok/s; every other user at 50 tok/s.
 RATES = {"slow": 2, "a": 50, "b": 50}

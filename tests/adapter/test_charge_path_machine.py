@@ -1,7 +1,7 @@
 """A model-based test of the whole charge path (issue 31, Required 5).
 
 A Hypothesis state machine drives vLLM's real ``Scheduler`` / ``AsyncScheduler``
-with the plugin's scheduler subclass (``tools/scheduler_sim.Harness``: a fake
+with the plugin's scheduler subclass (the harness's ``scheduler_sim.Harness``: a fake
 clock, fabricated model-runner outputs) through random interleavings of
 
 * arrivals of four users (hard caps, or ``{rate, ceil, weight}`` borrowers
@@ -97,7 +97,7 @@ from vllm_output_rate.policy.limiter import OutputRateLimiter
 from vllm_output_rate.settings import OutputRateSettings
 from vllm_output_rate.stores.backend import LeaseConfig
 from vllm_output_rate.stores.lease import LeasedOutputRateLimiter
-from vllm_output_rate.tools.scheduler_sim import MS, FakeClock, Harness
+from vllm_output_rate_harness.scheduler_sim import MS, FakeClock, Harness
 
 S = 1_000_000_000
 BURST = Fraction(1, 10)

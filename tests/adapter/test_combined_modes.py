@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_output_rate.tools.scheduler_sim import MS, Harness, max_in_window
+from vllm_output_rate_harness.scheduler_sim import MS, Harness, max_in_window
 
 K = 3
 RATE, CEIL = 20.0, 60.0

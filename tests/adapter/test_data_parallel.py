@@ -18,7 +18,7 @@ from vllm_output_rate.factory import make_limiter
 from vllm_output_rate.settings import OutputRateSettings
 from vllm_output_rate.stores.lease import LeasedOutputRateLimiter
 from vllm_output_rate.tools.analysis import guarantee_bound
-from vllm_output_rate.tools.scheduler_sim import MS, FakeClock, Harness, max_in_window
+from vllm_output_rate_harness.scheduler_sim import MS, FakeClock, Harness, max_in_window
 
 RATE = 40.0
 STREAMS = 3

@@ -3,7 +3,7 @@
 vLLM's own ``EngineCoreProc._process_engine_step`` and ``EngineCore.step`` run
 (with the plugin's ``engine_core.idle_wait`` patch) on an engine-core object
 built without a model: the scheduler is the real ``OutputRateScheduler`` of
-``vllm_output_rate.tools.scheduler_sim``, the model executor a stub that samples one token
+``vllm_output_rate_harness.scheduler_sim``, the model executor a stub that samples one token
 per request at its sampling position, and the input queue a recording fake
 that answers at once (no test here sleeps).
 
@@ -25,9 +25,9 @@ import pytest
 from vllm.v1.engine.core import EngineCoreProc
 from vllm.v1.outputs import ModelRunnerOutput
 
-from vllm_output_rate.tools.scheduler_sim import MS, TOKEN, Harness
 from vllm_output_rate.adapter import compat
 from vllm_output_rate.policy.gate import MAX_IDLE_WAIT_NS
+from vllm_output_rate_harness.scheduler_sim import MS, TOKEN, Harness
 
 SERIES = compat.installed_series()
 LIMITS = {

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given
 from hypothesis import settings as hyp_settings
 from hypothesis import strategies as st
 
-from vllm_output_rate.tools.scheduler_sim import MS, Harness, bound, max_in_window
+from vllm_output_rate_harness.scheduler_sim import MS, Harness, bound, max_in_window
 
 S = 1_000_000_000
 WINDOWS_S = (0.01, 0.1, 0.5, 1, 2, 5)

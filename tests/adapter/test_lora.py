@@ -22,7 +22,7 @@ from scheduler_workloads import (
     LIMITS, assert_every_request_complete, assert_every_user_within_its_bound, engine_shapes, run_arrivals,
 )
 from vllm_output_rate.adapter.patches import check_vllm_config
-from vllm_output_rate.tools.scheduler_sim import MS, Harness, max_in_window
+from vllm_output_rate_harness.scheduler_sim import MS, Harness, max_in_window
 
 SLOW = {"default_user_output_tokens_per_second": 1000, "user_output_tokens_per_second": {"slow": 1}}
 

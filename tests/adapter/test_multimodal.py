@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from scheduler_workloads import (
     LIMITS, assert_every_request_complete, assert_every_user_within_its_bound, engine_shapes, run_arrivals,
 )
-from vllm_output_rate.tools.scheduler_sim import MS, Harness, max_in_window
+from vllm_output_rate_harness.scheduler_sim import MS, Harness, max_in_window
 
 SLOW = {"default_user_output_tokens_per_second": 1000, "user_output_tokens_per_second": {"slow": 1}}
 ITEM = 32  # embeddings per image

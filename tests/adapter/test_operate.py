@@ -13,8 +13,8 @@ import json
 
 import pytest
 
-from vllm_output_rate.tools.scheduler_sim import MS, Harness, max_in_window
 from vllm_output_rate.policy.monitor import OTHER_USERS
+from vllm_output_rate_harness.scheduler_sim import MS, Harness, max_in_window
 
 S = 1000 * MS
 

@@ -16,7 +16,7 @@ import pytest
 from vllm_output_rate.settings import OutputRateSettings
 from vllm_output_rate.adapter.scheduler import OutputRateScheduler
 from vllm_output_rate.policy.gate import MAX_IDLE_WAIT_NS
-from vllm_output_rate.tools.scheduler_sim import MS, Harness
+from vllm_output_rate_harness.scheduler_sim import MS, Harness
 
 S = 1_000_000_000
 BUDGET = 512

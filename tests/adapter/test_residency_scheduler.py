@@ -15,7 +15,7 @@ import math
 import pytest
 
 from vllm_output_rate.settings import OutputRateSettings
-from vllm_output_rate.tools.scheduler_sim import MS, BLOCK_SIZE, Harness, bound, limits
+from vllm_output_rate_harness.scheduler_sim import MS, BLOCK_SIZE, Harness, bound, limits
 
 S = 1_000_000_000
 A_RATE = 4.0

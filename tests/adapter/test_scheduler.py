@@ -12,9 +12,9 @@ import pytest
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
-from vllm_output_rate.tools.scheduler_sim import MS, Harness, Record, max_in_window, bound, limits
 from vllm_output_rate.adapter.scheduler import OutputRateAsyncScheduler, OutputRateScheduler
 from vllm_output_rate.policy.gate import MAX_IDLE_WAIT_NS
+from vllm_output_rate_harness.scheduler_sim import MS, Harness, Record, max_in_window, bound, limits
 
 S = 1_000_000_000
 

@@ -12,9 +12,9 @@ import importlib.util
 
 import pytest
 
-from vllm_output_rate.tools.scheduler_sim import Harness
 from vllm_output_rate.adapter import compat
 from vllm_output_rate.adapter.series import SERIES, VllmSeries
+from vllm_output_rate_harness.scheduler_sim import Harness
 
 SERIES_OBJ = compat.installed_series()
 

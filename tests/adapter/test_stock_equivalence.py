@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vllm_output_rate.tools.scheduler_sim import MS, Harness
+from vllm_output_rate_harness.scheduler_sim import MS, Harness
 
 NEVER_HIT = {"default_user_output_tokens_per_second": 1e9}
 USERS = ("a", "b", "c")

@@ -19,8 +19,9 @@ from fractions import Fraction
 import pytest
 
 from server_harness import ConnectionBackoff, running_server
-from vllm_output_rate.tools import benchkit, measure
+from vllm_output_rate.tools import measure
 from vllm_output_rate.tools.measure import ERROR_STATUSES, FINISHED, RequestRecord, run_request
+from vllm_output_rate_harness import benchkit
 
 pytestmark = pytest.mark.server
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from vllm_output_rate.settings import ANONYMOUS_USER, USER_ARG
-from vllm_output_rate.tools import analysis, bench, benchkit, render, report
+from vllm_output_rate.tools import analysis, bench, render, report
 from vllm_output_rate.tools.analysis import (
     envelope_worst,
     guarantee_bound,
@@ -39,6 +39,7 @@ from vllm_output_rate.tools.measure import (
     stream_body,
 )
 from vllm_output_rate.tools.bench import UserSpec
+from vllm_output_rate_harness import benchkit
 
 FIXTURE = Path(__file__).parent / "data" / "demo_small.json"
 
@@ -945,7 +946,7 @@ def churn_text(preemptions: float, readmitted: float | None = None, cached: floa
 
 
 def test_recompute_figures_are_deltas_between_two_readings():
-    from vllm_output_rate.tools.churn import recompute_figures
+    from vllm_output_rate_harness.churn import recompute_figures
 
     before = parse_metrics(churn_text(3, 100, 40, generated=1000))
     after = parse_metrics(churn_text(8, 1300, 340, generated=5000))
@@ -964,7 +965,7 @@ def test_churn_stat_logger_exports_readmissions_of_preempted_requests():
     from prometheus_client import REGISTRY
     from vllm.v1.metrics.stats import PrefixCacheStats
 
-    from vllm_output_rate.tools import churn
+    from vllm_output_rate_harness import churn
 
     def value(name):
         return REGISTRY.get_sample_value(name + "_total", {"engine": "7"}) or 0.0
@@ -982,7 +983,7 @@ def test_churn_stat_logger_exports_readmissions_of_preempted_requests():
 
 
 def test_churn_costs_per_finished_request_and_per_output_token():
-    from vllm_output_rate.tools.churn import churn_costs, churn_line
+    from vllm_output_rate_harness.churn import churn_costs, churn_line
 
     churn = {"preemptions": 4.0, "readmissions": 4.0, "readmitted_tokens": 500.0,
              "readmitted_cached_tokens": 100.0, "recomputed_tokens": 400.0, "generation_tokens": 2000.0}
@@ -1035,7 +1036,7 @@ def test_sliding_excess_passes_ideal_pacing_and_fails_a_burst():
 
 
 # --------------------------------------------------------------------------
-# The benchmark harness (tools/benchkit.py): its parts that need no server
+# The benchmark harness (benchkit, with the wheel's runkit): its parts that need no server
 # --------------------------------------------------------------------------
 
 

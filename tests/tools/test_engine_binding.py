@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from vllm_output_rate.tools import benchkit
+from vllm_output_rate.tools import runkit
 from vllm_output_rate.tools.serverproc import CPU_BINDING_VAR, engine_cpu_binding, engine_env
 
 TWO_CPUS = [0, 1]
@@ -82,7 +82,7 @@ def test_a_lone_engine_keeps_vllms_binding():
     assert engine_env(0, 1, {"A": "1"}, environ={}, cpus=TWO_CPUS) == {"A": "1"}
 
 
-# -- benchkit.running_engines: what each engine of an N-engine start gets ---------------
+# -- runkit.running_engines: what each engine of an N-engine start gets ---------------
 
 
 @pytest.fixture
@@ -95,39 +95,39 @@ def started_envs(monkeypatch):
         seen[name] = dict(env or {})
         yield object()
 
-    monkeypatch.setattr(benchkit, "running_server", fake_running_server)
+    monkeypatch.setattr(runkit, "running_server", fake_running_server)
     monkeypatch.delenv(CPU_BINDING_VAR, raising=False)
     return seen
 
 
 def test_engines_side_by_side_each_get_their_own_binding(started_envs, tmp_path):
     specs = [(f"engine{i}", []) for i in range(3)]
-    with benchkit.running_engines(specs, tmp_path, env={"VLLM_PLUGINS": "x"}, side_by_side=True) as started:
+    with runkit.running_engines(specs, tmp_path, env={"VLLM_PLUGINS": "x"}, side_by_side=True) as started:
         bindings = [server.cpu_binding for server in started]
     assert bindings == [started_envs[name][CPU_BINDING_VAR] for name, _ in specs]
     assert all(started_envs[name]["VLLM_PLUGINS"] == "x" for name, _ in specs)
-    if len(benchkit.os.sched_getaffinity(0)) >= 2:
+    if len(runkit.os.sched_getaffinity(0)) >= 2:
         assert len(set(bindings[:2])) == 2  # the first two engines never share a CPU
 
 
 def test_engines_one_after_another_keep_vllms_binding_unless_asked(started_envs, tmp_path):
     specs = [("stock", []), ("plugin", [])]
-    with benchkit.running_engines(specs, tmp_path) as started:
+    with runkit.running_engines(specs, tmp_path) as started:
         assert [server.cpu_binding for server in started] == [None, None]
     assert all(CPU_BINDING_VAR not in env for env in started_envs.values())
-    with benchkit.running_engines(specs, tmp_path, own_cpus=True) as started:
+    with runkit.running_engines(specs, tmp_path, own_cpus=True) as started:
         assert all(server.cpu_binding for server in started)
 
 
 def test_an_operators_binding_reaches_every_engine_unchanged(started_envs, tmp_path, monkeypatch):
     monkeypatch.setenv(CPU_BINDING_VAR, "0-1")
-    with benchkit.running_engines([("a", []), ("b", [])], tmp_path, side_by_side=True) as started:
+    with runkit.running_engines([("a", []), ("b", [])], tmp_path, side_by_side=True) as started:
         assert [server.cpu_binding for server in started] == ["0-1", "0-1"]
     assert all(CPU_BINDING_VAR not in env for env in started_envs.values())
 
 
 def test_one_engine_alone_keeps_vllms_binding(started_envs, tmp_path):
-    with benchkit.running_engines([("only", [])], tmp_path, side_by_side=True) as (server,):
+    with runkit.running_engines([("only", [])], tmp_path, side_by_side=True) as (server,):
         assert server.cpu_binding is None
 
 
@@ -139,7 +139,7 @@ def test_worker_cpus_of_a_process_without_model_workers_is_empty():
     # their model workers) below it while this runs.
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        assert benchkit.worker_cpus(child.pid) == []
+        assert runkit.worker_cpus(child.pid) == []
     finally:
         child.kill()
         child.wait()

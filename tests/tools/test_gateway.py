@@ -1,4 +1,4 @@
-"""The gateway comparison's pure parts (``vllm_output_rate.tools.gateway``): the
+"""The gateway comparison's pure parts (``vllm_output_rate_harness.gateway``): the
 ``custom_auth`` hook and config it writes for LiteLLM's proxy, 429 and answer
 counts over a request log with retries, and windows over engine counter reads.
 No LiteLLM and no server: the hook is loaded from the written file with a
@@ -14,8 +14,8 @@ import types
 
 import pytest
 
-from vllm_output_rate.tools import gateway
 from vllm_output_rate.tools.measure import CANCELLED, FINISHED, HTTP_ERROR, RequestRecord, max_in_window
+from vllm_output_rate_harness import gateway
 
 KEYS = {"key-heavy": ("heavy", 30.0), "key-light": ("light", 1000.0)}
 

@@ -13,7 +13,8 @@ import textwrap
 import httpx
 import pytest
 
-from vllm_output_rate.tools import gateway, serverproc
+from vllm_output_rate.tools import serverproc
+from vllm_output_rate_harness import gateway
 
 STAND_IN = textwrap.dedent(
     """
@@ -81,7 +82,7 @@ def test_a_server_that_exits_for_another_reason_is_not_retried(tmp_path):
     assert len(list(tmp_path.glob("server-*.log"))) == 1
 
 
-# The gateway (tools/gateway.py) starts through the same wait, on its own health path.
+# The gateway (vllm_output_rate_harness.gateway) starts through the same wait, on its own health path.
 GATEWAY_STAND_IN = textwrap.dedent(
     """
     import http.server, sys

@@ -23,7 +23,7 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
-from vllm_output_rate.tools import bench, benchkit, serverproc
+from vllm_output_rate.tools import bench, runkit, serverproc
 
 SCHEMA = "vllm-output-rate-demo/1"
 HEAVY, LIGHT = "heavy", "light"
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
         "schema": SCHEMA,
         "command": shlex.join(["vllm-output-rate", "demo", *argv]),
         "started_at": started_at,
-        "machine": benchkit.machine_facts(),
+        "machine": runkit.machine_facts(),
         "heavy_user": HEAVY,
         "light_user": LIGHT,
         "workload": {

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any, Mapping
 
-from vllm_output_rate.tools import bench, benchkit, serverproc
+from vllm_output_rate.tools import bench, runkit, serverproc
 from vllm_output_rate.tools.analysis import UserSummary, bound_terms
 from vllm_output_rate.tools.engine_counters import CounterReader, CounterSample, cumulative, longest_silence
 from vllm_output_rate.tools.measure import RequestRecord
@@ -263,8 +263,8 @@ def runs_lines(runs: list[Mapping[str, Any]], heavy_limit: float) -> list[str]:
         c = run["counters"]
         rate, share = c.get("heavy_charged_rate"), c.get("share_of_limit")
         lines.append(
-            f"| {i} | {run['started_at']} | {benchkit.fmt_load(run['load_before'])} / "
-            f"{benchkit.fmt_load(run['load_after'])} | {num(rate)} | "
+            f"| {i} | {run['started_at']} | {runkit.fmt_load(run['load_before'])} / "
+            f"{runkit.fmt_load(run['load_after'])} | {num(rate)} | "
             f"{'-' if share is None else format(share, '.2f')} | "
             f"{' / '.join(f'{x:.2f}' for x in c['longest_silence_s'])} | {num(c.get('longest_read_gap_s'))} | "
             f"{'met' if c['meets_targets'] else '**missed**'} |")
@@ -293,7 +293,7 @@ def run_figures(document: Mapping[str, Any]) -> dict[str, Any]:
 
 def run_once(args: argparse.Namespace, argv: list[str], out: Path) -> dict[str, Any]:
     """One run: a fresh redis-server and engines, the bench, the engines' counters."""
-    started_at = benchkit.start_report(SCHEMA)  # prints the machine and the load
+    started_at = runkit.start_report(SCHEMA)  # prints the machine and the load
     with RedisProcess() as redis_srv:
         print(f"redis-server on 127.0.0.1:{redis_srv.port} (pid {redis_srv.pid})", flush=True)
         server_args = engine_args(args, redis_srv.url)
@@ -301,11 +301,11 @@ def run_once(args: argparse.Namespace, argv: list[str], out: Path) -> dict[str, 
               f"{shlex.join(server_args)}", flush=True)
         names = [f"demo-cluster-engine{i + 1}" for i in range(args.engines)]
         # The admin route: the engines' own per-user counters, read while the bench runs.
-        with benchkit.running_engines([(name, server_args) for name in names], out.parent,
+        with runkit.running_engines([(name, server_args) for name in names], out.parent,
                                       model=args.model, side_by_side=True,
                                       env=serverproc.ADMIN_ROUTE_ENV) as servers:
             urls = [srv.base_url for srv in servers]
-            worker_cpus = {srv.base_url: benchkit.worker_cpus(srv.pid) for srv in servers}
+            worker_cpus = {srv.base_url: runkit.worker_cpus(srv.pid) for srv in servers}
             print("engines ready: " + ", ".join(
                 f"{srv.base_url} (pid {srv.pid}, model worker on CPUs {worker_cpus[srv.base_url]})"
                 for srv in servers) + f"; bench for {args.duration:g} s", flush=True)
@@ -319,10 +319,10 @@ def run_once(args: argparse.Namespace, argv: list[str], out: Path) -> dict[str, 
                        for srv in servers}
         print("engines stopped", flush=True)
     print("redis-server stopped", flush=True)
-    head = benchkit.finish_report(started_at)
+    head = runkit.finish_report(started_at)
     document = dict(document)
     document["schema_cluster"] = SCHEMA
-    document["machine"] = benchkit.machine_facts()
+    document["machine"] = runkit.machine_facts()
     document["cluster"] = {
         "command": shlex.join(["vllm-output-rate", "demo-cluster", *argv]),
         "engines": args.engines,
@@ -358,8 +358,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         c = runs[-1]["counters"]
         print(f"run {run}: {HEAVY} charged {num(c.get('heavy_charged_rate'))} tok/s on the engines "
               f"({num(c.get('share_of_limit'), 2)} of the limit), longest engine silence "
-              f"{c['longest_silence_s']} s, load avg {benchkit.fmt_load(runs[-1]['load_before'])} -> "
-              f"{benchkit.fmt_load(runs[-1]['load_after'])}: "
+              f"{c['longest_silence_s']} s, load avg {runkit.fmt_load(runs[-1]['load_before'])} -> "
+              f"{runkit.fmt_load(runs[-1]['load_after'])}: "
               f"{'targets met' if c['meets_targets'] else 'TARGETS MISSED'}", flush=True)
     document["cluster"]["runs"] = runs
     document = with_rates_under_load(document)

@@ -25,8 +25,6 @@ DEFAULT_MODEL_DIR = Path(os.environ.get("TINY_MODEL_DIR", "models/tiny-llama"))
 CLI = Path(sys.executable).with_name("vllm-output-rate")
 #: The default command: ``vllm-output-rate serve``.
 SERVE = [str(CLI), "serve"]
-#: ``vllm-output-rate serve`` plus the churn counters (see tools/churn.py).
-SERVE_WITH_CHURN = [sys.executable, "-m", "vllm_output_rate.tools.churn"]
 STARTUP_TIMEOUT_S = 300
 #: ``env`` for :func:`running_server` that also loads the admin route
 #: (``GET /v1/output_rate/users``): vLLM loads an endpoint plugin only when
@@ -295,7 +293,7 @@ def running_server(
 ) -> Iterator[Server]:
     """Start ``vllm-output-rate serve MODEL ARGS`` and wait until healthy.
 
-    ``command`` replaces ``vllm-output-rate serve`` (e.g. :data:`SERVE_WITH_CHURN`);
+    ``command`` replaces ``vllm-output-rate serve`` (e.g. the harness's ``churn.SERVE_WITH_CHURN``);
     ``env`` adds to (or overrides) this process's environment for the server only.
     """
     log_dir = Path(log_dir)

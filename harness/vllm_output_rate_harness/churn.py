@@ -18,8 +18,9 @@ so recomputed tokens = readmitted_tokens - readmitted_cached_tokens.  The
 figures come from the prefix-cache lookup, so they exist only with prefix
 caching on (vLLM's default).
 
-It is a measurement aid for the benchmarks, not part of the plugin:
-``python -m vllm_output_rate.tools.churn [vllm serve args]`` is
+It is a measurement aid for the benchmarks, not part of the plugin (nor of
+its wheel): ``python -m vllm_output_rate_harness.churn [vllm serve args]``
+(:data:`SERVE_WITH_CHURN`) is
 ``vllm-output-rate serve`` with one extra vLLM stat logger (added to the
 frontend's stat loggers before the engine client is built; one API server).
 """
@@ -28,6 +29,10 @@ from __future__ import annotations
 
 import sys
 from typing import Any
+
+#: ``command`` for ``serverproc.running_server``: ``vllm-output-rate serve``
+#: plus the churn counters.
+SERVE_WITH_CHURN = [sys.executable, "-m", "vllm_output_rate_harness.churn"]
 
 READMITTED_REQUESTS = "vllm_output_rate:readmitted_requests"
 READMITTED_TOKENS = "vllm_output_rate:readmitted_tokens"

@@ -36,7 +36,7 @@ HOOK_MODULE = "gateway_auth"
 HOOK_FUNCTION = "user_api_key_auth"
 STARTUP_TIMEOUT_S = 300
 
-_HOOK_TEMPLATE = '''"""custom_auth hook for LiteLLM's proxy, written by vllm_output_rate.tools.gateway.
+_HOOK_TEMPLATE = '''"""custom_auth hook for LiteLLM's proxy, written by vllm_output_rate_harness.gateway.
 
 Maps each API key to its user and that user's output-token limit in tokens
 per minute (LiteLLM's ``tpm_limit``).
