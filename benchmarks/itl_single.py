@@ -275,7 +275,7 @@ def count_child(side: str, steps: int, helper: str, model: str) -> None:
         # key in the instance's dict would cost every later attribute access
         # CPython's attribute caches and inflate the count.
         type(sched).output_rate_operate_clock = staticmethod(lambda: 0)
-        sched._output_rate_next_tick = sched._output_rate_next_report = 1
+        sched._operate.next_tick = sched._operate.next_report = 1
 
     gc.collect()
     gc.disable()

@@ -258,16 +258,16 @@ def disable_fast_paths() -> None:
     * the stock per-request hook in the running loop when every visible
       request is prepaid: every request goes through the charging hook.
     """
-    from vllm_output_rate.adapter.scheduler import OutputRateSchedulerMixin
+    from vllm_output_rate.adapter import scheduler
     from vllm_output_rate.policy.gate import StepGate
 
     StepGate.steady = lambda self, now_ns, slots: False
-    begin = OutputRateSchedulerMixin._begin_step
+    init = scheduler._Step.__init__
 
-    def _begin_step_plain(self, plan, prepaid, all_visible_prepaid):
-        begin(self, plan, prepaid, all_visible_prepaid=False)
+    def every_request_checked(self, plan, prepaid, all_visible_paid, running_at_start):
+        init(self, plan, prepaid, False, running_at_start)
 
-    OutputRateSchedulerMixin._begin_step = _begin_step_plain
+    scheduler._Step.__init__ = every_request_checked
 
 
 def count_cells(cells: list[tuple[str, int, str]]) -> dict:

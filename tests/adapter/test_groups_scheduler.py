@@ -208,7 +208,7 @@ def test_reload_changes_groups_live_and_their_series_and_admin_rows(tmp_path):
                 max_num_seqs=16)
     sched = h.sched
     sched.output_rate_operate_clock = h.clock
-    watcher = sched._output_rate_watcher
+    watcher = sched._operate.watcher
     watcher.stop()  # the test checks the file itself, at chosen fake-clock instants
     registry = CollectorRegistry()
     exporter = OutputRateExporter("tiny", registry)

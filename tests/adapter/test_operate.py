@@ -41,7 +41,7 @@ def make_harness(tmp_path, users, **kwargs):
     h = Harness({"limits_file": str(path), "default_user_output_tokens_per_second": 7},
                 max_num_seqs=16, **kwargs)
     assert h.sched.output_rate_settings.default_rate == 1000
-    watcher = h.sched._output_rate_watcher
+    watcher = h.sched._operate.watcher
     assert watcher is not None
     watcher.stop()  # the test checks the file itself, at chosen fake-clock instants
     h.shadow.update_rates(1000, users)
@@ -194,7 +194,7 @@ def test_idle_users_are_forgotten_so_engine_state_stays_bounded(tmp_path):
         h.sched.output_rate_report(h.clock.now_ns)
     assert set(gate.ledger.charged_tokens) == {"slow"}
     # What is left: the labelled series (at most K, dropped after 5 idle minutes) and slow.
-    assert h.sched._output_rate_monitor.tracked() <= h.sched.output_rate_settings.metrics_max_users + 5
+    assert h.sched._operate.monitor.tracked() <= h.sched.output_rate_settings.metrics_max_users + 5
     # A forgotten user who comes back counts from zero, once.
     h.add("one-off-7", max_tokens=3)
     for _ in range(50):

@@ -253,7 +253,7 @@ def test_limits_file_weight_is_reloaded_and_a_file_without_it_means_the_flags(tm
     write({"default_user_output_tokens_per_second": 1000, "input_token_weight": 1}, 0)
     h = Harness({"limits_file": str(path), "default_user_output_tokens_per_second": 7,
                  "input_token_weight": 0.25})
-    watcher = h.sched._output_rate_watcher
+    watcher = h.sched._operate.watcher
     watcher.stop()  # checked by hand below
     sched = h.sched
     assert sched.output_rate_prompt_cost.weight == 1  # the file wins

@@ -9,6 +9,8 @@ from hypothesis import strategies as st
 
 from vllm_output_rate.factory import make_borrowing, make_group_quotas, make_limiter
 from vllm_output_rate.policy.drafts import DraftAccount
+from vllm_output_rate.policy.lanes import Lanes
+from vllm_output_rate.policy.ledger import Ledger
 from vllm_output_rate.policy.limiter import OutputRateLimiter
 from vllm_output_rate.settings import OutputRateSettings
 
@@ -37,8 +39,9 @@ def test_emitted_tokens_stay_within_the_bound_and_charges_settle(data):
     still charged are exactly the accepted ones.  The charged total never
     goes down on the way (metrics would take a decrease for a restart)."""
     limiter = OutputRateLimiter(RATE)
-    charged: dict[str, int] = {}
-    account = DraftAccount(limiter, charged)
+    ledger = Ledger(limiter, Lanes())
+    account = DraftAccount(ledger)
+    charged = ledger.charged_tokens
     requests = data.draw(st.integers(1, 4))
     depth = data.draw(st.integers(1, 2))  # steps in flight: sync 1, async 2
     now = 10**12
@@ -83,7 +86,8 @@ def test_emitted_tokens_stay_within_the_bound_and_charges_settle(data):
 
 def test_pay_takes_only_what_the_quota_allows_now():
     limiter = OutputRateLimiter(10.0)  # burst 0.1 s: two tokens at once
-    account = DraftAccount(limiter, {})
+    ledger = Ledger(limiter, Lanes())
+    account = DraftAccount(ledger)
     assert account.pay("r", "u", 0, 5) == 2
     assert account.pay("r2", "u", 0, 5) == 0
     assert limiter.available("u", 0) == 0
@@ -91,8 +95,9 @@ def test_pay_takes_only_what_the_quota_allows_now():
 
 def test_undispatched_drafts_are_refunded_at_the_end_of_the_step():
     limiter = OutputRateLimiter(10.0)
-    charged: dict[str, int] = {}
-    account = DraftAccount(limiter, charged)
+    ledger = Ledger(limiter, Lanes())
+    account = DraftAccount(ledger)
+    charged = ledger.charged_tokens
     account.pay("r", "u", 0, 2)
     assert account.settle_step("s1", 0, lambda key: 0) == 2
     assert limiter.available("u", 0) == 2 and charged == {}
@@ -101,8 +106,9 @@ def test_undispatched_drafts_are_refunded_at_the_end_of_the_step():
 
 def test_an_output_settles_only_its_own_step_and_older_ones_stay_charged():
     limiter = OutputRateLimiter(100.0)
-    charged: dict[str, int] = {}
-    account = DraftAccount(limiter, charged)
+    ledger = Ledger(limiter, Lanes())
+    account = DraftAccount(ledger)
+    charged = ledger.charged_tokens
     for step in ("s1", "s2", "s3"):
         account.pay("r", "u", 0, 2)
         account.settle_step(step, 0, lambda key: 2)
@@ -141,7 +147,8 @@ def test_drafts_rejected_after_a_reload_moved_their_user_go_back_to_the_group_th
     borrowing, limiter = make_borrowing(before, rate, None, groups)
     assert borrowing is None  # hard caps: drafts are paid on user and group
     full = groups.rate.available("A", now)
-    account = DraftAccount(limiter, {})
+    ledger = Ledger(limiter, Lanes())
+    account = DraftAccount(ledger)
     assert account.pay("rx", "x", now, 3) == 3
     account.settle_step("s1", now, lambda key: 3)
     assert groups.rate.available("A", now) == full - 3
@@ -149,7 +156,7 @@ def test_drafts_rejected_after_a_reload_moved_their_user_go_back_to_the_group_th
     assert limiter.take_up_to("v", now, full) == full
     after = settings_with("B")
     groups = make_group_quotas(after, groups)
-    _, account.limiter = make_borrowing(after, rate, None, groups)
+    _, ledger.limiter = make_borrowing(after, rate, None, groups)
     assert groups.of("x") == "B"
     # s1's output: all three drafts rejected.
     assert account.settle_output("s1", now, lambda key: 0) == 3
@@ -176,12 +183,13 @@ def test_drafts_rejected_after_a_reload_gave_their_user_a_ceiling_credit_no_ceil
     rate = make_limiter(before)
     borrowing, limiter = make_borrowing(before, rate, None, None)
     ceiling = borrowing.ceiling
-    account = DraftAccount(limiter, {})
+    ledger = Ledger(limiter, Lanes())
+    account = DraftAccount(ledger)
     assert account.pay("rx", "x", now, 3) == 3
     account.settle_step("s1", now, lambda key: 3)
     assert rate.available("x", now) == rate.available("v", now) - 3
     after = settings_with({"rate": 100, "ceil": 400})
-    borrowing, account.limiter = make_borrowing(after, rate, borrowing, None)
+    borrowing, ledger.limiter = make_borrowing(after, rate, borrowing, None)
     assert borrowing.ceiling is ceiling and borrowing.table.ceiled("x")
     full = ceiling.available("x", now)
     assert ceiling.take_up_to("x", now, full) == full  # x spends its new ceiling

@@ -16,6 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from vllm_output_rate.policy.gate import StepGate
 from vllm_output_rate.policy.lanes import Lane, Lanes
 from vllm_output_rate.policy.ledger import Ledger
 from vllm_output_rate.policy.plan import plan_step
@@ -319,16 +320,18 @@ def test_blocked_time_is_counted_when_the_next_step_opens():
     assert ledger.throttled_ns == {"slow": 30 * MS, "one": 30 * MS}
 
 
-def test_idle_wait_is_the_earliest_blocked_users_ready_time_capped():
-    lanes, ledger, lim = parts()
+@pytest.mark.parametrize("cap_ns, wait_ns", [(S, 50 * MS), (20 * MS, 20 * MS)])
+def test_idle_wait_is_the_earliest_blocked_users_ready_time_capped(cap_ns, wait_ns):
+    lim = CountingLimiter(1000, RATES)
+    gate = StepGate(lim, max_idle_wait_ns=cap_ns)
+    ledger = gate.ledger
     ledger.open(0, False)
-    assert ledger.idle_wait_ns(50 * MS) is None and ledger.idle_steps == 0
+    assert gate.idle_wait_ns() is None and ledger.idle_steps == 0
     assert lim.try_take("one", 0) and lim.try_take("three", 0, 3)
     ledger.fall_short("one")  # ready at 100 ms
     ledger.fall_short("three")  # ready at 50 ms
-    assert ledger.idle_wait_ns(S) == 50 * MS
-    assert ledger.idle_wait_ns(20 * MS) == 20 * MS
-    assert ledger.idle_steps == 2
+    assert gate.idle_wait_ns() == wait_ns
+    assert ledger.idle_steps == 1
 
 
 def test_settle_keeps_exactly_the_sampled_tokens():

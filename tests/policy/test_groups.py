@@ -46,7 +46,7 @@ class World(GateWorld):
         self.rate.update_rates(settings.default_rate, settings.user_rates)
         self.groups = make_group_quotas(settings, self.groups)
         borrowing, limiter = make_borrowing(settings, self.rate, self.borrowing, self.groups)
-        self.gate.limiter = self.gate.ledger.limiter = limiter
+        self.gate.ledger.limiter = limiter
         self.gate.borrowing = self.borrowing = borrowing
 
     def of_group(self, group: str, kind: dict) -> list[int]:

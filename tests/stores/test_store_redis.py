@@ -352,10 +352,9 @@ def test_store_mode_and_totals_reach_prometheus_and_follow_an_outage(prefix):
     from prometheus_client.parser import text_string_to_metric_families
 
     from vllm_output_rate.adapter.metrics import OutputRateExporter
-    from vllm_output_rate.adapter.operate import GroupReports, OperateSchedulerMixin
+    from vllm_output_rate.adapter.operate import OperateSchedulerMixin, OperateState
     from vllm_output_rate.policy.gate import StepGate
     from vllm_output_rate.policy.prompt_cost import PromptCost
-    from vllm_output_rate.policy.monitor import UserMonitor
 
     srv = RedisServer().start()
     settings = OutputRateSettings.from_additional_config(
@@ -374,8 +373,7 @@ def test_store_mode_and_totals_reach_prometheus_and_follow_an_outage(prefix):
     engine.output_rate_prompt_cost = PromptCost(engine.output_rate_gate.ledger, 0)
     engine.running, engine.waiting = [], []
     engine.output_rate_reloads = engine.output_rate_reload_failures = 0
-    engine._output_rate_monitor = UserMonitor(settings.metrics_max_users)
-    engine._output_rate_group_reports = GroupReports()
+    engine._operate = OperateState(settings.metrics_max_users)
     registry = CollectorRegistry()
     exporter = OutputRateExporter("tiny", registry)
 

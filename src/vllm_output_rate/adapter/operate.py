@@ -31,7 +31,6 @@ import threading
 import time
 from typing import Any, Callable
 
-from vllm_output_rate.factory import update_residency
 from vllm_output_rate.policy.monitor import OTHER_USERS, ChargeHistory, GroupTotals, UserMonitor
 from vllm_output_rate.policy.residency import DEFAULT_MIN_STREAM_TOKENS_PER_SECOND
 from vllm_output_rate.settings import (
@@ -131,35 +130,27 @@ class OperateSchedulerMixin:
 
     #: Wall-free monotonic clock for reports (ns); tests replace it.
     output_rate_operate_clock: Callable[[], int] = staticmethod(time.monotonic_ns)
-    _output_rate_pending: OutputRateSettings | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         settings: OutputRateSettings = self.output_rate_settings
         self.output_rate_reloads = 0
         self.output_rate_reload_failures = 0
-        self._output_rate_monitor = UserMonitor(settings.metrics_max_users)
-        self._output_rate_group_reports = GroupReports()
-        self._output_rate_history = ChargeHistory()
-        self._output_rate_pending = None
-        self._output_rate_next_tick = 0
-        self._output_rate_next_report = 0
-        self._output_rate_was_busy = False
-        self._output_rate_watcher: LimitsFileWatcher | None = None
+        self._operate = operate = OperateState(settings.metrics_max_users)
         if settings.limits_file:
             section = self.vllm_config.additional_config[CONFIG_KEY]
-            self._output_rate_watcher = LimitsFileWatcher(
+            operate.watcher = LimitsFileWatcher(
                 settings.limits_file, self._limits_changed, self._limits_rejected,
                 input_token_weight=section.get(INPUT_TOKEN_WEIGHT_KEY, 0.0),
                 min_pace=section.get(MIN_PACE_KEY, DEFAULT_MIN_STREAM_TOKENS_PER_SECOND),
             )
-            self._output_rate_watcher.start()
+            operate.watcher.start()
 
     # -- reload ----------------------------------------------------------------
 
     def _limits_changed(self, new: OutputRateSettings) -> None:
         # Called on the watcher thread: only hand over; the engine thread applies.
-        self._output_rate_pending = new
+        self._operate.pending = new
 
     def _limits_rejected(self, reason: str) -> None:
         self.output_rate_reload_failures += 1
@@ -168,7 +159,7 @@ class OperateSchedulerMixin:
     def apply_output_rate_limits(self, new: OutputRateSettings) -> None:
         """Switch to ``new`` rates now (engine thread, between steps)."""
         changed = self.output_rate_limiter.update_rates(new.default_rate, new.user_rates)
-        self.output_rate_settings = dataclasses.replace(
+        settings = dataclasses.replace(
             self.output_rate_settings, default_rate=new.default_rate, user_rates=dict(new.user_rates),
             input_token_weight=new.input_token_weight,
             default_share=new.default_share, user_shares=dict(new.user_shares),
@@ -177,10 +168,9 @@ class OperateSchedulerMixin:
             min_stream_tokens_per_second=new.min_stream_tokens_per_second,
             user_min_stream_tokens_per_second=dict(new.user_min_stream_tokens_per_second),
         )
-        self.set_input_token_weight(new.input_token_weight)
-        # Caps follow the new limits; streams now beyond them give way first.
-        update_residency(self.output_rate_residency, self.output_rate_settings)
-        self.apply_output_rate_shares(self.output_rate_settings)
+        # Caps follow the new limits (streams now beyond them give way first),
+        # and so do ceilings, groups and the prompt cost's weight.
+        self.configure(settings)
         self.output_rate_reloads += 1
         logger.info(
             "vllm-output-rate: limits reloaded (default %s tok/s, %d override(s), %d group(s), "
@@ -190,19 +180,20 @@ class OperateSchedulerMixin:
         )
 
     def schedule(self, *args: Any, **kwargs: Any):
-        pending = self._output_rate_pending
+        operate = self._operate
+        pending = operate.pending
         if pending is not None:
-            self._output_rate_pending = None
+            operate.pending = None
             self.apply_output_rate_limits(pending)
         now = self.output_rate_operate_clock()
-        if now >= self._output_rate_next_tick:
-            self._output_rate_next_tick = now + REPORT_PERIOD_NS
-            self._output_rate_history.record(now, self._output_rate_charged())
+        if now >= operate.next_tick:
+            operate.next_tick = now + REPORT_PERIOD_NS
+            operate.history.record(now, self._output_rate_charged())
         return super().schedule(*args, **kwargs)
 
     def shutdown(self) -> None:
-        if self._output_rate_watcher is not None:
-            self._output_rate_watcher.stop()
+        if self._operate.watcher is not None:
+            self._operate.watcher.stop()
         super().shutdown()
 
     # -- stats -------------------------------------------------------------------
@@ -213,17 +204,18 @@ class OperateSchedulerMixin:
             return None
         now = self.output_rate_operate_clock()
         busy = bool(self.running) or bool(self.waiting)
-        was_busy = self._output_rate_was_busy
-        self._output_rate_was_busy = busy
+        operate = self._operate
+        was_busy = operate.was_busy
+        operate.was_busy = busy
         # Also report at once when the engine just emptied: gauges go back
         # to 0 and the last charges are counted before the engine idles.
-        if now >= self._output_rate_next_report or (was_busy and not busy):
-            self._output_rate_next_report = now + REPORT_PERIOD_NS
+        if now >= operate.next_report or (was_busy and not busy):
+            operate.next_report = now + REPORT_PERIOD_NS
             try:
                 stats.output_rate = self.output_rate_report(now)
             except Exception:  # metrics must never take the engine down
                 logger.exception("vllm-output-rate: per-user report failed; reports are off")
-                self._output_rate_next_report = float("inf")
+                operate.next_report = float("inf")
         return stats
 
     def _output_rate_eviction_totals(self) -> dict[str, int]:
@@ -256,7 +248,7 @@ class OperateSchedulerMixin:
         ledger = self.output_rate_gate.ledger
         settings = self.output_rate_settings
         counts = self.output_rate_counts()
-        monitor = self._output_rate_monitor
+        monitor = self._operate.monitor
         report = monitor.report(
             now_ns,
             charged=self._output_rate_charged(),
@@ -276,7 +268,7 @@ class OperateSchedulerMixin:
                 **self.output_rate_limiter.figures(),
             },
         )
-        self._output_rate_group_reports.add_to(report, self, now_ns, counts)
+        self._operate.group_reports.add_to(report, self, now_ns, counts)
         # Users idle for a while are forgotten, so the per-user totals (and
         # this step's work) stay bounded by the users active recently, not by
         # every name ever seen.  Their reported counters are unaffected.
@@ -301,8 +293,9 @@ class OperateSchedulerMixin:
         charged = self._output_rate_charged()
         prompt_charged = self.output_rate_prompt_cost.prompt_tokens
         users = set(counts) | set(settings.user_rates)
-        users.update(u for u, n in self._output_rate_history.tokens_in_window(now, charged, charged).items() if n)
-        recent = self._output_rate_history.tokens_in_window(now, charged, users)
+        history = self._operate.history
+        users.update(u for u, n in history.tokens_in_window(now, charged, charged).items() if n)
+        recent = history.tokens_in_window(now, charged, users)
         throttled_ns = self.output_rate_gate.ledger.throttled_ns
         borrowed = _borrowed_tokens(self.output_rate_gate) or {}
         limiter_now = self.output_rate_clock()
@@ -338,7 +331,7 @@ class OperateSchedulerMixin:
             for user, row in rows.items():
                 row["group"] = groups.of(user)
         return {
-            "groups": self._output_rate_group_reports.admin_rows(self, rows, recent, limiter_now),
+            "groups": self._operate.group_reports.admin_rows(self, rows, recent, limiter_now),
             "default_rate": settings.default_rate,
             "input_token_weight": settings.input_token_weight,
             "default_ceil": settings.default_limit()[1],
@@ -348,6 +341,23 @@ class OperateSchedulerMixin:
             "reload_failures": self.output_rate_reload_failures,
             "users": rows,
         }
+
+
+class OperateState:
+    """What operation keeps between steps: the per-user and per-group
+    report monitors, the charge history of the admin route's window, the
+    limits-file watcher and a reload it handed over, and when to report."""
+
+    def __init__(self, metrics_max_users: int) -> None:
+        self.monitor = UserMonitor(metrics_max_users)
+        self.group_reports = GroupReports()
+        self.history = ChargeHistory()
+        self.watcher: LimitsFileWatcher | None = None
+        #: Settings the watcher validated, applied before the next step.
+        self.pending: OutputRateSettings | None = None
+        self.next_tick = 0  # next charge-history sample (operate clock, ns)
+        self.next_report = 0  # next per-user report
+        self.was_busy = False  # the engine had requests at the last report check
 
 
 class GroupReports:

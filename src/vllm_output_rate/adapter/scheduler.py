@@ -14,10 +14,10 @@ the gate, its lanes and ledger, and :class:`..policy.displacement.Displacement`)
   model-runner slot and output history kept -- but out of sight, so vLLM's
   loop never visits them.  Afterwards ``self.running`` is the full resident
   list again, so every other vLLM code path sees stock state.
-* **Charge at dispatch.**  :meth:`_charge_at_sampling_position` (vLLM's
-  ``_reserve_prefill_lookahead`` hook) is the last
-  hook vLLM calls before allocating KV for a request; when the chunk reaches
-  the sampling position we take one unit of quota.  A refused request is cut
+* **Charge at dispatch.**  vLLM's ``_reserve_prefill_lookahead`` is the
+  last hook it calls before allocating KV for a request; when the chunk
+  reaches the sampling position we take one unit of quota there
+  (:meth:`ChargingHooks._charge_at_sampling_position`).  A refused request is cut
   back to the second-to-last prompt position (chunked prefill) or skipped --
   unless it was admitted in this step into a slot set aside for its
   borrowing user: then it borrows the token (``Borrowing.lend``), as a
@@ -83,7 +83,11 @@ from vllm_output_rate.factory import (
     make_group_quotas,
     make_limiter,
     make_residency,
+    update_residency,
 )
+from vllm_output_rate.policy.borrow import Borrowing
+from vllm_output_rate.policy.groups import GroupQuotas
+from vllm_output_rate.policy.prompt_cost import PromptCost
 from vllm_output_rate.policy.displacement import Displacement, fits_in_free_kv
 from vllm_output_rate.policy.drafts import DraftAccount
 from vllm_output_rate.policy.eviction import EvictionBudget
@@ -109,16 +113,15 @@ class MembershipHooks:
     def add_request(self, request: Request) -> None:
         if request.request_id not in self.requests:
             self._lanes.track(request, _user_of(request))
-            if not self._chunked_prefill and not request.resumable:
+            if not self._facts.chunked_prefill and not request.resumable:
                 # Its first token comes with its whole prefill: it needs
                 # quota to be admitted, so it takes turns with its user's
                 # resident streams.
                 self._lanes.wait_in_turn(request)
-            if request.resumable and not self._tracks_sessions:
+            if request.resumable:
                 # Streaming-input sessions need bookkeeping after each step;
-                # engines that never see one skip the extra call per step.
-                self._tracks_sessions = True
-                self.update_from_output = self._update_from_output_with_sessions
+                # engines that never see one skip it.
+                self._facts.sessions = True
         super().add_request(request)
 
     def _free_request(self, request: Request, *args: Any, **kwargs: Any):
@@ -128,17 +131,23 @@ class MembershipHooks:
 
     def _preempt_request(self, request: Request, *args: Any, **kwargs: Any) -> None:
         self._lanes.release(request)
-        if not self._chunked_prefill and not request.resumable:
+        if not self._facts.chunked_prefill and not request.resumable:
             self._lanes.wait_in_turn(request)  # as on arrival
-        if self._step_plan is not None:
-            self._preempted_in_step.append(request)
+        step = self._step
+        if step is not None:
+            step.preempted.append(request)
         super()._preempt_request(request, *args, **kwargs)
 
-    def _update_from_output_with_sessions(self, scheduler_output, model_runner_output):
+    def update_from_output(self, scheduler_output, model_runner_output):
         outputs = super().update_from_output(scheduler_output, model_runner_output)
-        # Requests that left `running` without being freed or preempted (a
-        # streaming-input session waiting for its next chunk) stop being
-        # resident.  Only this step's requests can have changed.
+        if self._facts.sessions:
+            self._release_idle_sessions(scheduler_output)
+        return outputs
+
+    def _release_idle_sessions(self, scheduler_output) -> None:
+        """Requests that left ``running`` without being freed or preempted (a
+        streaming-input session waiting for its next chunk) stop being
+        resident.  Only this step's requests can have changed."""
         lanes = self._lanes
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
@@ -148,7 +157,6 @@ class MembershipHooks:
                 and request in lanes.lane_of
             ):
                 lanes.release(request)
-        return outputs
 
 
 class ChargingHooks:
@@ -157,73 +165,90 @@ class ChargingHooks:
     (through vLLM's own skip paths, so they never stop admission for the
     requests behind them)."""
 
-    def _resume_charging(self) -> None:
-        """Route vLLM's per-request hook through the charging check again.
-
-        Called from every hook of vLLM's waiting loop that runs before a
-        waiting request can reach ``_reserve_prefill_lookahead`` (and at the
-        end of the step), so a request admitted from the waiting queue is
-        always charged even in steps whose running loop skipped the check.
-        """
-        self._reserve_prefill_lookahead = self._charging_reserve_prefill_lookahead
-
-    def _charge_at_sampling_position(
+    def _reserve_prefill_lookahead(
         self, request: Request, num_computed_tokens: int, num_new_tokens: int
     ) -> int:
-        """vLLM's ``_reserve_prefill_lookahead`` hook, plus the charge.
+        """vLLM's last hook before it allocates KV for a request: the user
+        pays here for the token the chunk samples (with prompt cost, for its
+        prompt positions; with speculative decoding, for its drafts), or the
+        chunk is cut short of the sampling position.
 
-        The last hook vLLM calls before allocating KV for a request: when the
-        scheduled chunk reaches the sampling position, one unit of the user's
-        quota is taken here, or the chunk is cut short of it.
+        In a step whose visible requests are all paid for already (every one
+        a decoding stream), vLLM's running loop meets only those: the check
+        is skipped for them and runs for the requests of its waiting loop,
+        which are not ``RUNNING`` yet when vLLM calls this.
         """
-        num_new_tokens = self._stock_reserve_prefill_lookahead(
+        step = self._step
+        if step is None or (step.all_visible_paid and request.status == RequestStatus.RUNNING):
+            return super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
+        if self.output_rate_prompt_cost.weight:
+            num_new_tokens = self._charge_with_prompt_cost(
+                step, request, num_computed_tokens, num_new_tokens
+            )
+        else:
+            num_new_tokens = self._charge_at_sampling_position(
+                step, request, num_computed_tokens, num_new_tokens
+            )
+        if self._draft_account is None or num_new_tokens <= 0:
+            return num_new_tokens
+        return self._charge_drafts(request, num_computed_tokens, num_new_tokens)
+
+    def _charge_at_sampling_position(
+        self, step: _Step, request: Request, num_computed_tokens: int, num_new_tokens: int
+    ) -> int:
+        """When the scheduled chunk reaches the sampling position, one unit
+        of the user's quota is taken here, or the chunk is cut short of it."""
+        num_new_tokens = super()._reserve_prefill_lookahead(
             request, num_computed_tokens, num_new_tokens
         )
-        prepaid = self._prepaid
-        if prepaid is None or num_new_tokens <= 0:
+        if num_new_tokens <= 0:
             return num_new_tokens
-        if request in prepaid:  # a decoding stream the plan already paid for
+        if request in step.prepaid:  # a decoding stream the plan already paid for
             return num_new_tokens
         sample_at = request.num_tokens + request.num_output_placeholders
         if num_computed_tokens + num_new_tokens < sample_at:
             return num_new_tokens  # an intermediate prefill chunk is free
         if self._ledger.charge(request):
             return num_new_tokens
-        if request in self._admitted_to_borrow and self._borrowing.lend(
+        if request in step.admitted_to_borrow and self._borrowing.lend(
             self._ledger, self._lanes.user_of[request], request
         ):
-            self._lent_in_step = True
+            step.lent = True
             return num_new_tokens
         # Out of quota: stop short of the sampling position.
-        allowed = sample_at - 1 - num_computed_tokens if self._chunked_prefill else 0
+        allowed = sample_at - 1 - num_computed_tokens if self._facts.chunked_prefill else 0
         allowed = max(allowed, 0)
         if allowed and request.mm_features and self.scheduler_config.disable_chunked_mm_input:
             allowed = _end_before_split_item(request, num_computed_tokens, allowed)
         if allowed == 0 and request.status == RequestStatus.RUNNING:
-            self._refused_visible += 1
+            step.refused_visible += 1
         return allowed
 
     def _handle_blocked_waiting_request(self, request: Request) -> bool:
-        self._resume_charging()
+        step = self._step
         if not super()._handle_blocked_waiting_request(request):
-            if request.status == RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR:
-                self._held_for_other_reasons = True
+            if (
+                step is not None
+                and request.status == RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
+            ):
+                step.held_for_other_reasons = True
             return False
-        if self._step_plan is None:
+        if step is None:
             return True
-        if request.lora_request is not None and not self._adapter_fits(request):
+        if request.lora_request is not None and not self._adapter_fits(step, request):
             return False
-        if not self._residency_admits(request):
+        if not self._residency_admits(step, request):
             return False  # waits un-admitted: its user's quota moves no more streams
         ledger = self._ledger
         user_of = self._lanes.user_of
-        if self._slot_donors:
+        if step.slot_donors:
             # Slots were freed in this step for requests that can run now:
             # neither the donors' own requests nor anyone out of quota may
             # take them instead.
-            return user_of[request] not in self._slot_donors and ledger.can_charge(request)
+            return user_of[request] not in step.slot_donors and ledger.can_charge(request)
         samples_at_once = (
-            not self._chunked_prefill or request.num_tokens - request.num_computed_tokens <= 1
+            not self._facts.chunked_prefill
+            or request.num_tokens - request.num_computed_tokens <= 1
         )
         if samples_at_once:
             if request in self._evicted_for_quota and not self._kv_room_for(request):
@@ -236,7 +261,7 @@ class ChargingHooks:
             if not (ledger.can_charge(request) or ledger.is_served_now(request)):
                 return False
             return request not in self._evicted_for_quota or self._kv_room_for(request)
-        admits = self._borrow_admits
+        admits = step.borrow_admits
         if admits is not None:
             user = user_of[request]
             if ledger.quota_now(user) == 0 and self._borrowing.table.borrows(user):
@@ -247,14 +272,14 @@ class ChargingHooks:
                 if left <= 0:
                     return False
                 admits[user] = left - 1
-                self._admitted_to_borrow.add(request)
+                step.admitted_to_borrow.add(request)
         return True
 
     def _ec_transfer_pending(self, request: Request, num_computed_tokens: int) -> bool:
-        self._resume_charging()
         if super()._ec_transfer_pending(request, num_computed_tokens):
             return True
-        if self._step_plan is None:
+        step = self._step
+        if step is None:
             return False
         # After the prefix-cache lookup: if only the sampling position is
         # left and the user cannot pay, skip instead of stopping admission.
@@ -262,7 +287,7 @@ class ChargingHooks:
             if self._ledger.can_charge(request):
                 return False
             return not (
-                request in self._admitted_to_borrow
+                request in step.admitted_to_borrow
                 and self._borrowing.can_lend(self._lanes.user_of[request], self._ledger.now_ns)
             )
         return False
@@ -287,25 +312,18 @@ class AdapterHooks:
     limits never hit, LoRA admissions are stock vLLM's.
     """
 
-    _adapters_plan: StepPlan | None = None  # the step the cached set belongs to
-    _adapters_in_step: set[int]
-    _adapters_seen: int = 0  # entries of self.running already in the set
-
-    def _adapter_fits(self, request: Request) -> bool:
+    def _adapter_fits(self, step: _Step, request: Request) -> bool:
         """May ``request`` (which has an adapter) be admitted in this step?"""
         lora_id = request.lora_request.lora_int_id
-        plan = self._step_plan
-        if lora_id <= 0 or not (plan.hidden or self._refused_visible):
+        if lora_id <= 0 or not (step.plan.hidden or step.refused_visible):
             return True
-        if self._adapters_plan is not plan:
-            self._adapters_plan = plan
-            self._adapters_in_step = _adapters_of(self._lanes.resident())
-            self._adapters_seen = 0
-        known = self._adapters_in_step
+        known = step.adapters
+        if known is None:
+            known = step.adapters = _adapters_of(self._lanes.resident())
         running = self.running  # the visible requests, then this step's admissions
-        if self._adapters_seen < len(running):
-            known |= _adapters_of(running[self._adapters_seen:])
-            self._adapters_seen = len(running)
+        if step.adapters_seen < len(running):
+            known |= _adapters_of(running[step.adapters_seen:])
+            step.adapters_seen = len(running)
         return lora_id in known or len(known) < self.lora_config.max_loras
 
 
@@ -320,10 +338,7 @@ class ResidencyHooks:
     (``Displacement``, given the same :class:`~.policy.residency.Residency`).
     """
 
-    #: len(self.running) when the step began: vLLM appends its admissions.
-    _running_at_start: int = 0
-
-    def _residency_admits(self, request: Request) -> bool:
+    def _residency_admits(self, step: _Step, request: Request) -> bool:
         """May ``request`` become resident in this step (its user's cap)?"""
         lanes = self._lanes
         user_of = lanes.user_of
@@ -335,7 +350,7 @@ class ResidencyHooks:
             return False
         # This step's admissions are not in the lanes yet (see _admit_new).
         admitted = 0
-        for r in self.running[self._running_at_start:]:
+        for r in self.running[step.running_at_start:]:
             if user_of.get(r) == user:
                 admitted += 1
                 if admitted >= room:
@@ -360,7 +375,7 @@ class EvictionHooks:
             for request in list(self.waiting)  # evictions change the queue
             if request.status in _ADMITTABLE
         )
-        self._slot_donors = self._displacement.free_slots_for(
+        self._step.slot_donors = self._displacement.free_slots_for(
             admittable,
             plan,
             free_slots=self.max_num_running_reqs - occupied,
@@ -370,15 +385,15 @@ class EvictionHooks:
             evict=self._evict,
         )
 
-    def _allocate_slots_or_evict(self, request: Request, *args: Any, **kwargs: Any):
-        blocks = self._stock_allocate_slots(request, *args, **kwargs)
-        while blocks is None and self._step_plan is not None:
-            victim = self._throttled_victim_for(request)
-            if victim is None:
-                break
+    def _kv_victim_for(self, request: Request) -> Request | None:
+        """An allocation for ``request`` failed: the throttled request to
+        evict before trying again (None: vLLM's own preemption decides)."""
+        if self._step is None:
+            return None
+        victim = self._throttled_victim_for(request)
+        if victim is not None:
             self._evict(victim)
-            blocks = self._stock_allocate_slots(request, *args, **kwargs)
-        return blocks
+        return victim
 
     def _kv_room_for(self, request: Request) -> bool:
         """May a request evicted for quota come back now (see ``fits_in_free_kv``)?"""
@@ -393,7 +408,7 @@ class EvictionHooks:
         """The throttled request that gives way for ``request``, which needs KV."""
         running = request.status == RequestStatus.RUNNING
         least_important = None
-        if self._priority_policy and running and self.running:
+        if self._facts.priority_policy and running and self.running:
             # vLLM's own victim would be the least important visible request.
             least_important = max(r.priority for r in self.running)
         return self._displacement.victim_for(request, not running, least_important)
@@ -408,7 +423,7 @@ class EvictionHooks:
         # vLLM's waiting loop may be mid-iteration and about to pop the head
         # of the queue it peeked; keep the victim out until the step ends.
         self.waiting.remove_request(victim)
-        self._evicted_in_step.append(victim)
+        self._step.evicted.append(victim)
 
 
 class BorrowingHooks:
@@ -416,29 +431,6 @@ class BorrowingHooks:
     :mod:`vllm_output_rate.policy.borrow`), and groups of users paying every
     token together (:mod:`vllm_output_rate.policy.groups`): set up from the
     settings, and offered after the plan, when the step has room left."""
-
-    #: The groups' membership and quotas; None without groups.
-    output_rate_groups = None
-
-    def apply_output_rate_shares(self, settings: OutputRateSettings) -> None:
-        """Ceilings, weights and groups from ``settings`` (at start and on reload).
-
-        While nobody has a ceiling above its rate and no group is configured
-        the gate keeps the rate limiter itself and no borrowing runs: hard
-        caps take today's path.
-        """
-        self.output_rate_groups = make_group_quotas(settings, self.output_rate_groups)
-        borrowing, limiter = make_borrowing(
-            settings, self.output_rate_limiter, self._borrowing, self.output_rate_groups
-        )
-        self._borrowing = borrowing
-        groups = self.output_rate_groups
-        self.output_rate_prompt_cost.group_of = None if groups is None else groups.of
-        gate = self.output_rate_gate
-        gate.borrowing = borrowing
-        gate.limiter = gate.ledger.limiter = limiter
-        if self._draft_account is not None:
-            self._draft_account.limiter = limiter  # drafts count on a ceiling too
 
     def _offer_spare_to_borrowers(self, plan: StepPlan, slots: int) -> None:
         """Room the plan left, less what waiting requests the active cap
@@ -461,7 +453,7 @@ class BorrowingHooks:
                 committed = self._committed_output(queued)
                 for user in self._borrowing.admissions(queued, committed, admissions):
                     admits[user] = admits.get(user, 0) + 1
-            self._borrow_admits = admits
+            self._step.borrow_admits = admits
 
     def _committed_output(self, users: Container[str]) -> dict[str, int]:
         """What the resident requests of ``users``, and of the other members
@@ -559,24 +551,11 @@ class SpecDecodeHooks:
     installed and ``update_from_output`` only checks one attribute.
     """
 
-    _draft_account: DraftAccount | None = None
-
-    def _init_drafts(self) -> None:
-        if not self.num_spec_tokens:
-            return
-        self._draft_account = DraftAccount(self.output_rate_limiter, self._ledger.charged_tokens)
-        self._charging_reserve_prefill_lookahead = self._charge_with_drafts
-        self._reserve_prefill_lookahead = self._charge_with_drafts
-
-    def _charge_with_drafts(
+    def _charge_drafts(
         self, request: Request, num_computed_tokens: int, num_new_tokens: int
     ) -> int:
-        """The charging hook when drafts are scheduled: the sampled token as
-        usual, then the drafts the user can pay for now."""
-        charge = self._charge_with_prompt_cost if self._prompt_cost_on else self._charge_at_sampling_position
-        num_new_tokens = charge(request, num_computed_tokens, num_new_tokens)
-        if num_new_tokens <= 0 or self._prepaid is None:
-            return num_new_tokens
+        """After the sampled token is paid for: the drafts the user can pay
+        for now; the chunk is cut to those."""
         drafts = (
             num_computed_tokens
             + num_new_tokens
@@ -643,21 +622,13 @@ class OutputRateSchedulerMixin(
 
     This class runs the step (plan, hand vLLM the visible requests, settle);
     its bases are the hooks vLLM calls along the way, one concern each.
-    Every attribute they share is set here, in ``__init__``.
+    Every attribute they share is set here: the features in ``__init__``
+    and :meth:`configure` (at start and on every reload), what one step
+    decided in ``self._step`` (a :class:`_Step`, None between steps).
     """
 
     #: Clock for the limiter, in integer nanoseconds; tests replace it.
     output_rate_clock: Callable[[], int] = staticmethod(time.monotonic_ns)
-    _step_plan: StepPlan | None = None
-    _prepaid: set | None = None  # during a step: decoding requests already paid for
-    #: During a step with borrowing: user -> waiting requests it may still
-    #: have admitted by borrowing (None: admission order is vLLM's).
-    _borrow_admits: dict[str, int] | None = None
-    #: During a step: waiting requests admitted into a spare slot by
-    #: borrowing (see _borrow_admits), which may borrow their sampled token.
-    _admitted_to_borrow: set
-    _lent_in_step: bool  # some admitted request borrowed its sampled token
-    _active_cap: int = 0
     #: Builds the limiter from the settings; tests give a data-parallel rank
     #: a leased limiter on a fake store and clock.
     output_rate_limiter_factory: Callable[..., Any] = staticmethod(make_limiter)
@@ -672,7 +643,17 @@ class OutputRateSchedulerMixin(
                 f"{type(self).__name__} needs additional_config['output_rate']; "
                 "it is selected automatically when the feature is configured"
             )
-        self.output_rate_settings = settings
+        priority_policy = self.policy == SchedulingPolicy.PRIORITY
+        self._facts = _EngineFacts(
+            chunked_prefill=bool(self.scheduler_config.enable_chunked_prefill),
+            priority_policy=priority_policy,
+            # A data-parallel rank whose requests are all throttled must keep
+            # stepping (vLLM runs a dummy batch and syncs the ranks every
+            # step): waiting on its input queue would stall every other rank.
+            data_parallel=self.vllm_config.parallel_config.data_parallel_size > 1,
+        )
+        self._step: _Step | None = None
+        #: The users' own rates (the first level of every composed quota).
         self.output_rate_limiter = self.output_rate_limiter_factory(settings)
         self.output_rate_gate = gate = StepGate(self.output_rate_limiter)
         # The gate's parts, held directly: membership changes and per-request
@@ -683,78 +664,76 @@ class OutputRateSchedulerMixin(
         #: that ran nothing because every runnable request was throttled;
         #: None means "poll as stock vLLM does".
         self.output_rate_idle_wait_s: float | None = None
-        self._chunked_prefill = bool(self.scheduler_config.enable_chunked_prefill)
-        self._priority_policy = self.policy == SchedulingPolicy.PRIORITY
-        self._refused_visible = 0
-        self._preempted_in_step: list[Request] = []
-        self._evicted_in_step: list[Request] = []
-        self._slot_donors: set[str] = set()  # users who gave up a slot this step
-        self._admitted_to_borrow = set()
-        self._lent_in_step = False
         # Requests we preempted because their user was out of quota, until
         # they are resident again (see _kv_room_for).
         self._evicted_for_quota: set[Request] = set()
         # What evictions on behalf of waiting requests may make the engine
         # recompute; the budget holds one longest request (none at ratio 0).
         ratio = settings.recompute_budget
-        # Resident requests per user: as many as its quota keeps moving at
-        # the minimum pace (the planner and Displacement read it too).
-        self.output_rate_residency = self._lanes.residency = make_residency(settings)
         self.output_rate_eviction_budget = EvictionBudget(
             burst_tokens=self.vllm_config.model_config.max_model_len if ratio > 0 else 0,
             ratio=ratio,
         )
+        # Resident requests per user: as many as its quota keeps moving at
+        # the minimum pace (the planner and Displacement read it too).
+        self.output_rate_residency = self._lanes.residency = make_residency(settings)
         self._displacement = Displacement(
             self._lanes,
             self._ledger,
             self.output_rate_eviction_budget,
             self._evicted_for_quota,
             tokens_held=_tokens_held,
-            priority_of=_priority_of if self._priority_policy else None,
+            priority_of=_priority_of if priority_policy else None,
             can_release=self._request_blocks_can_be_freed,
             residency=self.output_rate_residency,
             generated_of=_generated,
         )
-        self._held_for_other_reasons = False
-        self._stock_allocate_slots = self.kv_cache_manager.allocate_slots
-        # Bound once: this hook runs for every scheduled request of every step.
-        self._stock_reserve_prefill_lookahead = super()._reserve_prefill_lookahead
-        self._charging_reserve_prefill_lookahead = self._charge_at_sampling_position
-        # vLLM calls self._reserve_prefill_lookahead for every request it
-        # schedules.  It is an instance attribute that always exists and only
-        # changes value (keeping the instance's attribute layout stable, which
-        # CPython's attribute caches in vLLM's loop rely on).
-        self._reserve_prefill_lookahead = self._charging_reserve_prefill_lookahead
-        self._tracks_sessions = False
-        # Prompt cost (input_token_weight): at weight 0 the hook stays as set above.
-        self._init_prompt_cost(settings.input_token_weight)
-        self._init_drafts()
-        self._borrowing = None
-        self.apply_output_rate_shares(settings)
-        # A data-parallel rank whose requests are all throttled must keep
-        # stepping (vLLM runs a dummy batch and syncs the ranks every step):
-        # waiting on its input queue would stall every other rank with it.
-        self._data_parallel = self.vllm_config.parallel_config.data_parallel_size > 1
+        self.output_rate_prompt_cost = self.output_rate_gate.prompt_cost = PromptCost(
+            self._ledger, settings.input_token_weight
+        )
+        self._draft_account = DraftAccount(self._ledger) if self.num_spec_tokens else None
+        self.output_rate_groups: GroupQuotas | None = None
+        self._borrowing: Borrowing | None = None
+        self.configure(settings)
+
+    def configure(self, settings: OutputRateSettings) -> None:
+        """Assemble the features ``settings`` ask for (at start, and on a
+        reload between steps, after the rates were updated): groups, the
+        composed quota every token is paid from (rate, ceiling, group),
+        borrowing, the prompt cost's weight and the residency caps.  Existing
+        parts keep their state.  While nobody has a ceiling above its rate
+        and no group is configured, the quota is the rate limiter itself and
+        no borrowing runs: hard caps take their plain path."""
+        self.output_rate_settings = settings
+        groups = make_group_quotas(settings, self.output_rate_groups)
+        borrowing, quota = make_borrowing(
+            settings, self.output_rate_limiter, self._borrowing, groups
+        )
+        self.output_rate_groups = groups
+        self._borrowing = self.output_rate_gate.borrowing = borrowing
+        self._ledger.limiter = quota  # its one holder (the gate and drafts read it there)
+        prompt_cost = self.output_rate_prompt_cost
+        prompt_cost.set_weight(settings.input_token_weight)
+        prompt_cost.group_of = None if groups is None else groups.of
+        update_residency(self.output_rate_residency, settings)
 
     # -- the active cap, seen through vLLM's own admission check -----------
 
     @property
     def max_num_active_reqs(self) -> int:
-        plan = self._step_plan
-        if plan is None:
+        step = self._step
+        if step is None:
             return self._active_cap
-        self._resume_charging()  # vLLM's waiting loop reads this first
-        if plan.over_cap:
+        if step.plan.over_cap:
             return 0  # runnable requests were left out for lack of room
         return min(
-            self._active_cap + self._refused_visible,
-            self.max_num_running_reqs - plan.hidden,
+            self._active_cap + step.refused_visible,
+            self.max_num_running_reqs - step.plan.hidden,
         )
 
     @max_num_active_reqs.setter
     def max_num_active_reqs(self, value: int) -> None:
         self._active_cap = value
-
 
     def shutdown(self) -> None:
         super().shutdown()
@@ -771,15 +750,21 @@ class OutputRateSchedulerMixin(
         lanes = self._lanes
         slots = self._active_cap - self.num_waiting_for_streaming_input
         now_ns = self.output_rate_clock()
-        if self._prompt_debts:
-            self.output_rate_prompt_cost.repay(now_ns)
+        prompt_cost = self.output_rate_prompt_cost
+        if prompt_cost.debt:
+            prompt_cost.repay(now_ns)
         if gate.steady(now_ns, slots):
             return self._schedule_repeat(args, kwargs)
         plan = gate.plan(now_ns, slots)
-        self._borrow_admits = None  # set by the borrowing's waiting demand
+        resident = self.running
+        self._step = step = _Step(
+            plan,
+            plan.prepaid,
+            all_visible_paid=not plan.prefills and self._draft_account is None,
+            running_at_start=0,
+        )
         if gate.borrowing is not None and not plan.over_cap:
             self._offer_spare_to_borrowers(plan, slots)
-        resident = self.running
         num_visible = len(plan.visible) + len(plan.borrowed)
         # The gate decides which requests vLLM sees; vLLM's own order among
         # them (admission order) decides who gets the token budget first and
@@ -794,29 +779,21 @@ class OutputRateSchedulerMixin(
             self.running = plan.visible  # vLLM appends admissions to it
         else:
             self.running = list(resident)
-        all_visible_prepaid = not plan.prefills
-        self._begin_step(plan, plan.prepaid, all_visible_prepaid)
+        step.running_at_start = len(self.running)
         if plan.throttled and self.waiting:
             self._free_slots_for_waiting(plan, len(resident))
         kv_cache_manager = self.kv_cache_manager
         if plan.throttled:
             # Hidden throttled requests exist: allocation failures evict them
             # first.  Otherwise vLLM talks to its own KV cache manager.
-            self.kv_cache_manager = _EvictingKVCacheManager(
-                kv_cache_manager, self._allocate_slots_or_evict
-            )
+            self.kv_cache_manager = _EvictingKVCacheManager(kv_cache_manager, self._kv_victim_for)
         try:
             output = super().schedule(*args, **kwargs)
         finally:
             self.kv_cache_manager = kv_cache_manager
-            self._resume_charging()
-            self._step_plan = None
-            self._prepaid = None
-            self._borrow_admits = None
-            if self._admitted_to_borrow:
-                self._admitted_to_borrow.clear()
-            admitted = self._settle_membership(resident, num_visible)
-            for victim in self._evicted_in_step:
+            self._step = None
+            admitted = self._settle_membership(step, resident, num_visible)
+            for victim in step.evicted:
                 self.waiting.prepend_request(victim)
 
         num_scheduled = output.num_scheduled_tokens
@@ -827,22 +804,16 @@ class OutputRateSchedulerMixin(
         # visible request was scheduled (all of them decoding streams, each
         # at its sampling position): a count, not a look at each request.
         undisturbed = (
-            all_visible_prepaid
+            not plan.prefills
             and not plan.reserved
-            and not self._preempted_in_step
+            and not step.preempted
             and len(num_scheduled) - len(admitted) == num_visible
         )
         sampled = _SampledView(num_scheduled)
         self._ledger.settle(sampled, all_prepaid_sampled=undisturbed)
-        if plan.borrowed or self._lent_in_step:
-            self._lent_in_step = False
+        if plan.borrowed or step.lent:
             gate.borrowing.settle(lanes, self._ledger, sampled)
-        if self._prompt_cost_on:
-            self._settle_prompt_cost(output)
-        if self._draft_account is not None:
-            self._settle_drafts(output)
-        self.output_rate_eviction_budget.earn(len(num_scheduled))
-        self._set_idle_wait(output)
+        self._settle_step(step, output)
         return output
 
     def _schedule_repeat(self, args: tuple, kwargs: dict):
@@ -850,66 +821,65 @@ class OutputRateSchedulerMixin(
 
         Every resident request is decoding and already paid for, so vLLM
         gets the whole resident list in its current order: no visible list
-        to build or merge back, and its running loop calls its own hook
-        directly.  Admissions from the waiting queue are charged as usual.
+        to build or merge back, and its running loop skips the charging
+        check.  Admissions from the waiting queue are charged as usual.
         """
         resident = self.running
         num_resident = len(resident)
         self.running = list(resident)  # vLLM edits this copy; `resident` keeps the start
-        self._begin_step(_REPEAT_PLAN, _NOTHING_PREPAID, all_visible_prepaid=True)
+        self._step = step = _Step(
+            _REPEAT_PLAN,
+            _NOTHING_PREPAID,
+            all_visible_paid=self._draft_account is None,
+            running_at_start=num_resident,
+        )
         try:
             output = super().schedule(*args, **kwargs)
         finally:
-            self._resume_charging()
-            self._step_plan = None
-            self._prepaid = None
+            self._step = None
             # vLLM removed what it preempted from `running` (the whole
             # resident list here), so only the admissions need settling.
-            admitted = self._admit_new(self.running, num_resident)
+            admitted = self._admit_new(step, self.running, num_resident)
         num_scheduled = output.num_scheduled_tokens
         # The quick settlement counts every decoding stream in the lanes as
         # sampled; an admission cut short of its sampling position (its user
         # could not pay) is one of them now, so such a step settles key by
         # key (issue 31: tokens counted that were neither taken nor given).
         all_sampled = (
-            not self._preempted_in_step
+            not step.preempted
             and len(num_scheduled) - len(admitted) == num_resident
             and not any(request.is_prefill_chunk for request in admitted)
         )
         self._ledger.settle_repeat(resident, _SampledView(num_scheduled), all_sampled)
-        if self._prompt_cost_on:
-            self._settle_prompt_cost(output)
-        if self._draft_account is not None:
-            self._settle_drafts(output)
-        self.output_rate_eviction_budget.earn(len(num_scheduled))
-        self._set_idle_wait(output)
+        self._settle_step(step, output)
         return output
 
-    def _begin_step(self, plan: StepPlan, prepaid: Container, all_visible_prepaid: bool) -> None:
-        """Reset the per-step state both kinds of step share."""
-        self._refused_visible = 0
-        self._preempted_in_step = []
-        self._evicted_in_step = []
-        self._slot_donors = set()
-        self._held_for_other_reasons = False
-        self._prepaid = prepaid
-        self._step_plan = plan
-        self._running_at_start = len(self.running)
-        if all_visible_prepaid and self._draft_account is None:
-            # vLLM's running loop will only meet decoding streams already
-            # paid for, so it may call its own hook directly, without this
-            # class's per-request check.  Charging resumes before the waiting
-            # loop reaches its first request (see _resume_charging).
-            self._reserve_prefill_lookahead = self._stock_reserve_prefill_lookahead
+    def _settle_step(self, step: _Step, output) -> None:
+        """What both kinds of step settle last: prompt charges, drafts, the
+        eviction budget's earnings and the idle wait."""
+        if self.output_rate_prompt_cost.weight:
+            self._settle_prompt_cost(step, output)
+        if self._draft_account is not None:
+            self._settle_drafts(output)
+        self.output_rate_eviction_budget.earn(len(output.num_scheduled_tokens))
+        if (
+            output.total_num_scheduled_tokens == 0
+            and not step.held_for_other_reasons
+            and not self._facts.data_parallel
+        ):
+            wait_ns = self.output_rate_gate.idle_wait_ns()
+            self.output_rate_idle_wait_s = None if wait_ns is None else wait_ns / 1e9
+        else:
+            self.output_rate_idle_wait_s = None
 
-    def _admit_new(self, running_after: list[Request], num_before: int) -> list[Request]:
+    def _admit_new(self, step: _Step, running_after: list[Request], num_before: int) -> list[Request]:
         """Classify and return the requests vLLM admitted in this step.
 
         vLLM only appends admitted requests to ``running`` and removes
         preempted ones, so without preemption the admissions are its tail.
         """
         lanes = self._lanes
-        if self._preempted_in_step:
+        if step.preempted:
             admitted = [r for r in running_after if r not in lanes.lane_of]
         else:
             admitted = running_after[num_before:]
@@ -920,46 +890,106 @@ class OutputRateSchedulerMixin(
                 evicted.discard(request)
         return admitted
 
-    def _set_idle_wait(self, output) -> None:
-        if (
-            output.total_num_scheduled_tokens == 0
-            and not self._held_for_other_reasons
-            and not self._data_parallel
-        ):
-            wait_ns = self.output_rate_gate.idle_wait_ns()
-            self.output_rate_idle_wait_s = None if wait_ns is None else wait_ns / 1e9
-        else:
-            self.output_rate_idle_wait_s = None
-
-    def _settle_membership(self, resident: list[Request], num_visible: int) -> list[Request]:
+    def _settle_membership(
+        self, step: _Step, resident: list[Request], num_visible: int
+    ) -> list[Request]:
         """Make ``self.running`` the full resident list again, admissions included.
 
         Runs after vLLM's schedule() advanced every request, so an admitted
         request is classified (prefilling or decoding) once, here.
         """
-        admitted = self._admit_new(self.running, num_visible)
-        if self._preempted_in_step:
-            resident = remove_all(resident, set(self._preempted_in_step))
+        admitted = self._admit_new(step, self.running, num_visible)
+        if step.preempted:
+            resident = remove_all(resident, set(step.preempted))
         resident.extend(admitted)
         self.running = resident
         return admitted
 
 
+class _EngineFacts:
+    """What the plugin's hooks need to know of the engine they run in."""
+
+    __slots__ = ("chunked_prefill", "priority_policy", "data_parallel", "sessions")
+
+    def __init__(self, chunked_prefill: bool, priority_policy: bool, data_parallel: bool) -> None:
+        self.chunked_prefill = chunked_prefill
+        self.priority_policy = priority_policy
+        self.data_parallel = data_parallel
+        #: A streaming-input session was seen: residency is then checked
+        #: after every step's output (see MembershipHooks).
+        self.sessions = False
+
+
+class _Step:
+    """What one ``schedule()`` call has decided so far (``self._step``
+    while vLLM's step runs; settled and dropped at its end)."""
+
+    __slots__ = (
+        "plan", "prepaid", "all_visible_paid", "running_at_start", "refused_visible",
+        "preempted", "evicted", "slot_donors", "held_for_other_reasons", "borrow_admits",
+        "admitted_to_borrow", "lent", "adapters", "adapters_seen", "refused_for_prompts",
+    )
+
+    def __init__(
+        self, plan: StepPlan, prepaid: Container, all_visible_paid: bool, running_at_start: int
+    ) -> None:
+        self.plan = plan
+        #: Decoding requests the plan already paid for.
+        self.prepaid = prepaid
+        #: Every visible request is paid for: vLLM's running loop skips the
+        #: charging check (its waiting loop never does).
+        self.all_visible_paid = all_visible_paid
+        #: len(self.running) when vLLM's step began: it appends its admissions.
+        self.running_at_start = running_at_start
+        #: Visible requests refused their sampling position (they free an
+        #: active slot for a waiting request).
+        self.refused_visible = 0
+        self.preempted: list[Request] = []
+        #: Requests evicted for quota, kept out of the waiting queue until
+        #: the step ends (re-admitted at once they would take back the slot).
+        self.evicted: list[Request] = []
+        self.slot_donors: set[str] = set()  # users who gave up a slot this step
+        #: A waiting request was held for a reason other than quota (a
+        #: grammar): the engine must not idle-wait after this step.
+        self.held_for_other_reasons = False
+        #: With borrowing: user -> waiting requests it may still have
+        #: admitted by borrowing (None: admission order is vLLM's).
+        self.borrow_admits: dict[str, int] | None = None
+        #: Waiting requests admitted into a spare slot by borrowing, which
+        #: may borrow their sampled token.
+        self.admitted_to_borrow: set[Request] = set()
+        self.lent = False  # some admitted request borrowed its sampled token
+        #: LoRA adapters of the resident requests and this step's admissions
+        #: (see AdapterHooks), built on first need; entries of running counted.
+        self.adapters: set[int] | None = None
+        self.adapters_seen = 0
+        #: Users refused for their prompt cost: behind every other user next.
+        self.refused_for_prompts: set[str] = set()
+
+
 class _EvictingKVCacheManager:
     """The scheduler's KV cache manager as seen during a step with throttled requests.
 
-    ``allocate_slots`` is replaced; every other attribute is the real
-    manager's.  A stand-in object rather than an attribute set on the real
+    An allocation that fails evicts the throttled request ``victim_for``
+    names and tries again; every other attribute is the real manager's.  A
+    stand-in object for the step rather than an attribute set on the real
     manager: touching the real manager's instance dict makes CPython's
     attribute caches miss on every later access vLLM makes to it (measured:
     about 3 000 instructions per scheduled request per step).
     """
 
-    __slots__ = ("_real", "allocate_slots")
+    __slots__ = ("_real", "_victim_for")
 
-    def __init__(self, real: Any, allocate_slots: Callable) -> None:
+    def __init__(self, real: Any, victim_for: Callable[[Request], Request | None]) -> None:
         self._real = real
-        self.allocate_slots = allocate_slots
+        self._victim_for = victim_for
+
+    def allocate_slots(self, request: Request, *args: Any, **kwargs: Any):
+        allocate = self._real.allocate_slots
+        blocks = allocate(request, *args, **kwargs)
+        while blocks is None and self._victim_for(request) is not None:
+            blocks = allocate(request, *args, **kwargs)
+        return blocks
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._real, name)

@@ -122,11 +122,11 @@ TOUCHPOINTS: tuple[TouchPoint, ...] = (
         ["throttle_prefills"]),
     _tp(SCHED, "add_request", "method", "wrapped: the gate tracks each new request", ["request"]),
     _tp(SCHED, "update_from_output", "method",
-        "overridden (speculative decoding: draft refunds); wrapped once a streaming-input "
-        "session appears",
+        "overridden: draft refunds (speculative decoding), residency of streaming-input "
+        "sessions",
         ["scheduler_output", "model_runner_output"]),
     _tp(SCHED, "_reserve_prefill_lookahead", "method",
-        "replaced per instance: the charge at the sampling position",
+        "overridden and called: the charge at the sampling position",
         ["request", "num_computed_tokens", "num_new_tokens"]),
     _tp(SCHED, "_free_request", "method", "overridden: the gate forgets the request",
         ["request", "delay_free_blocks"]),

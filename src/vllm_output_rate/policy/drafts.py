@@ -58,7 +58,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Any, Callable, Hashable
 
-from vllm_output_rate.policy.limiter import Limiter
+from vllm_output_rate.policy.ledger import Ledger
 from vllm_output_rate.policy.quota import Payers, payers, refund_payers
 
 Key = Hashable
@@ -69,11 +69,12 @@ Paid = tuple[str, int, Payers]
 class DraftAccount:
     """Draft tokens paid in the current step and in steps whose output is due.
 
-    ``charged_tokens`` is the gate's per-user cumulative total of charged
-    tokens (the ledger's dict, shared): a step's drafts are added to it when
-    its output arrives, the accepted ones only (see the module doc); it
-    never goes down.  ``limiter`` is where drafts are paid from now (the
-    owner replaces it on a reload); refunds go to where they were paid.
+    Drafts are paid from ``ledger.limiter``, the quota in force now (the
+    ledger is its only holder: a reload replaces it there), and counted in
+    ``ledger.charged_tokens``, the per-user cumulative total of charged
+    tokens: a step's drafts are added to it when its output arrives, the
+    accepted ones only (see the module doc); it never goes down.  Refunds
+    go to the quotas that were paid.
 
     Invariants (``tests/policy/test_drafts.py``): every draft paid is either
     refunded once or kept once, to and on the quotas that paid it; a kept
@@ -83,9 +84,8 @@ class DraftAccount:
     output is in it counts exactly the drafts kept.
     """
 
-    def __init__(self, limiter: Limiter, charged_tokens: dict[str, int]) -> None:
-        self.limiter = limiter
-        self.charged_tokens = charged_tokens
+    def __init__(self, ledger: Ledger) -> None:
+        self._ledger = ledger
         #: This step's payments: key -> (user, drafts paid, payer).
         self._paid: dict[Key, Paid] = {}
         #: Steps dispatched with drafts and not yet settled, oldest first:
@@ -100,7 +100,7 @@ class DraftAccount:
         """Take up to ``wanted`` draft tokens for ``key`` now; return how many."""
         if wanted <= 0:
             return 0
-        limiter = self.limiter
+        limiter = self._ledger.limiter
         paid = limiter.take_up_to(user, now_ns, wanted)
         if paid:
             earlier = self._paid.get(key)
@@ -139,7 +139,7 @@ class DraftAccount:
         in_flight = self._in_flight
         if not in_flight or not any(entry[0] is step for entry in in_flight):
             return 0
-        charged = self.charged_tokens
+        charged = self._ledger.charged_tokens
         while True:
             token, kept = in_flight.popleft()
             if token is step:

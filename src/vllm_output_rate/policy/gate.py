@@ -103,7 +103,6 @@ class StepGate:
         cleanup_every: int = CLEANUP_EVERY_STEPS,
         max_idle_wait_ns: int = MAX_IDLE_WAIT_NS,
     ) -> None:
-        self.limiter = limiter
         self.lanes = Lanes()
         self.ledger = Ledger(limiter, self.lanes)
         self._cleanup_every = cleanup_every
@@ -119,6 +118,11 @@ class StepGate:
         #: The prompt cost paid through :attr:`ledger` (set by its owner);
         #: its debts and turns hold users back beyond their quota.
         self.prompt_cost: PromptCost | None = None
+
+    @property
+    def limiter(self) -> Limiter:
+        """The quota every token is paid from; the ledger holds it (one owner)."""
+        return self.ledger.limiter
 
     # -- one step ----------------------------------------------------------
 
@@ -198,9 +202,15 @@ class StepGate:
 
         The earliest time any user blocked in this step can run again
         (:meth:`ready_at_ns`), capped at ``max_idle_wait_ns``; None when no
-        user was blocked.
+        user was blocked.  Counted in the ledger's ``idle_steps``.
         """
-        return self.ledger.idle_wait_ns(self._max_idle_wait_ns, self.ready_at_ns)
+        ledger = self.ledger
+        if not ledger.blocked:
+            return None
+        ledger.idle_steps += 1
+        now = ledger.now_ns
+        earliest = min(self.ready_at_ns(user, now) for user in ledger.blocked)
+        return max(0, min(earliest - now, self._max_idle_wait_ns))
 
     def ready_at_ns(self, user: str, now_ns: int) -> int:
         """When ``user``, blocked in a step that ran nothing, can run again.

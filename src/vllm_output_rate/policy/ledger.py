@@ -114,8 +114,7 @@ class Ledger:
         if self.limiter.try_take(user, self.now_ns):
             self.charged[key] = user
             return True
-        self.refused.add(user)
-        self.blocked.add(user)
+        self.refuse(user)
         return False
 
     def can_charge(self, key: Key) -> bool:
@@ -131,9 +130,14 @@ class Ledger:
         if self.limiter.available(user, self.now_ns) > 0:
             return True
         self.limiter.want(user, self.now_ns)
+        self.refuse(user)
+        return False
+
+    def refuse(self, user: str) -> None:
+        """``user`` was refused in this step (for its output or its prompt
+        cost): not asked again, and blocked until the next step opens."""
         self.refused.add(user)
         self.blocked.add(user)
-        return False
 
     def is_charged(self, key: Key) -> bool:
         """Paid for in this step (charged, or prepaid by the plan or a repeat)."""
@@ -241,23 +245,6 @@ class Ledger:
             ran[user] = ran.get(user, 0) + 1
             charged_tokens[user] = charged_tokens.get(user, 0) + 1
         return refunded
-
-    def idle_wait_ns(
-        self, cap_ns: int, ready_at_ns: Callable[[str, int], int] | None = None
-    ) -> int | None:
-        """How long an engine that ran nothing may sleep: until the earliest
-        blocked user can run again, at most ``cap_ns``; None if none blocked.
-
-        ``ready_at_ns(user, now)`` says when a user can run again; the
-        limiter's ready time by default (the gate passes one that knows what
-        else holds a user back: prompt debt, borrowing)."""
-        if not self.blocked:
-            return None
-        self.idle_steps += 1
-        now = self.now_ns
-        ready_at = self.limiter.ready_at_ns if ready_at_ns is None else ready_at_ns
-        earliest = min(ready_at(user, now) for user in self.blocked)
-        return max(0, min(earliest - now, cap_ns))
 
 
 def _settle_offers(

@@ -141,8 +141,7 @@ class PromptCost:
             if ledger.is_charged(key) or ledger.limiter.available(user, ledger.now_ns) > 0:
                 return True
             ledger.limiter.want(user, ledger.now_ns)
-        ledger.refused.add(user)
-        ledger.blocked.add(user)
+        ledger.refuse(user)
         return False
 
     def _held_by_group(self, user: str) -> bool:
