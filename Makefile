@@ -34,6 +34,7 @@ SERIES_TESTS ?= tests/policy/test_limiter.py tests/policy/test_gate.py tests/con
 	tests/policy/test_borrow.py tests/policy/test_drafts.py tests/policy/test_prompt_cost.py \
 	tests/policy/test_quota.py tests/policy/test_groups.py tests/config/test_group_settings.py \
 	tests/policy/test_residency.py tests/policy/test_idle_wait.py tests/config/test_residency_settings.py \
+	tests/adapter/test_scheduler_shape.py \
 	tests/config/test_bad_input.py tests/adapter/test_residency_scheduler.py tests/adapter/test_borrowing_shapes.py \
 	tests/adapter/test_scheduler.py tests/adapter/test_stock_equivalence.py tests/adapter/test_touchpoints.py tests/adapter/test_engine_step.py \
 	tests/adapter/test_lora.py tests/adapter/test_multimodal.py tests/adapter/test_spec_decode.py tests/adapter/test_data_parallel.py \
