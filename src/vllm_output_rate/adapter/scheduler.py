@@ -61,7 +61,11 @@ at the minimum pace; the rest wait un-admitted), :class:`EvictionHooks`
 with a ceiling above their rate, handed to vLLM after every guaranteed
 request; groups of users paying every token together) and
 :class:`~.prompt_cost.PromptCostHooks` (prompt tokens charged at
-``input_token_weight``; idle at weight 0).
+``input_token_weight``; idle at weight 0), with :class:`SpecDecodeHooks`
+(drafts).  Each hook is a plain override: none replaces another at run
+time.  The features they ask are assembled by
+:meth:`OutputRateSchedulerMixin.configure` at start and on every reload, and
+what a step decided is one :class:`_Step`, dropped when the step is settled.
 """
 
 from __future__ import annotations
