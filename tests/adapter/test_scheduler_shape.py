@@ -69,3 +69,13 @@ def test_the_scheduler_keeps_few_attributes_and_swaps_no_method(async_):
         if name in own and name not in INJECTED:
             assert not callable(getattr(type(sched), name, None)), name
     assert sched._step is None  # what a step decided is dropped when it ends
+
+
+def test_the_async_scheduler_keeps_vllms_own_lookahead_hook():
+    """The charging hook calls vLLM's ``Scheduler._reserve_prefill_lookahead``
+    directly for both scheduler classes (it runs for every scheduled request):
+    a vLLM whose AsyncScheduler overrides it must fail here, not schedule wrong."""
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    assert AsyncScheduler._reserve_prefill_lookahead is Scheduler._reserve_prefill_lookahead

@@ -183,8 +183,8 @@ class ChargingHooks:
         which are not ``RUNNING`` yet when vLLM calls this.
         """
         step = self._step
-        if step is None or (step.all_visible_paid and request.status == RequestStatus.RUNNING):
-            return super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
+        if step is None or (step.all_visible_paid and request.status is _RUNNING):
+            return _stock_lookahead(self, request, num_computed_tokens, num_new_tokens)
         if self.output_rate_prompt_cost.weight:
             num_new_tokens = self._charge_with_prompt_cost(
                 step, request, num_computed_tokens, num_new_tokens
@@ -202,9 +202,7 @@ class ChargingHooks:
     ) -> int:
         """When the scheduled chunk reaches the sampling position, one unit
         of the user's quota is taken here, or the chunk is cut short of it."""
-        num_new_tokens = super()._reserve_prefill_lookahead(
-            request, num_computed_tokens, num_new_tokens
-        )
+        num_new_tokens = _stock_lookahead(self, request, num_computed_tokens, num_new_tokens)
         if num_new_tokens <= 0:
             return num_new_tokens
         if request in step.prepaid:  # a decoding stream the plan already paid for
@@ -999,6 +997,10 @@ class _EvictingKVCacheManager:
         return getattr(self._real, name)
 
 
+#: vLLM's own hook (AsyncScheduler does not override it), called directly:
+#: it runs for every scheduled request of every step.
+_stock_lookahead = Scheduler._reserve_prefill_lookahead
+_RUNNING = RequestStatus.RUNNING
 _NOTHING_PREPAID: frozenset = frozenset()
 # Waiting requests vLLM could admit in this step (not held for grammar,
 # remote KV or a streaming-input chunk).
