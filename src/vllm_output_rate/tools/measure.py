@@ -117,10 +117,6 @@ def usage_matches(record: RequestRecord) -> bool:
 _wrapped: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
 
 
-#: Seconds an idle keep-alive connection is kept (below the server's 5 s).
-KEEPALIVE_EXPIRY_S = 2.0
-
-
 def openai_client(base_url: str, max_connections: int = 64, timeout: float | None = None):
     """An ``AsyncOpenAI`` for a vLLM server at ``base_url`` (no ``/v1``).
 
@@ -133,12 +129,8 @@ def openai_client(base_url: str, max_connections: int = 64, timeout: float | Non
 
     http = httpx.AsyncClient(
         timeout=httpx.Timeout(connect=10.0, read=timeout, write=10.0, pool=None),
-        # The server closes a keep-alive connection idle for 5 s, httpx's own
-        # expiry too: a request sent on one just then fails without reaching
-        # vLLM (seen once in a 600-request soak).  Idle ones are dropped sooner.
         limits=httpx.Limits(max_connections=max_connections,
-                            max_keepalive_connections=max_connections,
-                            keepalive_expiry=KEEPALIVE_EXPIRY_S),
+                            max_keepalive_connections=max_connections),
         trust_env=False,
     )
     return AsyncOpenAI(base_url=base_url.rstrip("/") + "/v1", api_key="unused",
