@@ -264,8 +264,8 @@ def disable_fast_paths() -> None:
     StepGate.steady = lambda self, now_ns, slots: False
     init = scheduler._Step.__init__
 
-    def every_request_checked(self, plan, prepaid, all_visible_paid, running_at_start):
-        init(self, plan, prepaid, False, running_at_start)
+    def every_request_checked(self, plan, prepaid, all_visible_paid, running_at_start, **kwargs):
+        init(self, plan, prepaid, False, running_at_start, **kwargs)
 
     scheduler._Step.__init__ = every_request_checked
 

@@ -633,22 +633,11 @@ class ChargePathMachine(RuleBasedStateMachine):
     # -- one engine step ---------------------------------------------------------------
 
     def engine_step(self, dt_ns: int) -> None:
-        h, sched = self.h, self.h.sched
-        now = self.clock.now_ns
-        if self.use_store:
-            sched.output_rate_limiter.rounds.pump(now)
-        before = self.before_step(now)
-        self.step_prompt = {}
-        output = h.step(0)
-        self.after_step(now, before, output)
+        sched = self.h.sched
+        output = self.checked_step()
         if output.total_num_scheduled_tokens == 0 and sched.output_rate_idle_wait_s == 0:
             # The engine would step again at once: that step must run something.
-            if self.use_store:
-                sched.output_rate_limiter.rounds.pump(now)
-            before = self.before_step(now)
-            self.step_prompt = {}
-            again = h.step(0)
-            self.after_step(now, before, again)
+            again = self.checked_step()
             if again.total_num_scheduled_tokens == 0:
                 self.broken(
                     "idle",
@@ -657,6 +646,17 @@ class ChargePathMachine(RuleBasedStateMachine):
                     f"{sorted(sched.output_rate_gate.ledger.blocked)}"
                 )
         self.clock.advance(dt_ns)
+
+    def checked_step(self):
+        """One scheduler step at the clock's time, with the checks around it."""
+        now = self.clock.now_ns
+        if self.use_store:
+            self.h.sched.output_rate_limiter.rounds.pump(now)
+        before = self.before_step(now)
+        self.step_prompt = {}
+        output = self.h.step(0)
+        self.after_step(now, before, output)
+        return output
 
     def before_step(self, now: int) -> dict:
         sched = self.h.sched

@@ -13,7 +13,6 @@ from typing import Any
 from vllm.v1.request import Request, RequestStatus
 
 
-
 class PromptCostHooks:
     """Charge computed prompt positions at dispatch; skip what cannot pay."""
 

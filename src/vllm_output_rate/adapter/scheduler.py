@@ -90,12 +90,12 @@ from vllm_output_rate.factory import (
     update_residency,
 )
 from vllm_output_rate.policy.borrow import Borrowing
-from vllm_output_rate.policy.groups import GroupQuotas
-from vllm_output_rate.policy.prompt_cost import PromptCost
 from vllm_output_rate.policy.displacement import Displacement, fits_in_free_kv
 from vllm_output_rate.policy.drafts import DraftAccount
 from vllm_output_rate.policy.eviction import EvictionBudget
 from vllm_output_rate.policy.gate import StepGate, StepPlan
+from vllm_output_rate.policy.groups import GroupQuotas
+from vllm_output_rate.policy.prompt_cost import PromptCost
 from vllm_output_rate.settings import (
     ANONYMOUS_USER,
     InvalidUserError,
@@ -390,8 +390,6 @@ class EvictionHooks:
     def _kv_victim_for(self, request: Request) -> Request | None:
         """An allocation for ``request`` failed: the throttled request to
         evict before trying again (None: vLLM's own preemption decides)."""
-        if self._step is None:
-            return None
         victim = self._throttled_victim_for(request)
         if victim is not None:
             self._evict(victim)
@@ -434,9 +432,11 @@ class BorrowingHooks:
     token together (:mod:`vllm_output_rate.policy.groups`): set up from the
     settings, and offered after the plan, when the step has room left."""
 
-    def _offer_spare_to_borrowers(self, plan: StepPlan, slots: int) -> None:
+    def _offer_spare_to_borrowers(self, plan: StepPlan, slots: int) -> dict[str, int] | None:
         """Room the plan left, less what waiting requests the active cap
-        would admit need, goes to borrowers."""
+        would admit need, goes to borrowers.  Returns, per borrowing user,
+        how many of its waiting requests may be admitted by borrowing (None:
+        admission order is vLLM's)."""
         room = slots - len(plan.visible) - plan.reserved
         queued: dict[str, list[int]] | None = None
         if room > 0 and (self._ledger.short or self.waiting):
@@ -445,17 +445,18 @@ class BorrowingHooks:
             room -= guaranteed + admissions
         # Also with no room or nobody short: then it only keeps the counters.
         self.output_rate_gate.borrow(plan, room, queued or ())
-        if queued is not None:
-            # Which borrowers' waiting requests take the free slots is the
-            # borrowing's choice (least weighted service first), not the
-            # queue's order: the waiting-queue hook skips a borrower's request
-            # beyond its user's share through vLLM's own skip path.
-            admits: dict[str, int] = {}
-            if admissions:
-                committed = self._committed_output(queued)
-                for user in self._borrowing.admissions(queued, committed, admissions):
-                    admits[user] = admits.get(user, 0) + 1
-            self._step.borrow_admits = admits
+        if queued is None:
+            return None
+        # Which borrowers' waiting requests take the free slots is the
+        # borrowing's choice (least weighted service first), not the
+        # queue's order: the waiting-queue hook skips a borrower's request
+        # beyond its user's share through vLLM's own skip path.
+        admits: dict[str, int] = {}
+        if admissions:
+            committed = self._committed_output(queued)
+            for user in self._borrowing.admissions(queued, committed, admissions):
+                admits[user] = admits.get(user, 0) + 1
+        return admits
 
     def _committed_output(self, users: Container[str]) -> dict[str, int]:
         """What the resident requests of ``users``, and of the other members
@@ -759,14 +760,9 @@ class OutputRateSchedulerMixin(
             return self._schedule_repeat(args, kwargs)
         plan = gate.plan(now_ns, slots)
         resident = self.running
-        self._step = step = _Step(
-            plan,
-            plan.prepaid,
-            all_visible_paid=not plan.prefills and self._draft_account is None,
-            running_at_start=0,
-        )
+        borrow_admits = None
         if gate.borrowing is not None and not plan.over_cap:
-            self._offer_spare_to_borrowers(plan, slots)
+            borrow_admits = self._offer_spare_to_borrowers(plan, slots)
         num_visible = len(plan.visible) + len(plan.borrowed)
         # The gate decides which requests vLLM sees; vLLM's own order among
         # them (admission order) decides who gets the token budget first and
@@ -781,7 +777,13 @@ class OutputRateSchedulerMixin(
             self.running = plan.visible  # vLLM appends admissions to it
         else:
             self.running = list(resident)
-        step.running_at_start = len(self.running)
+        self._step = step = _Step(
+            plan,
+            plan.prepaid,
+            all_visible_paid=not plan.prefills and self._draft_account is None,
+            running_at_start=len(self.running),
+            borrow_admits=borrow_admits,
+        )
         if plan.throttled and self.waiting:
             self._free_slots_for_waiting(plan, len(resident))
         kv_cache_manager = self.kv_cache_manager
@@ -933,7 +935,12 @@ class _Step:
     )
 
     def __init__(
-        self, plan: StepPlan, prepaid: Container, all_visible_paid: bool, running_at_start: int
+        self,
+        plan: StepPlan,
+        prepaid: Container,
+        all_visible_paid: bool,
+        running_at_start: int,
+        borrow_admits: dict[str, int] | None = None,
     ) -> None:
         self.plan = plan
         #: Decoding requests the plan already paid for.
@@ -956,7 +963,7 @@ class _Step:
         self.held_for_other_reasons = False
         #: With borrowing: user -> waiting requests it may still have
         #: admitted by borrowing (None: admission order is vLLM's).
-        self.borrow_admits: dict[str, int] | None = None
+        self.borrow_admits = borrow_admits
         #: Waiting requests admitted into a spare slot by borrowing, which
         #: may borrow their sampled token.
         self.admitted_to_borrow: set[Request] = set()
