@@ -1255,7 +1255,10 @@ def test_waiting_request_takes_its_turn_between_resident_streams():
     gate.ledger.settle({"r1"})
 
 
-def test_waiting_request_not_admitted_gets_its_token_back_and_keeps_its_turn():
+def test_waiting_request_not_admitted_gets_its_token_back_and_passes_its_turn():
+    # Without KV for it, a waiting request that kept its turn would take its
+    # user's token in every step while the resident stream that holds the KV
+    # it waits for never ran: the user stalled and the engine spun.
     gate, lim = new_gate()
     add(gate, "one", "r1")
     gate.lanes.track("w", "one")
@@ -1265,9 +1268,58 @@ def test_waiting_request_not_admitted_gets_its_token_back_and_keeps_its_turn():
     assert plan.reserved == 1
     assert gate.ledger.settle(set()) == 1  # w was not admitted (e.g. no KV): refunded
     assert lim.available("one", 200 * MS) == 1
+    # At the same instant the resident stream has the turn, and the token.
     plan = gate.plan(200 * MS, 4)
+    assert plan.reserved == 0 and plan.visible == ["r1"]
+    gate.ledger.settle({"r1"})
+    # No token is kept for w while nothing has left (no room came)...
+    plan = gate.plan(400 * MS, 4)
+    assert plan.reserved == 0 and plan.visible == ["r1"]
+    gate.ledger.settle({"r1"})
+    # ...and once a request has left, w's turn comes again.
+    gate.lanes.forget("r1")
+    plan = gate.plan(600 * MS, 4)
     assert plan.reserved == 1 and plan.visible == []
     gate.ledger.settle(set())
+
+
+def test_a_user_whose_waiting_requests_find_no_room_sleeps_until_the_users_holding_it_can_run():
+    # "one" has only waiting requests and the token to admit one; "lots"
+    # holds the KV and waits for quota.  The admission fails for room: "one"
+    # is blocked with quota in hand, and an idle wait of 0 would repeat the
+    # same refused admission until "lots" can run.
+    gate, lim = new_gate(max_idle_wait_ns=S)
+    now = 10 * S
+    add(gate, "three", "t1")  # 20 tok/s: the holder of the KV
+    assert lim.try_take("three", now, 3)  # drained: ready at now + 50 ms
+    for key in ("w1", "w2"):
+        gate.lanes.track(key, "one")
+        gate.lanes.wait_in_turn(key)
+    plan = gate.plan(now, 4)
+    assert plan.reserved == 1 and plan.visible == []
+    gate.ledger.settle(set())  # not admitted: no KV
+    assert gate.ledger.blocked == {"one", "three"}
+    assert lim.ready_at_ns("one", now) == now  # its token came back
+    assert gate.idle_wait_ns() == 50 * MS
+    # Alone (the holder gone), nothing it knows of frees room: the cap.
+    gate.lanes.forget("t1")
+    gate.plan(now, 4)
+    gate.ledger.settle(set())
+    assert gate.ledger.blocked == {"one"}
+    assert gate.idle_wait_ns() == S
+
+
+def test_a_user_whose_waiting_request_finds_no_room_runs_its_resident_stream_at_once():
+    gate, lim = new_gate()
+    add(gate, "one", "r1")
+    gate.lanes.track("w", "one")
+    gate.lanes.wait_in_turn("w")
+    step(gate, 0, 4)  # r1 served: w's turn next
+    plan = gate.plan(200 * MS, 4)
+    assert plan.reserved == 1
+    gate.ledger.settle(set())
+    assert gate.idle_wait_ns() == 0  # r1 can use the token now
+    assert gate.plan(200 * MS, 4).visible == ["r1"]
 
 
 def test_waiting_request_without_room_to_get_in_does_not_hold_up_streams():
@@ -1283,3 +1335,24 @@ def test_waiting_request_without_room_to_get_in_does_not_hold_up_streams():
     gate.ledger.settle({"r2"})
     gate.lanes.forget("w")
     assert list(gate.lanes.resident()) == ["r1", "r2"]
+
+
+def test_a_group_member_held_for_its_prompt_is_kept_no_token_for_admissions():
+    """Without chunked prefill, a token kept for the admission of a member
+    whose prompt must wait for another member's turn would be refused, and
+    would have taken the group's quota from the member whose turn it is."""
+    from vllm_output_rate.policy.prompt_cost import PromptCost
+
+    gate, lim = new_gate()
+    prompt = PromptCost(gate.ledger, 1)
+    prompt.group_of = lambda user: "g" if user in ("one", "three") else None
+    gate.prompt_cost = prompt
+    for key, user in (("w1", "one"), ("w3", "three")):
+        gate.lanes.track(key, user)
+        gate.lanes.wait_in_turn(key)
+    now = 10 * S
+    # "three" started waiting first: its turn.
+    prompt._waiting["g"] = {"three": (now - 1, now), "one": (now, now)}
+    plan = gate.plan(now, 4)
+    assert plan.reserved == 1
+    assert gate.ledger.offers == [("three", ["w3"])]  # "one" waits its turn: no token kept

@@ -284,3 +284,43 @@ def test_a_member_whose_chunk_vllm_cannot_schedule_does_not_hold_the_others_back
     granted = chunks_granted("abc", 300, never_scheduled="a")
     assert "a" not in granted
     assert abs(granted.count("b") - granted.count("c")) <= 1 and len(granted) >= 10, granted
+
+
+# ---------------------------------------------------------------------------
+# admissions without chunked prefill: the plan asks holds_prompt
+# ---------------------------------------------------------------------------
+
+
+def test_holds_prompt_says_what_can_pay_would_and_changes_nothing():
+    ledger, prompt = group_parts("abc")
+    now = 10 * S
+    ledger.open(now, False)
+    assert not any(prompt.holds_prompt(m) for m in "abc")  # nobody owes, nobody waits
+    assert prompt.can_pay("a", "a")
+    prompt.charge("a", "a", 0, 512, 10**9)  # a's chunk: the group owes the rest
+    assert prompt.debt
+    assert all(prompt.holds_prompt(m) for m in "abc")  # the group's debt holds everyone
+    ledger.open(now + 1, False)
+    assert not prompt.can_pay("c", "c")  # c queues first, then b
+    assert not prompt.can_pay("b", "b")
+    prompt.debt.clear()  # paid off
+    line = {m: place for m, place in prompt._waiting["g"].items()}
+    assert not prompt.holds_prompt("c") and prompt.holds_prompt("b") and prompt.holds_prompt("a")
+    assert prompt._waiting["g"] == line  # asking queued nobody and moved nobody
+
+
+def test_a_waiting_request_whose_token_is_kept_pays_its_prompt_after_its_user_was_refused():
+    """Without chunked prefill the plan keeps the user's one token for the
+    waiting request whose turn it is; vLLM may ask for another request of
+    the same user first, which is refused: the one with the kept token must
+    still go (it used to be refused with its user)."""
+    limiter, lanes, ledger, prompt = parts(rate=5, weight=1)
+    for key in ("first", "kept"):
+        lanes.track(key, "u")
+        lanes.wait_in_turn(key)
+    now = 10 * S
+    ledger.open(now, False)
+    assert limiter.take_up_to("u", now, 1) == 1
+    ledger.prepay("u", ["kept"])
+    assert not prompt.can_pay("first", "u")  # nothing left for it
+    assert prompt.can_pay("kept", "u")

@@ -69,7 +69,7 @@ from __future__ import annotations
 from typing import Collection, Hashable
 
 from vllm_output_rate.policy.borrow import Borrowing
-from vllm_output_rate.policy.lanes import Lanes
+from vllm_output_rate.policy.lanes import Lane, Lanes
 from vllm_output_rate.policy.ledger import Ledger
 from vllm_output_rate.policy.limiter import Limiter
 from vllm_output_rate.policy.plan import StepPlan, plan_step
@@ -129,7 +129,11 @@ class StepGate:
     def plan(self, now_ns: int, slots: int) -> StepPlan:
         """Start a step at ``now_ns`` and choose at most ``slots`` requests."""
         self._start_step(now_ns, repeat=False)
-        plan = plan_step(self.lanes, self.ledger, slots)
+        prompt_cost = self.prompt_cost
+        plan = plan_step(
+            self.lanes, self.ledger, slots,
+            None if prompt_cost is None or not prompt_cost.weight else prompt_cost.holds_prompt,
+        )
         self._plan_was_full = not (
             plan.prefills or plan.hidden or plan.over_cap or plan.throttled or self.lanes.in_turn
         )
@@ -203,13 +207,28 @@ class StepGate:
         The earliest time any user blocked in this step can run again
         (:meth:`ready_at_ns`), capped at ``max_idle_wait_ns``; None when no
         user was blocked.  Counted in the ledger's ``idle_steps``.
+
+        A blocked user whose turn went to a waiting request that found no
+        room (``Ledger.unadmitted``) and that has no resident stream to run
+        instead waits for room, not quota: the quota it has would only buy
+        the same refused admission again (the engine would spin).  Room comes
+        when a request leaves (a new request or an abort wakes the engine) or
+        when the other blocked users run and finish: their ready time counts,
+        or the cap when there is none.
         """
         ledger = self.ledger
         if not ledger.blocked:
             return None
         ledger.idle_steps += 1
         now = ledger.now_ns
-        earliest = min(self.ready_at_ns(user, now) for user in ledger.blocked)
+        order = self.lanes.order
+        waiting_for_quota = [
+            user for user in ledger.blocked
+            if user not in ledger.unadmitted or _has_resident_stream(order.get(user))
+        ]
+        if not waiting_for_quota:
+            return self._max_idle_wait_ns
+        earliest = min(self.ready_at_ns(user, now) for user in waiting_for_quota)
         return max(0, min(earliest - now, self._max_idle_wait_ns))
 
     def ready_at_ns(self, user: str, now_ns: int) -> int:
@@ -260,3 +279,7 @@ class StepGate:
             if user not in result:
                 result[user] = (count, 0)
         return result
+
+
+def _has_resident_stream(lane: Lane | None) -> bool:
+    return lane is not None and len(lane.decoding) > lane.waiting

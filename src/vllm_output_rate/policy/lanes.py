@@ -88,6 +88,11 @@ class Lanes:
         #: (:class:`~vllm_output_rate.policy.residency.Residency`, set by the
         #: gate's owner); None: no residency cap.
         self.residency: Residency | None = None
+        #: A waiting request whose turn came found no room (KV) and no
+        #: request has left since: no token is kept for admissions until one
+        #: does (vLLM admits nothing past such a refusal; the resident
+        #: streams, whose progress frees the room, go first).
+        self.room_wanted = False
 
     def track(self, key: Key, user: str) -> None:
         """Remember the user of a request (resolved once, at arrival)."""
@@ -153,6 +158,7 @@ class Lanes:
             return
         del self._admitted_at[key]
         self.version += 1
+        self.room_wanted = False
         lane = self.order[user]
         if key in lane.progressing:
             del lane.progressing[key]

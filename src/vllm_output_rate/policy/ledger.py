@@ -70,6 +70,10 @@ class Ledger:
         self.all_prepaid_kept = False
         #: Steps that ran nothing because every runnable request was throttled.
         self.idle_steps = 0
+        #: Users of the last settled step whose only payment was for waiting
+        #: requests whose turn came and that were not admitted though nothing
+        #: refused them (no KV): what they wait for is room, not quota.
+        self.unadmitted: set[str] = set()
 
     def open(self, now_ns: int, all_resident_prepaid: bool) -> None:
         """Start a step at ``now_ns``: count the last step's blocked time and
@@ -180,7 +184,14 @@ class Ledger:
         move_to_end = order.move_to_end
         refund = self.limiter.refund
         now_ns = self.now_ns
-        refunded, ran = _settle_offers(self.offers, order, sampled, all_prepaid_sampled, refund, now_ns)
+        refunded, ran, unadmitted = _settle_offers(
+            self.offers, order, self._lanes.in_turn, sampled, all_prepaid_sampled, refund, now_ns
+        )
+        # Refused (for its prompt cost, say), a user waited for quota or a
+        # turn, which its refusal records; the others found no room.
+        self.unadmitted = unadmitted - self.refused
+        if self.unadmitted:
+            self._lanes.room_wanted = True
         for key, user in self.charged.items():
             if key in sampled:
                 ran[user] = ran.get(user, 0) + 1
@@ -215,6 +226,7 @@ class Ledger:
         self.all_resident_prepaid = False
         if all_sampled and not self.charged:
             self.all_prepaid_kept = True
+            self.unadmitted = set()
             ran = self.ran = {}
             charged_tokens = self.charged_tokens
             for user, lane in self._lanes.order.items():
@@ -248,15 +260,17 @@ class Ledger:
 
 
 def _settle_offers(
-    offers: list[tuple[str, list[Key]]], order: OrderedDict[Any, Any], sampled: Container[Key],
-    all_prepaid_sampled: bool,
+    offers: list[tuple[str, list[Key]]], order: OrderedDict[Any, Any], in_turn: Container[Key],
+    sampled: Container[Key], all_prepaid_sampled: bool,
     refund: Callable[[str, int, int], None], now_ns: int,
-) -> tuple[int, dict[str, int]]:
+) -> tuple[int, dict[str, int], set[str]]:
     """Settle the plan's prepaid offers; returns (tokens refunded, user ->
-    keys that sampled).  Served streams move behind the user's others."""
+    keys that sampled, users whose offer was only waiting requests none of
+    which got in).  Served streams move behind the user's others."""
     move_to_end = order.move_to_end
     refunded = 0
     ran: dict[str, int] = {}
+    unadmitted: set[str] = set()
     for user, batch in offers:
         lane = order.get(user)
         if lane is not None and lane.waiting:
@@ -267,9 +281,23 @@ def _settle_offers(
             if len(served_set) < len(batch):
                 refund(user, now_ns, len(batch) - len(served_set))
                 refunded += len(batch) - len(served_set)
-            if served_set:
-                lane.served_to_back(served_set)
+            # A waiting request whose turn came and that was not admitted
+            # (no KV for it) had its turn: it goes to the back, and so do the
+            # user's other waiting requests (vLLM admits nothing after a
+            # refusal for KV, and until a request leaves there is no more
+            # room), or they would take the user's token step after step
+            # while its resident streams, whose progress frees the KV they
+            # wait for, never ran.
+            passed = set()
+            if any(key in in_turn and key not in served_set for key in batch):
+                passed = {key for key in lane.decoding if key in in_turn}
+            if served_set or passed:
+                # Its turn in the service order is used too: at the front it
+                # would take the quota its group's other members need.
+                lane.served_to_back(served_set | passed)
                 move_to_end(user)
+            if passed and not served_set:
+                unadmitted.add(user)
             continue
         if all_prepaid_sampled and lane is not None:
             lane.decoding.rotate(-len(batch))
@@ -286,4 +314,4 @@ def _settle_offers(
             continue
         lane.rotate_front(batch, served)
         move_to_end(user)
-    return refunded, ran
+    return refunded, ran, unadmitted

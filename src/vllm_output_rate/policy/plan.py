@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from itertools import islice
-from typing import Hashable
+from typing import Callable, Hashable
 
 from vllm_output_rate.policy.lanes import Lane, Lanes
 from vllm_output_rate.policy.ledger import Ledger
@@ -31,8 +31,16 @@ class StepPlan:
     borrowed: list[Key] = field(default_factory=list)  # keys run on spare capacity (policy.borrow)
 
 
-def plan_step(lanes: Lanes, ledger: Ledger, slots: int) -> StepPlan:
+def plan_step(
+    lanes: Lanes, ledger: Ledger, slots: int, prompt_held: Callable[[str], bool] | None = None
+) -> StepPlan:
     """Choose at most ``slots`` resident requests for the step the ledger opened.
+
+    ``prompt_held(user)``: the user's new prompts wait for prompt cost now
+    (``PromptCost.holds_prompt``); its waiting requests are then passed over
+    in its rotation, as those the active cap keeps out are: admitted, they
+    would be refused for their prompt, with the token kept for them taken
+    from the quota (a group's) that the member whose turn it is needs.
 
     Users are visited in service order; each shows its prefills (free) and
     then as many decoding streams, in rotation order, as it can pay for now,
@@ -61,7 +69,8 @@ def plan_step(lanes: Lanes, ledger: Ledger, slots: int) -> StepPlan:
     reserved = 0
     # Admissions the active cap leaves room for, counting every resident
     # request: quota is kept only for waiting requests that can get in.
-    admit_room = max(0, room - num_resident)
+    # None while an admission waits for room (Lanes.room_wanted).
+    admit_room = 0 if lanes.room_wanted else max(0, room - num_resident)
     reached = 0  # resident requests of the lanes reached
     for user, lane in lanes.order.items():
         if room <= 0:
@@ -81,7 +90,8 @@ def plan_step(lanes: Lanes, ledger: Ledger, slots: int) -> StepPlan:
             continue
         if lane.waiting:
             used, admitted, lane_over_cap = _offer_in_turn(
-                lanes, ledger, user, lane, room, admit_room, visible
+                lanes, ledger, user, lane, room,
+                0 if prompt_held is not None and prompt_held(user) else admit_room, visible,
             )
             room -= used
             admit_room -= admitted

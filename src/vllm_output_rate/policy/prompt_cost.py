@@ -136,11 +136,16 @@ class PromptCost:
         # A user in debt waits for its own debt, not for a turn: it queues in
         # its group's line once paid, behind the members it held back.  Any
         # other member is asked first, whatever else refuses it: asking keeps
-        # its place in the line.
-        if not self.debt.get(user) and not self._held_by_group(user) and user not in ledger.refused:
-            if ledger.is_charged(key) or ledger.limiter.available(user, ledger.now_ns) > 0:
+        # its place in the line.  A key whose token is paid already (the
+        # plan kept it for this waiting request's turn) goes even if another
+        # request of the user was refused before it in vLLM's order.
+        if not self.debt.get(user) and not self._held_by_group(user):
+            if ledger.is_charged(key):
                 return True
-            ledger.limiter.want(user, ledger.now_ns)
+            if user not in ledger.refused:
+                if ledger.limiter.available(user, ledger.now_ns) > 0:
+                    return True
+                ledger.limiter.want(user, ledger.now_ns)
         ledger.refuse(user)
         return False
 
@@ -179,6 +184,32 @@ class PromptCost:
         place = line.get(user)
         line[user] = (now if place is None else place[0], now)
         return True
+
+    def holds_prompt(self, user: str) -> bool:
+        """Would a chunk of ``user`` that computes uncharged prompt positions
+        wait now (its debt, its group's, another member's turn)?  Asks
+        nothing: unlike :meth:`can_pay`, nobody is refused or queued."""
+        if not self.weight:
+            return False
+        if self.debt.get(user):
+            return True
+        group_of = self.group_of
+        if group_of is None:
+            return False
+        group = group_of(user)
+        if group is None:
+            return False
+        if any(group_of(debtor) == group for debtor in self.debt):
+            return True
+        line = self._waiting.get(group)
+        if not line:
+            return False
+        now = self._ledger.now_ns
+        waiting = {
+            member: place for member, place in line.items()
+            if member == user or (now - place[1] <= GROUP_TURN_NS and group_of(member) == group)
+        }
+        return bool(waiting) and _first_in_line(waiting) != user
 
     def charge(self, key: Key, user: str, start: int, count: int, num_prompt: int) -> int:
         """Charge the chunk ``[start, start + count)`` of ``key`` (after
