@@ -30,17 +30,52 @@ What
       (``--weighted-arrivals weights``); the default sends equally, so that
       FCFS does not hand out the weighted shares by accident.
     * ``equal-rates-1-3`` (``E1``, ``E3``) and ``equal-rates-1-2-3-4``
-      (``Q1``..``Q4``): the same offered load as ``weighted`` (0.8 C each,
-      all backlogged), but every client has the same small guaranteed rate
+      (``Q1``..``Q4``): every client has the same small guaranteed rate
       (``--equal-rate``, 5 tok/s) and the weights 1:3 or 1:2:3:4.  In
       ``weighted`` the guaranteed rates are already split by weight, so the
       hard caps alone split 1:2:3:4 and the figure cannot tell whether the
       weights do anything (issue 33); here only the weights can split the
-      spare capacity.  Their figure (``shares`` only): each client's share
-      of the *borrowed* tokens, from the engine's per-user borrowed-token
-      counter, per window and over the windows after the first, against
-      its weight share (targets: 0.75 +- 0.05 for ``E3``; each within 10 %
-      of its weight share for 1:2:3:4).
+      spare capacity.  Each client offers ``--equal-rates-load`` (default
+      1.5 C, twice the largest weight share of the spare capacity, ``E3``'s
+      0.75 C, so it stays backlogged even when the server does up to twice
+      the C measured) and keeps at most ``--equal-rates-in-flight``
+      (default 16, the servers' ``--max-num-seqs``: one client alone could
+      fill every resident slot) requests in flight: an arrival while the
+      client has that many is skipped and counted, so the backlog a 1.5 C
+      client builds (E1's grows by about 1.25 C) stops at the cap instead
+      of growing for the whole run.  Until issue 33 these clients offered
+      0.8 C each, as ``weighted`` does: ``E3`` (weight share 0.75 of the
+      spare capacity, about 0.75 C) was then barely backlogged, and any C
+      the machine did above the one measured left it short, so its share
+      could not show its weight.  Each client's peak requests in flight,
+      its cap and how many windows it was backlogged throughout are in the
+      JSON (``users``).  Their figure (``shares`` only): each client's
+      share of the *borrowed* tokens, from the engine's per-user
+      borrowed-token counter (``vllm:output_rate_borrowed_tokens_total``),
+      over the run (from the first ``/metrics`` read to the read nearest
+      the end of the load: not the last read, which follows the drain,
+      where the heavier client's backlog empties first), over the windows
+      after the first and per ``--window``, against its weight share and
+      the targets of issue 33: ``E3`` 0.75 +- 0.05 (so ``E1`` 0.25 +- 0.05)
+      over the run and in every window after the first; for 1:2:3:4 each
+      share within 10 % of its weight share (JSON ``borrowed_shares``:
+      ``over_run``, ``per_window``, ``window_deviation``,
+      ``windows_missed`` of ``windows_counted``, ``met_over_run``,
+      ``met_every_window``, and the counter as read, ``readings``).  The same figure is kept for ``overload`` and
+      ``weighted`` in ``shares``, against the relative target.  The other
+      workloads keep their loads: their clients already offer at least
+      twice their largest weighted share (``weighted``: 0.8 C against W4's
+      0.4 C; ``overload``: 1 C and 2 C against 0.5 C each) and keep
+      ``--max-outstanding`` as their cap.
+    * ``solo``: one user alone, ``--solo-streams`` (12) closed-loop
+      streams for ``--solo-s`` (30) s after a warm-up, its tok/s on vLLM's
+      own token counter: no limit on ``stock``, a hard cap of
+      ``--solo-rate`` on ``hard``, a lone borrower (``--solo-rate``, no
+      ceiling) on ``shares``.  On ``shares`` the same streams of a user
+      with no entry of its own (``solo-unlimited``: the default rate,
+      never hit) follow on the same server (issue 33's target: the lone
+      borrower >= 0.95 x an unlimited user's tok/s on the same server;
+      JSON ``ratio_to_unlimited``); the ratio to stock vLLM is kept too.
 
     Guaranteed rates (``hard`` and ``shares``): ``--guaranteed`` (default
     0.5) of C, split over a workload's clients by weight; the hard caps are
@@ -127,7 +162,14 @@ How
     Slot settings and scheduler classes: ``--slots many`` (the default:
     the bench model, 8 active slots) and ``--slots few`` (the tiny model,
     4 active slots, where the issue's figures were taken); ``--active-seqs``
-    and ``--model`` set either by hand.  ``--async-scheduling on|off``
+    and ``--model`` set either by hand (``--active-seqs 4`` alone: few
+    active slots on the bench model, where the engine stays the
+    bottleneck; ``--capacity`` reuses the 8-slot C instead of measuring
+    one).  On the tiny model the engine steps so fast on 2 cores that the
+    API server and the client fall behind (see above): its runs report how
+    many requests were running and waiting in the engine (vLLM's gauges,
+    ``engine_requests``) beside the tokens per step, so a run where the
+    engine was not the bottleneck shows as one.  ``--async-scheduling on|off``
     passes vLLM's own flag.  vLLM 0.32's default on GPU is async scheduling
     (the plugin then runs ``OutputRateAsyncScheduler``), but the CPU build
     turns it off in its platform config whatever the flag says
@@ -154,9 +196,14 @@ How
     event loop.  At the end of ``--duration``
     the client reads ``/metrics`` once more, then cancels everything in
     flight and waits for the server to drain before the next workload.  A
-    client never has more than ``--max-outstanding`` requests in flight;
-    arrivals beyond are skipped and counted.  How late the client sent
+    client never has more than ``--max-outstanding`` requests in flight
+    (the equal-rate clients: ``--equal-rates-in-flight``); arrivals beyond
+    are skipped and counted.  How late the client sent
     (behind each arrival's planned time) is reported per workload.
+
+    Each mode and each workload record the commit and the uncommitted
+    files under ``src/`` its server ran (``code``: the plugin is installed
+    editable, so the server runs the working tree).
 
     Results of modes not run keep their earlier result in the output JSON
     (each mode records its own start time and load); a mode never run is
@@ -218,7 +265,10 @@ SLOT_SETTINGS = {"few": ("models/tiny-llama", 4), "many": ("models/bench-llama",
 #: The engine log names the plugin's scheduler class (vLLM warns about a custom scheduler class).
 SCHEDULER_CLASSES = ("OutputRateAsyncScheduler", "OutputRateScheduler")
 LIGHT = "light"
-#: The issue's target for one borrower alone: its tok/s >= 0.95 x the same load on stock vLLM.
+#: The solo load's second user in ``shares``: no entry of its own (the default rate, never hit).
+UNLIMITED = "solo-unlimited"
+#: The issue's target for one borrower alone: its tok/s >= 0.95 x an unlimited user's on the same server
+#: (and the same load on stock vLLM).
 TARGET_SOLO_RATIO = 0.95
 CALIBRATE_USER = "calibrate"
 #: A stock server started only to measure C (no mode among those asked is stock).
@@ -240,7 +290,7 @@ NEVER_HIT = 100000.0
 WORKLOAD_OPTIONS = ("duration", "window", "prompt_tokens", "max_tokens", "overload_load", "weighted_load",
                     "weighted_arrivals", "guaranteed", "light_interval", "light_max_tokens", "light_rate",
                     "max_outstanding", "stream_interval", "model", "active_seqs", "async_scheduling",
-                    "equal_rate")
+                    "equal_rate", "equal_rates_load", "equal_rates_in_flight")
 
 
 def workload_config(args: argparse.Namespace) -> dict[str, Any]:
@@ -252,6 +302,8 @@ class Client:
     user: str
     weight: float
     load: float  # offered output tok/s as a fraction of C
+    #: requests in flight at most (an arrival beyond is skipped); None: ``--max-outstanding``
+    in_flight_cap: int | None = None
 
 
 def workloads(args: argparse.Namespace) -> dict[str, list[Client]]:
@@ -264,10 +316,18 @@ def workloads(args: argparse.Namespace) -> dict[str, list[Client]]:
     return {
         OVERLOAD: [Client("A", 1.0, a), Client("B", 1.0, b)],
         WEIGHTED: [Client(f"W{int(w)}", w, load) for w, load in zip(weights, loads)],
-        # Each sends 0.8 C as the weighted clients do: all backlogged.
-        EQUAL_13: [Client(f"E{int(w)}", w, args.weighted_load) for w in (1.0, 3.0)],
-        EQUAL_1234: [Client(f"Q{int(w)}", w, args.weighted_load) for w in weights],
+        # Each offers --equal-rates-load (1.5 C: twice the largest weight share of the
+        # spare capacity, E3's 0.75 C), at most --equal-rates-in-flight requests in
+        # flight: every client backlogged for the whole run, the backlog bounded.
+        EQUAL_13: [Client(f"E{int(w)}", w, args.equal_rates_load, args.equal_rates_in_flight) for w in (1.0, 3.0)],
+        EQUAL_1234: [Client(f"Q{int(w)}", w, args.equal_rates_load, args.equal_rates_in_flight)
+                     for w in weights],
     }
+
+
+def cap(client: Client, args: argparse.Namespace) -> int:
+    """The client's requests in flight at most."""
+    return client.in_flight_cap if client.in_flight_cap is not None else args.max_outstanding
 
 
 def guaranteed_rates(clients: list[Client], capacity: float, fraction: float,
@@ -361,7 +421,10 @@ def engine_reading(samples: measure.Samples) -> dict[str, Any]:
                       and any("user" in labels for labels, _ in samples[name]))
     reading = {"generated": measure.metric_sum(samples, GENERATED) or 0.0,
                "steps": measure.metric_sum(samples, STEPS) or 0.0,
-               "charged": measure.per_label(samples, measure.CHARGED_TOKENS, "user")}
+               "charged": measure.per_label(samples, measure.CHARGED_TOKENS, "user"),
+               # vLLM's own gauges: requests resident (running) and queued (waiting) in the engine
+               **{key: measure.metric_sum(samples, name) for key, name in
+                  (("running", measure.RUNNING_GAUGE), ("waiting", measure.WAITING_GAUGE))}}
     if borrowed:
         reading["borrowed"] = {}
         for name in borrowed:
@@ -457,13 +520,14 @@ async def calibrate(base_url: str, model: str, prompts: Prompts, args) -> dict[s
             "streams": args.calibrate_streams, "load": loadavg()}
 
 
-async def run_solo(base_url: str, model: str, prompts: Prompts, args, server_pid: int) -> dict[str, Any]:
+async def run_solo(base_url: str, model: str, prompts: Prompts, args, server_pid: int,
+                   user: str = SOLO) -> dict[str, Any]:
     """One user alone: ``--solo-streams`` closed-loop streams for ``--solo-s`` seconds
     after a warm-up; its tok/s from vLLM's own counter (every token is the user's),
     and the CPU each server process used per engine step."""
     async with benchkit.async_http(base_url, connections=args.solo_streams + 4) as http:
         load_before = loadavg()
-        tasks = closed_loop(http, model, SOLO, args.solo_streams, prompts, args)
+        tasks = closed_loop(http, model, user, args.solo_streams, prompts, args)
         await asyncio.sleep(args.calibrate_warmup_s)
         meter = benchkit.CpuMeter([server_pid])
         before = engine_reading(await measure.fetch_metrics_async(http))
@@ -478,8 +542,8 @@ async def run_solo(base_url: str, model: str, prompts: Prompts, args, server_pid
         await asyncio.gather(*tasks, return_exceptions=True)
         drained = await wait_drained(http)
     tokens = after["generated"] - before["generated"]
-    charged = after["charged"].get(SOLO, 0.0) - before["charged"].get(SOLO, 0.0)
-    borrowed = (after.get("borrowed") or {}).get(SOLO, 0.0) - (before.get("borrowed") or {}).get(SOLO, 0.0)
+    charged = after["charged"].get(user, 0.0) - before["charged"].get(user, 0.0)
+    borrowed = (after.get("borrowed") or {}).get(user, 0.0) - (before.get("borrowed") or {}).get(user, 0.0)
     return {"tok_s": round(tokens / elapsed, 1), "tokens": tokens, "seconds": round(elapsed, 2),
             "streams": args.solo_streams, "rate": args.solo_rate, "user_charged_tokens": charged,
             "user_borrowed_tokens": borrowed, "tokens_per_step": _per_step(before, after),
@@ -497,10 +561,11 @@ async def run_workload(base_url: str, model: str, clients: list[Client], capacit
     records: list[RequestRecord] = []
     skipped = {c.user: 0 for c in clients}
     in_flight = {c.user: 0 for c in clients} | {LIGHT: 0}
+    peak = dict(in_flight)
     tasks: set[asyncio.Task] = set()
     lag: list[float] = []
     late: list[float] = []  # seconds each arrival was sent behind its planned time
-    connections = args.max_outstanding * len(clients) + 64
+    connections = sum(cap(c, args) for c in clients) + 64
     async with benchkit.async_http(base_url, connections=connections) as http, \
             benchkit.async_http(base_url, connections=2) as probe:
         t0 = time.monotonic()
@@ -510,6 +575,7 @@ async def run_workload(base_url: str, model: str, clients: list[Client], capacit
             record = RequestRecord(user=user)
             records.append(record)
             in_flight[user] += 1
+            peak[user] = max(peak[user], in_flight[user])
             try:
                 await run_request(http, body(model, user, max_tokens, prompts(prompt_len), stream_interval), record, t0)
             finally:
@@ -533,7 +599,7 @@ async def run_workload(base_url: str, model: str, clients: list[Client], capacit
         watcher = asyncio.create_task(measure.watch_loop_lag(lag))
         senders = [asyncio.create_task(sender(
             c.user, args.max_tokens / (c.load * capacity), (i + 1) / (len(clients) + 1),
-            args.prompt_tokens, args.max_tokens, args.max_outstanding, args.stream_interval))
+            args.prompt_tokens, args.max_tokens, cap(c, args), args.stream_interval))
             for i, c in enumerate(clients)]
         senders.append(asyncio.create_task(sender(
             LIGHT, args.light_interval, 0.5, LIGHT_PROMPT_TOKENS, args.light_max_tokens, None, 1)))
@@ -548,7 +614,7 @@ async def run_workload(base_url: str, model: str, clients: list[Client], capacit
         await asyncio.gather(watcher, return_exceptions=True)
         drained = await wait_drained(probe)
     return {"records": records, "readings": readings, "skipped": skipped, "loop_lag": lag, "send_late": late,
-            "in_flight_at_end": cancelled_in_flight, "drained": drained}
+            "in_flight_at_end": cancelled_in_flight, "peak_in_flight": peak, "drained": drained}
 
 
 # --------------------------------------------------------------------------
@@ -659,37 +725,92 @@ def light_summary(records: list[RequestRecord], duration: float, interval: float
     }
 
 
-def borrowed_shares(readings, clients: list[Client], window_s: float, n: int, max_skew: float) -> dict[str, Any]:
+def share_target(name: str) -> dict[str, Any]:
+    """The issue's target for a workload's shares of borrowed tokens: weights 1:3 each
+    share within 0.05 of its weight share (E3 0.75 +- 0.05), otherwise each within
+    10 % of its weight share."""
+    if name == EQUAL_13:
+        return {"kind": "absolute", "tolerance": TARGET_BORROWED_SHARE_TOLERANCE}
+    return {"kind": "relative", "tolerance": TARGET_SHARE_DEVIATION}
+
+
+def _deviation(share: float, weight_share: float, kind: str) -> float:
+    return abs(share - weight_share) if kind == "absolute" else abs(share / weight_share - 1)
+
+
+def borrowed_shares(readings, clients: list[Client], window_s: float, n: int, max_skew: float,
+                    name: str = WEIGHTED) -> dict[str, Any]:
     """Each client's share of the borrowed tokens (the engine's borrowed-token
-    counter) per window and over the windows after the first, against its
-    weight share (the equal-rate workloads' figure: only the weights split what
-    is borrowed)."""
+    counter) over the run (first to last ``/metrics`` read), over the windows
+    after the first and per window, against its weight share and the issue's
+    target (:func:`share_target`; the equal-rate workloads' figure: only the
+    weights split what is borrowed).  A window is counted when both its edges
+    had a read within ``max_skew`` and someone borrowed in it; a client absent
+    from the counter borrowed 0."""
     users = [c.user for c in clients]
     weight_total = sum(c.weight for c in clients)
-    windows = analysis.counter_windows(counter_series(readings, "borrowed"), window_s, n, max_skew)
+    weight_share = {c.user: c.weight / weight_total for c in clients}
+    target = share_target(name)
+    kind, tolerance = target["kind"], target["tolerance"]
+    series = counter_series(readings, "borrowed")
+    windows = analysis.counter_windows(series, window_s, n, max_skew)
+    # counter_windows gives None to every key alike when an edge had no read.
+    measured = [bool(windows) and all(v[k] is not None for v in windows.values()) for k in range(n)]
     per_window: dict[str, list[float | None]] = {u: [] for u in users}
-    deviations: list[float] = []
+    window_deviation: list[float | None] = []
+    relative: list[float] = []
     for k in range(n):
-        got = {u: (windows.get(u) or [None] * n)[k] for u in users}
-        total = sum(v for v in got.values() if v is not None)
-        if any(v is None for v in got.values()) or total <= 0:
+        got = {u: (windows.get(u) or [0.0] * n)[k] or 0.0 for u in users}
+        total = sum(got.values())
+        if not measured[k] or total <= 0:
             for u in users:
                 per_window[u].append(None)
+            window_deviation.append(None)
             continue
-        for c in clients:
-            share = got[c.user] / total
-            per_window[c.user].append(round(share, 3))
-            if k > 0:
-                deviations.append(abs(share / (c.weight / weight_total) - 1))
+        for u in users:
+            per_window[u].append(round(got[u] / total, 3))
+        window_deviation.append(round(max(_deviation(got[u] / total, weight_share[u], kind) for u in users), 3))
+        if k > 0:
+            relative += [abs(got[u] / total / weight_share[u] - 1) for u in users]
     after = {u: sum(v for v in (windows.get(u) or [])[1:] if v is not None) for u in users}
     total_after = sum(after.values())
+    # Over the run: from the first read to the read nearest to the end of the load
+    # (n windows), not the last read, which comes after the senders stopped: the
+    # clients' backlogs drain then, the heavier client's first, and the rest of the
+    # borrowed tokens go to whoever still has requests.
+    end_s = n * window_s
+    i_end = min(range(len(series)), key=lambda i: abs(series[i][0] - end_s)) if series else None
+    first, last = (series[0][1], series[i_end][1]) if series else ({}, {})
+    run = {u: last.get(u, 0.0) - first.get(u, 0.0) for u in users}
+    total_run = sum(run.values())
+    over_run = {u: round(run[u] / total_run, 3) if total_run else None for u in users}
+    counted = [d for d in window_deviation[1:] if d is not None]
+    run_deviation = (None if not total_run
+                     else round(max(_deviation(run[u] / total_run, weight_share[u], kind) for u in users), 3))
     return {
-        "per_window": per_window,
+        "target": target,
+        "weight_share": {u: round(weight_share[u], 3) for u in users},
+        "over_run": over_run,
+        "borrowed_tokens_over_run": {u: round(v) for u, v in run.items()},
+        "run_span_s": [round(series[0][0], 2), round(series[i_end][0], 2)] if series else None,
+        # how far the end read was from the end of the load (a stalled API server answers late)
+        "run_end_skew_s": round(abs(series[i_end][0] - end_s), 2) if series else None,
+        # the counter as read: [seconds since the start, {user: borrowed tokens}], to recompute any figure
+        "readings": [[round(t, 2), {u: v.get(u, 0.0) for u in users}] for t, v in series],
+        "run_deviation": run_deviation,
+        "met_over_run": None if run_deviation is None else run_deviation <= tolerance,
         "after_first_window": {u: round(after[u] / total_after, 3) if total_after else None for u in users},
-        "weight_share": {c.user: round(c.weight / weight_total, 3) for c in clients},
         "borrowed_tokens_after_first_window": {u: round(v) for u, v in after.items()},
-        "windows_counted": len(deviations) // max(len(users), 1),
-        "max_share_deviation": round(max(deviations), 3) if deviations else None,
+        "per_window": per_window,
+        "window_deviation": window_deviation,
+        "windows_counted": len(counted),
+        "windows_not_counted": n - 1 - len(counted),
+        "worst_window_deviation": max(counted) if counted else None,
+        "windows_missed": sum(1 for d in counted if d > tolerance),
+        "met_every_window": (None if not counted else
+                             all(d <= tolerance for d in counted) and len(counted) == n - 1),
+        # |share / weight share - 1|, the largest in a counted window after the first
+        "max_share_deviation": round(max(relative), 3) if relative else None,
     }
 
 
@@ -742,6 +863,9 @@ def analyse(raw: dict[str, Any], clients: list[Client], mode: str, capacity: flo
                 measured_mean(service[c.user][1:], w) / rates[c.user], 3),
             "requests_sent": sum(1 for r in records if r.user == c.user),
             "arrivals_skipped": raw["skipped"][c.user],
+            "in_flight_cap": cap(c, args),
+            "peak_in_flight": (raw.get("peak_in_flight") or {}).get(c.user),
+            "backlogged_windows": sum(backlogged[c.user]),
             "client_tokens": client_totals[c.user],
             "engine_tokens": None if engine_totals is None else engine_totals[c.user],
         }
@@ -778,7 +902,10 @@ def analyse(raw: dict[str, Any], clients: list[Client], mode: str, capacity: flo
         "plot_bin_s": bin_s,
         "plot_series": {u: rounded(plot_series[u], bin_s) for u in users},
         "active_seqs": args.active_seqs,
-        **({"borrowed_shares": borrowed_shares(readings, clients, w, n, args.max_skew)}
+        # vLLM's gauges over the /metrics reads within the run: were requests queued at the engine?
+        "engine_requests": {key: _gauge_summary([r.get(key) for t, r in readings if t <= duration])
+                            for key in ("running", "waiting")},
+        **({"borrowed_shares": borrowed_shares(readings, clients, w, n, args.max_skew, name)}
            if mode == SHARES and any(r.get("borrowed") for _, r in readings) else {}),
     }
 
@@ -793,12 +920,30 @@ async def served(base_url: str) -> str:
         return (await http.get("/v1/models")).json()["data"][0]["id"]
 
 
+def code_state() -> dict[str, Any]:
+    """The commit and the uncommitted changes under src/ the server runs (an editable
+    install runs the working tree)."""
+    import subprocess
+
+    def git(*argv: str) -> str | None:
+        try:
+            return subprocess.run(["git", *argv], capture_output=True, text=True, timeout=30,
+                                  cwd=Path(__file__).resolve().parents[1]).stdout.rstrip("\n")
+        except (OSError, subprocess.SubprocessError):
+            return None
+
+    status = git("status", "--short", "src")
+    return {"commit": git("rev-parse", "HEAD"), "src_changes": [x.strip() for x in (status or "").splitlines()]}
+
+
 def run_mode(mode: str, args, doc: dict[str, Any], loads: dict[str, list[Client]], prompts: Prompts,
              log_dir: Path) -> dict[str, Any]:
     """One server for ``mode``: C first when nobody measured it yet (stock only),
     then each workload."""
     result: dict[str, Any] = {"status": "ran", "load_before": loadavg(), "workload_config": workload_config(args),
-                              "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+                              "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                              "code": code_state()}
+    print(f"[{mode}] code: {result['code']}", flush=True)
     began = time.monotonic()
     capacity = doc["capacity"]["tok_s"] if doc.get("capacity") else None
     if capacity is None and mode not in (STOCK, CALIBRATE_ONLY):
@@ -825,8 +970,20 @@ def run_mode(mode: str, args, doc: dict[str, Any], loads: dict[str, list[Client]
                   f"({'no limit' if mode == STOCK else f'rate {args.solo_rate:g}'}"
                   f"{', no ceiling' if mode == SHARES else ''}) for {args.solo_s:g} s", flush=True)
             solo = asyncio.run(run_solo(server.base_url, model, prompts, args, server.pid))
-            solo["started_at"] = result["started_at"]
+            solo["started_at"], solo["code"] = result["started_at"], result["code"]
             result["workloads"][SOLO] = solo
+            if mode == SHARES:
+                # Issue 33's comparison: the lone borrower against an unlimited user on the
+                # same server (no entry of its own: the default rate, never hit).
+                print(f"[{mode}] solo: the same streams of a user with no limit of its own "
+                      f"(default {NEVER_HIT:g} tok/s) on the same server", flush=True)
+                unlimited = asyncio.run(run_solo(server.base_url, model, prompts, args, server.pid, UNLIMITED))
+                solo["unlimited_same_server"] = unlimited
+                solo["ratio_to_unlimited"] = (round(solo["tok_s"] / unlimited["tok_s"], 3)
+                                              if unlimited["tok_s"] else None)
+                print(f"[{mode}] solo: unlimited user {unlimited['tok_s']:g} tok/s, "
+                      f"{_f(unlimited['tokens_per_step'], '.1f')} tokens per step; the borrower "
+                      f"{_f(solo['ratio_to_unlimited'], '.3f')} x that", flush=True)
             print(f"[{mode}] solo: {solo['tok_s']:g} tok/s (vllm:generation_tokens_total), "
                   f"{solo['engine_steps_per_s']:g} engine steps/s, {_f(solo['tokens_per_step'], '.1f')} "
                   f"tokens per step, CPU ms per step {solo['cpu_ms_per_step']}, other processes "
@@ -842,7 +999,7 @@ def run_mode(mode: str, args, doc: dict[str, Any], loads: dict[str, list[Client]
             raw = asyncio.run(run_workload(server.base_url, model, clients, capacity, prompts, args))
             result["workloads"][name] = analyse(raw, clients, mode, capacity, args, name)
             result["workloads"][name].update(started_at=result["started_at"], load_before=load_before,
-                                             load_after=loadavg())
+                                             load_after=loadavg(), code=result["code"])
             print(workload_report(name, mode, result["workloads"][name]), flush=True)
         result["server_log_tail"] = server.log_tail(20)
         log_path = getattr(server, "log_path", None)
@@ -859,6 +1016,13 @@ def run_mode(mode: str, args, doc: dict[str, Any], loads: dict[str, list[Client]
 # --------------------------------------------------------------------------
 
 
+def _gauge_summary(values: list[float | None]) -> dict[str, Any] | None:
+    known = [v for v in values if v is not None]
+    if not known:
+        return None
+    return {"mean": round(sum(known) / len(known), 1), "min": min(known), "max": max(known), "reads": len(known)}
+
+
 def _per_step(first: dict, last: dict) -> float | None:
     """Output tokens per engine step between two readings."""
     steps = last.get("steps", 0.0) - first.get("steps", 0.0)
@@ -869,27 +1033,42 @@ def _f(x, fmt=".0f") -> str:
     return "-" if x is None else format(x, fmt)
 
 
+def borrowed_report(b: dict[str, Any]) -> str:
+    """The shares of borrowed tokens against the target, in a few lines."""
+    t = b.get("target") or {"kind": "relative", "tolerance": TARGET_SHARE_DEVIATION}
+    tol = f"+-{t['tolerance']:g}" if t["kind"] == "absolute" else f"+-{t['tolerance']:.0%} of it"
+    lines = [f"share of borrowed tokens (engine counter; target: weight share {tol}):"]
+    for u, ws in b["weight_share"].items():
+        lines.append(f"  {u}: weight share {ws:.3f}, over the run {_f((b.get('over_run') or {}).get(u), '.3f')}, "
+                     f"after the 1st window {_f(b['after_first_window'].get(u), '.3f')}, per window "
+                     + " ".join(_f(x, ".2f") for x in b["per_window"][u]))
+    if "windows_missed" in b:
+        lines.append(f"  over the run: {'met' if b['met_over_run'] else 'MISSED'} (deviation "
+                     f"{_f(b['run_deviation'], '.3f')}); windows after the 1st: {b['windows_missed']} of "
+                     f"{b['windows_counted']} counted missed, worst {_f(b['worst_window_deviation'], '.3f')}, "
+                     f"{b['windows_not_counted']} not counted")
+    return "\n".join(lines)
+
+
 def workload_report(name: str, mode: str, w: dict[str, Any]) -> str:
     f = w["fairness"]
     rows = [[u, _f(s["weight"], "g"), _f(s["offered_tok_s"]), _f(s["guaranteed_tok_s"], "g"),
              " ".join(_f(x) for x in w["service"][u]), _f(s["tok_s_after_first_window"], ".1f"),
-             str(s["arrivals_skipped"])] for u, s in w["users"].items()]
+             str(s["arrivals_skipped"]), f"{_f(s.get('peak_in_flight'), 'd')}/{_f(s.get('in_flight_cap'), 'd')}",
+             f"{_f(s.get('backlogged_windows'), 'd')}/{len(w['service'][u])}"] for u, s in w["users"].items()]
     light = w["light"]
     return "\n".join([
         f"[{mode}] {name}: total {w['throughput_tok_s']:.1f} tok/s (vllm:generation_tokens_total), "
         f"{w.get('engine_steps_per_s', 0):.0f} engine steps/s, "
         f"{_f(w.get('tokens_per_step'), '.1f')} tokens per step of {w.get('active_seqs', ACTIVE_SEQS)}; "
-        f"service per {w['window_s']:g} s window from {w['service_source']}",
-        table(["user", "weight", "offered tok/s", "guaranteed", "tokens per window", "tok/s after 1st", "skipped"],
-              rows),
+        + "".join(f"{key} requests mean {g['mean']:g} (min {g['min']:g}, max {g['max']:g}); "
+                  for key, g in (w.get("engine_requests") or {}).items() if g)
+        + f"service per {w['window_s']:g} s window from {w['service_source']}",
+        table(["user", "weight", "offered tok/s", "guaranteed", "tokens per window", "tok/s after 1st", "skipped",
+               "peak/cap in flight", "backlogged windows"], rows),
         f"service difference (tokens per unit weight per window, windows after the first): "
         f"max {_f(f['max'])}, mean {_f(f['mean'])}; largest share deviation {_f(f['max_share_deviation'], '.1%')}",
-        *([] if not w.get("borrowed_shares") else [
-            "share of borrowed tokens after the first window (engine counter): " + ", ".join(
-                f"{u} {_f(v, '.3f')} (weight share {w['borrowed_shares']['weight_share'][u]:.3f})"
-                for u, v in w["borrowed_shares"]["after_first_window"].items())
-            + f"; largest per-window deviation {_f(w['borrowed_shares']['max_share_deviation'], '.1%')} over "
-              f"{w['borrowed_shares']['windows_counted']} windows"]),
+        *([] if not w.get("borrowed_shares") else [borrowed_report(w["borrowed_shares"])]),
         f"client sent up to {_f(w.get('send_late_max_s'), '.1f')} s late; "
         f"light: {light['with_first_token']}/{light['requests']} requests, first token p50 "
         f"{_f(light['ttft_p50_s'] and light['ttft_p50_s'] * 1000)} ms, p90 "
@@ -907,7 +1086,10 @@ def report(doc: dict[str, Any]) -> str:
         for name, w in result["workloads"].items():
             if name == SOLO:
                 parts.append(f"[{mode}] solo: {w['tok_s']:g} tok/s, {w['streams']} streams of one user "
-                             f"(load {fmt_load(w['load_before'])}, started {w['started_at']})")
+                             f"(load {fmt_load(w['load_before'])}, started {w['started_at']})"
+                             + ("" if not w.get("unlimited_same_server") else
+                                f"; an unlimited user on the same server {w['unlimited_same_server']['tok_s']:g} "
+                                f"tok/s, ratio {_f(w.get('ratio_to_unlimited'), '.3f')}"))
                 continue
             parts.append(workload_report(name, mode, w))
         parts.append(f"[{mode}] load avg before {fmt_load(result['load_before'])}, after "
@@ -922,7 +1104,8 @@ def plot(doc: dict[str, Any], path: Path, source: Path | None = None) -> None:
     from matplotlib.figure import Figure
 
     ran = {name for r in doc["modes"].values() for name in ((r or {}).get("workloads") or {})}
-    names = [OVERLOAD, WEIGHTED] + [name for name in EQUAL_RATE_WORKLOADS if name in ran]
+    # The workloads some mode ran (a run at another slot setting may run only some).
+    names = [name for name in (OVERLOAD, WEIGHTED, *EQUAL_RATE_WORKLOADS) if name in ran] or [OVERLOAD, WEIGHTED]
     fig = Figure(figsize=(12, 3.25 * len(names)), dpi=100)
     FigureCanvasAgg(fig)
     axes = fig.subplots(len(names), len(MODES), sharex=True, sharey="row", squeeze=False)
@@ -942,13 +1125,19 @@ def plot(doc: dict[str, Any], path: Path, source: Path | None = None) -> None:
                 guaranteed = w["users"][user]["guaranteed_tok_s"]
                 if guaranteed:
                     ax.axhline(guaranteed, color=f"C{i}", linestyle=":", linewidth=0.8)
-            ax.set_ylim(bottom=0)
             ax.grid(alpha=0.3)
             if col == 0:
                 ax.set_ylabel("service (output tok/s)")
             if row == len(names) - 1:
                 ax.set_xlabel("time (s)")
             ax.legend(fontsize="x-small", loc="upper right")
+    # One y scale per row, from every mode's series (a set_ylim per panel froze the
+    # shared scale at the first panel's data and clipped the others).
+    for row, name in enumerate(names):
+        top = max([y for r in doc["modes"].values() for u, ys in
+                   ((((r or {}).get("workloads") or {}).get(name) or {}).get("plot_series") or {}).items()
+                   for y in ys if y is not None and math.isfinite(y)], default=1.0)
+        axes[row][0].set_ylim(0, max(top, 1.0) * 1.08)
     fig.suptitle("Service per user over time: stock vLLM (FCFS; engine-stamped request spans) vs hard caps vs "
                  "rate/ceil/weight (engine per-user counters); dotted: guaranteed rate", fontsize="medium")
     fig.tight_layout()
@@ -974,6 +1163,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "build runs the synchronous scheduler whatever this says, see How)")
     p.add_argument("--equal-rate", type=float, default=5.0,
                    help="each client's guaranteed rate in the equal-rate workloads, tok/s (default 5)")
+    p.add_argument("--equal-rates-load", type=float, default=1.5,
+                   help="offered output of each equal-rate client as a fraction of C (default 1.5: twice "
+                        "the largest weight share of the spare capacity, so every client stays backlogged)")
+    p.add_argument("--equal-rates-in-flight", type=int, default=16,
+                   help="requests in flight per equal-rate client at most; an arrival beyond is skipped "
+                        "(default 16, the servers' --max-num-seqs: one client alone could fill every "
+                        "resident slot)")
     p.add_argument("--duration", type=float, default=60.0, help="seconds of load per workload (default 60)")
     p.add_argument("--window", type=float, default=10.0, help="service window, s (default 10)")
     p.add_argument("--plot-bin", type=float, default=5.0, help="bin of the figure's series, s (default 5)")
@@ -1084,6 +1280,7 @@ def main(argv: list[str] | None = None) -> int:
             for w in kept.values():
                 w.setdefault("started_at", earlier_modes[mode].get("started_at"))
                 w.setdefault("load_before", earlier_modes[mode].get("load_before"))
+                w.setdefault("code", earlier_modes[mode].get("code"))
             result["workloads"] = {name: result["workloads"].get(name) or kept[name]
                                    for name in WORKLOADS if name in result["workloads"] or name in kept}
             result["kept_workloads"] = sorted(kept)

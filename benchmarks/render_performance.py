@@ -63,6 +63,8 @@ MAKES = {
     "soak_cluster": "python benchmarks/soak.py --engines 2 --store redis-server --max-tokens 256 --out docs/benchmarks/soak_cluster",
     "shared_store": "python benchmarks/shared_store.py --cluster",
     "fair_share": "python benchmarks/fair_share.py",
+    "fair_share-4active-tiny-llama": "python benchmarks/fair_share.py --slots few",
+    "fair_share-4active-bench-llama": "python benchmarks/fair_share.py --active-seqs 4",
     "gateway_compare": "make bench-gateway",
 }
 
@@ -735,6 +737,10 @@ def _fair_share_targets(doc: Doc, modes: dict) -> list[str]:
                      f"{_plural(weighted['fairness'].get('windows_counted') or 0, 'window')} counted"
                      + _verdict(100 * dev, 100 * doc["target_share_deviation"], unit=" %",
                                 failed=_fair_share_failed(weighted)) + ".")
+    for name in FAIR_SHARE_EQUAL_RATES:
+        w = workload("shares", name)
+        if w and w.get("borrowed_shares"):
+            lines += _borrowed_target_lines(name, w, (doc.get("config") or {}).get("max_skew") or 2.0)
     for name in ("overload", "weighted"):
         shares, hard, stock = workload("shares", name), workload("hard", name), workload("stock", name)
         if shares and stock:
@@ -746,12 +752,25 @@ def _fair_share_targets(doc: Doc, modes: dict) -> list[str]:
                          + _verdict(ratio, doc.get("target_light_ttft_ratio"),
                                     failed=_fair_share_failed(shares, hard)) + ".")
     solo = {mode: workload(mode, "solo") for mode in ("stock", "hard", "shares")}
+    unlimited = (solo["shares"] or {}).get("unlimited_same_server")
+    if unlimited and unlimited.get("tok_s"):
+        ratio = solo["shares"]["tok_s"] / unlimited["tok_s"]
+        lines.append(
+            f"- One borrower alone against an unlimited user on the same server ({solo['shares']['streams']} "
+            f"closed-loop streams each, one after the other, {solo['shares']['seconds']:g} s and "
+            f"{unlimited['seconds']:g} s on vLLM's own token counter, one run each): {solo['shares']['tok_s']:g} "
+            f"tok/s (rate {solo['shares']['rate']:g}, no ceiling) against {unlimited['tok_s']:g}, {ratio:.3f}x"
+            + _verdict(ratio, doc.get("target_solo_ratio"), at_most=False)
+            + ("" if solo["shares"].get("tokens_per_step") is None or unlimited.get("tokens_per_step") is None
+               else f"; {solo['shares']['tokens_per_step']:.1f} against {unlimited['tokens_per_step']:.1f} "
+                    "tokens per engine step")
+            + ".")
     if solo["shares"] and solo["stock"]:
         ratio = solo["shares"]["tok_s"] / solo["stock"]["tok_s"]
         lines.append(
             f"- One borrower alone ({solo['shares']['streams']} closed-loop streams of one user, rate "
             f"{solo['shares']['rate']:g}, no ceiling): {solo['shares']['tok_s']:g} tok/s against "
-            f"{solo['stock']['tok_s']:g} on stock vLLM (no limit), {ratio:.2f}x"
+            f"{solo['stock']['tok_s']:g} on stock vLLM (no limit), {ratio:.3f}x"
             + _verdict(ratio, doc.get("target_solo_ratio"), at_most=False)
             + ("" if solo["shares"].get("tokens_per_step") is None or solo["stock"].get("tokens_per_step") is None
                else f"; {solo['shares']['tokens_per_step']:.1f} tokens per engine step against "
@@ -760,10 +779,103 @@ def _fair_share_targets(doc: Doc, modes: dict) -> list[str]:
             + ("" if not solo["hard"] else f"; as a hard cap {solo['hard']['tok_s']:g} tok/s")
             + f" (vLLM's own token counter over {solo['shares']['seconds']:g} s on the client's clock, one run "
             "each).")
+    elif (solo["shares"] or solo["stock"]) and not unlimited:
+        have = next(mode for mode in ("shares", "stock") if solo[mode])
+        lines.append(f"- One borrower alone: only the {have} run is in this JSON ({solo[have]['tok_s']:g} tok/s, "
+                     f"{solo[have]['streams']} closed-loop streams); the ratio needs both stock and "
+                     "rate/ceil/weight (`--workload solo`).")
     return [""] + lines if lines else []
 
 
 FAIR_SHARE_MODES = (("stock", "stock vLLM (FCFS)"), ("hard", "hard caps"), ("shares", "rate/ceil/weight"))
+#: The workloads with equal guaranteed rates and unequal weights (issue 33).
+FAIR_SHARE_EQUAL_RATES = ("equal-rates-1-3", "equal-rates-1-2-3-4")
+#: fair_share runs at other slot settings, each in its own JSON (a companion of ``fair_share``).
+FAIR_SHARE_VARIANTS = {
+    "fair_share-4active-tiny-llama": "Few active slots: the tiny model, 4 active slots (`--slots few`)",
+    "fair_share-4active-bench-llama": "Few active slots on the bench model: 4 active slots (`--active-seqs 4`)",
+}
+
+
+def _share_tolerance(target: dict) -> str:
+    return (f"± {target['tolerance']:g}" if target["kind"] == "absolute"
+            else f"± {100 * target['tolerance']:.0f} % of it")
+
+
+def _borrowed_target_lines(name: str, w: dict, max_skew: float) -> list[str]:
+    """The issue's targets for the shares of borrowed tokens, with their sample, met or missed."""
+    b = w["borrowed_shares"]
+    if "over_run" not in b:  # a result from before the figure was kept over the run
+        return [f"- {name}, rate/ceil/weight: largest per-window share deviation "
+                f"{_percent(b.get('max_share_deviation'))} (recorded before the over-the-run figure)."]
+    target = b["target"]
+    tol = target["tolerance"]
+    failed = _fair_share_failed(w)
+    n_windows = len(next(iter(b["per_window"].values()), [])) - 1
+    tokens = sum(b["borrowed_tokens_over_run"].values())
+    span = b.get("run_span_s") or [0, 0]
+    misses = []
+    for u, ws in b["weight_share"].items():
+        share = b["over_run"].get(u)
+        if share is None:
+            continue
+        off = abs(share - ws) if target["kind"] == "absolute" else abs(share / ws - 1)
+        if off > tol:
+            misses.append(f"{u} {share:.3f} against {ws:.3f}, off by "
+                          + (f"{off:.3f}" if target["kind"] == "absolute" else f"{100 * off:.0f} %"))
+    shares = ", ".join(f"{u} {_num(v)}" for u, v in b["over_run"].items())
+    if "run_end_skew_s" in b:
+        where = (f"{tokens:,} borrowed tokens from {span[0]:.0f} s to {span[1]:.0f} s, the reads nearest to the "
+                 "start and the end of the load")
+        if b["run_end_skew_s"] > max_skew:
+            where += f" (the end read {b['run_end_skew_s']:.0f} s from the end: the API server answered late)"
+    else:  # recorded before the figure stopped at the end of the load
+        where = (f"{tokens:,} borrowed tokens from the first to the last read, {span[1] - span[0]:.0f} s, the drain "
+                 "after the load included")
+    over_run = (f"- {name}, rate/ceil/weight, share of borrowed tokens over the run (engine counter, {where}; "
+                f"one run): {shares} (target: weight share {_share_tolerance(target)}")
+    if failed:
+        over_run += (f", **not met**: {failed}; " + ("the figure alone would meet it)" if b["met_over_run"] else
+                                                     "the figure misses it too: " + "; ".join(misses) + ")"))
+    elif b["met_over_run"]:
+        over_run += ", met)"
+    else:
+        over_run += ", **missed**: " + "; ".join(misses) + ")"
+    worst = b.get("worst_window_deviation")
+    fmt = (lambda x: f"{x:.3f}") if target["kind"] == "absolute" else (lambda x: f"{100 * x:.0f} %")
+    windows = (f"- {name}, rate/ceil/weight, every {w['window_s']:g} s window after the first: "
+               f"{b['windows_counted']} of {n_windows} windows counted"
+               + (f" ({b['windows_not_counted']} not: a /metrics edge missing or nothing borrowed)"
+                  if b["windows_not_counted"] else "")
+               + f", worst deviation from the weight shares {'-' if worst is None else fmt(worst)} (target "
+               f"{_share_tolerance(target)}, ")
+    if failed:
+        windows += f"**not met**: {failed}; " + (
+            "the figure alone would meet it)." if b["windows_missed"] == 0 and b["windows_counted"] == n_windows
+            else f"the figure misses it too, in {b['windows_missed']} of {b['windows_counted']} windows, worst by "
+                 f"{fmt(max(worst - tol, 0))} beyond the tolerance).")
+    elif b["windows_missed"] == 0 and b["windows_not_counted"] == 0 and b["windows_counted"]:
+        windows += "met)."
+    elif b["windows_missed"] == 0:
+        windows += "not shown: not every window was counted)."
+    else:
+        windows += (f"**missed** in {b['windows_missed']} of {b['windows_counted']} windows, worst by "
+                    f"{fmt(worst - tol)} beyond the tolerance).")
+    lines = [over_run + ".", windows]
+    per_step, active = w.get("tokens_per_step"), w.get("active_seqs")
+    if per_step is not None and active and per_step < 0.8 * active:
+        gauges = w.get("engine_requests") or {}
+        running, waiting = ((gauges.get("running") or {}).get("mean"), (gauges.get("waiting") or {}).get("mean"))
+        line = f"- {name}: the engine ran {per_step:.1f} requests per step of its {active} active slots"
+        if running is not None and waiting is not None:
+            line += f", with {running:g} requests running and {waiting:g} waiting in it on average (vLLM's gauges)"
+            line += (": fewer requests reached it than it had slots, so it was not the bottleneck and the weights had "
+                     "little to split" if running < active else
+                     ": more were running than it filled slots per step, so the scheduler left slots empty")
+        line += (f"; the client's event loop lagged up to {_num(w.get('loop_lag_max_s'), '.0f')} s and sent up to "
+                 f"{_num(w.get('send_late_max_s'), '.0f')} s late.")
+        lines.append(line)
+    return lines
 
 
 def _fair_share_failed(*workloads: dict) -> str | None:
@@ -785,43 +897,20 @@ def _fair_share_sample(workload: dict) -> str:
             f"{timeouts}, {other}")
 
 
-def fair_share_lines(doc: Doc, extra: dict[str, Doc | None], image: str | None) -> list[str]:
-    cfg, cap = doc["config"], doc["capacity"]
-    a, b = cfg["overload_load"]
-    lines = [
-        "VTC's two synthetic workloads (Sheng et al., OSDI 2024, section 5.2), scaled to this machine, "
-        f"on `{cfg['model']}` (a workload tests sharing only while the engine is the bottleneck: "
-        "its tokens per step near the 8 active slots). "
-        f"Capacity C = {cap['tok_s']:g} output tok/s ({cap['streams']} closed-loop streams on the stock "
-        f"server); every client sends open loop at fixed intervals, {cfg['prompt_tokens']} prompt + "
-        f"{cfg['max_tokens']} output tokens per request, for {cfg['duration']:g} s. **overload**: A and B, "
-        f"equal weights, offering {a:g} C and {b:g} C. **weighted**: W1–W4, weights 1–4, "
-        + (f"each offering {cfg['weighted_load']:g} C." if cfg["weighted_arrivals"] == "equal"
-           else f"offering {cfg['weighted_load'] * 4:g} C in proportion to their weights (as VTC).")
-        + f" Guaranteed rates: {cfg['guaranteed']:g} C per workload, split by weight; **hard caps** make them "
-        "ceilings, **rate/ceil/weight** gives the same rates with no ceiling and the workload's weights. "
-        f"A light user sends {cfg['light_max_tokens']} tokens every {cfg['light_interval']:g} s in every mode "
-        f"(limited to {cfg['light_rate']:g} tok/s in the two plugin modes).",
-        "",
-        f"Service per client per {cfg['window']:g} s window: on the engine's per-user counters where the plugin "
-        "runs (`/metrics`, windows whose edges had no read within "
-        f"{cfg.get('max_skew', 2):g} s are left out); on stock vLLM, which has no per-user counter, each "
-        "request's tokens spread over its first-to-last token span as the engine stamped it (per-request "
-        "metrics), as VTC attributes service. **Service difference** (VTC's fairness metric, output tokens "
-        "only): in each window, among the clients backlogged throughout it, service divided by weight, "
-        "largest minus smallest; max and mean over the windows after the first. **Share deviation**: the "
-        "largest |share of the backlogged clients' tokens / weight share − 1| in any window after the first. "
-        "A counter window's edges are the engine's about-once-a-second reports, so one window may hold up to "
-        "a second more than its 10 s worth. "
-        "The light user's first-token time is the engine's own stamp (queued in the engine to first token) "
-        "of its requests that finished.",
-    ]
-    modes = doc.get("modes", {})
+def _active_seqs(doc: Doc) -> int:
+    return int((doc.get("config") or {}).get("active_seqs") or 8)
+
+
+def _fair_share_tables(doc: Doc, modes: dict) -> list[str]:
+    active = _active_seqs(doc)
+    lines: list[str] = []
     for name in ("overload", "weighted"):
+        if not any(((modes.get(key) or {}).get("workloads") or {}).get(name) for key, _ in FAIR_SHARE_MODES):
+            continue
         lines += [
             "",
-            f"| {name} | total tok/s (tokens per engine step, of 8) | tok/s per client after the first window (of its guaranteed rate) | "
-            "service difference max / "
+            f"| {name} | total tok/s (tokens per engine step, of {active}) | tok/s per client after the first window "
+            "(of its guaranteed rate) | service difference max / "
             "mean (tokens per weight per window) | share deviation | light user's first token p50 / p90 | "
             "sample: windows counted; requests finished; client timeouts, other errors |",
             "| --- | ---: | --- | ---: | ---: | ---: | --- |",
@@ -845,8 +934,58 @@ def fair_share_lines(doc: Doc, extra: dict[str, Doc | None], image: str | None) 
                 f"{_ms(light['ttft_p50_s'])} / {_ms(light['ttft_p90_s'])} of the {light['engine_stamped']} of "
                 f"{light['requests']} that finished ({light['requests'] - light['with_first_token']} had no first "
                 f"token by the end) | {_fair_share_sample(w)} |")
-    lines += _fair_share_targets(doc, modes)
+    for name in FAIR_SHARE_EQUAL_RATES:
+        ran = [(key, label, ((modes.get(key) or {}).get("workloads") or {}).get(name))
+               for key, label in FAIR_SHARE_MODES]
+        ran = [(key, label, w) for key, label, w in ran if w]
+        if not ran:
+            continue
+        lines += [
+            "",
+            f"| {name} | client (weight share) | share of borrowed tokens: over the run / after the first "
+            f"window | per window | tok/s after the first window | total tok/s (tokens per step, of {active}; "
+            "requests running / waiting in the engine, mean of the reads) | "
+            "sample: borrowed tokens over the run; windows counted; requests finished; in flight peak / cap; "
+            "arrivals skipped; windows backlogged; client timeouts, other errors |",
+            "| --- | --- | ---: | --- | ---: | ---: | --- |",
+        ]
+        for key, label, w in ran:
+            b = w.get("borrowed_shares") or {}
+            timeouts, other = _client_errors(w.get("errors"))
+            finished = (w.get("requests_by_status") or {}).get("finished")
+            for i, (u, s) in enumerate(w["users"].items()):
+                ws = (b.get("weight_share") or {}).get(u, s["weight"] / sum(x["weight"] for x in w["users"].values()))
+                if b.get("over_run"):
+                    share = f"{_num(b['over_run'].get(u))} / {_num(b['after_first_window'].get(u))}"
+                    per_window = " ".join(_num(x, ".2f") for x in b["per_window"][u])
+                    sample = (f"{b['borrowed_tokens_over_run'][u]:,}; {b['windows_counted']}"
+                              + (f"; {_num(finished, 'd')} finished" if i == 0 else ""))
+                elif b:
+                    share = f"- / {_num(b['after_first_window'].get(u))}"
+                    per_window = " ".join(_num(x, ".2f") for x in b["per_window"][u])
+                    sample = f"{b['borrowed_tokens_after_first_window'][u]:,} after the first window"
+                else:
+                    share, per_window = "- (no borrowing in this mode)", "-"
+                    sample = f"{_num(finished, 'd')} finished" if i == 0 else ""
+                sample += ("; " if sample else "") + (
+                           f"{_num(s.get('peak_in_flight'), 'd')} / {_num(s.get('in_flight_cap'), 'd')}; "
+                           f"{s['arrivals_skipped']}; {_num(s.get('backlogged_windows'), 'd')} of "
+                           f"{len(w['service'][u])}")
+                if i == 0:
+                    sample += f"; {timeouts}, {other}"
+                gauges = w.get("engine_requests") or {}
+                total = ("" if i else f"{w['throughput_tok_s']:.0f}"
+                         + ("" if w.get("tokens_per_step") is None else f" ({w['tokens_per_step']:.1f}"
+                            + ("" if not gauges.get("running") or not gauges.get("waiting") else
+                               f"; {gauges['running']['mean']:g} / {gauges['waiting']['mean']:g}") + ")"))
+                lines.append(f"| {label if i == 0 else ''} | {u} ({ws:.3f}) | {share} | {per_window} | "
+                             f"{_num(s['tok_s_after_first_window'], '.0f')} | {total} | {sample} |")
+    return lines
+
+
+def _fair_share_runs(modes: dict) -> list[str]:
     ran = [(label, modes[key]) for key, label in FAIR_SHARE_MODES if (modes.get(key) or {}).get("status") == "ran"]
+    lines: list[str] = []
     differs = [label for label, r in ran if r.get("config_differs")]
     if differs:
         lines += ["", f"**Not comparable**: {', '.join(differs)} ran with other workload options than the "
@@ -861,8 +1000,103 @@ def fair_share_lines(doc: Doc, extra: dict[str, Doc | None], image: str | None) 
                   + (f"; the client sent up to {max(late):.0f} s late" if late else "")
                   + ". A lagging client sends late; the service and first-token figures are the engine's own and "
                   "do not move with it (except the requests cut at the end of a run, counted on receive times)."]
+        code: dict[str, list[str]] = {}
+        for label, r in ran:
+            for name, w in r["workloads"].items():
+                c = w.get("code") or r.get("code")
+                if c:
+                    text = ((c["commit"][:7] if c.get("commit") else "?")
+                            + (f" with uncommitted {', '.join(x.split()[-1] for x in c['src_changes'])}"
+                               if c.get("src_changes") else ""))
+                    code.setdefault(text, []).append(f"{label} {name}")
+        if code:
+            lines += ["", "Code the servers ran (the plugin is installed editable: the working tree): " + "; ".join(
+                f"{text} ({', '.join(runs)})" for text, runs in code.items()) + "."]
+        classes = sorted({r["scheduler_class"] for _, r in ran if r.get("scheduler_class")})
+        if classes:
+            lines += ["", f"Scheduler class the plugin's servers ran: {', '.join(f'`{c}`' for c in classes)} "
+                      "(read from the engine log; the CPU build turns async scheduling off, so "
+                      "`OutputRateAsyncScheduler` does not run on this machine)."]
+    return lines
+
+
+def _fair_share_body(doc: Doc) -> list[str]:
+    modes = doc.get("modes", {})
+    return _fair_share_tables(doc, modes) + _fair_share_targets(doc, modes) + _fair_share_runs(modes)
+
+
+def fair_share_lines(doc: Doc, extra: dict[str, Doc | None], image: str | None) -> list[str]:
+    cfg, cap = doc["config"], doc["capacity"]
+    a, b = cfg["overload_load"]
+    equal = any(name in ((r or {}).get("workloads") or {}) for r in doc.get("modes", {}).values()
+                for name in FAIR_SHARE_EQUAL_RATES)
+    lines = [
+        "VTC's two synthetic workloads (Sheng et al., OSDI 2024, section 5.2), scaled to this machine, "
+        f"on `{cfg['model']}` with {_active_seqs(doc)} active slots (a workload tests sharing only while the "
+        "engine is the bottleneck: its tokens per step near the active slots). "
+        f"Capacity C = {cap['tok_s']:g} output tok/s ({cap['streams']} closed-loop streams on the stock "
+        f"server); every client sends open loop at fixed intervals, {cfg['prompt_tokens']} prompt + "
+        f"{cfg['max_tokens']} output tokens per request, for {cfg['duration']:g} s. **overload**: A and B, "
+        f"equal weights, offering {a:g} C and {b:g} C. **weighted**: W1–W4, weights 1–4, "
+        + (f"each offering {cfg['weighted_load']:g} C." if cfg["weighted_arrivals"] == "equal"
+           else f"offering {cfg['weighted_load'] * 4:g} C in proportion to their weights (as VTC).")
+        + f" Guaranteed rates: {cfg['guaranteed']:g} C per workload, split by weight; **hard caps** make them "
+        "ceilings, **rate/ceil/weight** gives the same rates with no ceiling and the workload's weights. "
+        f"A light user sends {cfg['light_max_tokens']} tokens every {cfg['light_interval']:g} s in every mode "
+        f"(limited to {cfg['light_rate']:g} tok/s in the two plugin modes).",
+    ]
+    if equal:
+        lines += [
+            "",
+            "**equal-rates-1-3** (E1, E3: weights 1 and 3) and **equal-rates-1-2-3-4** (Q1–Q4): every client "
+            f"has the same guaranteed rate, {cfg.get('equal_rate', 5):g} tok/s, so only the weights can split the "
+            f"spare capacity (issue 33). Each offers {cfg.get('equal_rates_load', 0.8):g} C"
+            + (f" with at most {cfg['equal_rates_in_flight']} requests in flight (an arrival beyond is skipped), "
+               "so each stays backlogged for the whole run and its backlog stays bounded"
+               if cfg.get("equal_rates_in_flight") else "")
+            + ". Their figure: each client's share of the **borrowed** tokens on the engine's "
+            "`vllm:output_rate_borrowed_tokens_total` counter, over the run (first to last `/metrics` read), "
+            f"after the first window and per {cfg['window']:g} s window, against its weight share. Targets "
+            "(issue 33): E3 0.75 ± 0.05 over the run and in every window after the first; with 1:2:3:4 each share "
+            "within ± 10 % of its weight share.",
+        ]
+    lines += [
+        "",
+        f"Service per client per {cfg['window']:g} s window: on the engine's per-user counters where the plugin "
+        "runs (`/metrics`, windows whose edges had no read within "
+        f"{cfg.get('max_skew', 2):g} s are left out); on stock vLLM, which has no per-user counter, each "
+        "request's tokens spread over its first-to-last token span as the engine stamped it (per-request "
+        "metrics), as VTC attributes service. **Service difference** (VTC's fairness metric, output tokens "
+        "only): in each window, among the clients backlogged throughout it, service divided by weight, "
+        "largest minus smallest; max and mean over the windows after the first. **Share deviation**: the "
+        "largest |share of the backlogged clients' tokens / weight share − 1| in any window after the first. "
+        "A counter window's edges are the engine's about-once-a-second reports, so one window may hold up to "
+        "a second more than its 10 s worth. "
+        "The light user's first-token time is the engine's own stamp (queued in the engine to first token) "
+        "of its requests that finished.",
+    ]
+    lines += _fair_share_body(doc)
     if image:
         lines += ["", f"![service per user over time, stock vs hard caps vs rate/ceil/weight]({image})"]
+    for name, title in FAIR_SHARE_VARIANTS.items():
+        variant = extra.get(name)
+        if not variant:
+            continue
+        vcfg, vcap = variant["config"], variant.get("capacity") or {}
+        lines += [
+            "", f"### {title}", "",
+            f"The same benchmark on `{vcfg['model']}` with {_active_seqs(variant)} active slots "
+            f"(`{MAKES[name]}`): C = {_num(vcap.get('tok_s'), 'g')} output tok/s "
+            + (f"({vcap['streams']} closed-loop streams on the stock server), " if vcap.get("streams") else
+               ("(given with `--capacity`), " if str(vcap.get("measured_in_mode", "")).startswith("given")
+                else f"({vcap.get('measured_in_mode', 'not measured')}), "))
+            + f"{vcfg['duration']:g} s per workload"
+            + (f", equal-rate clients offering {vcfg['equal_rates_load']:g} C each with at most "
+               f"{vcfg['equal_rates_in_flight']} requests in flight" if vcfg.get("equal_rates_in_flight") else "")
+            + "; only the workloads run at this setting are shown.",
+            *_fair_share_body(variant),
+            "", f"![service per user over time, {title.split(':')[0].lower()}]({name}.png)",
+        ]
     return lines
 
 
@@ -941,6 +1175,8 @@ class Section:
     title: str
     render: Callable[[Doc, dict[str, Doc | None], str | None], list[str]]
     companions: tuple[str, ...] = ()
+    #: companions drawn by the section's own ``plot`` into docs/COMPANION.png (DRAWN_FROM_JSON only)
+    figure_companions: tuple[str, ...] = ()
 
 
 SECTIONS = (
@@ -963,7 +1199,8 @@ SECTIONS = (
             "(`benchmarks/soak.py --engines 2 --store redis-server --max-tokens 256`)", soak_cluster_lines),
     Section("shared_store", "Cost of the shared Redis store (`benchmarks/shared_store.py`)", shared_store_lines),
     Section("fair_share", "Fair share of spare capacity: stock vs hard caps vs rate/ceil/weight "
-            "(`benchmarks/fair_share.py`)", fair_share_lines),
+            "(`benchmarks/fair_share.py`)", fair_share_lines, tuple(FAIR_SHARE_VARIANTS),
+            figure_companions=tuple(FAIR_SHARE_VARIANTS)),
     Section("gateway_compare", "The same load through a gateway limiter (`benchmarks/gateway_compare.py`)",
             gateway_lines),
 )
@@ -1025,6 +1262,12 @@ def render(results: Path, page: Path) -> str:
             draw_figure(section.name, source, figure)
         elif (results / figure.name).is_file():
             shutil.copyfile(results / figure.name, figure)
+        for name in section.figure_companions:
+            if extra.get(name) is not None and section.name in DRAWN_FROM_JSON:
+                draw_figure(section.name, results / f"{name}.json", page.parent / f"{name}.png")
+                why = record_mismatch(page.parent / f"{name}.png", results / f"{name}.json")
+                if why:
+                    print(f"warning: {why}", file=sys.stderr)
         warning = []
         if figure.is_file():
             image = figure.name
