@@ -35,6 +35,24 @@ cache, exported by the churn stat logger the own server is started with
 counters and gets preemptions only).  Output tokens are vLLM's
 ``vllm:generation_tokens_total`` over the run.
 
+``--watch-residency S`` reads the server's ``/metrics`` every S seconds while
+the load runs and reports, per user, how many of its requests the engine
+reported resident (``vllm:output_rate_requests`` active + throttled: a lower
+bound, since a request that neither sampled nor was held for quota in the
+last step is in neither) and waiting, against the residency cap
+K = max(1, floor(rate / P)) of the pace P the server was given
+(``--output-rate-min-stream-tokens-per-second``; with 0, the rule off, K of
+``--residency-pace`` for comparison).  Residency engages when a user is
+seen at its cap with requests waiting; without the rule, when a user is seen
+over it.
+
+A request that fails below HTTP (``APIConnectionError``) is reported with
+its cause: the exception httpx's transport raised, in which step of the
+exchange (httpcore's trace events), whether the connection was new or reused
+(how many requests it carried, its local port, the request it carried
+before and how long the client had left it idle), and the client's event
+loop stalls (> 0.5 s) before it.  Never retried.
+
 By default it starts its own server (``vllm-output-rate serve`` on the tiny
 model, 127.0.0.1 only, stopped by PID at the end) with random per-user limits;
 ``--url`` targets an existing server instead, whose limits must then be given
@@ -68,12 +86,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextvars
 import json
 import random
+import threading
 import time
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 
+from vllm_output_rate.policy.residency import DEFAULT_MIN_STREAM_TOKENS_PER_SECOND, residency_cap
 from vllm_output_rate.tools import measure
 from vllm_output_rate.tools.analysis import envelope_worst, guarantee_bound, sliding_excess
 from vllm_output_rate.tools.engine_counters import CounterReader, Outage, cumulative, widened_bound, worst_window
@@ -236,6 +257,215 @@ def read_gauges(base_url: str) -> dict[str, float]:
             measure.PREEMPTIONS: measure.metric_sum(samples, measure.PREEMPTIONS) or 0.0}
 
 
+# -- diagnostics: residency on the server, client transport failures -----------
+
+PACE_FLAG = "--output-rate-min-stream-tokens-per-second"
+USER_REQUESTS = "vllm:output_rate_requests"
+KV_USAGE = "vllm:kv_cache_usage_perc"
+
+
+def server_pace(server_args: list[str]) -> float:
+    """The minimum stream pace P among ``server_args`` (the last one given,
+    as argparse takes it), or the plugin's default."""
+    pace = DEFAULT_MIN_STREAM_TOKENS_PER_SECOND
+    for i, arg in enumerate(server_args):
+        if arg.startswith(PACE_FLAG + "="):
+            pace = float(arg.split("=", 1)[1])
+        elif arg == PACE_FLAG and i + 1 < len(server_args):
+            pace = float(server_args[i + 1])
+    return pace
+
+
+class ResidencyWatch:
+    """Reads ``/metrics`` every ``period_s`` in a thread while the load runs:
+    per user, requests active + throttled (resident) and waiting, as the
+    engine last reported them (once a second), and the engine's running
+    requests and KV usage."""
+
+    def __init__(self, base_url: str, period_s: float) -> None:
+        self.base_url, self.period_s = base_url, period_s
+        #: (time.monotonic(), running, kv usage, {user: (resident, waiting)})
+        self.samples: list[tuple[float, float, float | None, dict[str, tuple[float, float]]]] = []
+        self.failed_reads = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="residency-watch", daemon=True)
+
+    def __enter__(self) -> "ResidencyWatch":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            try:
+                samples = measure.fetch_metrics(self.base_url)
+            except Exception:
+                self.failed_reads += 1
+                continue
+            per_user: dict[str, list[float]] = {}
+            for labels, value in samples.get(USER_REQUESTS, []):
+                row = per_user.setdefault(labels.get("user", "?"), [0.0, 0.0])
+                if labels.get("state") in ("active", "throttled"):
+                    row[0] += value
+                elif labels.get("state") == "waiting":
+                    row[1] += value
+            self.samples.append((time.monotonic(), measure.metric_sum(samples, measure.RUNNING_GAUGE) or 0.0,
+                                 measure.metric_sum(samples, KV_USAGE),
+                                 {u: (r[0], r[1]) for u, r in per_user.items()}))
+
+    def summary(self, rates_of, pace: float, reference_pace: float, max_num_seqs: int) -> dict:
+        """Per user: its cap K, the most resident requests seen, and how many
+        reads saw it over its cap, or at it with requests waiting (and of
+        those, how many while the engine had a free slot)."""
+        cap_pace = pace if pace > 0 else reference_pace
+        users: dict[str, dict] = {}
+        over = waiting_at_cap = 0
+        for _, running, _, per_user in self.samples:
+            seen_over = seen_waiting = False
+            for user, (resident, waiting) in per_user.items():
+                if not resident and not waiting and user not in users:
+                    continue  # listed but never seen with a request (e.g. the overflow series)
+                cap = residency_cap(rates_of(user), cap_pace)
+                e = users.setdefault(user, {"rate": rates_of(user), "cap": cap, "reads": 0,
+                                            "max_resident_seen": 0, "max_waiting_seen": 0,
+                                            "reads_over_cap": 0, "reads_waiting_at_cap": 0,
+                                            "reads_waiting_at_cap_slot_free": 0})
+                e["reads"] += 1
+                e["max_resident_seen"] = max(e["max_resident_seen"], int(resident))
+                e["max_waiting_seen"] = max(e["max_waiting_seen"], int(waiting))
+                if cap is None:
+                    continue
+                if resident > cap:
+                    e["reads_over_cap"] += 1
+                    seen_over = True
+                if resident >= cap and waiting > 0:
+                    e["reads_waiting_at_cap"] += 1
+                    e["reads_waiting_at_cap_slot_free"] += running < max_num_seqs
+                    seen_waiting = True
+            over += seen_over
+            waiting_at_cap += seen_waiting
+        kv = [s[2] for s in self.samples if s[2] is not None]
+        return {
+            "read_every_s": self.period_s,
+            "reads": len(self.samples),
+            "failed_reads": self.failed_reads,
+            "server_pace": pace,
+            "cap_pace": cap_pace,
+            "reads_some_user_over_cap": over,
+            "reads_some_user_waiting_at_cap": waiting_at_cap,
+            "mean_kv_usage": round(sum(kv) / len(kv), 3) if kv else None,
+            "per_user": dict(sorted(users.items())),
+        }
+
+
+#: The plan index of the request the current task sends (for TransportWatch).
+_REQUEST_IDX: contextvars.ContextVar[int | None] = contextvars.ContextVar("soak_request_idx", default=None)
+
+
+def _http11_connection(exc: BaseException):
+    """httpcore's HTTP/1.1 connection object the exception went through, if any."""
+    tb = exc.__traceback__
+    while tb is not None:
+        conn = tb.tb_frame.f_locals.get("self")
+        if type(conn).__name__ == "AsyncHTTP11Connection":
+            return conn
+        tb = tb.tb_next
+    return None
+
+
+class TransportWatch:
+    """Why a request failed below HTTP.  httpx event hooks on the client: each
+    request carries httpcore's ``trace`` extension, whose events are kept
+    only if one of them fails with an exception (our own cancellations end
+    with ``CancelledError`` and are not kept); each response records which
+    request its connection (local port) carried last.  Observes only: the
+    exception goes on to the client as before."""
+
+    def __init__(self) -> None:
+        self.failures: dict[int | None, dict] = {}
+        self.last_on_port: dict[int, tuple[int | None, float]] = {}  # port -> (request, headers received)
+
+    def install(self, client) -> bool:
+        http = getattr(client, "_client", None)  # AsyncOpenAI's httpx client (no public accessor)
+        if http is None or not hasattr(http, "event_hooks"):
+            return False
+        hooks = http.event_hooks
+        http.event_hooks = {"request": [*hooks.get("request", []), self._on_request],
+                            "response": [*hooks.get("response", []), self._on_response]}
+        return True
+
+    async def _on_request(self, request) -> None:
+        idx, t0, events = _REQUEST_IDX.get(), time.monotonic(), []
+
+        async def trace(name: str, info: dict) -> None:
+            events.append([round(time.monotonic() - t0, 4), name])
+            exc = info.get("exception") if name.endswith(".failed") else None
+            if isinstance(exc, Exception) and idx not in self.failures:
+                conn = _http11_connection(exc)
+                stream = getattr(conn, "_network_stream", None)
+                addr = stream.get_extra_info("client_addr") if stream is not None else None
+                port = addr[1] if addr else None
+                self.failures[idx] = {
+                    "request": idx, "t_sent": t0, "t_failed": time.monotonic(), "step": name,
+                    "exception": repr(exc)[:300],
+                    "chain": [repr(e)[:300] for e in _chain(exc)],
+                    "new_connection": any(e[1].startswith("connection.connect_tcp") for e in events),
+                    "requests_on_connection": getattr(conn, "_request_count", None),
+                    "local_port": port,
+                    "previous_on_port": self.last_on_port.get(port) if port else None,
+                    "events": events,
+                }
+
+        request.extensions["trace"] = trace
+
+    async def _on_response(self, response) -> None:
+        stream = response.extensions.get("network_stream")
+        addr = stream.get_extra_info("client_addr") if stream is not None else None
+        if addr:
+            self.last_on_port[addr[1]] = (_REQUEST_IDX.get(), time.monotonic())
+
+    def report(self, outcomes: list, stalls: list[tuple[float, float]]) -> list[dict]:
+        """The failures, each with how long its connection had been idle on
+        the client (the previous request's end to this one's send) and the
+        client loop's stalls in the 10 s before it."""
+        done = {o.idx: o.t_done for o in outcomes}
+        out = []
+        for f in self.failures.values():
+            f = dict(f)
+            prev = f.pop("previous_on_port")
+            if prev is not None:
+                f["previous_request_on_port"] = prev[0]
+                if done.get(prev[0]):
+                    f["connection_idle_s"] = round(f["t_sent"] - done[prev[0]], 3)
+            f["loop_stalls_10s_before"] = [[round(t - f["t_sent"], 3), lag] for t, lag in stalls
+                                           if f["t_sent"] - 10 <= t <= f["t_failed"]]
+            f["failed_after_s"] = round(f.pop("t_failed") - f["t_sent"], 3)
+            out.append(f)
+        return out
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    seen = []
+    while exc is not None and exc not in seen and len(seen) < 6:
+        seen.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    return seen
+
+
+async def watch_stalls(stalls: list[tuple[float, float]], interval_s: float = 0.1, over_s: float = 0.5) -> None:
+    """Record (when, how long) the client's event loop woke up more than
+    ``over_s`` late, until cancelled."""
+    while True:
+        before = time.monotonic()
+        await asyncio.sleep(interval_s)
+        lag = time.monotonic() - before - interval_s
+        if lag > over_s:
+            stalls.append((round(before, 3), round(lag, 3)))
+
+
 # -- checks --------------------------------------------------------------------
 
 
@@ -379,17 +609,25 @@ def check(plan, outcomes, rates_of, args, gauges_end, runtime_s, client_windows:
 # -- main ------------------------------------------------------------------------
 
 
-async def drive(args, base_url: str, model: str, plan: list[Planned]) -> tuple[list[Outcome], float]:
+async def drive(args, base_url: str, model: str, plan: list[Planned],
+                diagnostics: dict | None = None) -> tuple[list[Outcome], float]:
+    """Send the plan; ``diagnostics`` (if given) receives the client's
+    transport failures and event-loop stalls (:class:`TransportWatch`)."""
     sem = asyncio.Semaphore(args.concurrency)
     outcomes: list[Outcome] = []
     done = 0
     t0 = time.monotonic()
+    transport = TransportWatch()
+    stalls: list[tuple[float, float]] = []
+    stall_task = asyncio.create_task(watch_stalls(stalls))
 
     async with measure.openai_client(base_url, max_connections=args.concurrency + 8, timeout=600) as client:
+        watching = transport.install(client)
 
         async def worker(p: Planned):
             nonlocal done
             async with sem:
+                _REQUEST_IDX.set(p.idx)  # this task's own context
                 o = await run_one(client, model, p)
             outcomes.append(o)
             done += 1
@@ -401,6 +639,15 @@ async def drive(args, base_url: str, model: str, plan: list[Planned]) -> tuple[l
         for t in pending:
             t.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
+    stall_task.cancel()
+    await asyncio.gather(stall_task, return_exceptions=True)
+    if diagnostics is not None:
+        diagnostics.update({
+            "transport_watched": watching,
+            "transport_failures": transport.report(outcomes, stalls),
+            "loop_stalls_over_0_5s": len(stalls),
+            "max_loop_stall_s": max((lag for _, lag in stalls), default=0.0),
+        })
     return outcomes, time.monotonic() - t0
 
 
@@ -783,6 +1030,13 @@ def parse_args(argv=None):
     ap.add_argument("--read-every", type=float, default=0.5, help="seconds between reads of the engines' counters")
     ap.add_argument("--max-window", type=float, default=60.0,
                     help="longest window of the counter check (s)")
+    ap.add_argument("--watch-residency", type=float, default=0.0, metavar="S",
+                    help="read the server's /metrics every S seconds during the load and report each "
+                    "user's resident and waiting requests against its residency cap (0: off; the pace is "
+                    "taken from --server-arg, the plugin's default with --url)")
+    ap.add_argument("--residency-pace", type=float, default=DEFAULT_MIN_STREAM_TOKENS_PER_SECOND,
+                    help="pace the reported caps use when the server's is 0 (residency off), for "
+                    "comparison (default: %(default)s, the plugin's default)")
     ap.add_argument("--dump-requests", default=None,
                     help="write every request's plan and outcome (JSON lines) here")
     args = ap.parse_args(argv)
@@ -790,6 +1044,8 @@ def parse_args(argv=None):
         ap.error("--url needs --default-rate and --user-rates matching the server")
     if args.engines > 1 and (args.store is None or args.url):
         ap.error("--engines > 1 needs --store and its own servers (no --url)")
+    if args.watch_residency and args.store:
+        ap.error("--watch-residency reads one engine's /metrics (not with --store)")
     if args.users < 1 or args.requests < 1 or args.concurrency < 1:
         ap.error("--users, --requests and --concurrency must be positive")
     return args
@@ -850,9 +1106,17 @@ def main(argv=None) -> int:
                       f"log {server.log_path}", flush=True)
 
             m0 = measure.fetch_metrics(base_url)
-            outcomes, runtime = asyncio.run(drive(args, base_url, model, plan))
+            diagnostics: dict = {}
+            with ExitStack() as watching:
+                watch = (watching.enter_context(ResidencyWatch(base_url, args.watch_residency))
+                         if args.watch_residency > 0 else None)
+                outcomes, runtime = asyncio.run(drive(args, base_url, model, plan, diagnostics))
             gauges_end = wait_gauges_zero(base_url, 15.0)
             summary = check(plan, outcomes, rates_of, args, gauges_end, runtime)
+            summary["client_diagnostics"] = diagnostics
+            if watch is not None:
+                pace = server_pace(args.server_arg)
+                summary["residency"] = watch.summary(rates_of, pace, args.residency_pace, args.max_num_seqs)
             churn = recompute_figures(m0, measure.fetch_metrics(base_url))
             summary["preemptions"] = churn["preemptions"] or 0.0
             summary["churn"] = churn_costs(churn, summary["finished"], summary["tokens_received"])
@@ -884,6 +1148,24 @@ def main(argv=None) -> int:
         for user, e in summary["counter_checks"]["per_user"].items():
             print(f"{user:<16}{e['rate']:>7}{e['charged']:>9}{e['worst_window_s']:>11}{e['worst_tokens']:>8}"
                   f"{e['worst_bound']:>8}{e['worst_excess']:>8}")
+    res = summary.get("residency")
+    if res:
+        print(f"residency (server's /metrics every {res['read_every_s']}s, {res['reads']} reads; "
+              f"caps K = max(1, floor(rate / {res['cap_pace']:g})), server pace {res['server_pace']:g}): "
+              f"{res['reads_some_user_waiting_at_cap']} reads with a user at its cap and requests waiting, "
+              f"{res['reads_some_user_over_cap']} with a user over its cap; mean KV usage {res['mean_kv_usage']}")
+        print(f"{'user':<16}{'N':>7}{'K':>4}{'reads':>7}{'max res':>9}{'max wait':>10}{'over K':>8}"
+              f"{'wait at K':>11}{'.. slot free':>13}")
+        for user, e in res["per_user"].items():
+            print(f"{user:<16}{e['rate']:>7}{str(e['cap']):>4}{e['reads']:>7}{e['max_resident_seen']:>9}"
+                  f"{e['max_waiting_seen']:>10}{e['reads_over_cap']:>8}{e['reads_waiting_at_cap']:>11}"
+                  f"{e['reads_waiting_at_cap_slot_free']:>13}")
+    diag = summary.get("client_diagnostics") or {}
+    for f in diag.get("transport_failures", []):
+        print(f"transport failure of request {f['request']} after {f['failed_after_s']}s in {f['step']}: "
+              f"{f['exception']}; new connection {f['new_connection']}, requests on it "
+              f"{f['requests_on_connection']}, port {f['local_port']}, idle before "
+              f"{f.get('connection_idle_s')}s; loop stalls in the 10 s before {f['loop_stalls_10s_before']}")
     ttft = summary["first_token_wait_client"]
     if ttft:
         print(f"first token after send (client clock, upper bound): p50 {ttft['p50_s']}s, "
