@@ -85,6 +85,18 @@ def _first_in_line(line: dict[str, tuple[int, int]]) -> str:
     return min(line, key=lambda member: line[member][0])
 
 
+def _still_waiting(
+    line: dict[str, tuple[int, int]], user: str, group: str,
+    group_of: Callable[[str], str | None], now_ns: int,
+) -> dict[str, tuple[int, int]]:
+    """The places in a group's line that still hold: ``user``'s, and those of
+    members that asked within :data:`GROUP_TURN_NS` and are still members."""
+    return {
+        member: place for member, place in line.items()
+        if member == user or (now_ns - place[1] <= GROUP_TURN_NS and group_of(member) == group)
+    }
+
+
 class PromptCost:
     """Prompt positions charged at ``weight`` tokens each, per user.
 
@@ -172,9 +184,9 @@ class PromptCost:
         if not (self.debt and any(group_of(u) == group for u in self.debt)):
             if not line:
                 return False
-            for other, (_, asked) in list(line.items()):
-                if other != user and (now - asked > GROUP_TURN_NS or group_of(other) != group):
-                    del line[other]
+            live = _still_waiting(line, user, group, group_of, now)
+            for other in [other for other in line if other not in live]:
+                del line[other]
             if not line:
                 return False
             if _first_in_line(line) == user:
@@ -194,21 +206,15 @@ class PromptCost:
         if self.debt.get(user):
             return True
         group_of = self.group_of
-        if group_of is None:
-            return False
-        group = group_of(user)
-        if group is None:
+        group = None if group_of is None else group_of(user)
+        if group_of is None or group is None:
             return False
         if any(group_of(debtor) == group for debtor in self.debt):
             return True
         line = self._waiting.get(group)
         if not line:
             return False
-        now = self._ledger.now_ns
-        waiting = {
-            member: place for member, place in line.items()
-            if member == user or (now - place[1] <= GROUP_TURN_NS and group_of(member) == group)
-        }
+        waiting = _still_waiting(line, user, group, group_of, self._ledger.now_ns)
         return bool(waiting) and _first_in_line(waiting) != user
 
     def charge(self, key: Key, user: str, start: int, count: int, num_prompt: int) -> int:
