@@ -265,8 +265,9 @@ def _settle_offers(
     refund: Callable[[str, int, int], None], now_ns: int,
 ) -> tuple[int, dict[str, int], set[str]]:
     """Settle the plan's prepaid offers; returns (tokens refunded, user ->
-    keys that sampled, users whose offer was only waiting requests none of
-    which got in).  Served streams move behind the user's others."""
+    keys that sampled, users none of whose offered keys ran, a waiting
+    request that was not admitted among them).  Served streams move behind
+    the user's others."""
     move_to_end = order.move_to_end
     refunded = 0
     ran: dict[str, int] = {}

@@ -69,7 +69,8 @@ def plan_step(
     reserved = 0
     # Admissions the active cap leaves room for, counting every resident
     # request: quota is kept only for waiting requests that can get in.
-    # None while an admission waits for room (Lanes.room_wanted).
+    # No room at all while an admission waits for a request to leave
+    # (Lanes.room_wanted).
     admit_room = 0 if lanes.room_wanted else max(0, room - num_resident)
     reached = 0  # resident requests of the lanes reached
     for user, lane in lanes.order.items():
