@@ -130,9 +130,8 @@ ALL_CHECKS = ("bounds", "borrower", "liveness", "turns", "shares", "idle", "metr
 #: suite's fixed examples:
 #:
 #: * ``idle``, seed 2 (example 13): async, no chunked prefill, a tight KV
-#:   cache and the store; seed 5, in GroupTurns (chunked prefill, an active
-#:   cap of 2, a store outage): an idle wait of 0 and a same-instant step
-#:   that runs nothing.  Seeds 1 and 4 found none.
+#:   cache and the store: an idle wait of 0 and a same-instant step that
+#:   runs nothing.  GroupTurns with seed 5 passes 300 examples.
 #: * ``turns`` without chunked prefill (GroupTurns widened to it, the
 #:   suite's first examples): a member passed over by its group's admissions
 #:   more often than the group has members.
