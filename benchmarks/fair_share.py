@@ -231,7 +231,6 @@ import math
 import random
 import shlex
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -434,50 +433,6 @@ def engine_reading(samples: measure.Samples) -> dict[str, Any]:
     return reading
 
 
-class MetricsPoller:
-    """Reads ``/metrics`` every ``interval_s`` in a thread of its own, so a busy client
-    event loop cannot space the readings out; each reading is stamped (seconds since
-    ``t0``) when its answer is in, so no counter runs ahead of its stamp."""
-
-    def __init__(self, base_url: str, interval_s: float, t0: float) -> None:
-        import httpx
-
-        self.client = httpx.Client(base_url=base_url, timeout=10.0, trust_env=False)
-        self.interval_s, self.t0 = interval_s, t0
-        self.readings: list[tuple[float, dict[str, Any]]] = []
-        self.failed_reads = 0
-        self.stopping = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="fair-share-metrics", daemon=True)
-
-    def read(self) -> None:
-        samples = measure.parse_metrics(self.client.get("/metrics").text)
-        self.readings.append((time.monotonic() - self.t0, engine_reading(samples)))
-
-    def _run(self) -> None:
-        import httpx
-
-        while not self.stopping.is_set():
-            try:
-                self.read()
-            except httpx.HTTPError:
-                # A busy API server dropped one read (seen under load): the
-                # next one comes at the usual interval; a missing read only
-                # leaves a window unmeasured (--max-skew).
-                self.failed_reads += 1
-            self.stopping.wait(self.interval_s)
-
-    def start(self) -> None:
-        self.thread.start()
-
-    def stop(self) -> list[tuple[float, dict[str, Any]]]:
-        """One last reading after the polling stopped; all readings."""
-        self.stopping.set()
-        self.thread.join()
-        self.read()
-        self.client.close()
-        return self.readings
-
-
 async def wait_drained(http, timeout_s: float = 60.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -569,7 +524,7 @@ async def run_workload(base_url: str, model: str, clients: list[Client], capacit
     async with benchkit.async_http(base_url, connections=connections) as http, \
             benchkit.async_http(base_url, connections=2) as probe:
         t0 = time.monotonic()
-        poller = MetricsPoller(base_url, args.metrics_interval, t0)
+        poller = benchkit.MetricsPoller(base_url, args.metrics_interval, engine_reading, t0)
 
         async def request(user: str, prompt_len: int, max_tokens: int, stream_interval: int) -> None:
             record = RequestRecord(user=user)

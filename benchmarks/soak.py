@@ -89,7 +89,6 @@ import asyncio
 import contextvars
 import json
 import random
-import threading
 import time
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
@@ -276,89 +275,67 @@ def server_pace(server_args: list[str]) -> float:
     return pace
 
 
-class ResidencyWatch:
-    """Reads ``/metrics`` every ``period_s`` in a thread while the load runs:
+def residency_reading(samples: dict) -> tuple[float, float | None, dict[str, tuple[float, float]]]:
+    """One ``/metrics`` read: the engine's running requests, its KV usage and,
     per user, requests active + throttled (resident) and waiting, as the
-    engine last reported them (once a second), and the engine's running
-    requests and KV usage."""
+    engine last reported them (once a second)."""
+    per_user: dict[str, list[float]] = {}
+    for labels, value in samples.get(USER_REQUESTS, []):
+        row = per_user.setdefault(labels.get("user", "?"), [0.0, 0.0])
+        if labels.get("state") in ("active", "throttled"):
+            row[0] += value
+        elif labels.get("state") == "waiting":
+            row[1] += value
+    return (measure.metric_sum(samples, measure.RUNNING_GAUGE) or 0.0, measure.metric_sum(samples, KV_USAGE),
+            {u: (r[0], r[1]) for u, r in per_user.items()})
 
-    def __init__(self, base_url: str, period_s: float) -> None:
-        self.base_url, self.period_s = base_url, period_s
-        #: (time.monotonic(), running, kv usage, {user: (resident, waiting)})
-        self.samples: list[tuple[float, float, float | None, dict[str, tuple[float, float]]]] = []
-        self.failed_reads = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="residency-watch", daemon=True)
 
-    def __enter__(self) -> "ResidencyWatch":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.period_s):
-            try:
-                samples = measure.fetch_metrics(self.base_url)
-            except Exception:
-                self.failed_reads += 1
+def residency_summary(watch: benchkit.MetricsPoller, rates_of, pace: float, reference_pace: float,
+                      max_num_seqs: int) -> dict:
+    """Of the watcher's :func:`residency_reading` readings, per user: its cap
+    K, the most resident requests seen, and how many reads saw it over its
+    cap, or at it with requests waiting (and of those, how many while the
+    engine had a free slot)."""
+    cap_pace = pace if pace > 0 else reference_pace
+    users: dict[str, dict] = {}
+    over = waiting_at_cap = 0
+    samples = [value for _, value in watch.readings]
+    for running, _, per_user in samples:
+        seen_over = seen_waiting = False
+        for user, (resident, waiting) in per_user.items():
+            if not resident and not waiting and user not in users:
+                continue  # listed but never seen with a request (e.g. the overflow series)
+            cap = residency_cap(rates_of(user), cap_pace)
+            e = users.setdefault(user, {"rate": rates_of(user), "cap": cap, "reads": 0,
+                                        "max_resident_seen": 0, "max_waiting_seen": 0,
+                                        "reads_over_cap": 0, "reads_waiting_at_cap": 0,
+                                        "reads_waiting_at_cap_slot_free": 0})
+            e["reads"] += 1
+            e["max_resident_seen"] = max(e["max_resident_seen"], int(resident))
+            e["max_waiting_seen"] = max(e["max_waiting_seen"], int(waiting))
+            if cap is None:
                 continue
-            per_user: dict[str, list[float]] = {}
-            for labels, value in samples.get(USER_REQUESTS, []):
-                row = per_user.setdefault(labels.get("user", "?"), [0.0, 0.0])
-                if labels.get("state") in ("active", "throttled"):
-                    row[0] += value
-                elif labels.get("state") == "waiting":
-                    row[1] += value
-            self.samples.append((time.monotonic(), measure.metric_sum(samples, measure.RUNNING_GAUGE) or 0.0,
-                                 measure.metric_sum(samples, KV_USAGE),
-                                 {u: (r[0], r[1]) for u, r in per_user.items()}))
-
-    def summary(self, rates_of, pace: float, reference_pace: float, max_num_seqs: int) -> dict:
-        """Per user: its cap K, the most resident requests seen, and how many
-        reads saw it over its cap, or at it with requests waiting (and of
-        those, how many while the engine had a free slot)."""
-        cap_pace = pace if pace > 0 else reference_pace
-        users: dict[str, dict] = {}
-        over = waiting_at_cap = 0
-        for _, running, _, per_user in self.samples:
-            seen_over = seen_waiting = False
-            for user, (resident, waiting) in per_user.items():
-                if not resident and not waiting and user not in users:
-                    continue  # listed but never seen with a request (e.g. the overflow series)
-                cap = residency_cap(rates_of(user), cap_pace)
-                e = users.setdefault(user, {"rate": rates_of(user), "cap": cap, "reads": 0,
-                                            "max_resident_seen": 0, "max_waiting_seen": 0,
-                                            "reads_over_cap": 0, "reads_waiting_at_cap": 0,
-                                            "reads_waiting_at_cap_slot_free": 0})
-                e["reads"] += 1
-                e["max_resident_seen"] = max(e["max_resident_seen"], int(resident))
-                e["max_waiting_seen"] = max(e["max_waiting_seen"], int(waiting))
-                if cap is None:
-                    continue
-                if resident > cap:
-                    e["reads_over_cap"] += 1
-                    seen_over = True
-                if resident >= cap and waiting > 0:
-                    e["reads_waiting_at_cap"] += 1
-                    e["reads_waiting_at_cap_slot_free"] += running < max_num_seqs
-                    seen_waiting = True
-            over += seen_over
-            waiting_at_cap += seen_waiting
-        kv = [s[2] for s in self.samples if s[2] is not None]
-        return {
-            "read_every_s": self.period_s,
-            "reads": len(self.samples),
-            "failed_reads": self.failed_reads,
-            "server_pace": pace,
-            "cap_pace": cap_pace,
-            "reads_some_user_over_cap": over,
-            "reads_some_user_waiting_at_cap": waiting_at_cap,
-            "mean_kv_usage": round(sum(kv) / len(kv), 3) if kv else None,
-            "per_user": dict(sorted(users.items())),
-        }
+            if resident > cap:
+                e["reads_over_cap"] += 1
+                seen_over = True
+            if resident >= cap and waiting > 0:
+                e["reads_waiting_at_cap"] += 1
+                e["reads_waiting_at_cap_slot_free"] += running < max_num_seqs
+                seen_waiting = True
+        over += seen_over
+        waiting_at_cap += seen_waiting
+    kv = [s[1] for s in samples if s[1] is not None]
+    return {
+        "read_every_s": watch.interval_s,
+        "reads": len(samples),
+        "failed_reads": watch.failed_reads,
+        "server_pace": pace,
+        "cap_pace": cap_pace,
+        "reads_some_user_over_cap": over,
+        "reads_some_user_waiting_at_cap": waiting_at_cap,
+        "mean_kv_usage": round(sum(kv) / len(kv), 3) if kv else None,
+        "per_user": dict(sorted(users.items())),
+    }
 
 
 #: The plan index of the request the current task sends (for TransportWatch).
@@ -1108,15 +1085,17 @@ def main(argv=None) -> int:
             m0 = measure.fetch_metrics(base_url)
             diagnostics: dict = {}
             with ExitStack() as watching:
-                watch = (watching.enter_context(ResidencyWatch(base_url, args.watch_residency))
-                         if args.watch_residency > 0 else None)
+                watch = (watching.enter_context(
+                    benchkit.MetricsPoller(base_url, args.watch_residency, residency_reading))
+                    if args.watch_residency > 0 else None)
                 outcomes, runtime = asyncio.run(drive(args, base_url, model, plan, diagnostics))
             gauges_end = wait_gauges_zero(base_url, 15.0)
             summary = check(plan, outcomes, rates_of, args, gauges_end, runtime)
             summary["client_diagnostics"] = diagnostics
             if watch is not None:
                 pace = server_pace(args.server_arg)
-                summary["residency"] = watch.summary(rates_of, pace, args.residency_pace, args.max_num_seqs)
+                summary["residency"] = residency_summary(watch, rates_of, pace, args.residency_pace,
+                                                        args.max_num_seqs)
             churn = recompute_figures(m0, measure.fetch_metrics(base_url))
             summary["preemptions"] = churn["preemptions"] or 0.0
             summary["churn"] = churn_costs(churn, summary["finished"], summary["tokens_received"])

@@ -43,11 +43,13 @@ import re
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
+from vllm_output_rate.tools.measure import parse_metrics
 from vllm_output_rate.tools.redisproc import redis_binary
 from vllm_output_rate.tools.runkit import (  # noqa: F401  (re-exported for the benchmarks)
     ROLES,
@@ -322,6 +324,61 @@ def async_http(base_url: str | None = None, connections: int = 64, read_timeout:
         trust_env=False,
         **kwargs,
     )
+
+
+class MetricsPoller:
+    """Reads ``/metrics`` every ``interval_s`` in a thread of its own, so a busy client
+    event loop cannot space the readings out.  Each reading is ``reading(samples)``,
+    stamped (seconds since ``t0``) when its answer is in, so no counter runs ahead of
+    its stamp.  Started and stopped by hand or as a context manager (no last read)."""
+
+    def __init__(self, base_url: str, interval_s: float, reading: Callable[[dict], Any],
+                 t0: float | None = None) -> None:
+        import httpx
+
+        self.client = httpx.Client(base_url=base_url, timeout=10.0, trust_env=False)
+        self.interval_s = interval_s
+        self.t0 = time.monotonic() if t0 is None else t0
+        self.reading = reading
+        self.readings: list[tuple[float, Any]] = []
+        self.failed_reads = 0
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="metrics-poller", daemon=True)
+
+    def read(self) -> None:
+        samples = parse_metrics(self.client.get("/metrics").text)
+        self.readings.append((time.monotonic() - self.t0, self.reading(samples)))
+
+    def _run(self) -> None:
+        import httpx
+
+        while not self.stopping.is_set():
+            try:
+                self.read()
+            except httpx.HTTPError:
+                # A busy API server dropped one read (seen under load): the
+                # next one comes at the usual interval.
+                self.failed_reads += 1
+            self.stopping.wait(self.interval_s)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self, last_read: bool = True) -> list[tuple[float, Any]]:
+        """Stop polling (then one last reading, with ``last_read``); all readings."""
+        self.stopping.set()
+        self.thread.join()
+        if last_read:
+            self.read()
+        self.client.close()
+        return self.readings
+
+    def __enter__(self) -> "MetricsPoller":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop(last_read=False)
 
 
 def served_model(base_url: str) -> str:
