@@ -189,9 +189,11 @@ class Ledger:
         )
         # Refused (for its prompt cost, say), a user waited for quota or a
         # turn, which its refusal records; the others found no room.
-        self.unadmitted = unadmitted - self.refused
-        if self.unadmitted:
-            self._lanes.room_wanted = True
+        if unadmitted:
+            unadmitted -= self.refused
+            if unadmitted:
+                self._lanes.room_wanted = True
+        self.unadmitted = unadmitted
         for key, user in self.charged.items():
             if key in sampled:
                 ran[user] = ran.get(user, 0) + 1
@@ -226,7 +228,8 @@ class Ledger:
         self.all_resident_prepaid = False
         if all_sampled and not self.charged:
             self.all_prepaid_kept = True
-            self.unadmitted = set()
+            if self.unadmitted:
+                self.unadmitted = set()
             ran = self.ran = {}
             charged_tokens = self.charged_tokens
             for user, lane in self._lanes.order.items():
