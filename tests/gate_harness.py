@@ -64,9 +64,7 @@ class GateWorld:
             if room > 0:
                 gate.borrow(plan, room)
         sampled = {k for k in plan.visible + plan.borrowed if k not in drop}
-        gate.ledger.settle(sampled)
-        if plan.borrowed:
-            self.borrowing.settle(gate.lanes, gate.ledger, sampled)
+        gate.settle(sampled)
         borrowed = set(plan.borrowed)
         for key in sampled:
             user = gate.lanes.user_of[key]

@@ -106,3 +106,78 @@ def test_policy_and_stores_type_check_strictly():
     assert mypy, "mypy is not installed (it is in the [dev] extra)"
     done = subprocess.run([mypy], cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+
+
+#: The ledger's records (issue 31: the ledger alone records what a step paid,
+#: kept and refused; the other parts report through its methods).
+LEDGER_RECORDS = frozenset({
+    "charged_tokens", "throttled_ns", "ran", "blocked", "refused", "short",
+    "unadmitted", "prepaid", "offers", "charged",
+})
+_MUTATORS = frozenset({"add", "discard", "update", "append", "clear", "pop", "remove", "setdefault"})
+
+
+def _record_writes(tree: ast.AST) -> list[int]:
+    """Lines that write a ledger record held by another object: assigned to,
+    item-assigned, mutated in place, directly or through a local alias
+    (``x = ledger.prepaid; x.add(k)``).  ``self.<name>`` is the object's own."""
+
+    def foreign_record(node: ast.AST) -> bool:
+        return (
+            isinstance(node, ast.Attribute)
+            and node.attr in LEDGER_RECORDS
+            and not (isinstance(node.value, ast.Name) and node.value.id == "self")
+        )
+
+    found = []
+    for func in [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]:
+        aliases: set[str] = set()
+        for node in ast.walk(func):
+            if isinstance(node, ast.Assign) and foreign_record(node.value):
+                aliases.update(t.id for t in node.targets if isinstance(t, ast.Name))
+
+        def held(node: ast.AST) -> bool:
+            return foreign_record(node) or (isinstance(node, ast.Name) and node.id in aliases)
+
+        for node in ast.walk(func):
+            targets: list[ast.AST] = []
+            if isinstance(node, ast.Assign):
+                targets = list(node.targets)
+            elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+                targets = [node.target]
+            for target in targets:
+                if foreign_record(target) or (isinstance(target, ast.Subscript) and held(target.value)):
+                    found.append(node.lineno)
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in _MUTATORS
+                and held(node.func.value)
+            ):
+                found.append(node.lineno)
+    return found
+
+
+def test_only_the_ledger_writes_its_records():
+    """In the layers that hold a ledger (the policy and the adapter)."""
+    writes = {}
+    for path in sorted([*(SRC / "policy").rglob("*.py"), *(SRC / "adapter").rglob("*.py")]):
+        if path.name == "ledger.py":
+            continue
+        lines = _record_writes(ast.parse(path.read_text(), str(path)))
+        if lines:
+            writes[str(path.relative_to(REPO))] = lines
+    assert writes == {}
+
+
+def test_record_write_finder_finds_direct_and_aliased_writes():
+    source = (
+        "def settle(ledger, user):\n"
+        "    ledger.ran[user] = 1\n"
+        "    charged = ledger.charged_tokens\n"
+        "    charged[user] = 2\n"
+        "    ledger.prepaid.add(user)\n"
+        "    self.ran = {}\n"
+        "    return ledger.charged_tokens.get(user)\n"
+    )
+    assert _record_writes(ast.parse(source)) == [2, 4, 5]

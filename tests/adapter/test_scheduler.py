@@ -532,7 +532,7 @@ def test_gate_counts_charged_tokens_throttled_time_and_idle_steps(async_):
     # of that time; "fast" never waits.
     assert 2 * S < gate.ledger.throttled_ns["slow"] <= 4 * S
     assert "fast" not in gate.ledger.throttled_ns
-    assert gate.ledger.idle_steps > 0
+    assert gate.idle_steps > 0
 
 
 @pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])

@@ -140,8 +140,7 @@ def test_unsampled_borrowed_tokens_go_back_to_the_ceiling_and_counter_never_to_t
     w.gate.borrow(plan, 4 - len(plan.visible))
     assert plan.borrowed
     assert w.ceiling.available("c", now) < ceiling_before[0]
-    w.gate.ledger.settle(set())  # nothing sampled
-    w.borrowing.settle(w.gate.lanes, w.gate.ledger, set())
+    w.gate.settle(set())  # nothing sampled
     assert (w.rate.available("c", now), w.rate.ready_at_ns("c", now)) == rate_before
     assert (w.ceiling.available("c", now), w.ceiling.ready_at_ns("c", now)) == ceiling_before
     assert w.borrowing.borrowed_tokens == borrowed_before
@@ -160,13 +159,13 @@ def test_a_lent_sample_is_paid_on_the_ceiling_and_kept_only_if_it_sampled():
     ceiling_before = w.ceiling.available("c", now)
     w.gate.lanes.track("c-new", "c")
     assert not ledger.charge("c-new")  # out of rate quota
-    assert w.borrowing.lend(ledger, "c", "c-new")
+    assert w.gate.lend("c-new")
     assert ledger.is_charged("c-new")
     assert w.ceiling.available("c", now) == ceiling_before - 1
     w.gate.lanes.track("h-new", "h")
-    assert not w.borrowing.lend(ledger, "h", "h-new")  # a hard cap never borrows
-    ledger.settle({"c-new"})
-    w.borrowing.settle(w.gate.lanes, ledger, {"c-new"})
+    assert not w.gate.lend("h-new")  # a hard cap never borrows
+    assert not ledger.is_charged("h-new")
+    w.gate.settle({"c-new"})
     assert w.borrowing.borrowed_tokens["c"] == 1
     assert w.borrowing.counters["c"] == 0.5  # one token at weight 2
     # Not sampled: back to the ceiling, nothing borrowed.
@@ -174,9 +173,9 @@ def test_a_lent_sample_is_paid_on_the_ceiling_and_kept_only_if_it_sampled():
     plan = w.gate.plan(w.now, 4)
     w.gate.borrow(plan, 0, waiting=("c",))
     before = w.ceiling.available("c", w.now)
-    assert w.borrowing.lend(ledger, "c", "c-late")
-    ledger.settle(set())
-    w.borrowing.settle(w.gate.lanes, ledger, set())
+    w.gate.lanes.track("c-late", "c")
+    assert w.gate.lend("c-late")
+    w.gate.settle(set())
     assert w.ceiling.available("c", w.now) == before
     assert w.borrowing.borrowed_tokens["c"] == 1
 
@@ -190,9 +189,9 @@ def test_lending_stops_at_the_ceiling():
     lent = 0
     for i in range(10):
         if not w.borrowing.can_lend("c", w.now):
-            assert not w.borrowing.lend(w.gate.ledger, "c", f"c-new{i}")
+            assert not w.borrowing.lend("c", f"c-new{i}", w.now)
             break
-        assert w.borrowing.lend(w.gate.ledger, "c", f"c-new{i}")
+        assert w.borrowing.lend("c", f"c-new{i}", w.now)
         lent += 1
     assert 0 < lent <= bound(0, 20)
 
@@ -351,8 +350,7 @@ def test_users_waiting_for_a_slot_stay_current_borrowers_and_keep_their_counters
     for _ in range(20):
         plan = w.gate.plan(w.now, 4)
         w.gate.borrow(plan, 4 - len(plan.visible), waiting={"y"})
-        w.gate.ledger.settle(set(plan.visible + plan.borrowed))
-        w.borrowing.settle(w.gate.lanes, w.gate.ledger, set(plan.borrowed))
+        w.gate.settle(set(plan.visible + plan.borrowed))
         w.now += 10 * MS
     assert "y" in w.borrowing.active
     assert w.borrowing.counters["x"] - w.borrowing.counters["y"] >= 20 * 4 - 4

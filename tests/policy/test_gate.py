@@ -4,7 +4,7 @@ The gate runs over a real :class:`OutputRateLimiter`; time is a plain integer
 (a fake clock) passed to :meth:`StepGate.plan`.  Keys are plain strings.
 
 A step follows the protocol the scheduler adapter uses: ``plan`` (which
-prepays the decoding streams it offers) -> ``charge`` / ``can_charge`` /
+prepays the decoding streams it offers) -> ``charge`` (or only ask, ``take=False``) /
 ``release`` / ``throttled_victims`` -> ``admit`` of newly scheduled requests
 -> ``set_progressing`` of prefills and admissions -> ``ledger.settle(sampled)`` ->
 ``idle_wait_ns``.
@@ -137,7 +137,7 @@ def test_membership():
 
 
 # ---------------------------------------------------------------------------
-# plan() prepays; charge / can_charge / settle
+# plan() prepays; charge / ask / settle
 # ---------------------------------------------------------------------------
 
 
@@ -157,7 +157,7 @@ def test_plan_prepays_offered_streams_in_one_take_per_user():
     assert not gate.ledger.is_charged("p")
     # Paid streams pass for free, and so does asking again.
     for k in ("a", "b", "a"):
-        assert gate.ledger.charge(k) and gate.ledger.can_charge(k)
+        assert gate.ledger.charge(k) and gate.ledger.charge(k, take=False)
     assert len(lim.takes) == 2
     assert gate.ledger.settle({"a", "b", "l1", "l2"}) == 0
     assert lim.available("three", 0) == 1
@@ -169,7 +169,7 @@ def test_charge_at_most_once_per_key_per_step():
     add(gate, "three", "p", progressing=True)
     gate.plan(0, 10)
     assert gate.ledger.charge("p") and gate.ledger.charge("p") and gate.ledger.charge("p")
-    assert gate.ledger.can_charge("p")
+    assert gate.ledger.charge("p", take=False)
     assert lim.takes == [("three", 1)]
     assert lim.available("three", 0) == 2
     assert gate.ledger.is_charged("p")
@@ -196,7 +196,7 @@ def test_refused_user_is_not_asked_again_in_the_step():
     lim.refund("one", 0)
     assert lim.available("one", 0) == 1
     assert not gate.ledger.charge("c")
-    assert not gate.ledger.can_charge("c")
+    assert not gate.ledger.charge("c", take=False)
     assert lim.takes == [("one", 1), ("one", 1)]  # not asked again
     assert gate.ledger.charge("a")  # already charged keys stay charged
     assert gate.ledger.charge("x")  # other users are unaffected
@@ -208,15 +208,15 @@ def test_refused_user_is_not_asked_again_in_the_step():
     gate.ledger.settle(set())
 
 
-def test_can_charge_takes_nothing_but_a_no_sticks():
+def test_asking_takes_nothing_but_a_no_sticks():
     gate, lim = new_gate()
     add(gate, "one", "a", "b", progressing=True)
     gate.plan(0, 10)
-    assert gate.ledger.can_charge("a")
-    assert gate.ledger.can_charge("b")
+    assert gate.ledger.charge("a", take=False)
+    assert gate.ledger.charge("b", take=False)
     assert lim.takes == [] and lim.available("one", 0) == 1
     assert gate.ledger.charge("a")
-    assert not gate.ledger.can_charge("b")  # refused: remembered
+    assert not gate.ledger.charge("b", take=False)  # refused: remembered
     lim.refund("one", 0)
     assert not gate.ledger.charge("b")
     assert lim.takes == [("one", 1)]
@@ -583,12 +583,12 @@ def test_idle_wait_counts_users_refused_at_charge():
     assert gate.idle_wait_ns() is None
 
 
-def test_idle_wait_counts_can_charge_refusals():
+def test_idle_wait_counts_refusals_to_an_ask():
     gate, lim = new_gate(max_idle_wait_ns=S)
     gate.lanes.track("w", "one")
     assert lim.try_take("one", 0)
     gate.plan(0, 10)
-    assert not gate.ledger.can_charge("w")
+    assert not gate.ledger.charge("w", take=False)
     gate.ledger.settle(set())
     assert gate.idle_wait_ns() == 100 * MS
 
@@ -1129,7 +1129,7 @@ def test_random_protocol_keeps_invariants(seed, cleanup_every, population, churn
                     else:
                         assert lim.available(user, now) == before
                 else:
-                    assert gate.ledger.can_charge(key) == expected
+                    assert gate.ledger.charge(key, take=False) == expected
                     assert lim.available(user, now) == before
                 if not expected:
                     refused.add(user)
@@ -1246,7 +1246,7 @@ def test_waiting_request_takes_its_turn_between_resident_streams():
     # Next turn is w's: its token is kept for its admission, r1 waits.
     plan = gate.plan(200 * MS, 4)
     assert plan.visible == [] and plan.reserved == 1
-    assert gate.ledger.is_charged("w") and gate.ledger.can_charge("w")
+    assert gate.ledger.is_charged("w") and gate.ledger.charge("w", take=False)
     gate.lanes.admit("w", False)
     gate.ledger.settle({"w"})
     assert lim.available("one", 200 * MS) == 0

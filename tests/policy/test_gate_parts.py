@@ -231,7 +231,7 @@ def test_a_key_is_charged_at_most_once_per_step():
     lanes, ledger, lim = parts()
     lanes.track("p", "three")
     ledger.open(0, False)
-    assert ledger.charge("p") and ledger.charge("p") and ledger.can_charge("p")
+    assert ledger.charge("p") and ledger.charge("p") and ledger.charge("p", take=False)
     assert lim.asked == [("try_take", "three", 1)]
     assert lim.available("three", 0) == 2
     assert ledger.charged == {"p": "three"}
@@ -249,7 +249,7 @@ def test_a_refused_user_is_not_asked_again_and_is_blocked():
     ledger.open(0, False)
     assert ledger.charge("a") and not ledger.charge("b")
     lim.refund("one", 0)  # quota comes back mid-step: still refused
-    assert not ledger.charge("c") and not ledger.can_charge("c")
+    assert not ledger.charge("c") and not ledger.charge("c", take=False)
     assert ledger.quota_now("one") == 0
     assert [u for _, u, _ in lim.asked] == ["one", "one"]
     assert ledger.refused == ledger.blocked == {"one"}
@@ -258,15 +258,15 @@ def test_a_refused_user_is_not_asked_again_and_is_blocked():
     assert ledger.refused == set() and ledger.charge("b")
 
 
-def test_can_charge_takes_nothing_and_agrees_with_charge():
+def test_asking_takes_nothing_and_agrees_with_charging():
     lanes, ledger, lim = parts()
     lanes.track("a", "one")
     lanes.track("b", "one")
     ledger.open(0, False)
-    assert ledger.can_charge("a") and ledger.can_charge("b")
+    assert ledger.charge("a", take=False) and ledger.charge("b", take=False)
     assert lim.asked == [] and lim.available("one", 0) == 1
     assert ledger.charge("a")
-    assert not ledger.can_charge("b") and not ledger.charge("b")
+    assert not ledger.charge("b", take=False) and not ledger.charge("b")
 
 
 def test_prepaid_keys_pass_for_free_until_the_next_step():
@@ -308,7 +308,7 @@ def test_blocked_time_is_counted_when_the_next_step_opens():
     lanes, ledger, lim = parts()
     lanes.track("a", "one")
     ledger.open(5 * S, False)
-    ledger.fall_short("slow")
+    ledger.prepay("slow", [], short=True)
     assert lim.try_take("one", 5 * S)
     assert not ledger.charge("a")
     assert ledger.short == ["slow"] and ledger.blocked == {"slow", "one"}
@@ -326,12 +326,12 @@ def test_idle_wait_is_the_earliest_blocked_users_ready_time_capped(cap_ns, wait_
     gate = StepGate(lim, max_idle_wait_ns=cap_ns)
     ledger = gate.ledger
     ledger.open(0, False)
-    assert gate.idle_wait_ns() is None and ledger.idle_steps == 0
+    assert gate.idle_wait_ns() is None and gate.idle_steps == 0
     assert lim.try_take("one", 0) and lim.try_take("three", 0, 3)
-    ledger.fall_short("one")  # ready at 100 ms
-    ledger.fall_short("three")  # ready at 50 ms
+    ledger.prepay("one", [], short=True)  # ready at 100 ms
+    ledger.prepay("three", [], short=True)  # ready at 50 ms
     assert gate.idle_wait_ns() == wait_ns
-    assert ledger.idle_steps == 1
+    assert gate.idle_steps == 1
 
 
 def test_settle_keeps_exactly_the_sampled_tokens():
@@ -360,7 +360,7 @@ def test_settle_keeps_exactly_the_sampled_tokens():
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 2**32))
 def test_ledger_takes_one_token_per_first_charge_and_only_then(seed):
-    """Random charge / can_charge / prepay sequences over several steps: the
+    """Random charge / ask (take=False) / prepay sequences over several steps: the
     limiter moves exactly as a reference that takes once per first charge."""
     rng = random.Random(seed)
     lanes, ledger, lim = parts(default=50)
@@ -385,7 +385,7 @@ def test_ledger_takes_one_token_per_first_charge_and_only_then(seed):
             user = lanes.user_of[key]
             expected = key in paid or (user not in refused and ref.available(user, now) > 0)
             if rng.random() < 0.3:
-                assert ledger.can_charge(key) == expected
+                assert ledger.charge(key, take=False) == expected
             else:
                 assert ledger.charge(key) == expected
                 if expected and key not in paid:

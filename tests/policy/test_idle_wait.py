@@ -77,9 +77,7 @@ class Engine:
                 continue
             prompt.charge(key, user, start, count, length)
             sent[key] = count
-        gate.ledger.settle(ran)
-        if plan.borrowed:
-            gate.borrowing.settle(gate.lanes, gate.ledger, ran)
+        gate.settle(ran)
         prompt.settle(lambda key: sent.get(key, 0), now)
         for key in sent:
             self.chunks_sent.append((now, key))

@@ -260,7 +260,7 @@ class OperateSchedulerMixin:
             borrowed=_borrowed_tokens(self.output_rate_gate),
             engine={
                 "throttled_requests": sum(c[1] for c in counts.values()),
-                "idle_steps_total": ledger.idle_steps,
+                "idle_steps_total": self.output_rate_gate.idle_steps,
                 **self._output_rate_eviction_totals(),
                 "reloads_total": self.output_rate_reloads,
                 "reload_failures_total": self.output_rate_reload_failures,

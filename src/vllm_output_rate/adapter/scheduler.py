@@ -212,10 +212,7 @@ class ChargingHooks:
             return num_new_tokens  # an intermediate prefill chunk is free
         if self._ledger.charge(request):
             return num_new_tokens
-        if request in step.admitted_to_borrow and self._borrowing.lend(
-            self._ledger, self._lanes.user_of[request], request
-        ):
-            step.lent = True
+        if request in step.admitted_to_borrow and self.output_rate_gate.lend(request):
             return num_new_tokens
         # Out of quota: stop short of the sampling position.
         allowed = sample_at - 1 - num_computed_tokens if self._facts.chunked_prefill else 0
@@ -247,7 +244,7 @@ class ChargingHooks:
             # Slots were freed in this step for requests that can run now:
             # neither the donors' own requests nor anyone out of quota may
             # take them instead.
-            return user_of[request] not in step.slot_donors and ledger.can_charge(request)
+            return user_of[request] not in step.slot_donors and ledger.charge(request, take=False)
         samples_at_once = (
             not self._facts.chunked_prefill
             or request.num_tokens - request.num_computed_tokens <= 1
@@ -255,12 +252,12 @@ class ChargingHooks:
         if samples_at_once:
             if request in self._evicted_for_quota and not self._kv_room_for(request):
                 return False
-            return ledger.can_charge(request)
+            return ledger.charge(request, take=False)
         if request.status == RequestStatus.PREEMPTED:
             # No re-admission thrash: a preempted stream comes back only while
             # its user can pay now or is being served in this step (then it
             # takes its turn in the user's rotation instead of starving).
-            if not (ledger.can_charge(request) or ledger.is_served_now(request)):
+            if not (ledger.charge(request, take=False) or ledger.is_served_now(request)):
                 return False
             return request not in self._evicted_for_quota or self._kv_room_for(request)
         admits = step.borrow_admits
@@ -286,7 +283,7 @@ class ChargingHooks:
         # After the prefix-cache lookup: if only the sampling position is
         # left and the user cannot pay, skip instead of stopping admission.
         if request.num_tokens - num_computed_tokens <= 1:
-            if self._ledger.can_charge(request):
+            if self._ledger.charge(request, take=False):
                 return False
             return not (
                 request in step.admitted_to_borrow
@@ -814,9 +811,7 @@ class OutputRateSchedulerMixin(
             and len(num_scheduled) - len(admitted) == num_visible
         )
         sampled = _SampledView(num_scheduled)
-        self._ledger.settle(sampled, all_prepaid_sampled=undisturbed)
-        if plan.borrowed or step.lent:
-            gate.borrowing.settle(lanes, self._ledger, sampled)
+        gate.settle(sampled, all_prepaid_sampled=undisturbed)
         self._settle_step(step, output)
         return output
 
@@ -931,7 +926,7 @@ class _Step:
     __slots__ = (
         "plan", "prepaid", "all_visible_paid", "running_at_start", "refused_visible",
         "preempted", "evicted", "slot_donors", "held_for_other_reasons", "borrow_admits",
-        "admitted_to_borrow", "lent", "adapters", "adapters_seen", "refused_for_prompts",
+        "admitted_to_borrow", "adapters", "adapters_seen", "refused_for_prompts",
     )
 
     def __init__(
@@ -967,7 +962,6 @@ class _Step:
         #: Waiting requests admitted into a spare slot by borrowing, which
         #: may borrow their sampled token.
         self.admitted_to_borrow: set[Request] = set()
-        self.lent = False  # some admitted request borrowed its sampled token
         #: LoRA adapters of the resident requests and this step's admissions
         #: (see AdapterHooks), built on first need; entries of running counted.
         self.adapters: set[int] | None = None

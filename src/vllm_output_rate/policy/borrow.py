@@ -211,9 +211,9 @@ class Borrowing:
         self, lanes: Lanes, ledger: Ledger, room: int, waiting: Collection[str] = ()
     ) -> list[Key]:
         """Borrow at most ``room`` hidden streams of users the plan found
-        short, each user's oldest first; pay them on the ceiling and mark
-        them paid in the ledger.  Returns the borrowed keys, in the order
-        chosen.
+        short, each user's oldest first, and pay them on the ceiling.
+        Returns the borrowed keys, in the order chosen (the caller records
+        them paid: :meth:`Ledger.pay_borrowed`).
 
         ``waiting``: users with waiting requests that would only run by
         borrowing.  They are current borrowers too (backlogged, waiting for
@@ -322,8 +322,6 @@ class Borrowing:
                     unpaid.update(keys[paid:])
                     keys = keys[:paid]
             self.step.append((user, keys))
-            assert isinstance(prepaid, set), "a repeated step borrows nothing"
-            prepaid.update(keys)
         if unpaid:
             order = [k for k in order if k not in unpaid]
         return order
@@ -335,7 +333,7 @@ class Borrowing:
             return False
         return not table.ceiled(user) or (self.cap is not None and self.cap.available(user, now_ns) > 0)
 
-    def lend(self, ledger: Ledger, user: str, key: Key) -> bool:
+    def lend(self, user: str, key: Key, now_ns: int) -> bool:
         """Borrow the sampled token of a request of ``user`` given a slot by
         :meth:`admissions` in this step, which reached its sampling position
         while its user is out of guaranteed quota.
@@ -347,12 +345,10 @@ class Borrowing:
         table = self.table
         if not table.borrows(user):
             return False
-        if table.ceiled(user) and (self.cap is None or self.cap.take_up_to(user, ledger.now_ns, 1) < 1):
+        if table.ceiled(user) and (self.cap is None or self.cap.take_up_to(user, now_ns, 1) < 1):
             return False
-        self._now_ns = ledger.now_ns
+        self._now_ns = now_ns
         self.step.append((user, [key]))
-        assert isinstance(ledger.prepaid, set), "a repeated step lends nothing"
-        ledger.prepaid.add(key)
         return True
 
     def admissions(
@@ -452,11 +448,13 @@ class Borrowing:
             start = 0.0 if floor is None else max(start, floor)
         return start
 
-    def settle(self, lanes: Lanes, ledger: Ledger, sampled: Container[Key]) -> None:
+    def settle(self, lanes: Lanes, sampled: Container[Key]) -> dict[str, int]:
         """Keep the borrowed payments of keys that sampled; refund the rest to
-        the ceiling.  Served streams move behind their user's others."""
+        the ceiling.  Served streams move behind their user's others.
+        Returns user -> borrowed tokens kept (for :meth:`Ledger.keep`)."""
         counters = self.counters
         table = self.table
+        kept: dict[str, int] = {}
         for user, keys in self.step:
             served = {k for k in keys if k in sampled}
             unserved = len(keys) - len(served)
@@ -472,20 +470,16 @@ class Borrowing:
                     self.group_counters.get(group, 0.0) + n / table.group_weight(group)
                 )
             self.borrowed_tokens[user] = self.borrowed_tokens.get(user, 0) + n
-            ledger.ran[user] = ledger.ran.get(user, 0) + n
-            ledger.charged_tokens[user] = ledger.charged_tokens.get(user, 0) + n
+            kept[user] = kept.get(user, 0) + n
             lane = lanes.order.get(user)
             if lane is not None:
                 lane.served_to_back(served)
-                if ledger.ran[user] >= len(lane.decoding) - lane.waiting:
-                    # Every stream ran: it was not held back, so this step
-                    # counts in neither its throttled time nor its held requests.
-                    ledger.blocked.discard(user)
         self.step = []
         if len(counters) > 2 * len(lanes.order) + 16:
             for user in [u for u in counters if u not in lanes.order]:
                 del counters[user]
                 self.scopes.pop(user, None)
+        return kept
 
     def update(
         self, table: BorrowerTable, ceiling: Limiter | None, cap: Limiter | None = None

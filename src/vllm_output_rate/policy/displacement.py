@@ -106,7 +106,7 @@ class Displacement:
             # Served through resident streams already: evicting others for
             # it would churn.
             return None
-        if not ledger.can_charge(key):
+        if not ledger.charge(key, take=False):
             return None
         rate_of = ledger.limiter.rate_of
         requester_resident = resident_count(requester)
@@ -154,7 +154,7 @@ class Displacement:
             return None
         if not residency.admits(requester, resident_count(requester)):
             return None
-        if not self._ledger.can_charge(key):
+        if not self._ledger.charge(key, take=False):
             return None
         user_of = lanes.user_of
         surplus_of: dict[str, int] = {}

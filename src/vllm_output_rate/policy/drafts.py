@@ -71,9 +71,9 @@ class DraftAccount:
 
     Drafts are paid from ``ledger.limiter``, the quota in force now (the
     ledger is its only holder: a reload replaces it there), and counted in
-    ``ledger.charged_tokens``, the per-user cumulative total of charged
-    tokens: a step's drafts are added to it when its output arrives, the
-    accepted ones only (see the module doc); it never goes down.  Refunds
+    the ledger's per-user cumulative total of charged tokens
+    (:meth:`Ledger.keep`): a step's drafts are added to it when its output
+    arrives, the accepted ones only (see the module doc); it never goes down.  Refunds
     go to the quotas that were paid.
 
     Invariants (``tests/policy/test_drafts.py``): every draft paid is either
@@ -139,7 +139,7 @@ class DraftAccount:
         in_flight = self._in_flight
         if not in_flight or not any(entry[0] is step for entry in in_flight):
             return 0
-        charged = self._ledger.charged_tokens
+        charged: dict[str, int] = {}
         while True:
             token, kept = in_flight.popleft()
             if token is step:
@@ -156,6 +156,7 @@ class DraftAccount:
                 refund_payers(payer, now_ns, count - emitted)
                 refunded += count - emitted
         self.rejected_total += refunded
+        self._ledger.keep(charged, sampled=False)
         return refunded
 
     def in_flight(self) -> int:

@@ -22,10 +22,12 @@ module with its invariants in its docstring, and each unit-tested alone
   (:class:`~vllm_output_rate.policy.displacement.Displacement` picks one
   for a given request).
 
-:class:`StepGate` itself starts the step (:meth:`~StepGate.plan`), owns the
-repeated-step fast path (:meth:`~StepGate.steady`) and the limiter's cleanup
-cadence; the ledger ends the step it recorded (:meth:`Ledger.settle`,
-:meth:`Ledger.settle_repeat`).  Callers hold its parts for everything else:
+:class:`StepGate` itself starts the step (:meth:`~StepGate.plan`), lends
+spare capacity (:meth:`~StepGate.borrow`, :meth:`~StepGate.lend`), ends a
+planned step (:meth:`~StepGate.settle`: the ledger, then borrowing, whose
+result the ledger records), owns the repeated-step fast path
+(:meth:`~StepGate.steady`, ended by :meth:`Ledger.settle_repeat`) and the
+limiter's cleanup cadence.  Callers hold its parts for everything else:
 membership goes to ``gate.lanes``, per-request payments to ``gate.ledger``
 (no call through the gate on the per-request path).
 
@@ -66,7 +68,7 @@ Invariants (checked by the tests):
 
 from __future__ import annotations
 
-from typing import Collection, Hashable
+from typing import Collection, Container, Hashable
 
 from vllm_output_rate.policy.borrow import Borrowing
 from vllm_output_rate.policy.lanes import Lane, Lanes
@@ -108,6 +110,8 @@ class StepGate:
         self._cleanup_every = cleanup_every
         self._max_idle_wait_ns = max_idle_wait_ns
         self._steps = 0
+        #: Steps that ran nothing because every runnable request was throttled.
+        self.idle_steps = 0
         self._plan_version = -1  # lanes.version when the step started
         # The last plan offered every resident request, all of them decoding
         # streams, and nobody was short of quota (see steady()).
@@ -147,9 +151,31 @@ class StepGate:
         assert self.borrowing is not None, "borrow() is for a gate built with borrowing"
         borrowed = self.borrowing.offer(self.lanes, self.ledger, spare, waiting)
         if borrowed:
+            self.ledger.pay_borrowed(borrowed)
             plan.borrowed = borrowed
             plan.hidden -= len(borrowed)
             self._plan_was_full = False  # a step that borrowed is never repeated
+
+    def lend(self, key: Key) -> bool:
+        """Borrow the sampled token of ``key``, a waiting request admitted to
+        borrow (:meth:`Borrowing.lend`) whose user is out of quota; True if
+        paid (then recorded in the ledger)."""
+        borrowing = self.borrowing
+        ledger = self.ledger
+        if borrowing is None or not borrowing.lend(self.lanes.user_of[key], key, ledger.now_ns):
+            return False
+        ledger.pay_borrowed((key,))
+        return True
+
+    def settle(self, sampled: Container[Key], all_prepaid_sampled: bool = False) -> None:
+        """End a planned step: the ledger settles its payments
+        (:meth:`Ledger.settle`), then borrowing its own, and the ledger
+        records what borrowing kept."""
+        ledger = self.ledger
+        ledger.settle(sampled, all_prepaid_sampled)
+        borrowing = self.borrowing
+        if borrowing is not None and borrowing.step:
+            ledger.keep(borrowing.settle(self.lanes, sampled), sampled=True)
 
     def _start_step(self, now_ns: int, repeat: bool) -> None:
         self._steps += 1
@@ -206,7 +232,7 @@ class StepGate:
 
         The earliest time any user blocked in this step can run again
         (:meth:`ready_at_ns`), capped at ``max_idle_wait_ns``; None when no
-        user was blocked.  Counted in the ledger's ``idle_steps``.
+        user was blocked.  Counted in :attr:`idle_steps`.
 
         A blocked user whose turn went to a waiting request that found no
         room (``Ledger.unadmitted``) and that has no resident stream to run
@@ -219,7 +245,7 @@ class StepGate:
         ledger = self.ledger
         if not ledger.blocked:
             return None
-        ledger.idle_steps += 1
+        self.idle_steps += 1
         now = ledger.now_ns
         order = self.lanes.order
         waiting_for_quota = [

@@ -12,7 +12,7 @@ the rest: the single refund point.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Callable, Container, Hashable
+from typing import Any, Callable, Container, Hashable, Iterable, Mapping
 
 from vllm_output_rate.policy.lanes import Lanes
 from vllm_output_rate.policy.limiter import Limiter
@@ -29,12 +29,16 @@ class Ledger:
     * a key is paid for at most once per step: prepaid, or charged once;
     * a user refused once in a step is not asked again in that step, and
       every refused or short user is *blocked* until the next step opens;
-    * :meth:`charge` and :meth:`can_charge` agree, and only :meth:`charge`
-      and the plan's bulk takes take tokens;
+    * asking (``charge(key, take=False)``) and charging agree (one path),
+      and only :meth:`charge` and the plan's bulk takes take tokens;
     * a blocked user's blocked time is added to ``throttled_ns`` when the
       next step opens, so the total covers whole steps;
     * after :meth:`settle` a payment is kept only for a key that sampled, and
-      ``charged_tokens`` grows by exactly the payments kept.
+      ``charged_tokens`` grows by exactly the payments kept;
+    * the ledger alone records: the other parts (the plan, borrowing,
+      drafts, prompt cost) report what they paid, kept or refused through
+      its methods, and ``charged_tokens``, ``throttled_ns`` and ``ran``
+      are written here only.
     """
 
     def __init__(self, limiter: Limiter, lanes: Lanes) -> None:
@@ -68,8 +72,6 @@ class Ledger:
         #: The last settled step kept every prepaid payment and charged
         #: nothing besides: with the same streams it may be repeated.
         self.all_prepaid_kept = False
-        #: Steps that ran nothing because every runnable request was throttled.
-        self.idle_steps = 0
         #: Users of the last settled step whose only payment was for waiting
         #: requests whose turn came and that were not admitted though nothing
         #: refused them (no KV): what they wait for is room, not quota.
@@ -92,22 +94,34 @@ class Ledger:
         self.all_resident_prepaid = all_resident_prepaid
         self.prepaid = _NOTHING if all_resident_prepaid else set()
 
-    def prepay(self, user: str, keys: list[Key]) -> None:
-        """Record that the plan paid for ``keys`` of ``user`` (one bulk take)."""
-        assert isinstance(self.prepaid, set), "a repeated step prepays every stream at once"
+    def prepay(self, user: str, keys: list[Key], short: bool = False) -> None:
+        """Record the plan's take for ``user``: ``keys`` paid (one bulk take)
+        and, if ``short``, streams left that it could not pay for (then it
+        is blocked and its next token declared wanted)."""
+        if keys:
+            assert isinstance(self.prepaid, set), "a repeated step prepays every stream at once"
+            self.prepaid.update(keys)
+            self.offers.append((user, keys))
+        if short:
+            self.limiter.want(user, self.now_ns)
+            self.short.append(user)
+            self.blocked.add(user)
+
+    def pay_borrowed(self, keys: Iterable[Key]) -> None:
+        """Record ``keys`` as paid by borrowing in this step (on the ceiling;
+        :class:`~vllm_output_rate.policy.borrow.Borrowing` keeps or refunds
+        them and reports what it kept to :meth:`keep`)."""
+        assert isinstance(self.prepaid, set), "a repeated step borrows nothing"
         self.prepaid.update(keys)
-        self.offers.append((user, keys))
 
-    def fall_short(self, user: str) -> None:
-        """The plan could not pay for every stream of ``user``: it is blocked
-        (and its next token declared wanted)."""
-        self.limiter.want(user, self.now_ns)
-        self.short.append(user)
-        self.blocked.add(user)
+    def charge(self, key: Key, take: bool = True) -> bool:
+        """Charge one token to the request's user, or with ``take=False`` only
+        ask whether that would succeed now (nothing is taken); True if paid
+        (now or before, in this step).
 
-    def charge(self, key: Key) -> bool:
-        """Charge one token to the request's user; True if paid (now or
-        before, in this step), False if refused."""
+        One path for both, so the answer and the charge cannot disagree.  A
+        no refuses the user for the rest of the step (not asked again) and
+        declares its next token wanted."""
         if key in self.charged or key in self.prepaid or (
             self.all_resident_prepaid and key in self._lane_of
         ):
@@ -115,25 +129,14 @@ class Ledger:
         user = self._user_of[key]
         if user in self.refused:
             return False
-        if self.limiter.try_take(user, self.now_ns):
-            self.charged[key] = user
+        if take:
+            if self.limiter.try_take(user, self.now_ns):  # a failed take declares it wanted
+                self.charged[key] = user
+                return True
+        elif self.limiter.available(user, self.now_ns) > 0:
             return True
-        self.refuse(user)
-        return False
-
-    def can_charge(self, key: Key) -> bool:
-        """Would :meth:`charge` succeed now?  Takes nothing; a no is remembered
-        (and the token declared wanted)."""
-        if key in self.charged or key in self.prepaid or (
-            self.all_resident_prepaid and key in self._lane_of
-        ):
-            return True
-        user = self._user_of[key]
-        if user in self.refused:
-            return False
-        if self.limiter.available(user, self.now_ns) > 0:
-            return True
-        self.limiter.want(user, self.now_ns)
+        else:
+            self.limiter.want(user, self.now_ns)
         self.refuse(user)
         return False
 
@@ -260,6 +263,28 @@ class Ledger:
             ran[user] = ran.get(user, 0) + 1
             charged_tokens[user] = charged_tokens.get(user, 0) + 1
         return refunded
+
+    def keep(self, tokens: Mapping[str, int], sampled: bool) -> None:
+        """Count per user the tokens another part of the step paid and kept.
+
+        ``sampled``: borrowed streams that sampled in the step just settled
+        (:meth:`Borrowing.settle`); they count in ``ran`` too, and a user
+        all of whose resident streams ran was not held back, so it is no
+        longer blocked.  Otherwise accepted drafts whose output arrived
+        (:meth:`DraftAccount.settle_output`): tokens only.  Either way
+        ``charged_tokens`` grows, never shrinks.
+        """
+        charged_tokens = self.charged_tokens
+        for user, count in tokens.items():
+            if count <= 0:
+                continue
+            charged_tokens[user] = charged_tokens.get(user, 0) + count
+            if not sampled:
+                continue
+            ran = self.ran[user] = self.ran.get(user, 0) + count
+            lane = self._lanes.order.get(user)
+            if lane is not None and ran >= len(lane.decoding) - lane.waiting:
+                self.blocked.discard(user)
 
 
 def _settle_offers(

@@ -58,9 +58,6 @@ def plan_step(
     now_ns = ledger.now_ns
     limiter = ledger.limiter
     take_up_to = limiter.take_up_to
-    prepaid = ledger.prepaid
-    assert isinstance(prepaid, set), "a planned step's ledger collects what it prepays"
-    offers = ledger.offers
     num_resident = len(lanes.lane_of)
     visible: list[Key] = []
     prefills: list[Key] = []
@@ -102,21 +99,23 @@ def plan_step(
         streams = len(decoding)
         wanted = streams if streams <= room else room
         offered = take_up_to(user, now_ns, wanted)  # one bulk take per user
+        batch = []
         if offered:
             batch = list(decoding) if offered == streams else list(islice(decoding, offered))
             visible.extend(batch)
-            prepaid.update(batch)
-            offers.append((user, batch))
             room -= offered
+        short = False
         if offered < streams:
             # Quota the user had before this take; asked again only when
             # room, not quota, stopped the take.
             can = offered if offered < wanted else offered + limiter.available(user, now_ns)
-            if can < streams:
-                ledger.fall_short(user)  # some streams wait for quota
+            short = can < streams  # some streams wait for quota
             if offered < can:
                 over_cap = True  # quota was there, room was not
+        ledger.prepay(user, batch, short)
     hidden = num_resident - len(visible)
+    prepaid = ledger.prepaid
+    assert isinstance(prepaid, set), "a planned step's ledger collects what it prepays"
     return StepPlan(visible, hidden, over_cap, prepaid, prefills, bool(ledger.short), reserved)
 
 
@@ -157,12 +156,8 @@ def _offer_in_turn(
     offered = limiter.take_up_to(user, now_ns, len(candidates))
     batch = candidates[:offered]
     resident = [key for key in batch if key not in in_turn]
-    if batch:
-        visible.extend(resident)
-        ledger.prepay(user, batch)
-    over_cap = False
-    if offered < len(candidates) or (resident_left and not limiter.available(user, now_ns)):
-        ledger.fall_short(user)
-    elif resident_left:
-        over_cap = True  # quota was there, room was not
+    visible.extend(resident)
+    short = offered < len(candidates) or bool(resident_left and not limiter.available(user, now_ns))
+    ledger.prepay(user, batch, short)
+    over_cap = bool(resident_left) and not short  # quota was there, room was not
     return len(resident), len(batch) - len(resident), over_cap
