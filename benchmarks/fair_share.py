@@ -76,6 +76,42 @@ What
       never hit) follow on the same server (issue 33's target: the lone
       borrower >= 0.95 x an unlimited user's tok/s on the same server;
       JSON ``ratio_to_unlimited``); the ratio to stock vLLM is kept too.
+    * ``in-quota`` (``shares`` only; the other modes skip it): a user within
+      its rate beside saturating borrowers (issue 33's third target: its
+      tok/s >= 0.95 x its limit on the engine's counter, or its unlimited
+      solo rate, whichever is lower).  ``carol`` has a hard cap
+      (``--in-quota-rate``: the issue's 100 tok/s on the tiny model, 50 on
+      the bench model, where one request gets one token per engine step and
+      a full batch of 8 steps only 70-90 times a second here, so 100 is out
+      of one stream's reach beside the borrowers) and keeps one closed-loop stream of
+      ``--in-quota-max-tokens`` (200) token requests in flight; ``bob``
+      (and ``dave``, ``--in-quota-borrowers 2``) borrows with ``{rate:
+      --in-quota-borrower-rate (10), ceil: null}`` and keeps
+      ``--in-quota-streams`` (12) closed-loop streams.  Three phases on the
+      same server, each ``--in-quota-warmup-s`` (10) s of load then
+      ``--in-quota-s`` (60) s measured: ``unlimited`` (carol's load from a
+      user with no entry of its own, ``carol-unlimited``: what one stream
+      reaches, so the limit can be chosen below it), ``alone`` (carol),
+      ``beside`` (carol's stream goes on, the borrowers' streams start).
+      Carol's tok/s in a phase: the increase of the engine's
+      ``vllm:output_rate_output_tokens_charged_total`` from the first to
+      the last ``/metrics`` read within the phase, over the poller's stamps
+      of those two reads (the plugin reports about once a second, so each
+      edge may be up to a second stale; a least-squares slope over every
+      read of the phase is kept beside it, ``tok_s_fit``).  The figure:
+      ``ratio`` = carol beside / min(limit, carol alone), target >= 0.95
+      (``ratio_to_limit_or_unlimited_solo``: against min(limit, the
+      unlimited stream) instead).  For the diagnosis, per phase and user:
+      borrowed tokens and throttled seconds on the engine's counters, the
+      plugin's per-user ``vllm:output_rate_requests`` (active: sampled in
+      the last reported step; throttled: held for quota; waiting: no slot
+      yet) averaged over the reads, and the requests' own engine stamps
+      (queued to first token, first to last token) against the client's
+      send-to-end time.  No C needed: a run of ``--workload in-quota``
+      alone starts no calibration server and writes no PNG.  Each run is
+      one server; ``--in-quota-append`` keeps the output JSON's earlier
+      runs (same options) and adds the new one (JSON ``runs``,
+      ``ratio_min``, ``ratio_mean``, ``met_every_run``).
 
     Guaranteed rates (``hard`` and ``shares``): ``--guaranteed`` (default
     0.5) of C, split over a workload's clients by weight; the hard caps are
@@ -217,9 +253,16 @@ Usage::
 
 writes ``docs/benchmarks/fair_share.json`` and ``.png`` (``--out PREFIX``
 elsewhere); about 6-7 minutes per mode (server startup, four 60-s
-workloads and the solo load, the drains) plus 20 s of calibration;
+workloads and the solo load, the drains; shares about 4 more for in-quota)
+plus 20 s of calibration;
 ``--workload equal-rates-1-3 --mode shares`` runs one alone (C is reused
-from the JSON when there is one).
+from the JSON when there is one).  The in-quota figures at the two slot
+settings (about 4 minutes a run)::
+
+    .venv/bin/python benchmarks/fair_share.py --mode shares --workload in-quota \\
+        --slots few --out docs/benchmarks/fair_share-in-quota-few [--in-quota-append]
+    .venv/bin/python benchmarks/fair_share.py --mode shares --workload in-quota \\
+        --slots many --out docs/benchmarks/fair_share-in-quota-many [--in-quota-append]
 """
 
 from __future__ import annotations
@@ -258,7 +301,11 @@ OVERLOAD, WEIGHTED, SOLO = "overload", "weighted", "solo"
 #: Equal guaranteed rates, unequal weights (issue 33): only the weights can split the spare capacity.
 EQUAL_13, EQUAL_1234 = "equal-rates-1-3", "equal-rates-1-2-3-4"
 EQUAL_RATE_WORKLOADS = (EQUAL_13, EQUAL_1234)
-WORKLOADS = (OVERLOAD, WEIGHTED, EQUAL_13, EQUAL_1234, SOLO)
+#: A user within its rate beside saturating borrowers (issue 33's third target; ``shares`` only).
+IN_QUOTA = "in-quota"
+WORKLOADS = (OVERLOAD, WEIGHTED, EQUAL_13, EQUAL_1234, SOLO, IN_QUOTA)
+#: The workloads whose loads and guaranteed rates follow from C (the others need no C).
+CAPACITY_WORKLOADS = (OVERLOAD, WEIGHTED, EQUAL_13, EQUAL_1234)
 #: Two slot settings (``--slots``): few active slots on the tiny model, many on the bench model.
 SLOT_SETTINGS = {"few": ("models/tiny-llama", 4), "many": ("models/bench-llama", ACTIVE_SEQS)}
 #: The engine log names the plugin's scheduler class (vLLM warns about a custom scheduler class).
@@ -269,6 +316,19 @@ UNLIMITED = "solo-unlimited"
 #: The issue's target for one borrower alone: its tok/s >= 0.95 x an unlimited user's on the same server
 #: (and the same load on stock vLLM).
 TARGET_SOLO_RATIO = 0.95
+#: The in-quota workload's users: ``carol`` (a hard cap, one closed-loop stream) beside the
+#: borrowers (``{rate, ceil: null}``, many closed-loop streams each); ``carol-unlimited``:
+#: carol's load from a user with no entry of its own (the default rate, never hit).
+IN_QUOTA_USER, IN_QUOTA_BORROWERS, IN_QUOTA_UNLIMITED = "carol", ("bob", "dave"), "carol-unlimited"
+#: Issue 33: a user within its rate beside saturating borrowers gets >= 0.95 x its limit on the
+#: engine's counter (or its unlimited solo rate, whichever is lower).
+TARGET_IN_QUOTA_RATIO = 0.95
+#: carol's hard cap by default: the issue's 100 tok/s on the tiny model; 50 on the bench model,
+#: where one request gets one token per step and a full batch steps 70-90 times a second here.
+IN_QUOTA_RATE_TINY, IN_QUOTA_RATE = 100.0, 50.0
+#: The plugin's per-user series the in-quota workload reads besides the charged and borrowed tokens.
+USER_REQUESTS = "vllm:output_rate_requests"  # labels user, state (active | throttled | waiting)
+THROTTLED_SECONDS = "vllm:output_rate_throttled_seconds_total"
 CALIBRATE_USER = "calibrate"
 #: A stock server started only to measure C (no mode among those asked is stock).
 CALIBRATE_ONLY = "stock-calibration"
@@ -290,6 +350,11 @@ WORKLOAD_OPTIONS = ("duration", "window", "prompt_tokens", "max_tokens", "overlo
                     "weighted_arrivals", "guaranteed", "light_interval", "light_max_tokens", "light_rate",
                     "max_outstanding", "stream_interval", "model", "active_seqs", "async_scheduling",
                     "equal_rate", "equal_rates_load", "equal_rates_in_flight")
+
+
+def needs_capacity(args: argparse.Namespace) -> bool:
+    """Whether a workload asked needs C (solo and in-quota do not)."""
+    return any(name in CAPACITY_WORKLOADS for name in args.workload)
 
 
 def workload_config(args: argparse.Namespace) -> dict[str, Any]:
@@ -348,8 +413,13 @@ def user_limits(mode: str, loads: dict[str, list[Client]], capacity: float, args
     """The per-user JSON of ``--user-output-tokens-per-second`` (None: stock)."""
     if mode == STOCK:
         return None
+    borrower = args.in_quota_borrower_rate
     limits: dict[str, Any] = {LIGHT: args.light_rate,
-                              SOLO: args.solo_rate if mode == HARD else {"rate": args.solo_rate, "ceil": None}}
+                              SOLO: args.solo_rate if mode == HARD else {"rate": args.solo_rate, "ceil": None},
+                              # in-quota: carol a hard cap; the borrowers without a ceiling (hard: capped)
+                              IN_QUOTA_USER: args.in_quota_rate,
+                              **{b: borrower if mode == HARD else {"rate": borrower, "ceil": None}
+                                 for b in IN_QUOTA_BORROWERS}}
     for name, clients in loads.items():
         rates = workload_rates(name, clients, capacity, args)
         for c in clients:
@@ -443,14 +513,21 @@ async def wait_drained(http, timeout_s: float = 60.0) -> bool:
     return False
 
 
-def closed_loop(http: Any, model: str, user: str, streams: int, prompts: Prompts, args) -> list[asyncio.Task]:
-    """``streams`` tasks that each send ``user``'s requests one after another until cancelled."""
-    t0 = time.monotonic()
+def closed_loop(http: Any, model: str, user: str, streams: int, prompts: Prompts, args,
+                max_tokens: int | None = None, records: list[RequestRecord] | None = None,
+                t0: float | None = None) -> list[asyncio.Task]:
+    """``streams`` tasks that each send ``user``'s requests (``max_tokens`` output tokens,
+    default ``--max-tokens``) one after another until cancelled; each request's record
+    (times from ``t0``, default now) goes to ``records`` when given."""
+    t0 = time.monotonic() if t0 is None else t0
 
     async def stream() -> None:
         while True:
             record = RequestRecord(user=user)
-            request_body = body(model, user, args.max_tokens, prompts(args.prompt_tokens), args.stream_interval)
+            if records is not None:
+                records.append(record)
+            request_body = body(model, user, max_tokens or args.max_tokens, prompts(args.prompt_tokens),
+                                args.stream_interval)
             await run_request(http, request_body, record, t0)
 
     return [asyncio.create_task(stream()) for _ in range(streams)]
@@ -508,6 +585,83 @@ async def run_solo(base_url: str, model: str, prompts: Prompts, args, server_pid
             "cpu_foreign_cores": round(cpu["foreign"] / cpu["wall_s"], 2),
             "load_before": load_before, "load_after": loadavg(),
             "drained": drained, "clock": "the client's monotonic clock between two /metrics reads"}
+
+
+def in_quota_reading(samples: measure.Samples) -> dict[str, Any]:
+    """:func:`engine_reading` plus each user's throttled seconds and requests by state
+    (``active``: sampled in the engine's last reported step; ``throttled``: resident and
+    held for quota in it; ``waiting``: queued in the engine, no slot yet)."""
+    reading = engine_reading(samples)
+    reading["throttled_s"] = measure.per_label(samples, THROTTLED_SECONDS, "user")
+    requests: dict[str, dict[str, float]] = {}
+    for labels, value in samples.get(USER_REQUESTS, []):
+        if "user" in labels and "state" in labels:
+            requests.setdefault(labels["user"], {})[labels["state"]] = value
+    reading["requests"] = requests
+    return reading
+
+
+#: The in-quota workload's phases, in order: carol's load from a user with no limit, carol
+#: (hard cap) alone, carol beside the borrowers.
+IN_QUOTA_PHASES = ("unlimited", "alone", "beside")
+
+
+async def run_in_quota(base_url: str, model: str, prompts: Prompts, args) -> dict[str, Any]:
+    """Issue 33's user within its rate beside saturating borrowers, on one server, in three
+    phases (:data:`IN_QUOTA_PHASES`), each ``--in-quota-warmup-s`` then ``--in-quota-s``
+    measured: ``unlimited``: one closed-loop stream of ``--in-quota-max-tokens`` requests from
+    a user with no entry of its own (what one stream reaches); ``alone``: the same stream
+    from ``carol`` (hard cap ``--in-quota-rate``); ``beside``: carol's stream goes on, and
+    each of ``--in-quota-borrowers`` borrowers keeps ``--in-quota-streams`` closed-loop
+    streams.  ``/metrics`` is read all along by a thread of its own; each phase's measured
+    span is on the same clock (seconds since the start)."""
+    borrowers = IN_QUOTA_BORROWERS[:args.in_quota_borrowers]
+    records: list[RequestRecord] = []
+    spans: dict[str, tuple[float, float]] = {}
+    drained: dict[str, bool] = {}
+    lag: list[float] = []
+    connections = 1 + args.in_quota_streams * len(borrowers) + 8
+
+    async def stop(tasks: list[asyncio.Task]) -> None:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async with benchkit.async_http(base_url, connections=connections) as http, \
+            benchkit.async_http(base_url, connections=2) as probe:
+        t0 = time.monotonic()
+
+        def streams(user: str, n: int, max_tokens: int) -> list[asyncio.Task]:
+            return closed_loop(http, model, user, n, prompts, args, max_tokens, records, t0)
+
+        async def measured(phase: str) -> None:
+            await asyncio.sleep(args.in_quota_warmup_s)
+            began = time.monotonic() - t0
+            await asyncio.sleep(args.in_quota_s)
+            spans[phase] = (began, time.monotonic() - t0)
+            print(f"  in-quota: {phase} measured from {began:.1f} s to {spans[phase][1]:.1f} s", flush=True)
+
+        poller = benchkit.MetricsPoller(base_url, args.metrics_interval, in_quota_reading, t0)
+        poller.start()
+        watcher = asyncio.create_task(measure.watch_loop_lag(lag))
+        load = {"unlimited": loadavg()}
+        unlimited = streams(IN_QUOTA_UNLIMITED, 1, args.in_quota_max_tokens)
+        await measured("unlimited")
+        await stop(unlimited)
+        drained["unlimited"] = await wait_drained(probe)
+        load["alone"] = loadavg()
+        carol = streams(IN_QUOTA_USER, 1, args.in_quota_max_tokens)
+        await measured("alone")
+        load["beside"] = loadavg()
+        heavy = [task for b in borrowers for task in streams(b, args.in_quota_streams, args.in_quota_borrower_max_tokens)]
+        await measured("beside")
+        readings = await asyncio.to_thread(poller.stop)
+        await stop(carol + heavy)
+        watcher.cancel()
+        await asyncio.gather(watcher, return_exceptions=True)
+        drained["beside"] = await wait_drained(probe)
+    return {"readings": readings, "spans": spans, "records": records, "loop_lag": lag, "drained": drained,
+            "failed_reads": poller.failed_reads, "load_at_phase_start": load}
 
 
 async def run_workload(base_url: str, model: str, clients: list[Client], capacity: float,
@@ -865,6 +1019,165 @@ def analyse(raw: dict[str, Any], clients: list[Client], mode: str, capacity: flo
     }
 
 
+def _fit_slope(points: list[tuple[float, float]]) -> float | None:
+    """Least-squares slope of ``(t, value)`` points (None: fewer than two times)."""
+    if len(points) < 2:
+        return None
+    mt = sum(t for t, _ in points) / len(points)
+    mv = sum(v for _, v in points) / len(points)
+    var = sum((t - mt) ** 2 for t, _ in points)
+    return None if var <= 0 else sum((t - mt) * (v - mv) for t, v in points) / var
+
+
+def _requests_in_span(records: list[RequestRecord], user: str, span: tuple[float, float]) -> dict[str, Any]:
+    """The user's requests sent and finished within ``span``: how many, and the engine's own
+    stamps (queued to first token; first to last token) against the client's send-to-end time."""
+    mine = [r for r in records if r.user == user and r.status == measure.FINISHED and r.end is not None
+            and span[0] <= r.start and r.end <= span[1]]
+    stamped = [r for r in mine if r.server_first_token_s is not None and r.server_generation_s is not None]
+    first = [r.server_first_token_s for r in stamped]
+    generation = [r.server_generation_s for r in stamped]
+    outside = [(r.end - r.start) - r.server_first_token_s - r.server_generation_s for r in stamped]
+    seconds = span[1] - span[0]
+    return {
+        "finished": len(mine),
+        "engine_stamped": len(stamped),
+        "tokens": sum(r.n_tokens for r in mine),
+        "first_token_p50_s": percentile(first, 50),
+        "first_token_max_s": max(first, default=None),
+        "generation_p50_s": percentile(generation, 50),
+        "generation_max_s": max(generation, default=None),
+        # send to end on the client's clock, less the engine's queue-to-last-token span:
+        # the API server's and the client's part, when no request of this stream was in the engine
+        "outside_engine_p50_s": percentile(outside, 50),
+        "outside_engine_total_s": round(sum(outside), 2),
+        # shares of the span spent, summed over these requests, queued to first token / first to last token
+        "first_token_share": round(sum(first) / seconds, 3) if seconds > 0 else None,
+        "generation_share": round(sum(generation) / seconds, 3) if seconds > 0 else None,
+        # the stream's tok/s while one of these requests was in the engine (queued to last token)
+        "tok_s_in_engine": (round(sum(r.n_tokens for r in stamped) / (sum(first) + sum(generation)), 1)
+                            if stamped and sum(first) + sum(generation) > 0 else None),
+    }
+
+
+def in_quota_phase(readings, span: tuple[float, float], users: list[str], records: list[RequestRecord],
+                   limits: dict[str, Any]) -> dict[str, Any]:
+    """One phase: each user's tok/s on the engine's charged counter from the first to the last
+    ``/metrics`` read within ``span`` (poller stamps: when each answer was in), its borrowed
+    tokens and throttled seconds over the same reads, a least-squares slope of the counter over
+    every read of the span (a cross-check: the plugin reports about once a second, so either
+    edge may be up to a second stale), its requests by state over the reads, and its requests'
+    engine stamps."""
+    inside = [(t, r) for t, r in readings if span[0] <= t <= span[1]]
+    phase: dict[str, Any] = {"span_s": [round(span[0], 2), round(span[1], 2)], "reads": len(inside)}
+    if len(inside) < 2:
+        return phase
+    (t_a, a), (t_b, b) = inside[0], inside[-1]
+    seconds = t_b - t_a
+
+    def growth(key: str, user: str) -> float:
+        return (b.get(key) or {}).get(user, 0.0) - (a.get(key) or {}).get(user, 0.0)
+
+    per_user = {}
+    for user in users:
+        states = [(r.get("requests") or {}).get(user) or {} for _, r in inside]
+        slope = _fit_slope([(t, (r.get("charged") or {}).get(user, 0.0)) for t, r in inside])
+        per_user[user] = {
+            "limit": limits.get(user),
+            "tok_s": round(growth("charged", user) / seconds, 1),
+            "charged_tokens": growth("charged", user),
+            "borrowed_tokens": growth("borrowed", user),
+            "throttled_s": round(growth("throttled_s", user), 2),
+            "tok_s_fit": None if slope is None else round(slope, 1),
+            # mean over the reads of the plugin's per-user gauge (the last reported step)
+            "requests_mean": {state: round(sum(x.get(state, 0.0) for x in states) / len(states), 2)
+                              for state in ("active", "throttled", "waiting")},
+            "reads_with_no_request": sum(1 for x in states if not sum(x.values())),
+            "client_requests": _requests_in_span(records, user, span),
+        }
+    return {
+        **phase,
+        "read_span_s": [round(t_a, 2), round(t_b, 2)],
+        "seconds": round(seconds, 2),
+        "generated_tok_s": round((b["generated"] - a["generated"]) / seconds, 1),
+        "tokens_per_step": _per_step(a, b),
+        "engine_steps_per_s": round((b.get("steps", 0.0) - a.get("steps", 0.0)) / seconds, 1),
+        "engine_requests": {key: _gauge_summary([r.get(key) for _, r in inside]) for key in ("running", "waiting")},
+        "users": per_user,
+    }
+
+
+def in_quota_options(args) -> dict[str, Any]:
+    """What shapes the in-quota load: runs kept together (``--in-quota-append``) share it."""
+    return {"model": args.model, "active_seqs": args.active_seqs, "rate": args.in_quota_rate,
+            "borrower_rate": args.in_quota_borrower_rate, "borrowers": args.in_quota_borrowers,
+            "borrower_streams": args.in_quota_streams, "max_tokens": args.in_quota_max_tokens,
+            "borrower_max_tokens": args.in_quota_borrower_max_tokens, "prompt_tokens": args.prompt_tokens,
+            "stream_interval": args.stream_interval, "measured_s": args.in_quota_s,
+            "warmup_s": args.in_quota_warmup_s}
+
+
+def analyse_in_quota(raw: dict[str, Any], args) -> dict[str, Any]:
+    """One run of the in-quota workload: each phase's figures and the issue's ratio, carol's
+    tok/s beside the borrowers / min(its limit, its tok/s alone) (and, beside it, against
+    min(limit, the unlimited stream's tok/s): the issue's wording)."""
+    borrowers = list(IN_QUOTA_BORROWERS[:args.in_quota_borrowers])
+    limits = {IN_QUOTA_USER: args.in_quota_rate, IN_QUOTA_UNLIMITED: None,
+              **{b: {"rate": args.in_quota_borrower_rate, "ceil": None} for b in borrowers}}
+    users = {"unlimited": [IN_QUOTA_UNLIMITED], "alone": [IN_QUOTA_USER], "beside": [IN_QUOTA_USER, *borrowers]}
+    phases = {name: in_quota_phase(raw["readings"], raw["spans"][name], users[name], raw["records"], limits)
+              for name in IN_QUOTA_PHASES if name in raw["spans"]}
+
+    def carol(name: str, user: str = IN_QUOTA_USER) -> float | None:
+        return ((phases.get(name) or {}).get("users") or {}).get(user, {}).get("tok_s")
+
+    tok_s = {"unlimited": carol("unlimited", IN_QUOTA_UNLIMITED), "alone": carol("alone"),
+             "beside": carol("beside")}
+    reference = None if tok_s["alone"] is None else min(args.in_quota_rate, tok_s["alone"])
+    ratio = None if not reference or tok_s["beside"] is None else round(tok_s["beside"] / reference, 3)
+    solo_ref = None if tok_s["unlimited"] is None else min(args.in_quota_rate, tok_s["unlimited"])
+    by_status: dict[str, int] = {}
+    errors: dict[str, int] = {}
+    for r in raw["records"]:
+        by_status[r.status] = by_status.get(r.status, 0) + 1
+        if r.error and r.status in measure.ERROR_STATUSES:
+            errors[r.error[:120]] = errors.get(r.error[:120], 0) + 1
+    return {
+        "carol_tok_s": tok_s,
+        "reference_tok_s": reference,
+        "ratio": ratio,
+        "met": None if ratio is None else ratio >= TARGET_IN_QUOTA_RATIO,
+        "ratio_to_limit_or_unlimited_solo": (None if not solo_ref or tok_s["beside"] is None
+                                             else round(tok_s["beside"] / solo_ref, 3)),
+        "phases": phases,
+        "requests_by_status": by_status,
+        "errors": errors,
+        "metrics_reads": len(raw["readings"]),
+        "failed_metrics_reads": raw["failed_reads"],
+        "drained": raw["drained"],
+        "load_at_phase_start": raw["load_at_phase_start"],
+        **analysis.loop_lag_summary(raw["loop_lag"]),
+        "clock": "the poller's stamps (the client's monotonic clock when each /metrics answer was in), "
+                 "first to last read within each phase",
+    }
+
+
+def in_quota_summary(runs: list[dict[str, Any]], options: dict[str, Any]) -> dict[str, Any]:
+    """The workload's entry: its options, every run, and the ratio over the runs."""
+    ratios = [r["ratio"] for r in runs if r.get("ratio") is not None]
+    return {
+        "options": options,
+        "target_ratio": TARGET_IN_QUOTA_RATIO,
+        "runs": runs,
+        "n_runs": len(runs),
+        "ratios": ratios,
+        "ratio_min": min(ratios, default=None),
+        "ratio_mean": round(sum(ratios) / len(ratios), 3) if ratios else None,
+        "met_every_run": (None if not ratios else
+                          all(x >= TARGET_IN_QUOTA_RATIO for x in ratios) and len(ratios) == len(runs)),
+    }
+
+
 # --------------------------------------------------------------------------
 # Runs
 # --------------------------------------------------------------------------
@@ -901,16 +1214,17 @@ def run_mode(mode: str, args, doc: dict[str, Any], loads: dict[str, list[Client]
     print(f"[{mode}] code: {result['code']}", flush=True)
     began = time.monotonic()
     capacity = doc["capacity"]["tok_s"] if doc.get("capacity") else None
-    if capacity is None and mode not in (STOCK, CALIBRATE_ONLY):
+    if capacity is None and needs_capacity(args) and mode not in (STOCK, CALIBRATE_ONLY):
         raise RuntimeError("C must be measured on a stock server first")
-    result["server_args"] = server_args(user_limits(mode, loads, capacity, args) if capacity else None,
-                                        args.active_seqs, args.async_scheduling)
+    # Without C (only solo and in-quota asked) the VTC workloads' clients get no entry.
+    limits = None if mode == CALIBRATE_ONLY else user_limits(mode, loads if capacity else {}, capacity, args)
+    result["server_args"] = server_args(limits, args.active_seqs, args.async_scheduling)
     print(f"[{mode}] starting server: {shlex.join(result['server_args'])}", flush=True)
     with benchkit.running_engines([(f"fair-share-{mode}", result["server_args"])], log_dir,
                                   model=args.model) as (server,):
         result["startup_s"] = server.startup_s
         model = asyncio.run(served(server.base_url))
-        if capacity is None:
+        if capacity is None and (needs_capacity(args) or mode == CALIBRATE_ONLY):
             print(f"[{mode}] measuring C: {args.calibrate_streams} streams for {args.calibrate_s:g} s",
                   flush=True)
             doc["capacity"] = dict(asyncio.run(calibrate(server.base_url, model, prompts, args)),
@@ -944,6 +1258,21 @@ def run_mode(mode: str, args, doc: dict[str, Any], loads: dict[str, list[Client]
                   f"tokens per step, CPU ms per step {solo['cpu_ms_per_step']}, other processes "
                   f"{solo['cpu_foreign_cores']:g} cores, load "
                   f"{fmt_load(solo['load_before'])} -> {fmt_load(solo['load_after'])}", flush=True)
+        if IN_QUOTA in args.workload and mode != SHARES:
+            print(f"[{mode}] {IN_QUOTA}: not run (its borrowers need {SHARES})", flush=True)
+        elif IN_QUOTA in args.workload:
+            print(f"[{mode}] {IN_QUOTA}: {IN_QUOTA_USER} (hard cap {args.in_quota_rate:g}, one closed-loop stream "
+                  f"of {args.in_quota_max_tokens}-token requests) alone, then beside "
+                  + ", ".join(IN_QUOTA_BORROWERS[:args.in_quota_borrowers])
+                  + f" ({{rate {args.in_quota_borrower_rate:g}, ceil null}}, {args.in_quota_streams} streams each); "
+                  f"first one unlimited stream; {args.in_quota_warmup_s:g} s warm-up + {args.in_quota_s:g} s "
+                  "measured per phase", flush=True)
+            raw = asyncio.run(run_in_quota(server.base_url, model, prompts, args))
+            run = dict(analyse_in_quota(raw, args), started_at=result["started_at"], code=result["code"],
+                       load_before=raw["load_at_phase_start"]["unlimited"], load_after=loadavg(),
+                       server_args=result["server_args"])
+            result["workloads"][IN_QUOTA] = in_quota_summary([run], in_quota_options(args))
+            print(in_quota_report(result["workloads"][IN_QUOTA]), flush=True)
         for name, clients in loads.items():
             if name not in args.workload:
                 continue
@@ -1031,14 +1360,41 @@ def workload_report(name: str, mode: str, w: dict[str, Any]) -> str:
     ])
 
 
+def in_quota_report(w: dict[str, Any]) -> str:
+    """The in-quota workload: carol's tok/s per phase and run, the ratio against the target."""
+    o = w["options"]
+    lines = [f"in-quota: {IN_QUOTA_USER} hard cap {o['rate']:g} tok/s, one stream of {o['max_tokens']}-token "
+             f"requests; {o['borrowers']} borrower(s) {{rate {o['borrower_rate']:g}, ceil null}} x "
+             f"{o['borrower_streams']} streams; {o['measured_s']:g} s measured per phase; tok/s on the engine's "
+             f"charged counter (target: beside / min(limit, alone) >= {w['target_ratio']:g})"]
+    for i, run in enumerate(w["runs"], 1):
+        t = run["carol_tok_s"]
+        beside = (run["phases"].get("beside") or {})
+        who = ", ".join(f"{u} {_f(s['tok_s'], '.1f')} tok/s (borrowed {s['borrowed_tokens']:.0f}, throttled "
+                        f"{s['throttled_s']:g} s, active/throttled/waiting {s['requests_mean']['active']:g}/"
+                        f"{s['requests_mean']['throttled']:g}/{s['requests_mean']['waiting']:g})"
+                        for u, s in (beside.get("users") or {}).items())
+        lines.append(f"  run {i} ({run['started_at']}, load {fmt_load(run['load_before'])}): unlimited stream "
+                     f"{_f(t['unlimited'], '.1f')}, carol alone {_f(t['alone'], '.1f')}, beside {_f(t['beside'], '.1f')} "
+                     f"tok/s: ratio {_f(run['ratio'], '.3f')} ({'met' if run['met'] else 'MISSED'}); "
+                     f"{_f(beside.get('tokens_per_step'), '.2f')} tokens per step; beside: {who}")
+    lines.append(f"  over {w['n_runs']} run(s): ratio min {_f(w['ratio_min'], '.3f')}, mean "
+                 f"{_f(w['ratio_mean'], '.3f')}, {'met in every run' if w['met_every_run'] else 'MISSED'}")
+    return "\n".join(lines)
+
+
 def report(doc: dict[str, Any]) -> str:
-    parts = [f"capacity C = {doc['capacity']['tok_s']:g} tok/s (measured in {doc['capacity']['measured_in_mode']})"]
+    parts = [f"capacity C = {doc['capacity']['tok_s']:g} tok/s (measured in {doc['capacity']['measured_in_mode']})"
+             if doc.get("capacity") else "capacity C: not needed (no workload asked uses it)"]
     for mode in MODES:
         result = doc["modes"].get(mode) or {"status": "not run"}
         if result.get("status") != "ran":
             parts.append(f"[{mode}] {result['status']}" + (f": {result['reason']}" if result.get("reason") else ""))
             continue
         for name, w in result["workloads"].items():
+            if name == IN_QUOTA:
+                parts.append(f"[{mode}] " + in_quota_report(w))
+                continue
             if name == SOLO:
                 parts.append(f"[{mode}] solo: {w['tok_s']:g} tok/s, {w['streams']} streams of one user "
                              f"(load {fmt_load(w['load_before'])}, started {w['started_at']})"
@@ -1099,6 +1455,22 @@ def plot(doc: dict[str, Any], path: Path, source: Path | None = None) -> None:
     fig.savefig(str(path), metadata=figure_metadata(source or sibling_json(path)))
 
 
+def plotted(doc: dict[str, Any]) -> bool:
+    """Whether some mode ran a workload :func:`plot` draws."""
+    return any(name in ((r or {}).get("workloads") or {}) for r in doc["modes"].values()
+               for name in (OVERLOAD, WEIGHTED, *EQUAL_RATE_WORKLOADS))
+
+
+def appended_in_quota(earlier: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any]:
+    """``--in-quota-append``: the earlier runs (when their options are the same) and the new one."""
+    if not earlier:
+        return new
+    if earlier.get("options") != new["options"]:
+        print("warning: the earlier in-quota runs had other options: not kept", flush=True)
+        return new
+    return in_quota_summary([*earlier["runs"], *new["runs"]], new["options"])
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mode", action="append", choices=MODES,
@@ -1150,13 +1522,34 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="tokens per streamed chunk of the workload requests (vLLM's per-request "
                         "stream_interval; the light user's requests stream every token)")
     p.add_argument("--workload", action="append", choices=WORKLOADS,
-                   help="overload, weighted, equal-rates-1-3, equal-rates-1-2-3-4 or solo; repeatable "
-                        "(default: all five). A mode's other "
+                   help="overload, weighted, equal-rates-1-3, equal-rates-1-2-3-4, solo or in-quota (shares "
+                        "only); repeatable (default: all six). A mode's other "
                         "workloads keep their earlier result in the JSON")
     p.add_argument("--solo-streams", type=int, default=12, help="streams of the solo user (default 12)")
     p.add_argument("--solo-rate", type=float, default=10.0,
                    help="the solo user's rate in hard and shares (shares: no ceiling; default 10)")
     p.add_argument("--solo-s", type=float, default=30.0, help="seconds the solo load is measured (default 30)")
+    p.add_argument("--in-quota-rate", type=float, default=None,
+                   help="in-quota: carol's hard cap, tok/s (default 100 on the tiny model, 50 on the others: "
+                        "within what one stream reaches beside a full batch; the unlimited phase and the "
+                        "engine steps/s beside show it)")
+    p.add_argument("--in-quota-borrower-rate", type=float, default=10.0,
+                   help="in-quota: each borrower's rate (no ceiling; default 10)")
+    p.add_argument("--in-quota-borrowers", type=int, choices=(1, 2), default=1,
+                   help="in-quota: borrowers beside carol, bob (and dave) (default 1)")
+    p.add_argument("--in-quota-streams", type=int, default=12,
+                   help="in-quota: closed-loop streams of each borrower (default 12)")
+    p.add_argument("--in-quota-max-tokens", type=int, default=200,
+                   help="in-quota: output tokens of carol's requests (default 200)")
+    p.add_argument("--in-quota-borrower-max-tokens", type=int, default=200,
+                   help="in-quota: output tokens of the borrowers' requests (default 200)")
+    p.add_argument("--in-quota-s", type=float, default=60.0,
+                   help="in-quota: seconds measured per phase (default 60)")
+    p.add_argument("--in-quota-warmup-s", type=float, default=10.0,
+                   help="in-quota: seconds of load before each phase is measured (default 10)")
+    p.add_argument("--in-quota-append", action="store_true",
+                   help="in-quota: keep the output JSON's earlier runs of this workload (same options) and "
+                        "add this one (n runs, each on its own server)")
     p.add_argument("--capacity", type=float, help="C in output tok/s (default: measured, or the output JSON's)")
     p.add_argument("--recalibrate", action="store_true", help="measure C even if the output JSON has one")
     p.add_argument("--calibrate-streams", type=int, default=24)
@@ -1169,6 +1562,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     slot_model, slot_active = SLOT_SETTINGS[args.slots] if args.slots else (str(BENCH_MODEL_DIR), ACTIVE_SEQS)
     args.model = args.model or slot_model
     args.active_seqs = args.active_seqs or slot_active
+    if args.in_quota_rate is None:
+        # The bench model makes about 100 steps/s with one request and 70-90 with a full
+        # batch, one token per request per step: a 100 tok/s cap is out of one stream's reach.
+        args.in_quota_rate = IN_QUOTA_RATE_TINY if Path(args.model).name == "tiny-llama" else IN_QUOTA_RATE
     if args.out is None:
         suffix = ""
         if args.active_seqs != ACTIVE_SEQS or Path(args.model) != BENCH_MODEL_DIR:
@@ -1193,6 +1590,7 @@ def main(argv: list[str] | None = None) -> int:
     doc["target_share_deviation"] = TARGET_SHARE_DEVIATION
     doc["target_light_ttft_ratio"] = TARGET_LIGHT_TTFT_RATIO
     doc["target_solo_ratio"] = TARGET_SOLO_RATIO
+    doc["target_in_quota_ratio"] = TARGET_IN_QUOTA_RATIO
     earlier_modes = {m: r for m, r in (earlier.get("modes") or {}).items() if r.get("status") == "ran"}
     doc["modes"] = {m: r for m, r in earlier_modes.items() if m not in args.mode}
     for mode, result in doc["modes"].items():
@@ -1212,7 +1610,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = Prompts(args.seed, vocab)
     log_dir = benchkit.log_dir_for("fair-share", args.log_dir)
     failed = False
-    if not doc.get("capacity") and STOCK not in args.mode:
+    if not doc.get("capacity") and STOCK not in args.mode and needs_capacity(args):
         # C comes from a stock server: one started for that alone.
         run_mode(CALIBRATE_ONLY, args, doc, loads, prompts, log_dir)
     for mode in args.mode:
@@ -1239,13 +1637,17 @@ def main(argv: list[str] | None = None) -> int:
             result["workloads"] = {name: result["workloads"].get(name) or kept[name]
                                    for name in WORKLOADS if name in result["workloads"] or name in kept}
             result["kept_workloads"] = sorted(kept)
+        if result.get("status") == "ran" and IN_QUOTA in result.get("workloads", {}) and args.in_quota_append:
+            result["workloads"][IN_QUOTA] = appended_in_quota(
+                ((earlier_modes.get(mode) or {}).get("workloads") or {}).get(IN_QUOTA), result["workloads"][IN_QUOTA])
         doc["modes"][mode] = result
     for mode in MODES:
         doc["modes"].setdefault(mode, {"status": "not run"})
     benchkit.finish_report(doc)
-    if doc.get("capacity"):
+    if doc.get("capacity") or not needs_capacity(args):
         print("\n" + report(doc))
-    benchkit.write_outputs(doc, args.out, plot=plot)
+    # No figure when no workload with service over time ran (solo and in-quota alone).
+    benchkit.write_outputs(doc, args.out, plot=plot if plotted(doc) else None)
     return 1 if failed else 0
 
 

@@ -65,6 +65,10 @@ MAKES = {
     "fair_share": "python benchmarks/fair_share.py",
     "fair_share-4active-tiny-llama": "python benchmarks/fair_share.py --slots few",
     "fair_share-4active-bench-llama": "python benchmarks/fair_share.py --active-seqs 4",
+    "fair_share-in-quota-few": "python benchmarks/fair_share.py --mode shares --workload in-quota --slots few "
+                               "--out docs/benchmarks/fair_share-in-quota-few",
+    "fair_share-in-quota-many": "python benchmarks/fair_share.py --mode shares --workload in-quota --slots many "
+                                "--out docs/benchmarks/fair_share-in-quota-many",
     "gateway_compare": "make bench-gateway",
 }
 
@@ -797,6 +801,126 @@ FAIR_SHARE_VARIANTS = {
 }
 
 
+#: fair_share's in-quota workload alone at each slot setting, each in its own JSON (a companion of
+#: ``fair_share``, no figure).
+FAIR_SHARE_IN_QUOTA = {
+    "fair_share-in-quota-few": "A user within its rate beside saturating borrowers: the tiny model, 4 active slots",
+    "fair_share-in-quota-many": "A user within its rate beside saturating borrowers: the bench model, 8 active slots",
+}
+
+
+def _in_quota_lines(w: dict, active: int) -> list[str]:
+    """The in-quota workload: one row per run, then the target over the runs."""
+    o = w["options"]
+    borrowers = ["bob", "dave"][:o["borrowers"]]
+    lines = [
+        "",
+        f"| run: started (1-min load before) | one stream, no limit (tok/s) | carol alone | carol beside the "
+        f"borrower{'s' if len(borrowers) > 1 else ''} | ratio beside / min(limit, alone) | "
+        + " ".join(f"{b} tok/s (of which borrowed)," for b in borrowers)
+        + f" tokens per step (of {active}) | carol's requests active / held for quota / waiting, mean of the "
+        "reads beside | carol's requests beside: queued to first token p50 / max, first to last token p50 | "
+        "carol beside: share of the phase with a request in the engine; tok/s then | engine steps/s beside | "
+        "sample beside: seconds between the reads; reads; carol's requests finished; client errors |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | --- | --- | ---: | ---: | --- |",
+    ]
+    for run in w["runs"]:
+        t = run["carol_tok_s"]
+        beside = run["phases"].get("beside") or {}
+        users = beside.get("users") or {}
+        carol = users.get("carol") or {}
+        req = carol.get("requests_mean") or {}
+        client = carol.get("client_requests") or {}
+        heavy = ", ".join(f"{_num((users.get(b) or {}).get('tok_s'), '.0f')} "
+                          f"({_num((users.get(b) or {}).get('borrowed_tokens', 0) / beside['seconds'], '.0f')})"
+                          for b in borrowers if beside.get("seconds"))
+        lines.append(
+            f"| {run['started_at']} ({_num((run.get('load_before') or [None])[0], '.1f')}) | {_num(t['unlimited'], '.1f')} "
+            f"| {_num(t['alone'], '.1f')} | {_num(t['beside'], '.1f')} | {_num(run['ratio'])} | {heavy}; "
+            f"{_num(beside.get('tokens_per_step'), '.2f')} | {_num(req.get('active'), '.2f')} / "
+            f"{_num(req.get('throttled'), '.2f')} / {_num(req.get('waiting'), '.2f')} | "
+            f"{_ms(client.get('first_token_p50_s'))} / {_ms(client.get('first_token_max_s'))}, "
+            f"{_ms(client.get('generation_p50_s'))} | {_in_engine(client)} | "
+            f"{_num(beside.get('engine_steps_per_s'), '.0f')} | {_num(beside.get('seconds'), '.1f')}; {beside.get('reads', 0)}; "
+            f"{client.get('finished', 0)}; {sum((run.get('errors') or {}).values())} |")
+    if w.get("ratio_min") is not None:
+        target = w.get("target_ratio", 0.95)
+        lines += ["", f"- carol beside the borrowers / min(its limit {o['rate']:g}, its tok/s alone), on the engine's "
+                  f"charged-token counter over {o['measured_s']:g} s per phase, {_plural(w['n_runs'], 'run')} "
+                  f"(each its own server): min {w['ratio_min']:.3f}, mean {w['ratio_mean']:.3f}"
+                  + _verdict(w["ratio_min"], target, at_most=False)
+                  + ("" if w["ratio_min"] >= target else
+                     f": the worst run {target - w['ratio_min']:.3f} below it, carol at "
+                     f"{100 * w['ratio_min']:.0f} % of its reference")
+                  + "."]
+    for i, run in enumerate(w["runs"], 1):
+        beside = run["phases"].get("beside") or {}
+        carol = (beside.get("users") or {}).get("carol") or {}
+        client = carol.get("client_requests") or {}
+        if client.get("first_token_share") is None:
+            continue
+        share = client["first_token_share"] + client["generation_share"]
+        lines.append(
+            f"- Run {i}, beside: a request of carol's was in the engine (queued to last token, the engine's stamps "
+            f"of the {client['finished']} that finished in the phase) {100 * share:.0f} % of the phase, "
+            + ("" if client.get("tok_s_in_engine") is None else f"at {client['tok_s_in_engine']:.0f} tok/s, ")
+            + f"queued to first token p50 {_ms(client.get('first_token_p50_s'))}; the rest, "
+            f"{client['outside_engine_total_s']:.1f} s (p50 {_ms(client.get('outside_engine_p50_s'))} per request), "
+            "went from the client's send to the engine's queue and from the last token to the client's end of "
+            f"stream (the API server and the client). Held for quota {carol.get('throttled_s', 0):g} s; the engine "
+            f"made {_num(beside.get('engine_steps_per_s'), '.0f')} steps/s (one token per step per request), "
+            f"{_num(beside.get('tokens_per_step'), '.2f')} tokens per step of {active}.")
+    return lines
+
+
+def _in_engine(client: dict) -> str:
+    """The share of the phase a stream had a request in the engine (queued to last token, the
+    engine's stamps of the requests that finished in it) and its tok/s then."""
+    share = None if client.get("first_token_share") is None else client["first_token_share"] + client["generation_share"]
+    return f"{_percent(share)}; {_num(client.get('tok_s_in_engine'), '.0f')}"
+
+
+def in_quota_section(name: str, title: str, doc: Doc) -> list[str]:
+    """A companion JSON of the in-quota workload alone."""
+    cfg = doc["config"]
+    w = (((doc.get("modes") or {}).get("shares") or {}).get("workloads") or {}).get("in-quota")
+    if not w:
+        return []
+    o = w["options"]
+    borrowers = ["bob", "dave"][:o["borrowers"]]
+    run_docs = w["runs"]
+    code: dict[str, int] = {}
+    for run in run_docs:
+        c = run.get("code") or {}
+        text = ((c.get("commit") or "?")[:7]
+                + (f" with uncommitted {', '.join(x.split()[-1] for x in c['src_changes'])}"
+                   if c.get("src_changes") else ""))
+        code[text] = code.get(text, 0) + 1
+    classes = sorted({r.get("scheduler_class") for r in (doc.get("modes") or {}).values()
+                      if (r or {}).get("scheduler_class")})
+    return [
+        "", f"### {title}", "",
+        f"`{MAKES[name]}` (with `--in-quota-append` for each further run): on `{cfg['model']}` with "
+        f"{_active_seqs(doc)} active slots (`--max-num-seqs 16`), the rate/ceil/weight server only. "
+        f"**carol** has a hard cap of {o['rate']:g} tok/s and keeps one closed-loop stream of "
+        f"{o['max_tokens']}-token requests ({o['prompt_tokens']} prompt tokens) in flight; "
+        + " and ".join(f"**{b}**" for b in borrowers)
+        + f" {'borrows' if len(borrowers) == 1 else 'borrow'} with {{rate {o['borrower_rate']:g}, ceil null}}, "
+        f"{o['borrower_streams']} closed-loop streams of {o['borrower_max_tokens']}-token requests each. Three "
+        f"phases per run, each {o['warmup_s']:g} s of load then {o['measured_s']:g} s measured: one stream of "
+        "carol's load from a user with no limit of its own (what one stream reaches), carol alone, carol beside "
+        "the borrowers. Every tok/s is the increase of the engine's "
+        "`vllm:output_rate_output_tokens_charged_total` from the first to the last `/metrics` read within the "
+        "phase (reads every 0.5 s; the plugin reports about once a second, so each edge may be a second stale). "
+        f"Target (issue 33): carol beside ≥ {w.get('target_ratio', 0.95):g} × min(its limit, its tok/s alone).",
+        *_in_quota_lines(w, _active_seqs(doc)),
+        "", _runs_line([r.get("started_at") for r in run_docs], [r.get("load_before") for r in run_docs]),
+        "", "Code the servers ran (the plugin is installed editable: the working tree): "
+        + "; ".join(f"{text} ({_plural(n, 'run')})" for text, n in code.items()) + "."
+        + (f" Scheduler class: {', '.join(f'`{c}`' for c in classes)} (from the engine log)." if classes else ""),
+    ]
+
+
 def _share_tolerance(target: dict) -> str:
     return (f"± {target['tolerance']:g}" if target["kind"] == "absolute"
             else f"± {100 * target['tolerance']:.0f} % of it")
@@ -1022,7 +1146,12 @@ def _fair_share_runs(modes: dict) -> list[str]:
 
 def _fair_share_body(doc: Doc) -> list[str]:
     modes = doc.get("modes", {})
-    return _fair_share_tables(doc, modes) + _fair_share_targets(doc, modes) + _fair_share_runs(modes)
+    in_quota = (((modes.get("shares") or {}).get("workloads") or {}).get("in-quota"))
+    lines = [] if not in_quota else [
+        "", "**in-quota** (rate/ceil/weight only): carol, a hard cap and one closed-loop stream, alone and then "
+        "beside saturating borrowers (no ceiling); tok/s on the engine's charged-token counter per phase "
+        "(issue 33: beside ≥ 0.95 × min(limit, alone)).", *_in_quota_lines(in_quota, _active_seqs(doc))]
+    return _fair_share_tables(doc, modes) + lines + _fair_share_targets(doc, modes) + _fair_share_runs(modes)
 
 
 def fair_share_lines(doc: Doc, extra: dict[str, Doc | None], image: str | None) -> list[str]:
@@ -1097,6 +1226,9 @@ def fair_share_lines(doc: Doc, extra: dict[str, Doc | None], image: str | None) 
             *_fair_share_body(variant),
             "", f"![service per user over time, {title.split(':')[0].lower()}]({name}.png)",
         ]
+    for name, title in FAIR_SHARE_IN_QUOTA.items():
+        if extra.get(name):
+            lines += in_quota_section(name, title, extra[name])
     return lines
 
 
@@ -1199,7 +1331,7 @@ SECTIONS = (
             "(`benchmarks/soak.py --engines 2 --store redis-server --max-tokens 256`)", soak_cluster_lines),
     Section("shared_store", "Cost of the shared Redis store (`benchmarks/shared_store.py`)", shared_store_lines),
     Section("fair_share", "Fair share of spare capacity: stock vs hard caps vs rate/ceil/weight "
-            "(`benchmarks/fair_share.py`)", fair_share_lines, tuple(FAIR_SHARE_VARIANTS),
+            "(`benchmarks/fair_share.py`)", fair_share_lines, (*FAIR_SHARE_VARIANTS, *FAIR_SHARE_IN_QUOTA),
             figure_companions=tuple(FAIR_SHARE_VARIANTS)),
     Section("gateway_compare", "The same load through a gateway limiter (`benchmarks/gateway_compare.py`)",
             gateway_lines),
