@@ -95,6 +95,7 @@ from vllm_output_rate.policy.drafts import DraftAccount
 from vllm_output_rate.policy.eviction import EvictionBudget
 from vllm_output_rate.policy.gate import StepGate, StepPlan
 from vllm_output_rate.policy.groups import GroupQuotas
+from vllm_output_rate.policy.handover import slot_handover
 from vllm_output_rate.policy.prompt_cost import PromptCost
 from vllm_output_rate.settings import (
     ANONYMOUS_USER,
@@ -257,21 +258,37 @@ class ChargingHooks:
             # No re-admission thrash: a preempted stream comes back only while
             # its user can pay now or is being served in this step (then it
             # takes its turn in the user's rotation instead of starving).
+            # A borrower's preempted stream may also come back into a slot
+            # given to its user by borrowing (before its user's new requests:
+            # vLLM puts it at the front of the queue); otherwise a borrower
+            # that gave a slot to another (policy/handover.py) would keep
+            # the stream out until its own rate paid for it.
             if not (ledger.charge(request, take=False) or ledger.is_served_now(request)):
-                return False
-            return request not in self._evicted_for_quota or self._kv_room_for(request)
-        admits = step.borrow_admits
-        if admits is not None:
-            user = user_of[request]
-            if ledger.quota_now(user) == 0 and self._borrowing.table.borrows(user):
-                # It would only run by borrowing: admitted in counter order
-                # (see BorrowingHooks._offer_spare_to_borrowers), not in
-                # arrival order; skipped, it keeps its place in the queue.
-                left = admits.get(user, 0)
-                if left <= 0:
+                if step.borrow_admits is None or (
+                    request in self._evicted_for_quota and not self._kv_room_for(request)
+                ):
                     return False
-                admits[user] = left - 1
-                step.admitted_to_borrow.add(request)
+                return self._admit_to_borrow(step, request)
+            return request not in self._evicted_for_quota or self._kv_room_for(request)
+        if step.borrow_admits is not None:
+            return self._admit_to_borrow(step, request)
+        return True
+
+    def _admit_to_borrow(self, step: _Step, request: Request) -> bool:
+        """A waiting request that would only run by borrowing is admitted in
+        counter order (see BorrowingHooks._offer_spare_to_borrowers), not in
+        arrival order: while its user has admissions left in this step
+        (``step.borrow_admits``).  Skipped, it keeps its place in the queue.
+        Any other request passes."""
+        admits = step.borrow_admits
+        assert admits is not None
+        user = self._lanes.user_of[request]
+        if self._ledger.quota_now(user) == 0 and self._borrowing.table.borrows(user):
+            left = admits.get(user, 0)
+            if left <= 0:
+                return False
+            admits[user] = left - 1
+            step.admitted_to_borrow.add(request)
         return True
 
     def _ec_transfer_pending(self, request: Request, num_computed_tokens: int) -> bool:
@@ -436,10 +453,15 @@ class BorrowingHooks:
         admission order is vLLM's)."""
         room = slots - len(plan.visible) - plan.reserved
         queued: dict[str, list[int]] | None = None
+        receiver = None
         if room > 0 and (self._ledger.short or self.waiting):
             queued = {}
             guaranteed, admissions = self._waiting_demand(room, queued)
             room -= guaranteed + admissions
+            if queued and not admissions and room > 0:
+                receiver = self._hand_over_slot(plan, room, queued)
+                if receiver is not None:
+                    room -= 1  # its request borrows its token at once (Borrowing.lend)
         # Also with no room or nobody short: then it only keeps the counters.
         self.output_rate_gate.borrow(plan, room, queued or ())
         if queued is None:
@@ -453,7 +475,45 @@ class BorrowingHooks:
             committed = self._committed_output(queued)
             for user in self._borrowing.admissions(queued, committed, admissions):
                 admits[user] = admits.get(user, 0) + 1
+        if receiver is not None:
+            admits[receiver] = admits.get(receiver, 0) + 1
         return admits
+
+    def _hand_over_slot(self, plan: StepPlan, room: int, users: dict[str, list[int]]) -> str | None:
+        """No model-runner slot free and borrowers waiting: the borrower
+        furthest ahead of its weighted share gives one of its hidden streams
+        to the one behind it (:mod:`~vllm_output_rate.policy.handover`,
+        ``Displacement.handover_victim``).  Returns the user the freed slot
+        is for, or None.  Runs before the step is handed to vLLM: the victim
+        leaves the resident list here (it is hidden, so not in the plan's
+        visible requests), paid from the recompute budget like every
+        eviction, and comes back into free KV only.
+
+        Not with priority scheduling, nor where a borrower's new request
+        cannot be admitted by borrowing (without chunked prefill it waits
+        its turn on its rate; with prompt cost its prompt needs its rate)."""
+        facts = self._facts
+        if (
+            facts.priority_policy
+            or not facts.chunked_prefill
+            or self.output_rate_prompt_cost.weight
+            or self.max_num_running_reqs - len(self.running) - self.num_waiting_for_streaming_input
+            > 0
+        ):
+            return None
+        pair = slot_handover(self._borrowing, self._lanes, users, room)
+        if pair is None:
+            return None
+        donor, receiver = pair
+        victim = self._displacement.handover_victim(donor)
+        if victim is None:
+            return None
+        self.output_rate_eviction_budget.spend(victim.num_computed_tokens)
+        self._evicted_for_quota.add(victim)
+        self._preempt_request(victim, time.monotonic())  # to the front of the waiting queue
+        self.running.remove(victim)  # the resident list (no step yet: nothing else holds it)
+        plan.hidden -= 1
+        return receiver
 
     def _committed_output(self, users: Container[str]) -> dict[str, int]:
         """What the resident requests of ``users``, and of the other members

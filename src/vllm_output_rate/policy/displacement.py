@@ -181,6 +181,44 @@ class Displacement:
             best, best_generated = victim, generated
         return best
 
+    def handover_victim(self, donor: str) -> Key | None:
+        """The resident stream a borrower gives up for another borrower
+        (:mod:`~vllm_output_rate.policy.handover`), or None.
+
+        ``donor`` must be short of quota in this step, with none left now
+        and none of its streams offered on its guaranteed rate (so a user
+        within its rate never gives way, and the victim cannot come back
+        in the same step); the victim is one of its hidden decoding streams,
+        the one that generated least, if the recompute budget affords it
+        and its KV can be released.  Never under priority scheduling.
+        """
+        ledger = self._ledger
+        if self._priority_of is not None or donor not in ledger.short:
+            return None
+        if ledger.limiter.available(donor, ledger.now_ns) > 0:
+            return None
+        if any(user == donor for user, _ in ledger.offers):
+            return None
+        lanes = self._lanes
+        lane = lanes.order.get(donor)
+        if lane is None:
+            return None
+        lane_of = lanes.lane_of
+        best: Key | None = None
+        best_generated = 0
+        for key in lane.decoding:
+            if lane_of.get(key) != donor or ledger.is_charged(key):
+                continue
+            generated = self._generated_of(key)
+            if best is not None and generated >= best_generated:
+                continue
+            if not self._budget.affords(self._tokens_held(key)):
+                continue
+            if not self._can_release(key):
+                continue
+            best, best_generated = key, generated
+        return best
+
     def free_slots_for(
         self,
         waiting: Iterable[Key],
