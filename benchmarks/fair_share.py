@@ -83,16 +83,20 @@ What
       (``--in-quota-rate``: the issue's 100 tok/s on the tiny model, 50 on
       the bench model, where one request gets one token per engine step and
       a full batch of 8 steps only 70-90 times a second here, so 100 is out
-      of one stream's reach beside the borrowers) and keeps one closed-loop stream of
-      ``--in-quota-max-tokens`` (200) token requests in flight; ``bob``
+      of one stream's reach beside the borrowers) and keeps
+      ``--in-quota-user-streams`` (1) closed-loop streams of
+      ``--in-quota-max-tokens`` (200) token requests in flight (with 2, her
+      limit is shared by both, and one stream can be in the engine while
+      the other crosses the API server); ``bob``
       (and ``dave``, ``--in-quota-borrowers 2``) borrows with ``{rate:
       --in-quota-borrower-rate (10), ceil: null}`` and keeps
       ``--in-quota-streams`` (12) closed-loop streams.  Three phases on the
       same server, each ``--in-quota-warmup-s`` (10) s of load then
       ``--in-quota-s`` (60) s measured: ``unlimited`` (carol's load from a
-      user with no entry of its own, ``carol-unlimited``: what one stream
-      reaches, so the limit can be chosen below it), ``alone`` (carol),
-      ``beside`` (carol's stream goes on, the borrowers' streams start).
+      user with no entry of its own, ``carol-unlimited``, with as many
+      streams: what they reach, so the limit can be chosen below it),
+      ``alone`` (carol), ``beside`` (carol's streams go on, the borrowers'
+      streams start).
       Carol's tok/s in a phase: the increase of the engine's
       ``vllm:output_rate_output_tokens_charged_total`` from the first to
       the last ``/metrics`` read within the phase, over the poller's stamps
@@ -263,6 +267,9 @@ settings (about 4 minutes a run)::
         --slots few --out docs/benchmarks/fair_share-in-quota-few [--in-quota-append]
     .venv/bin/python benchmarks/fair_share.py --mode shares --workload in-quota \\
         --slots many --out docs/benchmarks/fair_share-in-quota-many [--in-quota-append]
+
+and with two streams of carol's (``--in-quota-user-streams 2``, into
+``fair_share-in-quota-few-2streams`` and ``fair_share-in-quota-many-2streams``).
 """
 
 from __future__ import annotations
@@ -316,7 +323,7 @@ UNLIMITED = "solo-unlimited"
 #: The issue's target for one borrower alone: its tok/s >= 0.95 x an unlimited user's on the same server
 #: (and the same load on stock vLLM).
 TARGET_SOLO_RATIO = 0.95
-#: The in-quota workload's users: ``carol`` (a hard cap, one closed-loop stream) beside the
+#: The in-quota workload's users: ``carol`` (a hard cap, ``--in-quota-user-streams`` closed-loop streams) beside the
 #: borrowers (``{rate, ceil: null}``, many closed-loop streams each); ``carol-unlimited``:
 #: carol's load from a user with no entry of its own (the default rate, never hit).
 IN_QUOTA_USER, IN_QUOTA_BORROWERS, IN_QUOTA_UNLIMITED = "carol", ("bob", "dave"), "carol-unlimited"
@@ -609,9 +616,10 @@ IN_QUOTA_PHASES = ("unlimited", "alone", "beside")
 async def run_in_quota(base_url: str, model: str, prompts: Prompts, args) -> dict[str, Any]:
     """Issue 33's user within its rate beside saturating borrowers, on one server, in three
     phases (:data:`IN_QUOTA_PHASES`), each ``--in-quota-warmup-s`` then ``--in-quota-s``
-    measured: ``unlimited``: one closed-loop stream of ``--in-quota-max-tokens`` requests from
-    a user with no entry of its own (what one stream reaches); ``alone``: the same stream
-    from ``carol`` (hard cap ``--in-quota-rate``); ``beside``: carol's stream goes on, and
+    measured: ``unlimited``: ``--in-quota-user-streams`` closed-loop streams of
+    ``--in-quota-max-tokens`` requests from a user with no entry of its own (what they reach);
+    ``alone``: the same streams from ``carol`` (hard cap ``--in-quota-rate``, shared by her
+    streams); ``beside``: carol's streams go on, and
     each of ``--in-quota-borrowers`` borrowers keeps ``--in-quota-streams`` closed-loop
     streams.  ``/metrics`` is read all along by a thread of its own; each phase's measured
     span is on the same clock (seconds since the start)."""
@@ -620,7 +628,7 @@ async def run_in_quota(base_url: str, model: str, prompts: Prompts, args) -> dic
     spans: dict[str, tuple[float, float]] = {}
     drained: dict[str, bool] = {}
     lag: list[float] = []
-    connections = 1 + args.in_quota_streams * len(borrowers) + 8
+    connections = args.in_quota_user_streams + args.in_quota_streams * len(borrowers) + 8
 
     async def stop(tasks: list[asyncio.Task]) -> None:
         for task in tasks:
@@ -645,12 +653,12 @@ async def run_in_quota(base_url: str, model: str, prompts: Prompts, args) -> dic
         poller.start()
         watcher = asyncio.create_task(measure.watch_loop_lag(lag))
         load = {"unlimited": loadavg()}
-        unlimited = streams(IN_QUOTA_UNLIMITED, 1, args.in_quota_max_tokens)
+        unlimited = streams(IN_QUOTA_UNLIMITED, args.in_quota_user_streams, args.in_quota_max_tokens)
         await measured("unlimited")
         await stop(unlimited)
         drained["unlimited"] = await wait_drained(probe)
         load["alone"] = loadavg()
-        carol = streams(IN_QUOTA_USER, 1, args.in_quota_max_tokens)
+        carol = streams(IN_QUOTA_USER, args.in_quota_user_streams, args.in_quota_max_tokens)
         await measured("alone")
         load["beside"] = loadavg()
         heavy = [task for b in borrowers for task in streams(b, args.in_quota_streams, args.in_quota_borrower_max_tokens)]
@@ -1114,7 +1122,7 @@ def in_quota_options(args) -> dict[str, Any]:
             "borrower_streams": args.in_quota_streams, "max_tokens": args.in_quota_max_tokens,
             "borrower_max_tokens": args.in_quota_borrower_max_tokens, "prompt_tokens": args.prompt_tokens,
             "stream_interval": args.stream_interval, "measured_s": args.in_quota_s,
-            "warmup_s": args.in_quota_warmup_s}
+            "warmup_s": args.in_quota_warmup_s, "streams": args.in_quota_user_streams}
 
 
 def analyse_in_quota(raw: dict[str, Any], args) -> dict[str, Any]:
@@ -1261,11 +1269,12 @@ def run_mode(mode: str, args, doc: dict[str, Any], loads: dict[str, list[Client]
         if IN_QUOTA in args.workload and mode != SHARES:
             print(f"[{mode}] {IN_QUOTA}: not run (its borrowers need {SHARES})", flush=True)
         elif IN_QUOTA in args.workload:
-            print(f"[{mode}] {IN_QUOTA}: {IN_QUOTA_USER} (hard cap {args.in_quota_rate:g}, one closed-loop stream "
+            print(f"[{mode}] {IN_QUOTA}: {IN_QUOTA_USER} (hard cap {args.in_quota_rate:g}, "
+                  f"{args.in_quota_user_streams} closed-loop stream(s) "
                   f"of {args.in_quota_max_tokens}-token requests) alone, then beside "
                   + ", ".join(IN_QUOTA_BORROWERS[:args.in_quota_borrowers])
                   + f" ({{rate {args.in_quota_borrower_rate:g}, ceil null}}, {args.in_quota_streams} streams each); "
-                  f"first one unlimited stream; {args.in_quota_warmup_s:g} s warm-up + {args.in_quota_s:g} s "
+                  f"first the same stream(s) unlimited; {args.in_quota_warmup_s:g} s warm-up + {args.in_quota_s:g} s "
                   "measured per phase", flush=True)
             raw = asyncio.run(run_in_quota(server.base_url, model, prompts, args))
             run = dict(analyse_in_quota(raw, args), started_at=result["started_at"], code=result["code"],
@@ -1363,7 +1372,8 @@ def workload_report(name: str, mode: str, w: dict[str, Any]) -> str:
 def in_quota_report(w: dict[str, Any]) -> str:
     """The in-quota workload: carol's tok/s per phase and run, the ratio against the target."""
     o = w["options"]
-    lines = [f"in-quota: {IN_QUOTA_USER} hard cap {o['rate']:g} tok/s, one stream of {o['max_tokens']}-token "
+    lines = [f"in-quota: {IN_QUOTA_USER} hard cap {o['rate']:g} tok/s, {o.get('streams', 1)} stream(s) of "
+             f"{o['max_tokens']}-token "
              f"requests; {o['borrowers']} borrower(s) {{rate {o['borrower_rate']:g}, ceil null}} x "
              f"{o['borrower_streams']} streams; {o['measured_s']:g} s measured per phase; tok/s on the engine's "
              f"charged counter (target: beside / min(limit, alone) >= {w['target_ratio']:g})"]
@@ -1465,7 +1475,8 @@ def appended_in_quota(earlier: dict[str, Any] | None, new: dict[str, Any]) -> di
     """``--in-quota-append``: the earlier runs (when their options are the same) and the new one."""
     if not earlier:
         return new
-    if earlier.get("options") != new["options"]:
+    # Runs written before --in-quota-user-streams had one stream of carol's.
+    if {"streams": 1, **(earlier.get("options") or {})} != new["options"]:
         print("warning: the earlier in-quota runs had other options: not kept", flush=True)
         return new
     return in_quota_summary([*earlier["runs"], *new["runs"]], new["options"])
@@ -1533,6 +1544,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="in-quota: carol's hard cap, tok/s (default 100 on the tiny model, 50 on the others: "
                         "within what one stream reaches beside a full batch; the unlimited phase and the "
                         "engine steps/s beside show it)")
+    p.add_argument("--in-quota-user-streams", type=int, default=1,
+                   help="in-quota: closed-loop streams of carol's (and of the unlimited phase's user), "
+                        "sharing her limit (default 1)")
     p.add_argument("--in-quota-borrower-rate", type=float, default=10.0,
                    help="in-quota: each borrower's rate (no ceiling; default 10)")
     p.add_argument("--in-quota-borrowers", type=int, choices=(1, 2), default=1,

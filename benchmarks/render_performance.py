@@ -69,6 +69,11 @@ MAKES = {
                                "--out docs/benchmarks/fair_share-in-quota-few",
     "fair_share-in-quota-many": "python benchmarks/fair_share.py --mode shares --workload in-quota --slots many "
                                 "--out docs/benchmarks/fair_share-in-quota-many",
+    "fair_share-in-quota-few-2streams": "python benchmarks/fair_share.py --mode shares --workload in-quota --slots few "
+                                        "--in-quota-user-streams 2 --out docs/benchmarks/fair_share-in-quota-few-2streams",
+    "fair_share-in-quota-many-2streams": "python benchmarks/fair_share.py --mode shares --workload in-quota "
+                                         "--slots many --in-quota-user-streams 2 "
+                                         "--out docs/benchmarks/fair_share-in-quota-many-2streams",
     "gateway_compare": "make bench-gateway",
 }
 
@@ -806,21 +811,30 @@ FAIR_SHARE_VARIANTS = {
 FAIR_SHARE_IN_QUOTA = {
     "fair_share-in-quota-few": "A user within its rate beside saturating borrowers: the tiny model, 4 active slots",
     "fair_share-in-quota-many": "A user within its rate beside saturating borrowers: the bench model, 8 active slots",
+    "fair_share-in-quota-few-2streams": "A user within its rate beside saturating borrowers, two streams: the tiny "
+                                        "model, 4 active slots",
+    "fair_share-in-quota-many-2streams": "A user within its rate beside saturating borrowers, two streams: the bench "
+                                         "model, 8 active slots",
 }
 
 
 def _in_quota_lines(w: dict, active: int) -> list[str]:
     """The in-quota workload: one row per run, then the target over the runs."""
     o = w["options"]
+    streams = o.get("streams", 1)  # carol's closed-loop streams (runs before the option: one)
     borrowers = ["bob", "dave"][:o["borrowers"]]
     lines = [
         "",
-        f"| run: started (1-min load before) | one stream, no limit (tok/s) | carol alone | carol beside the "
+        f"| run: started (1-min load before) | {'one stream' if streams == 1 else f'{streams} streams'}, no limit "
+        f"(tok/s) | carol alone | carol beside the "
         f"borrower{'s' if len(borrowers) > 1 else ''} | ratio beside / min(limit, alone) | "
         + " ".join(f"{b} tok/s (of which borrowed)," for b in borrowers)
         + f" tokens per step (of {active}) | carol's requests active / held for quota / waiting, mean of the "
         "reads beside | carol's requests beside: queued to first token p50 / max, first to last token p50 | "
-        "carol beside: share of the phase with a request in the engine; tok/s then | engine steps/s beside | "
+        + ("carol beside: share of the phase with a request in the engine; tok/s then" if streams == 1 else
+           "carol beside: request-seconds in the engine per second of the phase (summed over her streams); "
+           "tok/s per request then")
+        + " | engine steps/s beside | "
         "sample beside: seconds between the reads; reads; carol's requests finished; client errors |",
         "| --- | ---: | ---: | ---: | ---: | ---: | --- | --- | ---: | ---: | --- |",
     ]
@@ -862,12 +876,18 @@ def _in_quota_lines(w: dict, active: int) -> list[str]:
         share = client["first_token_share"] + client["generation_share"]
         lines.append(
             f"- Run {i}, beside: a request of carol's was in the engine (queued to last token, the engine's stamps "
-            f"of the {client['finished']} that finished in the phase) {100 * share:.0f} % of the phase, "
+            f"of the {client['finished']} that finished in the phase) {100 * share:.0f} % of the phase"
+            + ("" if streams == 1 else f" (summed over her {streams} streams' requests: up to {100 * streams} %)")
+            + ", "
             + ("" if client.get("tok_s_in_engine") is None else f"at {client['tok_s_in_engine']:.0f} tok/s, ")
             + f"queued to first token p50 {_ms(client.get('first_token_p50_s'))}; the rest, "
             f"{client['outside_engine_total_s']:.1f} s (p50 {_ms(client.get('outside_engine_p50_s'))} per request), "
             "went from the client's send to the engine's queue and from the last token to the client's end of "
-            f"stream (the API server and the client). Held for quota {carol.get('throttled_s', 0):g} s; the engine "
+            f"stream (the API server and the client{'' if streams == 1 else ', summed over the streams'}). "
+            + ("" if carol.get("reads_with_no_request") is None else
+               f"The plugin's per-user gauge showed no request of carol's (active, held or waiting) at "
+               f"{carol['reads_with_no_request']} of {beside.get('reads', 0)} reads. ")
+            + f"Held for quota {carol.get('throttled_s', 0):g} s; the engine "
             f"made {_num(beside.get('engine_steps_per_s'), '.0f')} steps/s (one token per step per request), "
             f"{_num(beside.get('tokens_per_step'), '.2f')} tokens per step of {active}.")
     return lines
@@ -902,13 +922,19 @@ def in_quota_section(name: str, title: str, doc: Doc) -> list[str]:
         "", f"### {title}", "",
         f"`{MAKES[name]}` (with `--in-quota-append` for each further run): on `{cfg['model']}` with "
         f"{_active_seqs(doc)} active slots (`--max-num-seqs 16`), the rate/ceil/weight server only. "
-        f"**carol** has a hard cap of {o['rate']:g} tok/s and keeps one closed-loop stream of "
-        f"{o['max_tokens']}-token requests ({o['prompt_tokens']} prompt tokens) in flight; "
+        f"**carol** has a hard cap of {o['rate']:g} tok/s and keeps "
+        + ("one closed-loop stream" if o.get("streams", 1) == 1 else
+           f"{o['streams']} closed-loop streams (sharing her limit: one can be in the engine while another "
+           "crosses the API server)")
+        + f" of {o['max_tokens']}-token requests ({o['prompt_tokens']} prompt tokens) in flight; "
         + " and ".join(f"**{b}**" for b in borrowers)
         + f" {'borrows' if len(borrowers) == 1 else 'borrow'} with {{rate {o['borrower_rate']:g}, ceil null}}, "
         f"{o['borrower_streams']} closed-loop streams of {o['borrower_max_tokens']}-token requests each. Three "
-        f"phases per run, each {o['warmup_s']:g} s of load then {o['measured_s']:g} s measured: one stream of "
-        "carol's load from a user with no limit of its own (what one stream reaches), carol alone, carol beside "
+        f"phases per run, each {o['warmup_s']:g} s of load then {o['measured_s']:g} s measured: "
+        + ("one stream of carol's load from a user with no limit of its own (what one stream reaches)"
+           if o.get("streams", 1) == 1 else
+           f"carol's {o['streams']} streams from a user with no limit of its own (what they reach)")
+        + ", carol alone, carol beside "
         "the borrowers. Every tok/s is the increase of the engine's "
         "`vllm:output_rate_output_tokens_charged_total` from the first to the last `/metrics` read within the "
         "phase (reads every 0.5 s; the plugin reports about once a second, so each edge may be a second stale). "
