@@ -129,25 +129,12 @@ ALL_CHECKS = ("bounds", "borrower", "liveness", "turns", "shares", "idle", "metr
 #: seed, ``CHARGE_MACHINE_EXAMPLES=300 --hypothesis-seed=N``), not by the
 #: suite's fixed examples:
 #:
+#: * ``idle``, seed 2 (example 13): async, no chunked prefill, a tight KV
+#:   cache and the store: an idle wait of 0 and a same-instant step that
+#:   runs nothing.  GroupTurns with seed 5 passes 300 examples.
 #: * ``turns`` without chunked prefill (GroupTurns widened to it, the
 #:   suite's first examples): a member passed over by its group's admissions
 #:   more often than the group has members.
-#: * ``idle``, seed 2, DraftsMachine (sync, drafts, no chunked prefill, a
-#:   tight KV cache, all four users in g0): an idle wait of 0 and a
-#:   same-instant step that runs nothing, every user blocked.  Not diagnosed
-#:   yet; synchronous, so not the case resolved below.
-#:
-#: Resolved: ``idle``, seed 2 (example 13; async, no chunked prefill, a
-#: tight KV cache, groups, the store in its local fallback): an idle wait
-#: of 0 and a same-instant step that ran nothing.  A stream whose every
-#: remaining token was in flight (vLLM schedules it no more) was still paid
-#: for by the plan; it held its group's only token through the step, so the
-#: other members' waiting requests were refused, nothing ran and the refund
-#: at settle left the quota there (wait 0); the next step gave the token to
-#: a member's turn whose request found no KV.  Such a stream now leaves the
-#: rotation unpaid (``MembershipHooks._set_aside_drained``); with seed 2
-#: the machine over every combination, GroupTurns and LoneBorrower pass 300
-#: examples each.  GroupTurns with seed 5 passed 300 examples before.
 OPEN_CHECKS = ("shares",)
 #: For measuring one invariant at a time (default: all but OPEN_CHECKS).
 CHECKS = frozenset(os.environ.get(

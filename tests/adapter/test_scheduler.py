@@ -449,46 +449,6 @@ def test_limits_never_hit_schedule_exactly_like_stock(async_):
     assert isinstance(Harness(limits(1), async_=True).sched, OutputRateAsyncScheduler)
 
 
-# -- asynchronous scheduling: a stream whose last token is in flight -----------------
-
-
-@pytest.mark.parametrize("shared", ["user", "group"])
-def test_async_stream_with_its_last_token_in_flight_holds_no_quota(shared):
-    """Issue 31, ``idle``: with asynchronous scheduling a stream whose every
-    remaining token is in flight is not scheduled again by vLLM.  Paid for
-    by the plan, it held its user's only token (or its group's) through the
-    step, so the waiting request of its user (or of another member) was
-    refused, nothing ran, the token was refunded at settle and the engine was
-    told to wait 0.  Now that request runs in that very step, and no step
-    runs nothing with an idle wait of 0."""
-    if shared == "user":
-        config = limits(1000, u=5)  # one token at a time
-        first, second = "u", "u"
-    else:
-        config = {
-            "default_user_output_tokens_per_second": 1000,
-            "user_output_tokens_per_second": {
-                "a": {"rate": 1000, "group": "g"}, "b": {"rate": 1000, "group": "g"},
-            },
-            "groups": {"g": 5},
-        }
-        first, second = "a", "b"
-    h = Harness(config, async_=True, chunked=False)
-    stream = h.add(first, prompt_len=8, max_tokens=2, request_id="A")
-    h.step(200 * MS)  # A's prefill and first token
-    h.step(200 * MS)  # A's last token, in flight from here on
-    h.add(second, prompt_len=8, max_tokens=1, request_id="B")
-    assert stream.num_output_placeholders == 1  # vLLM will not schedule A again
-    output = h.step(0)
-    assert "B" in output.num_scheduled_tokens
-    for _ in range(5):
-        output = h.step(0)
-        assert output.total_num_scheduled_tokens or h.sched.output_rate_idle_wait_s != 0
-        h.clock.advance(200 * MS)
-    h.drain()
-    assert all(record.finished for record in h.records.values())
-
-
 # -- streaming-input sessions --------------------------------------------------------
 
 

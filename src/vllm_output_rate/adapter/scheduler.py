@@ -147,31 +147,7 @@ class MembershipHooks:
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         if self._facts.sessions:
             self._release_idle_sessions(scheduler_output)
-        if self._facts.async_scheduling:
-            self._set_aside_drained(scheduler_output)
         return outputs
-
-    def _set_aside_drained(self, scheduler_output) -> None:
-        """Asynchronous scheduling: a stream of ``scheduler_output`` whose
-        every token left is in flight -- checked when the step is settled
-        (its tokens just went in flight) and when its output is in (the
-        earlier step's arrived) -- is one vLLM schedules no more (its
-        output ends it; :func:`_all_output_in_flight`, vLLM's own test).
-        It leaves its user's rotation for the lane's free requests
-        (``Lane.progressing``), so no plan pays for it again.  Paid for, it
-        held its user's token, and its group's, through the next step, and
-        was refunded only at settle, after the user's waiting requests (and
-        those of its group's other members) had been refused for that
-        token: a step that ran nothing with the quota back, an idle wait of
-        0 (issue 31, ``idle``).  Should vLLM schedule it after all, it is
-        charged at its sampling position as any free request is.  Only the
-        step's requests can have become so."""
-        requests = self.requests
-        set_progressing = self._lanes.set_progressing
-        for req_id in scheduler_output.num_scheduled_tokens:
-            request = requests.get(req_id)
-            if request is not None and _all_output_in_flight(request):
-                set_progressing(request, True)
 
     def _release_idle_sessions(self, scheduler_output) -> None:
         """Requests that left ``running`` without being freed or preempted (a
@@ -735,7 +711,6 @@ class OutputRateSchedulerMixin(
             # stepping (vLLM runs a dummy batch and syncs the ranks every
             # step): waiting on its input queue would stall every other rank.
             data_parallel=self.vllm_config.parallel_config.data_parallel_size > 1,
-            async_scheduling=isinstance(self, AsyncScheduler),
         )
         self._step: _Step | None = None
         #: The users' own rates (the first level of every composed quota).
@@ -897,8 +872,6 @@ class OutputRateSchedulerMixin(
         )
         sampled = _SampledView(num_scheduled)
         gate.settle(sampled, all_prepaid_sampled=undisturbed)
-        if self._facts.async_scheduling:
-            self._set_aside_drained(output)
         self._settle_step(step, output)
         return output
 
@@ -937,8 +910,6 @@ class OutputRateSchedulerMixin(
             and not any(request.is_prefill_chunk for request in admitted)
         )
         self._ledger.settle_repeat(resident, _SampledView(num_scheduled), all_sampled)
-        if self._facts.async_scheduling:
-            self._set_aside_drained(output)
         self._settle_step(step, output)
         return output
 
@@ -997,20 +968,12 @@ class OutputRateSchedulerMixin(
 class _EngineFacts:
     """What the plugin's hooks need to know of the engine they run in."""
 
-    __slots__ = (
-        "chunked_prefill", "priority_policy", "data_parallel", "async_scheduling", "sessions",
-    )
+    __slots__ = ("chunked_prefill", "priority_policy", "data_parallel", "sessions")
 
-    def __init__(
-        self, chunked_prefill: bool, priority_policy: bool, data_parallel: bool,
-        async_scheduling: bool = False,
-    ) -> None:
+    def __init__(self, chunked_prefill: bool, priority_policy: bool, data_parallel: bool) -> None:
         self.chunked_prefill = chunked_prefill
         self.priority_policy = priority_policy
         self.data_parallel = data_parallel
-        #: Step N+1 is scheduled before step N's output: a stream may have
-        #: every token it has left in flight (see _set_aside_drained).
-        self.async_scheduling = async_scheduling
         #: A streaming-input session was seen: residency is then checked
         #: after every step's output (see MembershipHooks).
         self.sessions = False
@@ -1128,18 +1091,6 @@ def _can_progress_unpaid(request: Request) -> bool:
         request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
     )
     return remaining >= 2
-
-
-def _all_output_in_flight(request: Request) -> bool:
-    """vLLM's own test (its running loop, asynchronous scheduling) for a
-    request it does not schedule again: the tokens in flight reach
-    ``max_tokens`` even if every draft among them is rejected."""
-    placeholders = request.num_output_placeholders
-    return (
-        placeholders > 0
-        and request.num_computed_tokens + 2 - placeholders
-        >= request.num_prompt_tokens + request.max_tokens
-    )
 
 
 def _output_left(request: Request) -> int:

@@ -23,10 +23,7 @@ class Lane:
     """One user's requests that take part in the rotation.
 
     ``progressing`` holds resident prefills that can advance without
-    sampling (an ordered set, admission order), and streams that will not
-    sample again (asynchronous scheduling: every token they have left is
-    in flight); both are shown to the scheduler without a payment.
-    ``decoding`` holds resident
+    sampling (an ordered set, admission order).  ``decoding`` holds resident
     requests that must sample, in rotation order (the front is served next),
     and, among them, ``waiting`` requests that are not resident yet but take
     their turn like a stream (see :meth:`Lanes.wait_in_turn`).
