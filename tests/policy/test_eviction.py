@@ -179,6 +179,21 @@ def test_no_victim_for_a_requester_who_cannot_pay_or_of_its_own_user():
     assert part.victim_for("s1", waiting=False) is None  # never one stream for another
 
 
+def test_asking_whether_a_requester_could_pay_refuses_nobody():
+    # Issue 31's charge-path machine (``idle``; chunked prefill, prompt cost,
+    # a tight KV cache): a waiting request's prompt chunk took its user's
+    # last token, then found no KV; the victim search's question refused the
+    # user, who, with the chunk refunded at settle, was "ready now": an
+    # engine with nothing to run was told to wait 0 and stepped empty.
+    gate, part, _ = displacement()
+    add(gate, "one", "o1")
+    start(gate)
+    assert gate.limiter.try_take("one", 0)  # its prompt chunk took the last token
+    assert part.victim_for("o1", waiting=True) is None
+    assert "one" not in gate.ledger.refused and "one" not in gate.ledger.blocked
+    assert not gate.ledger.charge("o1")  # charged for real, it is refused
+
+
 def test_an_evicted_request_and_a_served_users_waiting_request_take_free_room_only():
     gate, part, evicted = displacement()
     add(gate, "fast", "f1", resident=True)

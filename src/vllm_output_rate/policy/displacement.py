@@ -106,7 +106,7 @@ class Displacement:
             # Served through resident streams already: evicting others for
             # it would churn.
             return None
-        if not ledger.charge(key, take=False):
+        if not _could_pay(ledger, key, requester):
             return None
         rate_of = ledger.limiter.rate_of
         requester_resident = resident_count(requester)
@@ -145,8 +145,7 @@ class Displacement:
         lanes = self._lanes
         resident_count = lanes.resident_count
         priority_of = self._priority_of
-        # Pure checks first: asking the ledger or the limiter has effects (a
-        # user found unable to pay is not asked again in the step).
+        # The cheap checks first.
         if not any(
             user != requester and residency.surplus(user, resident_count(user)) > 0
             for user in self._ledger.short
@@ -154,7 +153,7 @@ class Displacement:
             return None
         if not residency.admits(requester, resident_count(requester)):
             return None
-        if not self._ledger.charge(key, take=False):
+        if not _could_pay(self._ledger, key, requester):
             return None
         user_of = lanes.user_of
         surplus_of: dict[str, int] = {}
@@ -284,3 +283,15 @@ def fits_in_free_kv(tokens: int, block_size: int, running: int, free_blocks: int
     """
     needed = -(-(tokens + 1) // block_size) + running
     return free_blocks >= needed
+
+
+def _could_pay(ledger: Ledger, key: Key, user: str) -> bool:
+    """Could the request's user pay for its token now?  Asked without
+    refusing the user: the question comes while the request looks for KV,
+    possibly after its prompt chunk took the user's last token (refunded at
+    the end of the step if no KV is found).  A refusal there would count the
+    user as waiting for quota and, with that refund, ready again at once: an
+    engine with nothing to run would be told to wait 0 and step empty."""
+    return ledger.is_charged(key) or (
+        user not in ledger.refused and ledger.limiter.available(user, ledger.now_ns) > 0
+    )
