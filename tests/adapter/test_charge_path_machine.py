@@ -121,20 +121,46 @@ ALL_CHECKS = ("bounds", "borrower", "liveness", "turns", "shares", "idle", "metr
 #: Checks that still find cases nobody has resolved, left out of ``make
 #: test`` until they are (run them with ``CHARGE_MACHINE_CHECKS=shares``):
 #:
-#: * ``shares``: on seed 2 two ceiling-less borrowers of one scope drift 5.3
-#:   weighted tokens apart against the check's 5.0; the check's margin or the
-#:   counters' lift of a user that was not short in a step may be the cause.
+#: * ``shares``: on seed 2 two ceiling-less borrowers of one scope drift
+#:   apart by more than the check's (active cap + 2) / smallest weight (7.0
+#:   against 5.0: u0 and u2 at equal weights, aborts, no reload; not yet
+#:   diagnosed).  Two causes it found are fixed (``tests/policy/test_borrow.py``):
+#:   a newcomer lifted to the counter of a borrower that only waited for a
+#:   slot, and a counter kept across a reload that changed its user's weight.
 #:
 #: Open cases of judged checks, found by exploration only (300 examples per
 #: seed, ``CHARGE_MACHINE_EXAMPLES=300 --hypothesis-seed=N``), not by the
 #: suite's fixed examples:
 #:
 #: * ``idle``, seed 2 (example 13): async, no chunked prefill, a tight KV
-#:   cache and the store: an idle wait of 0 and a same-instant step that
-#:   runs nothing.  GroupTurns with seed 5 passes 300 examples.
+#:   cache, groups, the store in its local fallback: an idle wait of 0 and a
+#:   same-instant step that runs nothing.  The plan pays for a stream whose
+#:   every remaining token is in flight (vLLM schedules it no more), holding
+#:   its group's only token through the step, so the other members' waiting
+#:   requests are refused.  Setting such streams aside as free prefills
+#:   fixed it and broke weights in async (they still took visible room), so
+#:   it was reverted.  GroupTurns with seed 5 passes 300 examples.
+#: * ``idle``, seed 2, DraftsMachine (sync, drafts, tight KV, all users in
+#:   one group), two cases.  Without chunked prefill: the token kept for a
+#:   waiting request that found no KV is not counted as waiting for room
+#:   when the same user was refused for another request in that step
+#:   (``Ledger.settle`` drops every refused user from ``unadmitted``), so
+#:   the next plan keeps the token for another admission that cannot fit.
+#:   With chunked prefill: a waiting request pays its first chunk, finds no
+#:   KV, and the victim search's ask refuses its user on the quota the chunk
+#:   took; the refund makes it "ready now" (wait 0) though vLLM's queue is
+#:   stopped at that request.
 #: * ``turns`` without chunked prefill (GroupTurns widened to it, the
 #:   suite's first examples): a member passed over by its group's admissions
 #:   more often than the group has members.
+#:
+#: The fixed examples are the same every run, but what the scheduler does
+#: with them also follows the iteration order of sets of strings and
+#: requests, so ``PYTHONHASHSEED`` (and the code's memory layout) can lead a
+#: run into a case another run misses: 5 of 12 hash seeds found an ``idle``
+#: case here (chunked prefill, prompt cost, a tight KV cache: the eviction
+#: search's question refused a user whose prompt chunk had just taken its
+#: last token), since fixed.  Set ``PYTHONHASHSEED`` to try other orders.
 OPEN_CHECKS = ("shares",)
 #: For measuring one invariant at a time (default: all but OPEN_CHECKS).
 CHECKS = frozenset(os.environ.get(

@@ -340,6 +340,43 @@ def test_a_newcomer_to_the_queue_starts_at_the_floor_not_at_zero():
     assert b.admissions({"old": [10] * 2, "new": [10] * 2}, {}, 1) == ["old"]
 
 
+def test_a_newcomer_starts_level_with_the_borrowers_running_not_below_one_waiting():
+    # Issue 31's charge-path machine (``shares``, seed 2): a user that became
+    # a borrower on a reload was lifted to the counter of one that had only
+    # waited for a slot (6 against the running borrowers' 12), and then
+    # out-borrowed them by the lag it had not built up.  The waiting one
+    # keeps its lag: the free slots go to it first.
+    b = _borrowing({"wait": 1, "new": 1, "run": 1})
+    b.counters.update(run=12.0, wait=6.0)
+    b.active.update({"run", "wait"})
+    b.holding.add("run")
+    order = b.admissions({"wait": [1] * 10, "new": [1] * 10, "run": [1] * 10}, {}, 9)
+    assert order[:6] == ["wait"] * 6
+    assert sorted(order[6:]) == ["new", "run", "wait"]
+
+
+def test_a_reload_that_changes_a_weight_starts_that_user_level():
+    # Issue 31's charge-path machine (``shares``, seed 2): x's counter was
+    # built at weight 2 (3.0 = 6 tokens), y's at weight 1 (8.5); a reload
+    # gave x weight 1, and x, kept at 3.0, then out-borrowed y by 5.5 tokens
+    # of a lag built under the old shares.  It enters at the floor instead.
+    b = _borrowing({"x": 2, "y": 1})
+    b.counters.update(x=3.0, y=8.5)
+    b.scopes.update(x=None, y=None)
+    b.active.update({"x", "y"})
+    b.holding.update({"x", "y"})
+    renewed = _borrowing({"x": 1, "y": 1})
+    b.update(renewed.table, renewed.ceiling)
+    assert "x" not in b.counters and b.counters["y"] == 8.5
+    order = b.admissions({"x": [1] * 10, "y": [1] * 10}, {}, 10)
+    assert order.count("x") == order.count("y") == 5
+    # A reload that keeps the weights keeps the counters.
+    b.counters.update(x=3.0)
+    b.scopes["x"] = None
+    b.update(_borrowing({"x": 1, "y": 1}).table, renewed.ceiling)
+    assert b.counters == {"x": 3.0, "y": 8.5}
+
+
 def test_users_waiting_for_a_slot_stay_current_borrowers_and_keep_their_counters():
     w = World(0.01, {"x": 0.01, "y": 0.01}, {"x": Share(None, 1), "y": Share(None, 1)})
     w.add("x", 4)

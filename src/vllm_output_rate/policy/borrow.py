@@ -203,6 +203,9 @@ class Borrowing:
         #: capacity was last offered, and their groups.
         self.active: set[str] = set()
         self.active_groups: set[str] = set()
+        #: Those of them that had streams to borrow with (the others only
+        #: waited for a slot): they set a newcomer's level (see _floors).
+        self.holding: set[str] = set()
         #: (user, keys) borrowed in the current step.
         self.step: list[tuple[str, list[Key]]] = []
         self._now_ns = 0
@@ -218,10 +221,11 @@ class Borrowing:
         ``waiting``: users with waiting requests that would only run by
         borrowing.  They are current borrowers too (backlogged, waiting for
         a slot, see :meth:`admissions`): their counters are kept, not lifted
-        as a newcomer's, and they hold the floor down."""
+        as a newcomer's (and set the floor only where nobody has streams,
+        see :meth:`_floors`)."""
         self.step = []
         if not ledger.short and not waiting:
-            self.active = set()  # nobody short, nobody borrows:
+            self.active, self.holding = set(), set()  # nobody short, nobody borrows:
             self._level()  # everyone starts level next time
             return []
         if room <= 0 and not waiting:
@@ -283,6 +287,7 @@ class Borrowing:
         # no stream in a step keeps its counter (only newcomers are lifted).
         self.active = set(streams) | queued
         self.active_groups = set(group_left) | queued_groups
+        self.holding = set(streams)
         if not self.active:
             self._level()  # nobody borrows: everyone starts level next time
         heapq.heapify(heap)
@@ -419,17 +424,33 @@ class Borrowing:
     def _floors(self) -> dict[str | None, float]:
         """The smallest counter among the current borrowers of each scope:
         users without a group and the groups themselves (scope None), or the
-        members of one group (scope: the group)."""
+        members of one group (scope: the group).
+
+        Borrowers that had streams to borrow with set the level; one that
+        only waited for a slot counts only where no borrower had streams.
+        Its counter stays low while it waits (its credit, spent when it gets
+        a slot), and a newcomer lifted to it would take that credit: it
+        would out-borrow every borrower running by the lag the waiting one
+        built up."""
         group_of, counters = self.table.group_of, self.counters
+        holding = self.holding
         floors: dict[str | None, float] = {}
+        waiting: dict[str | None, float] = {}
+        held_groups: set[str | None] = set()
         for u in self.active:
             scope, c = group_of(u), counters.get(u, 0.0)
-            if c < floors.get(scope, _INF):
-                floors[scope] = c
+            level = floors if u in holding else waiting
+            if c < level.get(scope, _INF):
+                level[scope] = c
+            if u in holding and scope is not None:
+                held_groups.add(scope)
         for g in self.active_groups:
             c = self.group_counters.get(g, 0.0)
-            if c < floors.get(None, _INF):
-                floors[None] = c
+            level = floors if g in held_groups else waiting
+            if c < level.get(None, _INF):
+                level[None] = c
+        for scope, c in waiting.items():
+            floors.setdefault(scope, c)
         return floors
 
     def _start(self, user: str, floors: Mapping[str | None, float]) -> float:
@@ -485,24 +506,35 @@ class Borrowing:
         self, table: BorrowerTable, ceiling: Limiter | None, cap: Limiter | None = None
     ) -> None:
         """New shares and quotas (a reload); counters and totals are kept,
-        except those of users the new table puts in another scope.
+        except those of users the new table puts in another scope or gives
+        another weight.
 
         A counter is only comparable with the others of its scope (tokens
         borrowed / weight since that scope's borrowers started level), so a
         user that changed group, or joined or left one, enters its new scope
         as a returning borrower does: at the smallest counter of the current
         borrowers there, with no credit or debt banked in the old one.  Its
-        old group keeps what it borrowed (the group did borrow it).  The
-        scopes are the ones recorded with the counters: ``table.group_of``
-        may already answer with the new membership when this is called (the
-        owner updates its group quotas in place first).
+        old group keeps what it borrowed (the group did borrow it).  So does
+        a user whose weight changed: its counter is in units of the old
+        weight, and the lag or lead it holds against the others was built
+        under the old shares (kept, it would be paid out under the new ones
+        as if the new weights had been wrong all along).  The scopes are the
+        ones recorded with the counters: ``table.group_of`` may already
+        answer with the new membership when this is called (the owner
+        updates its group quotas in place first, so a group's own weight
+        cannot be compared this way: a group's counter is kept).
         """
         group_of = table.group_of
-        moved = [user for user, scope in self.scopes.items() if group_of(user) != scope]
+        old_weight, new_weight = self.table.weight, table.weight
+        moved = [
+            user for user, scope in self.scopes.items()
+            if group_of(user) != scope or old_weight(user) != new_weight(user)
+        ]
         for user in moved:
             del self.scopes[user]
             self.counters.pop(user, None)
             self.active.discard(user)
+            self.holding.discard(user)
         self.table = table
         self.ceiling = ceiling
         self.cap = ceiling if cap is None else cap
