@@ -14,7 +14,7 @@ Plain Python: no vLLM import.
 
 from __future__ import annotations
 
-from typing import Callable, Container, Hashable, Iterable
+from typing import Callable, Container, Hashable, Iterable, Iterator
 
 from vllm_output_rate.policy.eviction import EvictionBudget, evens_out
 from vllm_output_rate.policy.lanes import Lanes
@@ -157,28 +157,22 @@ class Displacement:
             return None
         user_of = lanes.user_of
         surplus_of: dict[str, int] = {}
-        best: Key | None = None
-        best_generated = 0
-        for victim in throttled_victims(lanes, self._ledger):
-            user = user_of[victim]
-            if user == requester or victim is key:
-                continue
-            surplus = surplus_of.get(user)
-            if surplus is None:
-                surplus = surplus_of[user] = residency.surplus(user, resident_count(user))
-            if surplus <= 0:
-                continue
-            if priority_of is not None and floor is not None and priority_of(victim) < floor:
-                continue
-            generated = self._generated_of(victim)
-            if best is not None and generated >= best_generated:
-                continue
-            if not self._budget.affords(self._tokens_held(victim)):
-                continue
-            if not self._can_release(victim):
-                continue
-            best, best_generated = victim, generated
-        return best
+
+        def candidates() -> Iterator[Key]:
+            for victim in throttled_victims(lanes, self._ledger):
+                user = user_of[victim]
+                if user == requester or victim is key:
+                    continue
+                surplus = surplus_of.get(user)
+                if surplus is None:
+                    surplus = surplus_of[user] = residency.surplus(user, resident_count(user))
+                if surplus <= 0:
+                    continue
+                if priority_of is not None and floor is not None and priority_of(victim) < floor:
+                    continue
+                yield victim
+
+        return self._least_generated(candidates())
 
     def handover_victim(self, donor: str) -> Key | None:
         """The resident stream a borrower gives up for another borrower
@@ -203,11 +197,17 @@ class Displacement:
         if lane is None:
             return None
         lane_of = lanes.lane_of
+        return self._least_generated(
+            key for key in lane.decoding if lane_of.get(key) == donor and not ledger.is_charged(key)
+        )
+
+    def _least_generated(self, candidates: Iterable[Key]) -> Key | None:
+        """Of ``candidates``, the one that generated least (the first of
+        equals) whose recompute the budget affords and whose KV can be
+        released; None if none."""
         best: Key | None = None
         best_generated = 0
-        for key in lane.decoding:
-            if lane_of.get(key) != donor or ledger.is_charged(key):
-                continue
+        for key in candidates:
             generated = self._generated_of(key)
             if best is not None and generated >= best_generated:
                 continue
