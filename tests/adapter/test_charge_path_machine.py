@@ -146,10 +146,11 @@ ALL_CHECKS = ("bounds", "borrower", "liveness", "turns", "shares", "idle", "metr
 #:   when the same user was refused for another request in that step
 #:   (``Ledger.settle`` drops every refused user from ``unadmitted``), so
 #:   the next plan keeps the token for another admission that cannot fit.
-#:   With chunked prefill: a waiting request pays its first chunk, finds no
-#:   KV, and the victim search's ask refuses its user on the quota the chunk
-#:   took; the refund makes it "ready now" (wait 0) though vLLM's queue is
-#:   stopped at that request.
+#:   With chunked prefill: a waiting request paid its first chunk, found no
+#:   KV, and the eviction search's question refused its user on the quota
+#:   the chunk took; the refund made it "ready now" (wait 0) though vLLM's
+#:   queue was stopped at that request.  That question no longer refuses
+#:   (see below); this exploration has not been run again since.
 #: * ``turns`` without chunked prefill (GroupTurns widened to it, the
 #:   suite's first examples): a member passed over by its group's admissions
 #:   more often than the group has members.
