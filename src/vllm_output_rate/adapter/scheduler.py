@@ -428,16 +428,21 @@ class EvictionHooks:
         return self._displacement.victim_for(request, not running, least_important)
 
     def _evict(self, victim: Request) -> None:
+        self._preempt_for_quota(victim)
+        # vLLM's waiting loop may be mid-iteration and about to pop the head
+        # of the queue it peeked; keep the victim out until the step ends.
+        self.waiting.remove_request(victim)
+        self._step.evicted.append(victim)
+
+    def _preempt_for_quota(self, victim: Request) -> None:
+        """Preempt ``victim`` to the front of the waiting queue, paid from the
+        recompute budget; it comes back into free KV only."""
         # Every eviction is paid for, also those for a running request that
         # needs KV (vLLM would preempt someone then anyway): the budget then
         # runs into debt, and waiting requests wait until it is paid back.
         self.output_rate_eviction_budget.spend(victim.num_computed_tokens)
         self._evicted_for_quota.add(victim)
         self._preempt_request(victim, time.monotonic())
-        # vLLM's waiting loop may be mid-iteration and about to pop the head
-        # of the queue it peeked; keep the victim out until the step ends.
-        self.waiting.remove_request(victim)
-        self._step.evicted.append(victim)
 
 
 class BorrowingHooks:
@@ -508,9 +513,7 @@ class BorrowingHooks:
         victim = self._displacement.handover_victim(donor)
         if victim is None:
             return None
-        self.output_rate_eviction_budget.spend(victim.num_computed_tokens)
-        self._evicted_for_quota.add(victim)
-        self._preempt_request(victim, time.monotonic())  # to the front of the waiting queue
+        self._preempt_for_quota(victim)
         self.running.remove(victim)  # the resident list (no step yet: nothing else holds it)
         plan.hidden -= 1
         return receiver

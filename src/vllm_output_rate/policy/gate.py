@@ -308,4 +308,4 @@ class StepGate:
 
 
 def _has_resident_stream(lane: Lane | None) -> bool:
-    return lane is not None and len(lane.decoding) > lane.waiting
+    return lane is not None and lane.resident_streams() > 0

@@ -35,7 +35,11 @@ class Lane:
 
     def __len__(self) -> int:
         """Resident requests of the user (in-turn waiting ones not counted)."""
-        return len(self.decoding) - self.waiting + len(self.progressing)
+        return len(self.decoding) - self.waiting + len(self.progressing)  # inline: per step
+
+    def resident_streams(self) -> int:
+        """Resident requests of the user that must sample to progress."""
+        return len(self.decoding) - self.waiting
 
     def rotate_front(self, offered: list[Key], served: Iterable[Key]) -> None:
         """``offered`` was the front of the rotation: its ``served`` keys move

@@ -283,7 +283,7 @@ class Ledger:
                 continue
             ran = self.ran[user] = self.ran.get(user, 0) + count
             lane = self._lanes.order.get(user)
-            if lane is not None and ran >= len(lane.decoding) - lane.waiting:
+            if lane is not None and ran >= lane.resident_streams():
                 self.blocked.discard(user)
 
 
