@@ -392,3 +392,24 @@ def test_users_waiting_for_a_slot_stay_current_borrowers_and_keep_their_counters
     assert "y" in w.borrowing.active
     assert w.borrowing.counters["x"] - w.borrowing.counters["y"] >= 20 * 4 - 4
     assert w.borrowing.admissions({"x": [10], "y": [10]}, {"x": 40}, 1) == ["y"]
+
+
+def test_service_spare_room_gave_everyone_is_not_counted_against_them_later():
+    # Found by the charge-path machine (``shares``, seed 2): two borrowers of
+    # one stream each, weights 1 and 3, both ran every step while the room
+    # covered them.  Counted, x's counter ran ahead by a token a step (y's by
+    # a third), and when the room shrank y won every contended step until it
+    # had "caught up" on service x never took from it.
+    w = World(0.01, {"x": 0.01, "y": 0.01}, {"x": Share(None, 1), "y": Share(None, 3)})
+    w.add("x", 1)
+    w.add("y", 1)
+    for _ in range(30):
+        w.step(slots=4)
+    before = dict(w.borrowing.borrowed_tokens)
+    assert before["x"] >= 28 and before["y"] >= 28  # both ran: nothing rationed
+    for _ in range(40):
+        w.step(slots=1)
+    got = {u: w.borrowing.borrowed_tokens[u] - before.get(u, 0) for u in ("x", "y")}
+    assert got["x"] + got["y"] == 40
+    # By weight, 1:3 of the contended steps (10 and 30), within a token or two.
+    assert abs(got["x"] - 10) <= 2, got

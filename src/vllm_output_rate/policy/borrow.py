@@ -18,7 +18,13 @@ their rate quota may run anyway, *borrowing*:
   borrowers (those that could borrow when spare capacity was last offered,
   or wait for a slot to borrow in), so idle time is never banked.  Free
   slots for borrowers' waiting requests are handed out the same way
-  (:meth:`Borrowing.admissions`), not in arrival order;
+  (:meth:`Borrowing.admissions`), not in arrival order.  Counters move
+  only in steps that ration: when the spare room covers every borrower's
+  hidden streams, no group's cap ran out and no borrower has a request
+  waiting, each gets all it can use and nothing is counted (a user held back by its own demand, one
+  stream say, would otherwise be owed the difference and take it back from
+  the others at the next contention).  Waiting requests make a step count:
+  then slots are what is rationed;
 * **how much**: a second GCRA at ``ceil`` (the *ceiling* limiter) counts
   every output token of such a user, guaranteed ones too (the factory
   composes the two quotas, :class:`~.quota.ComposedLimiter`, so a guaranteed
@@ -208,6 +214,10 @@ class Borrowing:
         self.holding: set[str] = set()
         #: (user, keys) borrowed in the current step.
         self.step: list[tuple[str, list[Key]]] = []
+        #: Does the current step ration (room or a group's cap left some
+        #: borrower's stream out, or a borrower has a request waiting)?
+        #: Else no counter moves.
+        self.rationed = False
         self._now_ns = 0
 
     def offer(
@@ -224,6 +234,7 @@ class Borrowing:
         as a newcomer's (and set the floor only where nobody has streams,
         see :meth:`_floors`)."""
         self.step = []
+        self.rationed = False
         if not ledger.short and not waiting:
             self.active, self.holding = set(), set()  # nobody short, nobody borrows:
             self._level()  # everyone starts level next time
@@ -294,6 +305,7 @@ class Borrowing:
         step_groups = dict(group_counters) if group_left else group_counters
         taken: dict[str, int] = {}
         order: list[Key] = []
+        group_capped = False
         while heap and room > 0:
             primary, counter, index, user = heapq.heappop(heap)
             group = group_of(user) if group_left else None
@@ -304,6 +316,7 @@ class Borrowing:
                 left = group_left[group]
                 if left is not None:
                     if left <= 0:
+                        group_capped = True  # its members compete for the cap
                         continue  # the group's cap is spent in this step
                     group_left[group] = left - 1
             got = taken.get(user, 0)
@@ -317,6 +330,7 @@ class Borrowing:
                 primary = step_groups[group] = step_groups[group] + 1 / table.group_weight(group)
             if got + 1 < len(streams[user]):
                 heapq.heappush(heap, (primary, counter, index, user))
+        self.rationed = bool(heap) or group_capped or any(map(table.borrows, waiting))
         unpaid: set[Key] = set()
         for user, count in taken.items():
             keys = streams[user][:count]
@@ -354,6 +368,7 @@ class Borrowing:
             return False
         self._now_ns = now_ns
         self.step.append((user, [key]))
+        self.rationed = True  # a slot handed out by admissions: slots are rationed
         return True
 
     def admissions(
@@ -484,12 +499,13 @@ class Borrowing:
             if not served:
                 continue
             n = len(served)
-            counters[user] = counters.get(user, 0.0) + n / table.weight(user)
             group = self.scopes[user] = table.group_of(user)
-            if group is not None:
-                self.group_counters[group] = (
-                    self.group_counters.get(group, 0.0) + n / table.group_weight(group)
-                )
+            if self.rationed:
+                counters[user] = counters.get(user, 0.0) + n / table.weight(user)
+                if group is not None:
+                    self.group_counters[group] = (
+                        self.group_counters.get(group, 0.0) + n / table.group_weight(group)
+                    )
             self.borrowed_tokens[user] = self.borrowed_tokens.get(user, 0) + n
             kept[user] = kept.get(user, 0) + n
             lane = lanes.order.get(user)
