@@ -142,13 +142,16 @@ ALL_CHECKS = ("bounds", "borrower", "liveness", "turns", "shares", "idle", "metr
 #: suite's fixed examples:
 #:
 #: * ``idle``, seed 2 (example 13): async, no chunked prefill, a tight KV
-#:   cache, groups, the store in its local fallback: an idle wait of 0 and a
-#:   same-instant step that runs nothing.  The plan pays for a stream whose
-#:   every remaining token is in flight (vLLM schedules it no more), holding
-#:   its group's only token through the step, so the other members' waiting
-#:   requests are refused.  Setting such streams aside as free prefills
-#:   fixed it and broke weights in async (they still took visible room), so
-#:   it was reverted.  GroupTurns with seed 5 passes 300 examples.
+#:   cache, groups, the store in its local fallback: an idle wait of 0 and
+#:   one same-instant step that runs nothing (then a wait until the only
+#:   resident stream's user can pay).  In the empty step a member's reserved
+#:   admission held its group's token, so a preempted request of another
+#:   member was refused, and the reserved request was never reached in
+#:   vLLM's queue; both got the token back at settle.  Until the fix noted
+#:   in ``tests/policy/test_idle_wait.py`` (a user with nothing resident
+#:   waits for room while admissions do) the engine stepped empty until
+#:   that user could pay.  The cause of the first wait of 0 is not fixed.
+#:   GroupTurns with seed 5 passes 300 examples.
 #: * ``idle``, seed 2, DraftsMachine (sync, drafts, tight KV, all users in
 #:   one group), two cases.  Without chunked prefill: the token kept for a
 #:   waiting request that found no KV is not counted as waiting for room

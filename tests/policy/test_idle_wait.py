@@ -247,3 +247,33 @@ def test_a_member_waiting_for_its_turn_sleeps_until_the_member_first_in_line_can
     assert all(wait > 0 for wait in engine.waits)
     assert engine.run_until_sent("b-second") > went
     assert all(wait > 0 for wait in engine.waits)
+
+
+def test_a_user_with_nothing_resident_waits_for_room_while_admissions_wait_for_it():
+    # Found by the charge-path machine (``idle``, seed 2: async, a tight KV
+    # cache, groups): the only resident stream's user was out of quota, an
+    # admission had found no KV (admissions wait for a request to leave), and
+    # another user, refused in the step for its group's token that a member's
+    # reserved admission held and gave back at settle, had quota at its end
+    # but only preempted and waiting requests.  Its quota could buy nothing
+    # before room comes, and room comes only when the resident stream runs:
+    # the engine was told to wait 0 and stepped empty until that stream's
+    # user could pay.
+    from vllm_output_rate.policy.limiter import OutputRateLimiter
+
+    gate = StepGate(OutputRateLimiter(100, {"a": 1}), max_idle_wait_ns=NO_CAP_NS)
+    lanes = gate.lanes
+    lanes.track("a-0", "a")
+    lanes.admit("a-0", progressing=False)
+    now = 10 * S
+    plan = gate.plan(now, 4)
+    gate.settle(set(plan.visible))  # a's one token
+    lanes.track("b-0", "b")  # b's request waits (preempted, say): nothing resident
+    lanes.room_wanted = True  # an admission found no KV; no request has left since
+    now += 10 * MS
+    plan = gate.plan(now, 4)
+    assert not plan.visible  # a is out of quota
+    gate.ledger.refuse("b")
+    gate.settle(set())
+    wait = gate.idle_wait_ns()
+    assert wait == gate.ready_at_ns("a", now) - now > 0

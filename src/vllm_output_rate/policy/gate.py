@@ -236,22 +236,33 @@ class StepGate:
 
         A blocked user whose turn went to a waiting request that found no
         room (``Ledger.unadmitted``) and that has no resident stream to run
-        instead waits for room, not quota: the quota it has would only buy
-        the same refused admission again (the engine would spin).  Room comes
-        when a request leaves (a new request or an abort wakes the engine) or
-        when the other blocked users run and finish: their ready time counts,
-        or the cap when there is none.
+        instead, or any blocked user with nothing resident while admissions
+        wait for a request to leave (``Lanes.room_wanted``), waits for room,
+        not quota: the quota it has would only buy an admission that cannot
+        fit (the engine would spin).  Room comes when a request leaves (a new
+        request or an abort wakes the engine) or when the other blocked users
+        run and finish: their ready time counts, or the cap when there is
+        none.
         """
         ledger = self.ledger
         if not ledger.blocked:
             return None
         self.idle_steps += 1
         now = ledger.now_ns
-        order = self.lanes.order
-        waiting_for_quota = [
-            user for user in ledger.blocked
-            if user not in ledger.unadmitted or _has_resident_stream(order.get(user))
-        ]
+        lanes = self.lanes
+        order = lanes.order
+        room_wanted = lanes.room_wanted
+        waiting_for_quota = []
+        for user in ledger.blocked:
+            lane = order.get(user)
+            if not _has_resident_stream(lane) and (
+                user in ledger.unadmitted
+                # While admissions wait for a request to leave, a user with
+                # nothing resident waits for that too, whatever stopped it.
+                or (room_wanted and not (lane is not None and lane.progressing))
+            ):
+                continue
+            waiting_for_quota.append(user)
         if not waiting_for_quota:
             return self._max_idle_wait_ns
         earliest = min(self.ready_at_ns(user, now) for user in waiting_for_quota)
