@@ -96,7 +96,11 @@ What
       user with no entry of its own, ``carol-unlimited``, with as many
       streams: what they reach, so the limit can be chosen below it),
       ``alone`` (carol), ``beside`` (carol's streams go on, the borrowers'
-      streams start).
+      streams start).  Carol's streams (and the unlimited ones) run in a
+      child process in a session of its own (:class:`StreamsProcess`):
+      driven from the benchmark's own process, her client stalled for
+      seconds at a time beside a busy engine, and those gaps came out of
+      her rate though neither the engine nor the API server held her.
       Carol's tok/s in a phase: the increase of the engine's
       ``vllm:output_rate_output_tokens_charged_total`` from the first to
       the last ``/metrics`` read within the phase, over the poller's stamps
@@ -613,6 +617,63 @@ def in_quota_reading(samples: measure.Samples) -> dict[str, Any]:
 IN_QUOTA_PHASES = ("unlimited", "alone", "beside")
 
 
+def _streams_process_main(base_url: str, model: str, user: str, n: int, max_tokens: int, prompt_tokens: int,
+                          stream_interval: int, seed: int, vocab: int, t0: float, conn: Any) -> None:
+    """A child process's own event loop: ``n`` closed-loop streams of ``user`` until the parent
+    sends on ``conn``; then the records go back over it (times from ``t0``: ``time.monotonic()``
+    is one clock for every process of the machine).
+
+    A session of its own: with the kernel's autogroups on (``/proc/sys/kernel/sched_autogroup_enabled``),
+    a process in the caller's long-lived shell session stalled for seconds at a time beside a busy
+    engine (an idle 10 ms sleeper there: 12 s of stalls a minute, max 3.1 s; in a new session: 0.25 s)."""
+    import os
+
+    os.setsid()
+
+    async def run() -> list[RequestRecord]:
+        shape = argparse.Namespace(max_tokens=max_tokens, prompt_tokens=prompt_tokens,
+                                   stream_interval=stream_interval)
+        records: list[RequestRecord] = []
+        async with benchkit.async_http(base_url, connections=n + 2) as http:
+            tasks = closed_loop(http, model, user, n, Prompts(seed, vocab), shape, max_tokens, records, t0)
+            await asyncio.to_thread(conn.recv)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        return records
+
+    conn.send([record.to_dict() for record in asyncio.run(run())])
+
+
+class StreamsProcess:
+    """One user's closed-loop streams driven from a process (and session) of their own.
+
+    Beside the borrowers, the in-quota user's requests spent up to ~1.4 s each between the
+    client's send and end that the engine never saw: the end of each stream reached the client
+    late because the client process was not running (stalls of up to seconds, seen as much by
+    an idle sleeper in the same session), not because the API server or the engine held it.
+    Those gaps come out of a hard-capped user's rate; a new session takes her client out of
+    the stalled autogroup (see :func:`_streams_process_main`)."""
+
+    def __init__(self, base_url: str, model: str, user: str, n: int, max_tokens: int, args,
+                 seed: int, vocab: int, t0: float) -> None:
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_streams_process_main, daemon=True,
+                                 args=(base_url, model, user, n, max_tokens, args.prompt_tokens,
+                                       args.stream_interval, seed, vocab, t0, child))
+        self._proc.start()
+
+    async def stop(self) -> list[RequestRecord]:
+        """Cancel the streams; their records (the cancelled ones included)."""
+        self._conn.send("stop")
+        data = await asyncio.to_thread(self._conn.recv)
+        await asyncio.to_thread(self._proc.join, 30)
+        return [RequestRecord.from_dict(d) for d in data]
+
+
 async def run_in_quota(base_url: str, model: str, prompts: Prompts, args) -> dict[str, Any]:
     """Issue 33's user within its rate beside saturating borrowers, on one server, in three
     phases (:data:`IN_QUOTA_PHASES`), each ``--in-quota-warmup-s`` then ``--in-quota-s``
@@ -642,6 +703,11 @@ async def run_in_quota(base_url: str, model: str, prompts: Prompts, args) -> dic
         def streams(user: str, n: int, max_tokens: int) -> list[asyncio.Task]:
             return closed_loop(http, model, user, n, prompts, args, max_tokens, records, t0)
 
+        def own_process(user: str, seed: int) -> StreamsProcess:
+            # The measured user's streams: a process and event loop of their own.
+            return StreamsProcess(base_url, model, user, args.in_quota_user_streams, args.in_quota_max_tokens,
+                                  args, seed, prompts.vocab, t0)
+
         async def measured(phase: str) -> None:
             await asyncio.sleep(args.in_quota_warmup_s)
             began = time.monotonic() - t0
@@ -653,18 +719,19 @@ async def run_in_quota(base_url: str, model: str, prompts: Prompts, args) -> dic
         poller.start()
         watcher = asyncio.create_task(measure.watch_loop_lag(lag))
         load = {"unlimited": loadavg()}
-        unlimited = streams(IN_QUOTA_UNLIMITED, args.in_quota_user_streams, args.in_quota_max_tokens)
+        unlimited = own_process(IN_QUOTA_UNLIMITED, args.seed + 1)
         await measured("unlimited")
-        await stop(unlimited)
+        records.extend(await unlimited.stop())
         drained["unlimited"] = await wait_drained(probe)
         load["alone"] = loadavg()
-        carol = streams(IN_QUOTA_USER, args.in_quota_user_streams, args.in_quota_max_tokens)
+        carol = own_process(IN_QUOTA_USER, args.seed + 2)
         await measured("alone")
         load["beside"] = loadavg()
         heavy = [task for b in borrowers for task in streams(b, args.in_quota_streams, args.in_quota_borrower_max_tokens)]
         await measured("beside")
         readings = await asyncio.to_thread(poller.stop)
-        await stop(carol + heavy)
+        await stop(heavy)
+        records.extend(await carol.stop())
         watcher.cancel()
         await asyncio.gather(watcher, return_exceptions=True)
         drained["beside"] = await wait_drained(probe)

@@ -926,7 +926,9 @@ def in_quota_section(name: str, title: str, doc: Doc) -> list[str]:
         + ("one closed-loop stream" if o.get("streams", 1) == 1 else
            f"{o['streams']} closed-loop streams (sharing her limit: one can be in the engine while another "
            "crosses the API server)")
-        + f" of {o['max_tokens']}-token requests ({o['prompt_tokens']} prompt tokens) in flight; "
+        + f" of {o['max_tokens']}-token requests ({o['prompt_tokens']} prompt tokens) in flight, driven from "
+        "a child process in a session of its own (from the benchmark's own process, in the caller's shell "
+        "session, her client stalled for seconds beside the busy engine, and those gaps came out of her rate); "
         + " and ".join(f"**{b}**" for b in borrowers)
         + f" {'borrows' if len(borrowers) == 1 else 'borrow'} with {{rate {o['borrower_rate']:g}, ceil null}}, "
         f"{o['borrower_streams']} closed-loop streams of {o['borrower_max_tokens']}-token requests each. Three "
