@@ -42,9 +42,11 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
@@ -512,3 +514,33 @@ def dumped_instructions(out_dir: Path, trigger: str) -> int:
             if line.startswith(("summary:", "totals:")):
                 return int(line.split()[1])
     raise RuntimeError(f"no callgrind dump '{trigger}' in {out_dir}")
+
+
+def in_own_session(main: Callable[[], int]) -> int:
+    """Run ``main`` in a child process that leads a session of its own; its exit code.
+
+    With the kernel's autogroups on (``/proc/sys/kernel/sched_autogroup_enabled``), CPU
+    time is shared between sessions first: a benchmark client left in its caller's
+    long-lived shell session stalled for seconds at a time beside a busy engine (an idle
+    10 ms sleeper there: stalls up to 7.4 s; in a new session, 0.8 s), and a client's
+    stall is a gap in the load it drives.  A plain ``os.setsid()`` fails in a process
+    group leader (a command started by an interactive shell), so a forked child takes
+    the new session; Ctrl-C and SIGTERM reach the parent, which passes them on."""
+    if not hasattr(os, "fork"):
+        return main()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.setsid()
+            code = main()
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda sig, _frame: os.kill(pid, sig))
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
