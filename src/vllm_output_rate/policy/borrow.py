@@ -21,10 +21,10 @@ their rate quota may run anyway, *borrowing*:
   (:meth:`Borrowing.admissions`), not in arrival order.  Counters move
   only in steps that ration: when the spare room covers every borrower's
   hidden streams, no group's cap ran out and no borrower has a request
-  waiting, each gets all it can use and nothing is counted (a user held back by its own demand, one
-  stream say, would otherwise be owed the difference and take it back from
-  the others at the next contention).  Waiting requests make a step count:
-  then slots are what is rationed;
+  waiting, each gets all it can use and nothing is counted (a user held
+  back by its own demand, one stream say, would otherwise be owed the
+  difference and take it back from the others at the next contention).
+  Waiting requests make a step count: then slots are what is rationed;
 * **how much**: a second GCRA at ``ceil`` (the *ceiling* limiter) counts
   every output token of such a user, guaranteed ones too (the factory
   composes the two quotas, :class:`~.quota.ComposedLimiter`, so a guaranteed
