@@ -387,10 +387,16 @@ def middle(a: Sample, b: Sample) -> float:
 
 
 def worst_window(samples: list[Sample], user: str, rate: float = HEAVY_RATE):
-    """Every pair of samples: (largest tokens - bound, tokens, bound, window)."""
+    """Every pair of samples read one after the other: (largest tokens - bound,
+    tokens, bound, window)."""
     worst = None
     for i, a in enumerate(samples):
         for b in samples[i + 1:]:
+            if b.sent < a.done:
+                # The two reads overlap (a periodic sample and a labelled one
+                # taken together): neither is surely first, and an engine's
+                # counter may be read later in ``a`` than in ``b``.
+                continue
             w = widest(a, b)
             tokens = tokens_between(a, b, user)
             excess = tokens - shared_bound(w, rate)
