@@ -1002,10 +1002,14 @@ def _borrowed_target_lines(name: str, w: dict, max_skew: float) -> list[str]:
                + f", worst deviation from the weight shares {'-' if worst is None else fmt(worst)} (target "
                f"{_share_tolerance(target)}, ")
     if failed:
-        windows += f"**not met**: {failed}; " + (
-            "the figure alone would meet it)." if b["windows_missed"] == 0 and b["windows_counted"] == n_windows
-            else f"the figure misses it too, in {b['windows_missed']} of {b['windows_counted']} windows, worst by "
-                 f"{fmt(max(worst - tol, 0))} beyond the tolerance).")
+        windows += f"**not met**: {failed}; "
+        if b["windows_missed"]:
+            windows += (f"the figure misses it too, in {b['windows_missed']} of {b['windows_counted']} windows, "
+                        f"worst by {fmt(max(worst - tol, 0))} beyond the tolerance).")
+        elif b["windows_counted"] == n_windows:
+            windows += "the figure alone would meet it)."
+        else:
+            windows += "the windows counted meet it, but not every window was counted)."
     elif b["windows_missed"] == 0 and b["windows_not_counted"] == 0 and b["windows_counted"]:
         windows += "met)."
     elif b["windows_missed"] == 0:
