@@ -285,7 +285,8 @@ class Borrowing:
                 group_counters[group] = self._group_start(group, floors)
             heap.append((start if group is None else group_counters[group], start, index, user))
         # Users waiting for a slot to borrow in are current borrowers too.
-        queued = {u for u in waiting if u not in streams and table.borrows(u)}
+        waiting_borrowers = [u for u in waiting if table.borrows(u)]
+        queued = {u for u in waiting_borrowers if u not in streams}
         queued_groups: set[str] = set()
         for user in queued:
             group = group_of(user)
@@ -330,7 +331,7 @@ class Borrowing:
                 primary = step_groups[group] = step_groups[group] + 1 / table.group_weight(group)
             if got + 1 < len(streams[user]):
                 heapq.heappush(heap, (primary, counter, index, user))
-        self.rationed = bool(heap) or group_capped or any(map(table.borrows, waiting))
+        self.rationed = bool(heap or group_capped or waiting_borrowers)
         unpaid: set[Key] = set()
         for user, count in taken.items():
             keys = streams[user][:count]
