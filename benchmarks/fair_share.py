@@ -621,11 +621,8 @@ def _streams_process_main(base_url: str, model: str, user: str, n: int, max_toke
                           stream_interval: int, seed: int, vocab: int, t0: float, conn: Any) -> None:
     """A child process's own event loop: ``n`` closed-loop streams of ``user`` until the parent
     sends on ``conn``; then the records go back over it (times from ``t0``: ``time.monotonic()``
-    is one clock for every process of the machine).
-
-    A session of its own: with the kernel's autogroups on (``/proc/sys/kernel/sched_autogroup_enabled``),
-    a process in the caller's long-lived shell session stalled for seconds at a time beside a busy
-    engine (an idle 10 ms sleeper there: 12 s of stalls a minute, max 3.1 s; in a new session: 0.25 s)."""
+    is one clock for every process of the machine).  In a session of its own, apart from the
+    driver's too (why a session: :func:`benchkit.in_own_session`)."""
     import os
 
     os.setsid()
@@ -648,12 +645,10 @@ def _streams_process_main(base_url: str, model: str, user: str, n: int, max_toke
 class StreamsProcess:
     """One user's closed-loop streams driven from a process (and session) of their own.
 
-    Beside the borrowers, the in-quota user's requests spent up to ~1.4 s each between the
-    client's send and end that the engine never saw: the end of each stream reached the client
-    late because the client process was not running (stalls of up to seconds, seen as much by
-    an idle sleeper in the same session), not because the API server or the engine held it.
-    Those gaps come out of a hard-capped user's rate; a new session takes her client out of
-    the stalled autogroup (see :func:`_streams_process_main`)."""
+    Driven from the benchmark's process in its caller's shell session, the in-quota user's
+    requests spent a median ~1.4 s each between the engine's last token and her client's end of
+    stream while the client process was not running; those gaps came out of her rate though
+    neither the engine nor the API server held her."""
 
     def __init__(self, base_url: str, model: str, user: str, n: int, max_tokens: int, args,
                  seed: int, vocab: int, t0: float) -> None:
