@@ -97,10 +97,11 @@ What
       streams: what they reach, so the limit can be chosen below it),
       ``alone`` (carol), ``beside`` (carol's streams go on, the borrowers'
       streams start).  Carol's streams (and the unlimited ones) run in a
-      child process in a session of its own (:class:`StreamsProcess`):
-      driven from the benchmark's own process, her client stalled for
-      seconds at a time beside a busy engine, and those gaps came out of
-      her rate though neither the engine nor the API server held her.
+      child process in a session of its own (:class:`StreamsProcess`), at
+      the clients' raised priority: driven from the benchmark's own process,
+      her client stalled for seconds at a time beside a busy engine, and
+      those gaps came out of her rate though neither the engine nor the API
+      server held her.
       Carol's tok/s in a phase: the increase of the engine's
       ``vllm:output_rate_output_tokens_charged_total`` from the first to
       the last ``/metrics`` read within the phase, over the poller's stamps
@@ -622,10 +623,11 @@ def _streams_process_main(base_url: str, model: str, user: str, n: int, max_toke
     """A child process's own event loop: ``n`` closed-loop streams of ``user`` until the parent
     sends on ``conn``; then the records go back over it (times from ``t0``: ``time.monotonic()``
     is one clock for every process of the machine).  In a session of its own, apart from the
-    driver's too (why a session: :func:`benchkit.in_own_session`)."""
+    driver's too, at the clients' raised priority (why: :func:`benchkit.in_own_session`)."""
     import os
 
     os.setsid()
+    benchkit.raise_client_priority()
 
     async def run() -> list[RequestRecord]:
         shape = argparse.Namespace(max_tokens=max_tokens, prompt_tokens=prompt_tokens,
@@ -1280,7 +1282,7 @@ def run_mode(mode: str, args, doc: dict[str, Any], loads: dict[str, list[Client]
     then each workload."""
     result: dict[str, Any] = {"status": "ran", "load_before": loadavg(), "workload_config": workload_config(args),
                               "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                              "code": code_state()}
+                              "code": code_state(), "client_priority": benchkit.client_priority}
     print(f"[{mode}] code: {result['code']}", flush=True)
     began = time.monotonic()
     capacity = doc["capacity"]["tok_s"] if doc.get("capacity") else None
@@ -1309,7 +1311,8 @@ def run_mode(mode: str, args, doc: dict[str, Any], loads: dict[str, list[Client]
                   f"({'no limit' if mode == STOCK else f'rate {args.solo_rate:g}'}"
                   f"{', no ceiling' if mode == SHARES else ''}) for {args.solo_s:g} s", flush=True)
             solo = asyncio.run(run_solo(server.base_url, model, prompts, args, server.pid))
-            solo["started_at"], solo["code"] = result["started_at"], result["code"]
+            solo.update(started_at=result["started_at"], code=result["code"],
+                        client_priority=result["client_priority"])
             result["workloads"][SOLO] = solo
             if mode == SHARES:
                 # Issue 33's comparison: the lone borrower against an unlimited user on the
@@ -1340,7 +1343,7 @@ def run_mode(mode: str, args, doc: dict[str, Any], loads: dict[str, list[Client]
                   "measured per phase", flush=True)
             raw = asyncio.run(run_in_quota(server.base_url, model, prompts, args))
             run = dict(analyse_in_quota(raw, args), started_at=result["started_at"], code=result["code"],
-                       load_before=raw["load_at_phase_start"]["unlimited"], load_after=loadavg(),
+                       client_priority=result["client_priority"], load_before=raw["load_at_phase_start"]["unlimited"], load_after=loadavg(),
                        server_args=result["server_args"])
             result["workloads"][IN_QUOTA] = in_quota_summary([run], in_quota_options(args))
             print(in_quota_report(result["workloads"][IN_QUOTA]), flush=True)
@@ -1354,7 +1357,8 @@ def run_mode(mode: str, args, doc: dict[str, Any], loads: dict[str, list[Client]
             raw = asyncio.run(run_workload(server.base_url, model, clients, capacity, prompts, args))
             result["workloads"][name] = analyse(raw, clients, mode, capacity, args, name)
             result["workloads"][name].update(started_at=result["started_at"], load_before=load_before,
-                                             load_after=loadavg(), code=result["code"])
+                                             load_after=loadavg(), code=result["code"],
+                                             client_priority=result["client_priority"])
             print(workload_report(name, mode, result["workloads"][name]), flush=True)
         result["server_log_tail"] = server.log_tail(20)
         log_path = getattr(server, "log_path", None)

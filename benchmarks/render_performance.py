@@ -900,6 +900,16 @@ def _in_engine(client: dict) -> str:
     return f"{_percent(share)}; {_num(client.get('tok_s_in_engine'), '.0f')}"
 
 
+def _in_quota_priority(runs: list[Doc]) -> str:
+    """Which of the runs had their clients at a raised CPU priority."""
+    raised = [_raised(r) for r in runs if _raised(r)]
+    if not raised:
+        return ", at the default CPU priority"
+    if len(raised) == len(runs):
+        return f", at nice {raised[0]['nice']}"
+    return f", at nice {raised[0]['nice']} in {len(raised)} of the {len(runs)} runs (the default priority in the others)"
+
+
 def in_quota_section(name: str, title: str, doc: Doc) -> list[str]:
     """A companion JSON of the in-quota workload alone."""
     cfg = doc["config"]
@@ -928,7 +938,8 @@ def in_quota_section(name: str, title: str, doc: Doc) -> list[str]:
            "crosses the API server)")
         + f" of {o['max_tokens']}-token requests ({o['prompt_tokens']} prompt tokens) in flight, driven from "
         "a child process in a session of its own (from the benchmark's own process, in the caller's shell "
-        "session, her client stalled for seconds beside the busy engine, and those gaps came out of her rate); "
+        "session, her client stalled for seconds beside the busy engine, and those gaps came out of her rate)"
+        + _in_quota_priority(run_docs) + "; "
         + " and ".join(f"**{b}**" for b in borrowers)
         + f" {'borrows' if len(borrowers) == 1 else 'borrow'} with {{rate {o['borrower_rate']:g}, ceil null}}, "
         f"{o['borrower_streams']} closed-loop streams of {o['borrower_max_tokens']}-token requests each. Three "
@@ -1186,6 +1197,29 @@ def _fair_share_body(doc: Doc) -> list[str]:
     return _fair_share_tables(doc, modes) + lines + _fair_share_targets(doc, modes) + _fair_share_runs(modes)
 
 
+def _raised(run: Doc) -> dict[str, Any] | None:
+    """The raised CPU priority a run's clients had (None: the default)."""
+    got = run.get("client_priority") or {}
+    return got if got.get("threads") or got.get("autogroup") else None
+
+
+def _client_priority(doc: Doc) -> str:
+    """How the page's runs had their clients scheduled beside the engine (the same cores)."""
+    runs = {f"{dict(FAIR_SHARE_MODES).get(mode, mode)} {name}": w for mode, r in (doc.get("modes") or {}).items()
+            for name, w in ((r or {}).get("workloads") or {}).items() if w}
+    raised = {label: _raised(w) for label, w in runs.items() if _raised(w)}
+    if not raised:
+        return " The clients ran at the default CPU priority, beside the engine on the same cores."
+    got = next(iter(raised.values()))
+    labels = {"threads": "threads", "autogroup": "session's autogroup"}
+    how = f"nice {got['nice']} (their {' and '.join(label for k, label in labels.items() if got.get(k))})"
+    which = ("" if len(raised) == len(runs) else
+             f" in {', '.join(sorted(raised))}; the others ran at the default priority")
+    return (f" The clients ran at {how}{which}: at the default priority a many-stream client beside the busy "
+            "engine got a few hundredths of a core and sent up to 32 s late, so the load it offered was not "
+            "the workload's.")
+
+
 def fair_share_lines(doc: Doc, extra: dict[str, Doc | None], image: str | None) -> list[str]:
     cfg, cap = doc["config"], doc["capacity"]
     a, b = cfg["overload_load"]
@@ -1204,7 +1238,7 @@ def fair_share_lines(doc: Doc, extra: dict[str, Doc | None], image: str | None) 
         + f" Guaranteed rates: {cfg['guaranteed']:g} C per workload, split by weight; **hard caps** make them "
         "ceilings, **rate/ceil/weight** gives the same rates with no ceiling and the workload's weights. "
         f"A light user sends {cfg['light_max_tokens']} tokens every {cfg['light_interval']:g} s in every mode "
-        f"(limited to {cfg['light_rate']:g} tok/s in the two plugin modes).",
+        f"(limited to {cfg['light_rate']:g} tok/s in the two plugin modes)." + _client_priority(doc),
     ]
     if equal:
         lines += [
@@ -1254,7 +1288,7 @@ def fair_share_lines(doc: Doc, extra: dict[str, Doc | None], image: str | None) 
             + f"{vcfg['duration']:g} s per workload"
             + (f", equal-rate clients offering {vcfg['equal_rates_load']:g} C each with at most "
                f"{vcfg['equal_rates_in_flight']} requests in flight" if vcfg.get("equal_rates_in_flight") else "")
-            + "; only the workloads run at this setting are shown.",
+            + "; only the workloads run at this setting are shown." + _client_priority(variant),
             *_fair_share_body(variant),
             "", f"![service per user over time, {title.split(':')[0].lower()}]({name}.png)",
         ]

@@ -516,6 +516,38 @@ def dumped_instructions(out_dir: Path, trigger: str) -> int:
     raise RuntimeError(f"no callgrind dump '{trigger}' in {out_dir}")
 
 
+#: The nice value a benchmark's client asks for, for its threads and its session's autogroup.
+CLIENT_NICE = -10
+
+#: What :func:`raise_client_priority` was granted in this process (None: not asked).
+client_priority: dict[str, Any] | None = None
+
+
+def raise_client_priority(nice: int = CLIENT_NICE) -> dict[str, Any]:
+    """Ask the kernel to run this process (and the threads it starts from now on) and its
+    session's autogroup at ``nice``; what it granted (raising needs root or CAP_SYS_NICE).
+
+    On this machine kind (2 cores) the engine's busy threads left a client in a session of
+    its own 0.01-0.06 of a core while it stood runnable: it sent open-loop arrivals up to
+    32 s late and its streams went unread, so the load offered was not the workload's.
+    The client wants little CPU: served first, it sends on time and the engine keeps the
+    rest, as it would with its clients on other machines."""
+    global client_priority
+    granted: dict[str, Any] = {"nice": nice, "threads": False, "autogroup": False}
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, nice)
+        granted["threads"] = True
+    except (OSError, AttributeError):
+        pass
+    try:
+        Path("/proc/self/autogroup").write_text(str(nice))
+        granted["autogroup"] = True
+    except OSError:
+        pass
+    client_priority = granted
+    return granted
+
+
 def in_own_session(main: Callable[[], int]) -> int:
     """Run ``main`` in a child process that leads a session of its own; its exit code.
 
@@ -523,9 +555,11 @@ def in_own_session(main: Callable[[], int]) -> int:
     time is shared between sessions first: a benchmark client left in its caller's
     long-lived shell session stalled for seconds at a time beside a busy engine (an idle
     10 ms sleeper there: stalls up to 7.4 s; in a new session, 0.8 s), and a client's
-    stall is a gap in the load it drives.  A plain ``os.setsid()`` fails in a process
-    group leader (a command started by an interactive shell), so a forked child takes
-    the new session; Ctrl-C and SIGTERM reach the parent, which passes them on."""
+    stall is a gap in the load it drives.  A session alone did not keep a many-stream
+    client running beside the engine, so the child also asks for a higher priority
+    (:func:`raise_client_priority`).  A plain ``os.setsid()`` fails in a process group
+    leader (a command started by an interactive shell), so a forked child takes the new
+    session; Ctrl-C and SIGTERM reach the parent, which passes them on."""
     if not hasattr(os, "fork"):
         return main()
     pid = os.fork()
@@ -533,6 +567,7 @@ def in_own_session(main: Callable[[], int]) -> int:
         code = 1
         try:
             os.setsid()
+            raise_client_priority()
             code = main()
         except BaseException:
             traceback.print_exc()

@@ -1071,6 +1071,32 @@ def test_cpu_meter_splits_a_window_by_role_client_and_foreign():
         benchkit.CpuMeter([]).stop()
 
 
+def test_a_client_in_its_own_session_asks_for_priority_and_says_what_it_got():
+    import subprocess
+    import sys
+
+    # In a child: the raised priority must not outlive the check in this process.
+    code = (
+        "import json, os\n"
+        "from vllm_output_rate_harness import benchkit\n"
+        "def main():\n"
+        "    got = benchkit.raise_client_priority(-3)\n"
+        "    print(json.dumps([got, benchkit.client_priority, os.getsid(0) == os.getpid(),\n"
+        "                      os.getpriority(os.PRIO_PROCESS, 0),\n"
+        "                      os.path.exists('/proc/self/autogroup')\n"
+        "                      and open('/proc/self/autogroup').read().split()[-1]]), flush=True)\n"
+        "    return 3\n"
+        "raise SystemExit(benchkit.in_own_session(main))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 3, done.stderr  # the child's exit code comes back
+    got, recorded, session_leader, nice, autogroup_nice = json.loads(done.stdout.splitlines()[-1])
+    assert session_leader and got == recorded and got["nice"] == -3
+    # in_own_session asks for CLIENT_NICE before main; main asked again for -3
+    assert nice == (-3 if got["threads"] else 0)
+    if got["autogroup"]:
+        assert autogroup_nice == "-3"
+
+
 def test_report_head_and_outputs(tmp_path, capsys):
     import argparse
 
