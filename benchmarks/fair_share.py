@@ -73,9 +73,12 @@ What
       ``--solo-rate`` on ``hard``, a lone borrower (``--solo-rate``, no
       ceiling) on ``shares``.  On ``shares`` the same streams of a user
       with no entry of its own (``solo-unlimited``: the default rate,
-      never hit) follow on the same server (issue 33's target: the lone
-      borrower >= 0.95 x an unlimited user's tok/s on the same server;
-      JSON ``ratio_to_unlimited``); the ratio to stock vLLM is kept too.
+      never hit) run on the same server, ``--solo-rounds`` (2) phases each
+      in the order borrower-unlimited, unlimited-borrower, ... so that a
+      drift of the machine's speed falls on both (issue 33's target: the
+      lone borrower >= 0.95 x an unlimited user's tok/s on the same server;
+      JSON ``ratio_to_unlimited`` over the pooled phases, and ``rounds``);
+      the ratio to stock vLLM is kept too.
     * ``in-quota`` (``shares`` only; the other modes skip it): a user within
       its rate beside saturating borrowers (issue 33's third target: its
       tok/s >= 0.95 x its limit on the engine's counter, or its unlimited
@@ -290,7 +293,7 @@ import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from vllm_output_rate.settings import OutputRateConfigError, parse_cli
 from vllm_output_rate.tools import analysis, measure
@@ -588,15 +591,54 @@ async def run_solo(base_url: str, model: str, prompts: Prompts, args, server_pid
     tokens = after["generated"] - before["generated"]
     charged = after["charged"].get(user, 0.0) - before["charged"].get(user, 0.0)
     borrowed = (after.get("borrowed") or {}).get(user, 0.0) - (before.get("borrowed") or {}).get(user, 0.0)
-    return {"tok_s": round(tokens / elapsed, 1), "tokens": tokens, "seconds": round(elapsed, 2),
-            "streams": args.solo_streams, "rate": args.solo_rate, "user_charged_tokens": charged,
-            "user_borrowed_tokens": borrowed, "tokens_per_step": _per_step(before, after),
-            "engine_steps_per_s": round((after["steps"] - before["steps"]) / elapsed, 1),
-            "cpu_ms_per_step": {role: round(1000 * sec / max(after["steps"] - before["steps"], 1), 3)
-                                for role, sec in cpu["servers"][0].items()},
-            "cpu_foreign_cores": round(cpu["foreign"] / cpu["wall_s"], 2),
-            "load_before": load_before, "load_after": loadavg(),
-            "drained": drained, "clock": "the client's monotonic clock between two /metrics reads"}
+    return solo_figures({"tokens": tokens, "seconds": elapsed, "steps": after["steps"] - before["steps"],
+                         "user_charged_tokens": charged, "user_borrowed_tokens": borrowed,
+                         "cpu_s": cpu["servers"][0], "foreign_core_s": cpu["foreign"], "cpu_wall_s": cpu["wall_s"],
+                         "streams": args.solo_streams, "rate": args.solo_rate,
+                         "load_before": load_before, "load_after": loadavg(), "drained": drained})
+
+
+def solo_figures(raw: dict[str, Any]) -> dict[str, Any]:
+    """A solo phase's (or several phases' pooled) figures from its counts."""
+    steps = raw["steps"]
+    return dict(raw, tok_s=round(raw["tokens"] / raw["seconds"], 1), seconds=round(raw["seconds"], 2),
+                tokens_per_step=round(raw["tokens"] / steps, 2) if steps else None,
+                engine_steps_per_s=round(steps / raw["seconds"], 1),
+                cpu_ms_per_step={role: round(1000 * sec / max(steps, 1), 3) for role, sec in raw["cpu_s"].items()},
+                cpu_foreign_cores=round(raw["foreign_core_s"] / raw["cpu_wall_s"], 2),
+                clock="the client's monotonic clock between two /metrics reads")
+
+
+def pooled_solo(phases: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several solo phases of one user as one: counts summed, figures from the sums."""
+    if len(phases) == 1:
+        return phases[0]
+    summed = {key: sum(p[key] for p in phases) for key in
+              ("tokens", "seconds", "steps", "user_charged_tokens", "user_borrowed_tokens", "foreign_core_s",
+               "cpu_wall_s")}
+    cpu_s = {role: sum(p["cpu_s"].get(role, 0.0) for p in phases) for role in phases[0]["cpu_s"]}
+    return dict(solo_figures(dict(phases[0], **summed, cpu_s=cpu_s)), load_before=phases[0]["load_before"],
+                load_after=phases[-1]["load_after"], drained=all(p["drained"] for p in phases),
+                phases=len(phases))
+
+
+def solo_rounds(run: Callable[[str], dict[str, Any]], rounds: int) -> tuple[dict, dict, list[dict]]:
+    """The lone borrower and the unlimited user, ``rounds`` phases each on one server, in the
+    order borrower-unlimited, then unlimited-borrower, and so on: a drift of the machine's
+    speed over the run falls on both alike.  Both pooled, and each round's ratio."""
+    borrower: list[dict[str, Any]] = []
+    unlimited: list[dict[str, Any]] = []
+    per_round = []
+    for i in range(rounds):
+        order = (SOLO, UNLIMITED) if i % 2 == 0 else (UNLIMITED, SOLO)
+        got = {user: run(user) for user in order}
+        borrower.append(got[SOLO])
+        unlimited.append(got[UNLIMITED])
+        per_round.append({"order": list(order), "borrower_tok_s": got[SOLO]["tok_s"],
+                          "unlimited_tok_s": got[UNLIMITED]["tok_s"],
+                          "ratio": round(got[SOLO]["tok_s"] / got[UNLIMITED]["tok_s"], 3)
+                          if got[UNLIMITED]["tok_s"] else None})
+    return pooled_solo(borrower), pooled_solo(unlimited), per_round
 
 
 def in_quota_reading(samples: measure.Samples) -> dict[str, Any]:
@@ -1310,19 +1352,24 @@ def run_mode(mode: str, args, doc: dict[str, Any], loads: dict[str, list[Client]
             print(f"[{mode}] solo: {args.solo_streams} closed-loop streams of one user "
                   f"({'no limit' if mode == STOCK else f'rate {args.solo_rate:g}'}"
                   f"{', no ceiling' if mode == SHARES else ''}) for {args.solo_s:g} s", flush=True)
-            solo = asyncio.run(run_solo(server.base_url, model, prompts, args, server.pid))
+            if mode == SHARES:
+                # Issue 33's comparison: the lone borrower against an unlimited user on the
+                # same server (no entry of its own: the default rate, never hit).
+                print(f"[{mode}] solo: beside it, the same streams of a user with no limit of its own "
+                      f"(default {NEVER_HIT:g} tok/s) on the same server, {args.solo_rounds} rounds",
+                      flush=True)
+                solo, unlimited, per_round = solo_rounds(
+                    lambda user: asyncio.run(run_solo(server.base_url, model, prompts, args, server.pid, user)),
+                    args.solo_rounds)
+                solo.update(unlimited_same_server=unlimited, rounds=per_round,
+                            ratio_to_unlimited=(round(solo["tok_s"] / unlimited["tok_s"], 3)
+                                                if unlimited["tok_s"] else None))
+            else:
+                solo = asyncio.run(run_solo(server.base_url, model, prompts, args, server.pid))
             solo.update(started_at=result["started_at"], code=result["code"],
                         client_priority=result["client_priority"])
             result["workloads"][SOLO] = solo
             if mode == SHARES:
-                # Issue 33's comparison: the lone borrower against an unlimited user on the
-                # same server (no entry of its own: the default rate, never hit).
-                print(f"[{mode}] solo: the same streams of a user with no limit of its own "
-                      f"(default {NEVER_HIT:g} tok/s) on the same server", flush=True)
-                unlimited = asyncio.run(run_solo(server.base_url, model, prompts, args, server.pid, UNLIMITED))
-                solo["unlimited_same_server"] = unlimited
-                solo["ratio_to_unlimited"] = (round(solo["tok_s"] / unlimited["tok_s"], 3)
-                                              if unlimited["tok_s"] else None)
                 print(f"[{mode}] solo: unlimited user {unlimited['tok_s']:g} tok/s, "
                       f"{_f(unlimited['tokens_per_step'], '.1f')} tokens per step; the borrower "
                       f"{_f(solo['ratio_to_unlimited'], '.3f')} x that", flush=True)
@@ -1606,6 +1653,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--solo-rate", type=float, default=10.0,
                    help="the solo user's rate in hard and shares (shares: no ceiling; default 10)")
     p.add_argument("--solo-s", type=float, default=30.0, help="seconds the solo load is measured (default 30)")
+    p.add_argument("--solo-rounds", type=int, default=2,
+                   help="shares: rounds of the lone borrower beside the unlimited user, in alternating "
+                        "order (default 2)")
     p.add_argument("--in-quota-rate", type=float, default=None,
                    help="in-quota: carol's hard cap, tok/s (default 100 on the tiny model, 50 on the others: "
                         "within what one stream reaches beside a full batch; the unlimited phase and the "
@@ -1639,6 +1689,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--log-dir", default=None, help="server logs (default: a temporary folder)")
     p.add_argument("--replot", action="store_true", help="only draw PREFIX.png again from PREFIX.json")
     args = p.parse_args(argv)
+    if args.solo_rounds < 1:
+        p.error("--solo-rounds must be at least 1")
     slot_model, slot_active = SLOT_SETTINGS[args.slots] if args.slots else (str(BENCH_MODEL_DIR), ACTIVE_SEQS)
     args.model = args.model or slot_model
     args.active_seqs = args.active_seqs or slot_active

@@ -764,10 +764,15 @@ def _fair_share_targets(doc: Doc, modes: dict) -> list[str]:
     unlimited = (solo["shares"] or {}).get("unlimited_same_server")
     if unlimited and unlimited.get("tok_s"):
         ratio = solo["shares"]["tok_s"] / unlimited["tok_s"]
+        rounds = solo["shares"].get("rounds") or []
+        how = (f"one after the other, {solo['shares']['seconds']:g} s and {unlimited['seconds']:g} s on vLLM's "
+               "own token counter, one run each" if not rounds else
+               f"{len(rounds)} rounds on one server, the borrower first in odd rounds and second in even ones, "
+               f"{solo['shares']['seconds']:g} s and {unlimited['seconds']:g} s in all on vLLM's own token counter; "
+               "per round " + ", ".join(_num(r.get("ratio"), ".3f") for r in rounds) + "x; pooled")
         lines.append(
             f"- One borrower alone against an unlimited user on the same server ({solo['shares']['streams']} "
-            f"closed-loop streams each, one after the other, {solo['shares']['seconds']:g} s and "
-            f"{unlimited['seconds']:g} s on vLLM's own token counter, one run each): {solo['shares']['tok_s']:g} "
+            f"closed-loop streams each, {how}): {solo['shares']['tok_s']:g} "
             f"tok/s (rate {solo['shares']['rate']:g}, no ceiling) against {unlimited['tok_s']:g}, {ratio:.3f}x"
             + _verdict(ratio, doc.get("target_solo_ratio"), at_most=False)
             + ("" if solo["shares"].get("tokens_per_step") is None or unlimited.get("tokens_per_step") is None

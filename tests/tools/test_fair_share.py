@@ -95,3 +95,47 @@ def test_spread_service_spreads_each_request_over_its_span():
     assert result["a"] == pytest.approx([50, 57, 0])
     assert result["b"] == pytest.approx([5, 0, 20])
     assert spread_service([], 10.0, 2) == {}
+
+
+def _fair_share_script():
+    """benchmarks/fair_share.py as a module (the benchmarks are scripts, not a package)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "fair_share.py"
+    spec = importlib.util.spec_from_file_location("fair_share_script", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_lone_borrower_rounds_alternate_their_order_and_pool_their_counts():
+    fs = _fair_share_script()
+
+    def phase(tokens, steps):
+        return fs.solo_figures({
+            "tokens": tokens, "seconds": 10.0, "steps": steps, "user_charged_tokens": tokens,
+            "user_borrowed_tokens": 0.0, "cpu_s": {"engine_core": 1.0}, "foreign_core_s": 0.0,
+            "cpu_wall_s": 10.0, "streams": 12, "rate": 10.0, "load_before": [0, 0, 0],
+            "load_after": [1, 1, 1], "drained": True})
+
+    # A machine slowing down over the run: each phase makes fewer tokens than the last.
+    speeds = iter([1000, 900, 800, 700])
+    order = []
+
+    def run(user):
+        order.append(user)
+        tokens = next(speeds)
+        return phase(tokens, tokens // 4)
+
+    borrower, unlimited, rounds = fs.solo_rounds(run, 2)
+    assert order == [fs.SOLO, fs.UNLIMITED, fs.UNLIMITED, fs.SOLO]
+    # Pooled, the drift falls on both alike: 1000 + 700 against 900 + 800.
+    assert borrower["tokens"] == 1700 and unlimited["tokens"] == 1700
+    assert borrower["tok_s"] == unlimited["tok_s"] == 85.0 and borrower["phases"] == 2
+    assert borrower["cpu_ms_per_step"] == {"engine_core": round(1000 * 2.0 / (250 + 175), 3)}
+    assert [r["ratio"] for r in rounds] == [round(1000 / 900, 3), round(700 / 800, 3)]
+    with pytest.raises(SystemExit):
+        fs.parse_args(["--solo-rounds", "0"])
