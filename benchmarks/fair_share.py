@@ -1390,7 +1390,8 @@ def run_mode(mode: str, args, doc: dict[str, Any], loads: dict[str, list[Client]
                   "measured per phase", flush=True)
             raw = asyncio.run(run_in_quota(server.base_url, model, prompts, args))
             run = dict(analyse_in_quota(raw, args), started_at=result["started_at"], code=result["code"],
-                       client_priority=result["client_priority"], load_before=raw["load_at_phase_start"]["unlimited"], load_after=loadavg(),
+                       client_priority=result["client_priority"],
+                       load_before=raw["load_at_phase_start"]["unlimited"], load_after=loadavg(),
                        server_args=result["server_args"])
             result["workloads"][IN_QUOTA] = in_quota_summary([run], in_quota_options(args))
             print(in_quota_report(result["workloads"][IN_QUOTA]), flush=True)

@@ -912,7 +912,8 @@ def _in_quota_priority(runs: list[Doc]) -> str:
         return ", at the default CPU priority"
     if len(raised) == len(runs):
         return f", at nice {raised[0]['nice']}"
-    return f", at nice {raised[0]['nice']} in {len(raised)} of the {len(runs)} runs (the default priority in the others)"
+    return (f", at nice {raised[0]['nice']} in {len(raised)} of the {len(runs)} runs "
+            "(the default priority in the others)")
 
 
 def in_quota_section(name: str, title: str, doc: Doc) -> list[str]:
