@@ -907,12 +907,12 @@ def _in_engine(client: dict) -> str:
 
 def _in_quota_priority(runs: list[Doc]) -> str:
     """Which of the runs had their clients at a raised CPU priority."""
-    raised = [_raised(r) for r in runs if _raised(r)]
-    if not raised:
+    got, raised = _raised_runs({str(i): run for i, run in enumerate(runs)})
+    if got is None:
         return ", at the default CPU priority"
     if len(raised) == len(runs):
-        return f", at nice {raised[0]['nice']}"
-    return (f", at nice {raised[0]['nice']} in {len(raised)} of the {len(runs)} runs "
+        return f", at nice {got['nice']}"
+    return (f", at nice {got['nice']} in {len(raised)} of the {len(runs)} runs "
             "(the default priority in the others)")
 
 
@@ -1209,21 +1209,26 @@ def _raised(run: Doc) -> dict[str, Any] | None:
     return got if got.get("threads") or got.get("autogroup") else None
 
 
+def _raised_runs(runs: dict[str, Doc]) -> tuple[dict[str, Any] | None, list[str]]:
+    """The first raised grant among ``runs`` (None: none was raised), and which runs had one."""
+    raised = [label for label, run in runs.items() if _raised(run)]
+    return (_raised(runs[raised[0]]) if raised else None), raised
+
+
 def _client_priority(doc: Doc) -> str:
     """How the page's runs had their clients scheduled beside the engine (the same cores)."""
     runs = {f"{dict(FAIR_SHARE_MODES).get(mode, mode)} {name}": w for mode, r in (doc.get("modes") or {}).items()
             for name, w in ((r or {}).get("workloads") or {}).items() if w}
-    raised = {label: _raised(w) for label, w in runs.items() if _raised(w)}
-    if not raised:
+    got, raised = _raised_runs(runs)
+    if got is None:
         return " The clients ran at the default CPU priority, beside the engine on the same cores."
-    got = next(iter(raised.values()))
     labels = {"threads": "threads", "autogroup": "session's autogroup"}
     how = f"nice {got['nice']} (their {' and '.join(label for k, label in labels.items() if got.get(k))})"
     which = ("" if len(raised) == len(runs) else
              f" in {', '.join(sorted(raised))}; the others ran at the default priority")
-    return (f" The clients ran at {how}{which}: at the default priority a many-stream client beside the busy "
-            "engine got a few hundredths of a core and sent up to 32 s late, so the load it offered was not "
-            "the workload's.")
+    return (f" The clients ran at {how}{which}: at the default priority a many-stream client on the same "
+            "cores as the busy engine could be left runnable but unserved for seconds, so the load it offered "
+            "was not the workload's.")
 
 
 def fair_share_lines(doc: Doc, extra: dict[str, Doc | None], image: str | None) -> list[str]:
