@@ -46,6 +46,7 @@ MAKES = {
     "scheduler_step": "python benchmarks/scheduler_step.py --instructions",
     "scheduler_step_fast_paths": "python benchmarks/scheduler_step.py --fast-paths",
     "scheduler_step_store": "python benchmarks/scheduler_step.py --store --instructions",
+    "scheduler_step_borrowing": "python benchmarks/scheduler_step.py --borrowing",
     "throughput_ratio": "make bench-model && python benchmarks/throughput_ratio.py",
     "offline_throughput": "python benchmarks/offline_throughput.py",
     "idle_cpu": "python benchmarks/idle_cpu.py",
@@ -254,6 +255,8 @@ def scheduler_step_lines(doc: Doc, extra: dict[str, Doc | None], image: str | No
         lines += fast_path_lines(extra["scheduler_step_fast_paths"])
     if extra.get("scheduler_step_store"):
         lines += store_step_lines(extra["scheduler_step_store"])
+    if extra.get("scheduler_step_borrowing"):
+        lines += borrowing_step_lines(extra["scheduler_step_borrowing"])
     if image:
         lines += ["", f"![scheduler step cost]({image})"]
     return lines
@@ -307,6 +310,28 @@ def store_step_lines(doc: Doc) -> list[str]:
     if worst is not None:
         lines += ["", f"- Worst ratio{' by instructions' if counted else ''}: **{worst:.3f}**"
                   + _verdict(worst, target) + "."]
+    return lines
+
+
+def borrowing_step_lines(doc: Doc) -> list[str]:
+    lines = [
+        "",
+        "A lone borrower's step (`--borrowing`): one user with 3 R streams at active cap R, so R run and 2 R "
+        f"wait, its limit `{{rate: {doc['borrower_rate']:g}, ceil: null}}` (every token borrowed) against the "
+        "same user with a limit never hit, and stock vLLM with R slots; µs per step, median over blocks of "
+        f"{doc['steps']} steps alternating between the three, {doc['reps']} blocks each.",
+        "",
+        "| R running | waiting | stock µs | ours, never hit µs | ours, borrower µs | borrower / never hit | "
+        "borrower's extra µs |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r, row in _rows(doc["results"]):
+        borrower = row["ours-borrower"]
+        lines.append(
+            f"| {r} | {borrower['waiting']} | {row['stock']['us_per_step']:.0f} | {row['ours']['us_per_step']:.0f} | "
+            f"{borrower['us_per_step']:.0f} | {row['borrower_over_unlimited']:.2f} | {row['borrower_extra_us']:.0f} |")
+    lines += ["", "- What a lone borrower's tok/s can lose to this is its extra µs over the engine's whole step "
+              "(the model's time included): see the fair-share section's lone borrower."]
     return lines
 
 
@@ -1392,7 +1417,7 @@ SECTIONS = (
     Section("demo", "Stock vLLM vs the plugin on one workload (`vllm-output-rate demo`)", demo_lines),
     Section("demo-cluster", "One quota over several engines (`vllm-output-rate demo-cluster`)", demo_cluster_lines),
     Section("scheduler_step", "Scheduler step cost (`benchmarks/scheduler_step.py`)", scheduler_step_lines,
-            ("scheduler_step_fast_paths", "scheduler_step_store")),
+            ("scheduler_step_fast_paths", "scheduler_step_store", "scheduler_step_borrowing")),
     Section("throughput_ratio", "End-to-end throughput, limits never hit vs feature off "
             "(`benchmarks/throughput_ratio.py`)", throughput_lines),
     Section("offline_throughput", "In-process throughput (`benchmarks/offline_throughput.py`)", offline_lines),

@@ -32,6 +32,13 @@ Usage: ``python benchmarks/scheduler_step.py [--instructions]`` (writes
 ``docs/benchmarks/scheduler_step.json`` and ``.png``; ``--out PREFIX`` elsewhere).  Figures are
 CPU-only and machine-dependent.
 
+``--borrowing`` measures what borrowing costs a lone borrower's step: one
+user with 3 R streams at active cap R (``--max-num-seqs`` 4 R), so R run and
+2 R wait, as in the fair-share benchmark's lone-borrower comparison (R = 4
+there); that user ``{rate: 10, ceil: null}`` (always over its rate: every
+token borrowed) against the same user with a limit never hit, and stock vLLM
+at ``--max-num-seqs`` R.  Writes ``PREFIX_borrowing.json``.
+
 ``--store`` measures only ours with the shared store against ours with the
 in-memory limiter (limits never hit; ``--instructions`` adds the callgrind
 counts): a real redis-server is started on 127.0.0.1 (stopped by PID), the
@@ -362,6 +369,69 @@ def measure_store(sizes: list[int], steps: int, reps: int, instructions: bool) -
     return results
 
 
+#: ``--borrowing``'s active caps (R): the fair-share benchmark's 4 and 8, then larger batches.
+BORROWING_ACTIVE = (4, 8, 16, 64, 256)
+#: The lone borrower's own rate: far below what it gets, so every token it samples is borrowed.
+BORROWER_RATE = 10.0
+BORROWING_SIDES = ("stock", "ours", "ours-borrower")
+
+
+def build_lone_user(who: str, active: int) -> Harness:
+    """One user with 3 x ``active`` streams that never finish: ``active`` run, the rest wait.
+
+    ``stock``: vLLM's own scheduler with ``max_num_seqs`` = ``active``.  Ours
+    (``--max-num-seqs`` 4 x ``active``, ``--max-num-active-seqs`` ``active``, as
+    the fair-share servers): ``ours`` with that user's limit never hit,
+    ``ours-borrower`` with it ``{rate: BORROWER_RATE, ceil: null}``.
+    """
+    streams = 3 * active
+    config = None
+    if who != "stock":
+        config = limits(1e9, **({"lone": {"rate": BORROWER_RATE, "ceil": None}} if who == "ours-borrower" else {}))
+    h = Harness(
+        config,
+        max_num_seqs=active if who == "stock" else 4 * active,
+        max_num_active_seqs=None if who == "stock" else active,
+        num_blocks=active * ((PROMPT_LEN + WARMUP_STEPS + MEASURED_TOKENS) // 16 + 2) + 64,
+        max_num_batched_tokens=max(2048, streams * PROMPT_LEN),
+        max_model_len=2048,
+    )
+    for _ in range(streams):
+        h.add("lone", prompt_len=PROMPT_LEN, max_tokens=LONG)
+    for _ in range(WARMUP_STEPS):  # admit and prefill; the borrower spends its burst
+        h.step(10 * MS)
+    return h
+
+
+def measure_borrowing(sizes: list[int], steps: int, reps: int) -> dict:
+    """µs per step of a lone borrower, the same user unlimited, and stock, in alternating blocks."""
+    results: dict = {}
+    for active in sizes:
+        harnesses = {who: build_lone_user(who, active) for who in BORROWING_SIDES}
+        samples: dict[str, list[float]] = {who: [] for who in harnesses}
+        for rep in range(reps):
+            order = list(harnesses) if rep % 2 == 0 else list(reversed(harnesses))
+            for who in order:
+                samples[who] += time_steps(harnesses[who], steps)
+        row: dict = {}
+        for who, h in harnesses.items():
+            row[who] = {"us_per_step": statistics.median(samples[who]), "running": len(h.sched.running),
+                        "waiting": len(h.sched.waiting)}
+        borrower = harnesses["ours-borrower"].sched
+        # The borrower's side really borrowed: every token of the timed steps past its rate.
+        row["ours-borrower"]["borrowed_tokens"] = int(sum(borrower.output_rate_gate.borrowing.borrowed_tokens.values()))
+        row["borrower_over_unlimited"] = row["ours-borrower"]["us_per_step"] / row["ours"]["us_per_step"]
+        row["borrower_extra_us"] = row["ours-borrower"]["us_per_step"] - row["ours"]["us_per_step"]
+        results[active] = row
+        print(
+            f"borrowing R={active:4d}  stock {row['stock']['us_per_step']:8.1f} us  ours (never hit) "
+            f"{row['ours']['us_per_step']:8.1f} us  ours (borrower) {row['ours-borrower']['us_per_step']:8.1f} us  "
+            f"borrower / unlimited {row['borrower_over_unlimited']:.3f} (+{row['borrower_extra_us']:.0f} us)",
+            flush=True,
+        )
+    return results
+
+
 def count_instructions(scenario: str, resident: int, who: str, steps: int, helper: Path) -> float:
     """Instructions per step, from one child process under callgrind."""
     with tempfile.TemporaryDirectory(prefix="cg-") as tmp:
@@ -425,12 +495,25 @@ def main() -> None:
         "without its fast paths; writes PREFIX_fast_paths.json",
     )
     ap.add_argument(
+        "--borrowing", action="store_true",
+        help="only a lone borrower's step against the same user unlimited and stock, at active caps "
+        f"{','.join(map(str, BORROWING_ACTIVE))} (or --resident); writes PREFIX_borrowing.json",
+    )
+    ap.add_argument(
         "--store", action="store_true",
         help="only ours with the shared Redis lease store vs ours in memory (limits never "
         "hit; starts a redis-server); with --instructions also by callgrind; writes PREFIX_store.json",
     )
     args = ap.parse_args()
     sizes = [int(x) for x in args.resident.split(",")]
+    if args.borrowing:
+        if args.resident == ap.get_default("resident"):
+            sizes = list(BORROWING_ACTIVE)
+        doc = benchkit.start_report(SCHEMA + "-borrowing", args)
+        doc.update({"steps": args.steps, "reps": args.reps, "borrower_rate": BORROWER_RATE,
+                    "results": measure_borrowing(sizes, args.steps, args.reps)})
+        benchkit.write_outputs(benchkit.finish_report(doc), args.out, suffix="_borrowing")
+        return
     if args.store:
         doc = benchkit.start_report(SCHEMA + "-store", args)
         doc.update({"targets": {"ratio": TARGETS["never_hit_ratio"]}, "steps": args.steps,

@@ -562,12 +562,16 @@ class BorrowingHooks:
         borrowing: dict[str, bool] = {}
         admittable: dict[str, int] = {}  # borrowing user -> its requests worth admitting
         quota: dict[str, int] = {}
+        # Users out of quota whose later requests change nothing: those that
+        # may not borrow, and borrowers whose list is full.  A lone borrower's
+        # backlog is then one set lookup per request and step.
+        settled: set[str] = set()
         guaranteed = 0
         for request in self.waiting:
             if request.status not in _ADMITTABLE or request in in_turn:
                 continue  # held elsewhere, or its quota is reserved already
             user = user_of.get(request)
-            if user is None:
+            if user is None or user in settled:
                 continue
             left = quota.get(user)
             if left is None:
@@ -582,13 +586,17 @@ class BorrowingHooks:
             may = borrowing.get(user)
             if may is None:
                 may = borrowing[user] = borrows(user)
-            if may:
-                costs = queued.setdefault(user, [])
-                most = admittable.get(user)
-                if most is None:
-                    most = admittable[user] = min(wanted, limit - self._hidden_streams(user))
-                if len(costs) < most:
-                    costs.append(_output_left(request))
+            if not may:
+                settled.add(user)
+                continue
+            costs = queued.setdefault(user, [])
+            most = admittable.get(user)
+            if most is None:
+                most = admittable[user] = min(wanted, limit - self._hidden_streams(user))
+            if len(costs) < most:
+                costs.append(_output_left(request))
+            if len(costs) >= most:
+                settled.add(user)
         slots = min(free_slots, limit) - guaranteed
         return guaranteed, max(0, min(slots, sum(map(len, queued.values()))))
 
