@@ -1157,3 +1157,11 @@ def test_performance_page_renders_what_exists_and_names_what_is_missing(demo_doc
         assert f"| `{name}.json` | `" in missing
     # Generated whole: a second run writes the same page.
     assert render_page(results, page) == text
+
+
+def test_a_stalled_client_is_told_its_figures_may_be_its_own_pace():
+    assert bench.client_lag_warning(None) is None
+    assert bench.client_lag_warning(0.046) is None
+    assert bench.client_lag_warning(bench.CLIENT_LAG_WARNING_S - 0.01) is None
+    warning = bench.client_lag_warning(3.033)
+    assert warning is not None and "3.0 s" in warning and "not the server's" in warning
