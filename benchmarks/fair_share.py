@@ -296,7 +296,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from vllm_output_rate.settings import OutputRateConfigError, parse_cli
-from vllm_output_rate.tools import analysis, measure
+from vllm_output_rate.tools import analysis, measure, runkit
 from vllm_output_rate.tools.render import figure_metadata, sibling_json
 from vllm_output_rate.tools.measure import RequestRecord, percentile, run_request
 from vllm_output_rate_harness import benchkit
@@ -1324,7 +1324,7 @@ def run_mode(mode: str, args, doc: dict[str, Any], loads: dict[str, list[Client]
     then each workload."""
     result: dict[str, Any] = {"status": "ran", "load_before": loadavg(), "workload_config": workload_config(args),
                               "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                              "code": code_state(), "client_priority": benchkit.client_priority}
+                              "code": code_state(), "client_priority": runkit.client_priority}
     print(f"[{mode}] code: {result['code']}", flush=True)
     began = time.monotonic()
     capacity = doc["capacity"]["tok_s"] if doc.get("capacity") else None

@@ -1078,10 +1078,11 @@ def test_a_client_in_its_own_session_asks_for_priority_and_says_what_it_got():
     # In a child: the raised priority must not outlive the check in this process.
     code = (
         "import json, os\n"
+        "from vllm_output_rate.tools import runkit\n"
         "from vllm_output_rate_harness import benchkit\n"
         "def main():\n"
         "    got = benchkit.raise_client_priority(-3)\n"
-        "    print(json.dumps([got, benchkit.client_priority, os.getsid(0) == os.getpid(),\n"
+        "    print(json.dumps([got, runkit.client_priority, os.getsid(0) == os.getpid(),\n"
         "                      os.getpriority(os.PRIO_PROCESS, 0),\n"
         "                      os.path.exists('/proc/self/autogroup')\n"
         "                      and open('/proc/self/autogroup').read().split()[-1]]), flush=True)\n"
@@ -1165,3 +1166,15 @@ def test_a_stalled_client_is_told_its_figures_may_be_its_own_pace():
     assert bench.client_lag_warning(bench.CLIENT_LAG_WARNING_S - 0.01) is None
     warning = bench.client_lag_warning(3.033)
     assert warning is not None and "3.0 s" in warning and "not the server's" in warning
+
+
+def test_the_demo_runs_its_bench_in_a_session_of_its_own_and_passes_its_exit_code_on(monkeypatch):
+    from vllm_output_rate.tools import demo, runkit
+
+    started = []
+    monkeypatch.setattr(runkit, "in_own_session", lambda run: started.append(run) or 3)
+    with pytest.raises(SystemExit) as exc:
+        demo.main(["--only", "stock", "--out", "unused"])
+    assert exc.value.code == 3 and len(started) == 1  # nothing ran outside the session
+    monkeypatch.setattr(runkit, "in_own_session", lambda run: 0)
+    assert demo.main(["--only", "stock", "--out", "unused"]) is None
