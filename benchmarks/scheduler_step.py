@@ -177,6 +177,21 @@ def time_steps(h: Harness, steps: int) -> list[float]:
     return samples
 
 
+def alternating_blocks(harnesses: dict[str, Harness], steps: int, reps: int) -> dict[str, list[list[float]]]:
+    """``reps`` timed blocks of ``steps`` steps per harness, the order reversed every other
+    round, so a drift of the machine falls on every side alike: each side's blocks."""
+    blocks: dict[str, list[list[float]]] = {who: [] for who in harnesses}
+    for rep in range(reps):
+        order = list(harnesses) if rep % 2 == 0 else list(reversed(harnesses))
+        for who in order:
+            blocks[who].append(time_steps(harnesses[who], steps))
+    return blocks
+
+
+def _pooled(blocks: list[list[float]]) -> list[float]:
+    return [sample for block in blocks for sample in block]
+
+
 def measure_pair(scenario: str, resident: int, steps: int, reps: int) -> dict:
     """Stock and ours built side by side, timed in alternating blocks.
 
@@ -185,22 +200,15 @@ def measure_pair(scenario: str, resident: int, steps: int, reps: int) -> dict:
     absolute figures drift.
     """
     harnesses = {"stock": build(scenario, resident, False), "ours": build(scenario, resident, True)}
-    samples: dict[str, list[float]] = {"stock": [], "ours": []}
-    block_medians: dict[str, list[float]] = {"stock": [], "ours": []}
-    for rep in range(reps):
-        order = ("stock", "ours") if rep % 2 == 0 else ("ours", "stock")
-        for who in order:
-            block = time_steps(harnesses[who], steps)
-            samples[who] += block
-            block_medians[who].append(statistics.median(block))
+    blocks = alternating_blocks(harnesses, steps, reps)
     row = {
         who: {
-            "us_per_step": statistics.median(samples[who]),
-            "block_medians_us": block_medians[who],
+            "us_per_step": statistics.median(_pooled(blocks[who])),
+            "block_medians_us": [statistics.median(block) for block in blocks[who]],
             "resident": len(harnesses[who].sched.running),
             "waiting": len(harnesses[who].sched.waiting),
         }
-        for who in samples
+        for who in harnesses
     }
     row["ratio"] = row["ours"]["us_per_step"] / row["stock"]["us_per_step"]
     return row
@@ -319,13 +327,9 @@ def measure_store(sizes: list[int], steps: int, reps: int, instructions: bool) -
         for r in sizes:
             harnesses = {"ours": build("never_hit", r, True),
                          "ours-store": build("never_hit", r, True, server.url)}
-            samples: dict[str, list[float]] = {who: [] for who in harnesses}
-            for rep in range(reps):
-                order = list(harnesses) if rep % 2 == 0 else list(reversed(harnesses))
-                for who in order:
-                    samples[who] += time_steps(harnesses[who], steps)
+            blocks = alternating_blocks(harnesses, steps, reps)
             lim = harnesses["ours-store"].sched.output_rate_limiter
-            row = {who: {"us_per_step": statistics.median(v)} for who, v in samples.items()}
+            row = {who: {"us_per_step": statistics.median(_pooled(b))} for who, b in blocks.items()}
             row["ratio"] = row["ours-store"]["us_per_step"] / row["ours"]["us_per_step"]
             row["lease_stats"] = dict(lim.stats)
             # Same steps, same tokens charged: the store never refused anyone.
@@ -408,14 +412,10 @@ def measure_borrowing(sizes: list[int], steps: int, reps: int) -> dict:
     results: dict = {}
     for active in sizes:
         harnesses = {who: build_lone_user(who, active) for who in BORROWING_SIDES}
-        samples: dict[str, list[float]] = {who: [] for who in harnesses}
-        for rep in range(reps):
-            order = list(harnesses) if rep % 2 == 0 else list(reversed(harnesses))
-            for who in order:
-                samples[who] += time_steps(harnesses[who], steps)
+        blocks = alternating_blocks(harnesses, steps, reps)
         row: dict = {}
         for who, h in harnesses.items():
-            row[who] = {"us_per_step": statistics.median(samples[who]), "running": len(h.sched.running),
+            row[who] = {"us_per_step": statistics.median(_pooled(blocks[who])), "running": len(h.sched.running),
                         "waiting": len(h.sched.waiting)}
         borrower = harnesses["ours-borrower"].sched
         # The borrower's side really borrowed: every token of the timed steps past its rate.
