@@ -63,6 +63,11 @@ $(STAMP): pyproject.toml harness/pyproject.toml
 	command -v redis-server >/dev/null || command -v valkey-server >/dev/null || \
 		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server; } || \
 		echo "warning: no redis-server; the shared-quota tests will be skipped" >&2
+	# Prometheus and promtool (Debian's package) for the alert-rule and dashboard tests;
+	# tests start their own prometheus on 127.0.0.1 and stop it by PID.
+	command -v promtool >/dev/null || \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; } || \
+		echo "warning: no prometheus/promtool; the rule and dashboard tests will be skipped" >&2
 	$(BIN)/python -c 'import vllm_output_rate, vllm_output_rate_harness, hypothesis, pytest' || { echo "package install failed" >&2; exit 1; }
 	touch $@
 
