@@ -789,3 +789,77 @@ def test_recompute_caused_by_evictions_stays_within_the_budget(async_):
     assert budget.spent_tokens - budget.forced_tokens <= budget.burst_tokens + budget.earned_tokens
     assert h.recomputed_tokens <= 0.5 * output, (h.recomputed_tokens, output, preemptions)
     h.check_limiter_exact()
+
+
+# -- built without our __init__ (vLLM's own tests do) -------------------------------
+
+
+def _hand_built(cls):
+    """A scheduler made as vLLM 0.32.0's own
+    ``test_abort_request_when_structured_output_fsm_cannot_advance`` makes
+    one: ``object.__new__`` and vLLM's attributes set by hand, so no
+    ``__init__`` (vLLM's or ours) ran.  One running request whose grammar
+    rejects every token; returns (scheduler, request, output to feed)."""
+    from collections import Counter
+    from unittest.mock import Mock
+
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.request import Request
+
+    sched = object.__new__(cls)
+    request = Request("hand-built", [3, 4], SamplingParams(ignore_eos=True, max_tokens=4), None)
+    request.structured_output_request = Mock()
+    request.status = RequestStatus.RUNNING
+    request.num_computed_tokens = request.num_tokens
+    if issubclass(cls, AsyncScheduler):
+        request.num_output_placeholders = 1
+    grammar = Mock()
+    grammar.should_advance.return_value = True
+    grammar.accept_tokens.return_value = False  # the FSM cannot advance
+    grammar.trim_reasoning_for_advance.side_effect = lambda request, new_token_ids: new_token_ids
+    kv = Mock()
+    kv.take_events.return_value = None
+    kv.estimate_cached_tokens.return_value = 0
+    for name, value in {
+        "perf_metrics": None, "connector": None, "ec_connector": None,
+        "aux_output_connector": None, "structured_output_manager": grammar,
+        "requests": {request.request_id: request}, "running": [request], "waiting": Mock(),
+        "kv_cache_manager": kv, "kv_event_publisher": Mock(), "encoder_cache_manager": Mock(),
+        "finished_req_ids": set(), "finished_req_ids_dict": None, "vllm_config": Mock(),
+        "make_stats": Mock(return_value=None), "defer_block_free": False, "max_model_len": 64,
+        "return_sampling_mask": False, "grammar_compile_error_reqs": set(),
+        "encoder_cache_mismatch_reqs": set(), "_inflight_prefills": set(),
+        "_kv_fetch_stages": {}, "_kv_fetch_counts": Counter(),
+    }.items():
+        setattr(sched, name, value)
+    output = Mock()
+    output.num_scheduled_tokens = {request.request_id: 1}
+    output.total_num_scheduled_tokens = 1
+    output.scheduled_spec_decode_tokens = {}
+    output.num_invalid_spec_tokens = None
+    runner = ModelRunnerOutput(
+        req_ids=[request.request_id], req_id_to_index={request.request_id: 0},
+        sampled_token_ids=[[5]],
+    )
+    return sched, request, output, runner
+
+
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
+
+
+@pytest.mark.parametrize(
+    "stock, ours",
+    [(Scheduler, OutputRateScheduler), (AsyncScheduler, OutputRateAsyncScheduler)],
+    ids=["sync", "async"],
+)
+def test_a_scheduler_built_without_our_init_finishes_a_request_as_stock_does(stock, ours):
+    """Issue 43: our ``update_from_output`` read ``self._draft_account`` (and
+    the lanes) that only our ``__init__`` sets: AttributeError.  Built by
+    hand, our class must end the request exactly as vLLM's own does."""
+    results = []
+    for cls in (stock, ours):
+        sched, request, output, runner = _hand_built(cls)
+        sched.update_from_output(output, runner)
+        results.append((request.status, sched.running, request.request_id in sched.requests))
+    assert results[0] == results[1] == (RequestStatus.FINISHED_ERROR, [], False)

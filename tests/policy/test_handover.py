@@ -206,3 +206,33 @@ def test_no_receiver_without_a_counter_or_beyond_its_residency_cap():
 
     lanes.residency = OneEach()  # type: ignore[assignment]
     assert slot_handover(b, lanes, {"d2": [512]}, room=8) is None
+
+
+def test_no_slot_for_a_receiver_whose_ceiling_binds():
+    """Issue 43: a receiver whose ceiling leaves no token beyond what its
+    hidden streams borrow would sample no more with another slot; given the
+    step's ledger, the hand-over passes it by (without it, as before)."""
+    rates = {"d1": 0.01, "d2": 0.01}
+    shares = {"d1": Share(None, 1), "d2": Share(20, 3)}
+    table = ShareTable(0.01, rates, None, shares)
+    ceiling = OutputRateLimiter(*table.ceilings())
+    gate = StepGate(OutputRateLimiter(0.01, rates))
+    b = gate.borrowing = Borrowing(table, ceiling)
+    lanes = gate.lanes
+    for i, user in enumerate(["d1"] * 5 + ["d2"]):
+        lanes.track(f"k{i}", user)
+        lanes.admit(f"k{i}", progressing=False)
+    now = 10 * S
+    gate.plan(now, 8)
+    for _ in range(2):  # the rate's burst: none of it left after these
+        gate.ledger.limiter.try_take("d1", now)
+        gate.ledger.limiter.try_take("d2", now)
+    gate.plan(now, 8)
+    b.counters.update(d1=10_000.0, d2=0.0)
+    b.active = {"d1", "d2"}
+    waiting = {"d2": [512]}
+    assert ceiling.available("d2", now) > 1  # room beyond d2's one hidden stream
+    assert slot_handover(b, lanes, waiting, room=8, ledger=gate.ledger) == ("d1", "d2")
+    ceiling.take_up_to("d2", now, ceiling.available("d2", now) - 1)
+    assert slot_handover(b, lanes, waiting, room=8, ledger=gate.ledger) is None
+    assert slot_handover(b, lanes, waiting, room=8) == ("d1", "d2")

@@ -51,12 +51,13 @@ class PromptCostHooks:
         # otherwise cost a lookup each in every step until the debt is paid
         # (same decision, same refusal recorded).  Preempted requests take
         # the full path: their recompute below the charged mark is free.
-        prompt_cost = self.output_rate_prompt_cost
         step = self._step
+        if step is None:
+            return super()._handle_blocked_waiting_request(request)
+        prompt_cost = self.output_rate_prompt_cost
         if (
             prompt_cost.debt
             and prompt_cost.weight
-            and step is not None
             and request.status == RequestStatus.WAITING
             and request.num_computed_tokens == 0
         ):
@@ -71,7 +72,7 @@ class PromptCostHooks:
         if super()._ec_transfer_pending(request, num_computed_tokens):
             return True
         step = self._step
-        if not self.output_rate_prompt_cost.weight or step is None:
+        if step is None or not self.output_rate_prompt_cost.weight:
             return False
         # After the prefix-cache lookup: a request that would compute prompt
         # positions nobody paid for yet is skipped while its user cannot pay,
@@ -88,6 +89,8 @@ class PromptCostHooks:
         return True
 
     def _free_request(self, request: Request, *args: Any, **kwargs: Any):
+        if self._lanes is None:  # built without our __init__: stock
+            return super()._free_request(request, *args, **kwargs)
         prompt_cost = self.output_rate_prompt_cost
         prompt_cost.forget(request)
         user = self._lanes.user_of.get(request)

@@ -90,6 +90,7 @@ from vllm_output_rate.factory import (
     update_residency,
 )
 from vllm_output_rate.policy.borrow import Borrowing
+from vllm_output_rate.policy.demand import waiting_demand
 from vllm_output_rate.policy.displacement import Displacement, fits_in_free_kv
 from vllm_output_rate.policy.drafts import DraftAccount
 from vllm_output_rate.policy.eviction import EvictionBudget
@@ -116,7 +117,7 @@ class MembershipHooks:
     """
 
     def add_request(self, request: Request) -> None:
-        if request.request_id not in self.requests:
+        if self._lanes is not None and request.request_id not in self.requests:
             self._lanes.track(request, _user_of(request))
             if not self._facts.chunked_prefill and not request.resumable:
                 # Its first token comes with its whole prefill: it needs
@@ -130,11 +131,14 @@ class MembershipHooks:
         super().add_request(request)
 
     def _free_request(self, request: Request, *args: Any, **kwargs: Any):
-        self._lanes.forget(request)
-        self._evicted_for_quota.discard(request)
+        if self._lanes is not None:
+            self._lanes.forget(request)
+            self._evicted_for_quota.discard(request)
         return super()._free_request(request, *args, **kwargs)
 
     def _preempt_request(self, request: Request, *args: Any, **kwargs: Any) -> None:
+        if self._lanes is None:
+            return super()._preempt_request(request, *args, **kwargs)
         self._lanes.release(request)
         if not self._facts.chunked_prefill and not request.resumable:
             self._lanes.wait_in_turn(request)  # as on arrival
@@ -145,7 +149,8 @@ class MembershipHooks:
 
     def update_from_output(self, scheduler_output, model_runner_output):
         outputs = super().update_from_output(scheduler_output, model_runner_output)
-        if self._facts.sessions:
+        facts = self._facts
+        if facts is not None and facts.sessions:
             self._release_idle_sessions(scheduler_output)
         return outputs
 
@@ -363,14 +368,30 @@ class ResidencyHooks:
         if room is None:
             return True
         if room <= 0:
-            return False
+            return self._displace_own_stream(step, request)
         # This step's admissions are not in the lanes yet (see _admit_new).
         admitted = 0
         for r in self.running[step.running_at_start:]:
             if user_of.get(r) == user:
                 admitted += 1
                 if admitted >= room:
-                    return False
+                    return self._displace_own_stream(step, request)
+        return True
+
+    def _displace_own_stream(self, step: _Step, request: Request) -> bool:
+        """Priority scheduling: ``request``, kept out by its user's cap, may
+        take the place of a less important hidden stream of its own user
+        (``Displacement.own_stream_victim``).  True: it was made room for."""
+        if not self._facts.priority_policy or step.plan is _REPEAT_PLAN:
+            return False  # a repeated step hides nothing: no stream to give way
+        offered = step.visible_now
+        if offered is None:
+            offered = step.visible_now = set(self.running)
+        victim = self._displacement.own_stream_victim(request, lambda r: r not in offered)
+        if victim is None:
+            return False
+        self._evict(victim)
+        step.plan.hidden -= 1  # its slot is the request's now
         return True
 
 
@@ -506,7 +527,7 @@ class BorrowingHooks:
             > 0
         ):
             return None
-        pair = slot_handover(self._borrowing, self._lanes, users, room)
+        pair = slot_handover(self._borrowing, self._lanes, users, room, ledger=self._ledger)
         if pair is None:
             return None
         donor, receiver = pair
@@ -535,78 +556,22 @@ class BorrowingHooks:
         return committed
 
     def _waiting_demand(self, limit: int, queued: dict[str, list[int]]) -> tuple[int, int]:
-        """Admittable waiting requests that get room before borrowed streams,
-        up to ``limit``: those whose user can pay now (the first count), and,
-        while model-runner slots are free, those of users who may borrow
-        (the second: admitted, they join the borrowing as resident streams).
-        ``queued`` receives, per borrowing user, what each of its waiting
-        requests that would only run by borrowing may output.
-
-        A borrowing user's waiting requests are counted only for the room
-        its own hidden resident streams cannot fill: admitted instead of
-        them, they would not add to its service, only spread it over more
-        requests, which then all progress in lockstep and finish together
-        (a lone borrower's closed-loop clients then leave the engine empty
-        while they send the next requests; stock vLLM keeps the surplus
-        queued, and its slots busy)."""
-        lanes = self._lanes
-        user_of, in_turn = lanes.user_of, lanes.in_turn
-        quota_now = self._ledger.quota_now
-        borrows = self._borrowing.table.borrows
-        free_slots = (
-            self.max_num_running_reqs - len(self.running) - self.num_waiting_for_streaming_input
+        """Waiting requests that get room before borrowed streams
+        (:func:`~vllm_output_rate.policy.demand.waiting_demand` decides)."""
+        waiting = self.waiting
+        return waiting_demand(
+            (r for r in waiting if r.status in _ADMITTABLE) if waiting else (),
+            self._lanes,
+            self._ledger,
+            self._borrowing.table.borrows,
+            self.output_rate_residency,
+            limit=limit,
+            free_slots=(
+                self.max_num_running_reqs - len(self.running) - self.num_waiting_for_streaming_input
+            ),
+            output_left=_output_left,
+            queued=queued,
         )
-        # No user can be given more admissions than there are slots: longer
-        # lists would only cost a scan of their requests' lengths.
-        wanted = max(0, min(free_slots, limit))
-        borrowing: dict[str, bool] = {}
-        admittable: dict[str, int] = {}  # borrowing user -> its requests worth admitting
-        quota: dict[str, int] = {}
-        # Users out of quota whose later requests change nothing: those that
-        # may not borrow, and borrowers whose list is full.  A lone borrower's
-        # backlog is then one set lookup per request and step.
-        settled: set[str] = set()
-        guaranteed = 0
-        for request in self.waiting:
-            if request.status not in _ADMITTABLE or request in in_turn:
-                continue  # held elsewhere, or its quota is reserved already
-            user = user_of.get(request)
-            if user is None or user in settled:
-                continue
-            left = quota.get(user)
-            if left is None:
-                left = quota_now(user)
-            if left > 0:
-                quota[user] = left - 1
-                guaranteed += 1
-                if guaranteed >= limit:
-                    break
-                continue
-            quota[user] = 0
-            may = borrowing.get(user)
-            if may is None:
-                may = borrowing[user] = borrows(user)
-            if not may:
-                settled.add(user)
-                continue
-            costs = queued.setdefault(user, [])
-            most = admittable.get(user)
-            if most is None:
-                most = admittable[user] = min(wanted, limit - self._hidden_streams(user))
-            if len(costs) < most:
-                costs.append(_output_left(request))
-            if len(costs) >= most:
-                settled.add(user)
-        slots = min(free_slots, limit) - guaranteed
-        return guaranteed, max(0, min(slots, sum(map(len, queued.values()))))
-
-    def _hidden_streams(self, user: str) -> int:
-        """Resident decoding streams of ``user`` the plan did not pay for."""
-        lane = self._lanes.order.get(user)
-        if lane is None:
-            return 0
-        lane_of, prepaid = self._lanes.lane_of, self._ledger.prepaid
-        return sum(1 for key in lane.decoding if key in lane_of and key not in prepaid)
 
 
 class SpecDecodeHooks:
@@ -700,6 +665,15 @@ class OutputRateSchedulerMixin(
 
     #: Clock for the limiter, in integer nanoseconds; tests replace it.
     output_rate_clock: Callable[[], int] = staticmethod(time.monotonic_ns)
+
+    # "Not configured" until __init__ runs: a scheduler built without it
+    # (vLLM's own tests make one with object.__new__ and set vLLM's
+    # attributes by hand) runs every hook as stock vLLM.  Between steps the
+    # hooks that keep our state ask ``_lanes``; inside a step ``_step``.
+    _lanes: Any = None
+    _facts: _EngineFacts | None = None
+    _step: _Step | None = None
+    _draft_account: DraftAccount | None = None
     #: Builds the limiter from the settings; tests give a data-parallel rank
     #: a leased limiter on a fake store and clock.
     output_rate_limiter_factory: Callable[..., Any] = staticmethod(make_limiter)
@@ -997,7 +971,7 @@ class _Step:
     __slots__ = (
         "plan", "prepaid", "all_visible_paid", "running_at_start", "refused_visible",
         "preempted", "evicted", "slot_donors", "held_for_other_reasons", "borrow_admits",
-        "admitted_to_borrow", "adapters", "adapters_seen", "refused_for_prompts",
+        "admitted_to_borrow", "adapters", "adapters_seen", "refused_for_prompts", "visible_now",
     )
 
     def __init__(
@@ -1039,6 +1013,9 @@ class _Step:
         self.adapters_seen = 0
         #: Users refused for their prompt cost: behind every other user next.
         self.refused_for_prompts: set[str] = set()
+        #: The requests offered to vLLM in this step, as a set, built on the
+        #: first displacement within a user (priority scheduling).
+        self.visible_now: set[Request] | None = None
 
 
 class _EvictingKVCacheManager:

@@ -60,6 +60,7 @@ import heapq
 from dataclasses import dataclass
 from typing import Collection, Container, Hashable, Mapping, Protocol, Sequence, cast
 
+from vllm_output_rate.policy.demand import unpaid_decoding
 from vllm_output_rate.policy.lanes import Lanes
 from vllm_output_rate.policy.ledger import Ledger
 from vllm_output_rate.policy.limiter import Limiter
@@ -352,6 +353,26 @@ class Borrowing:
         if not table.borrows(user):
             return False
         return not table.ceiled(user) or (self.cap is not None and self.cap.available(user, now_ns) > 0)
+
+    def could_borrow_another(self, lanes: Lanes, ledger: Ledger, user: str) -> bool:
+        """Would one more resident stream of ``user`` borrow in this step?
+
+        Its hidden decoding streams (those the plan did not pay for) borrow
+        first, one token each; another stream adds service only if the cap
+        has a token left beyond them.  A borrower whose ceiling binds gains
+        nothing from another slot: the slot would only spread the same
+        ceiling over more streams, while the user giving it up loses a
+        stream's every token (issue 43).  No ceiling: any slot is used."""
+        table = self.table
+        if not table.borrows(user):
+            return False
+        if not table.ceiled(user):
+            return True
+        cap = self.cap
+        if cap is None:
+            return True
+        hidden = unpaid_decoding(lanes, ledger.prepaid, user)
+        return cap.available(user, ledger.now_ns) > hidden
 
     def lend(self, user: str, key: Key, now_ns: int) -> bool:
         """Borrow the sampled token of a request of ``user`` given a slot by

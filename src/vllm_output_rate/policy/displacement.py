@@ -48,7 +48,10 @@ class Displacement:
       before a limit was lowered), the one that generated least, if the
       budget affords it -- also when its user holds resident streams
       already; evens_out is not asked, the caps keep such moves from
-      cycling (see :meth:`_surplus_victim`).
+      cycling (see :meth:`_surplus_victim`);
+    * under priority scheduling, a waiting request its user's residency cap
+      keeps out takes the place of a less important hidden stream of the
+      same user, never another user's (:meth:`own_stream_victim`).
     """
 
     def __init__(
@@ -173,6 +176,52 @@ class Displacement:
                 yield victim
 
         return self._least_generated(candidates())
+
+    def own_stream_victim(self, key: Key, hidden: Callable[[Key], bool]) -> Key | None:
+        """Under priority scheduling: the resident stream of ``key``'s own
+        user that gives way for ``key``, a waiting request its user's
+        residency cap keeps out, or None.
+
+        Residency caps how many of a user's requests hold KV; which of them
+        do is the user's own business, so a more important request of the
+        user takes the place of a less important one of the same user (never
+        another user's).  The victim is one of the user's resident decoding
+        streams with a larger priority value than ``key`` (the least
+        important first, then the one that generated least), ``hidden`` in
+        this step (not offered to vLLM: its KV can go without undoing
+        anything scheduled), whose recompute the budget affords and whose KV
+        can be released.  It comes back (recomputed) when its user has room
+        under its cap again: a returning stream is never more important than
+        the one that displaced it, so displacements never cycle.  Without
+        priority scheduling (every request equally important) None.
+        """
+        priority_of = self._priority_of
+        if priority_of is None or key in self._evicted:
+            return None
+        lanes = self._lanes
+        user = lanes.user_of[key]
+        lane = lanes.order.get(user)
+        if lane is None:
+            return None
+        urgency = priority_of(key)
+        lane_of = lanes.lane_of
+        best: Key | None = None
+        best_rank: tuple[int, int] = (0, 0)
+        for victim in lane.decoding:
+            if lane_of.get(victim) != user or victim is key:
+                continue
+            priority = priority_of(victim)
+            if priority <= urgency:
+                continue  # as important as the request, or more: it stays
+            rank = (-priority, self._generated_of(victim))
+            if best is not None and rank >= best_rank:
+                continue
+            if not hidden(victim) or not self._can_release(victim):
+                continue
+            if not self._budget.affords(self._tokens_held(victim)):
+                continue
+            best, best_rank = victim, rank
+        return best
 
     def handover_victim(self, donor: str) -> Key | None:
         """The resident stream a borrower gives up for another borrower

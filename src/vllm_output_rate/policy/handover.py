@@ -19,7 +19,13 @@ streams to a borrower *behind* it (:func:`slot_handover` chooses the pair,
 * no model-runner slot is free (otherwise admissions hand it out);
 * the receiver R has a waiting request that would only run by borrowing, is
   within its residency cap, and could borrow with one more stream in this
-  step (it holds fewer resident requests than the room left to borrowers);
+  step: it holds fewer resident requests than the room left to borrowers,
+  and its quota has a token left beyond what its hidden streams borrow
+  (:meth:`~.borrow.Borrowing.could_borrow_another`).  A receiver whose
+  ceiling binds would sample no more with another slot, while the donor
+  loses every token of the stream it gives (issue 43: hand-overs took 6 of
+  8 slots from a borrower without ceiling for one capped at 20 tok/s, and
+  the engine made 220 tokens a second instead of 720);
 * the donor V, in the same scope (both without a group, or in the same
   one), is ahead of R by more than ``margin`` tokens: of what the two
   borrowed since they started level, V got more than its weighted part,
@@ -60,6 +66,7 @@ from typing import Collection
 
 from vllm_output_rate.policy.borrow import Borrowing
 from vllm_output_rate.policy.lanes import Lanes
+from vllm_output_rate.policy.ledger import Ledger
 
 #: Tokens a borrower must be ahead of its weighted share (against the
 #: borrower it gives a slot to) before it gives one.  Larger: fewer
@@ -73,6 +80,7 @@ def slot_handover(
     waiting: Collection[str],
     room: int,
     margin: float = HANDOVER_MARGIN_TOKENS,
+    ledger: Ledger | None = None,
 ) -> tuple[str, str] | None:
     """(donor, receiver): the borrower that gives one resident stream and
     the one its slot goes to, or None.
@@ -82,7 +90,8 @@ def slot_handover(
     slots left to borrowers in this step.  Only current borrowers with a
     counter are compared (see the module docstring for the rule).  The
     receiver is the one furthest behind (least counter) that could use a
-    slot; the donor the one furthest ahead of it that qualifies.  Nothing is
+    slot (given ``ledger``, the step's payments: one its quota could also
+    feed); the donor the one furthest ahead of it that qualifies.  Nothing is
     changed.
     """
     if room <= 0 or not waiting:
@@ -101,6 +110,8 @@ def slot_handover(
             continue  # its own streams take all the room it could get
         if residency is not None and not residency.admits(user, held):
             continue  # its request would not be admitted
+        if ledger is not None and not borrowing.could_borrow_another(lanes, ledger, user):
+            continue  # its ceiling binds: another slot would not add a token
         if receiver is None or counters[user] < counters[receiver]:
             receiver = user
     if receiver is None:

@@ -1,0 +1,128 @@
+"""What the waiting queue asks of a step's room before borrowed streams get it.
+
+When a step has active room left after the plan, waiting requests that can
+run are served first and borrowers' hidden streams get what remains
+(:meth:`~.borrow.Borrowing.offer`).  :func:`waiting_demand` counts, in queue
+order, the waiting requests that will take some of that room:
+
+* *guaranteed*: requests whose user has quota now;
+* *admissions*: while model-runner slots are free, requests of users that
+  may borrow (admitted, they join the borrowing as resident streams).  A
+  borrower's requests count only for the room its own hidden streams cannot
+  fill: admitted instead of them they would add nothing to its service,
+  only spread it over more requests, which then progress in lockstep and
+  finish together (a lone borrower's closed-loop clients would then leave
+  the engine empty while they send their next requests).
+
+Both count only requests residency will admit (:mod:`.residency`): a user
+holding as many resident requests as its cap takes no new one in this step,
+so room set aside for its waiting requests would stay empty -- neither they
+nor the borrowed streams it was taken from would run (issue 43: a borrower
+at its cap with 20 requests waiting cut another borrower's borrowed tokens
+by 62 %).
+
+Plain Python: no vLLM import.  Requests are opaque keys.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Container, Hashable, Iterable
+
+from vllm_output_rate.policy.lanes import Lanes
+from vllm_output_rate.policy.ledger import Ledger
+from vllm_output_rate.policy.residency import Residency
+
+Key = Hashable
+_UNASKED = -1  # never a room: Residency.room is None or >= 0
+
+
+def unpaid_decoding(lanes: Lanes, prepaid: Container[Key], user: str) -> int:
+    """Resident decoding streams of ``user`` the step's plan did not pay for
+    (those that would borrow)."""
+    lane = lanes.order.get(user)
+    if lane is None:
+        return 0
+    lane_of = lanes.lane_of
+    return sum(1 for key in lane.decoding if lane_of.get(key) == user and key not in prepaid)
+
+
+def waiting_demand(
+    waiting: Iterable[Key],
+    lanes: Lanes,
+    ledger: Ledger,
+    borrows: Callable[[str], bool],
+    residency: Residency | None,
+    *,
+    limit: int,
+    free_slots: int,
+    output_left: Callable[[Key], int],
+    queued: dict[str, list[int]],
+) -> tuple[int, int]:
+    """(guaranteed, admissions): waiting requests that get room before
+    borrowed streams, up to ``limit`` (the step's active room).
+
+    ``waiting``: the requests vLLM could admit now, in queue order;
+    ``free_slots``: model-runner slots free; ``queued`` receives, per
+    borrowing user, what each of its waiting requests that would only run
+    by borrowing may output (in queue order).  Requests already waiting
+    their turn for quota (``lanes.in_turn``) are reserved for elsewhere and
+    not counted.  Nothing else is changed.
+    """
+    user_of, in_turn = lanes.user_of, lanes.in_turn
+    quota_now = ledger.quota_now
+    resident_count = lanes.resident_count
+    prepaid = ledger.prepaid
+    # No user can be given more admissions than there are slots: longer
+    # lists would only cost a scan of their requests' lengths.
+    wanted = max(0, min(free_slots, limit))
+    borrowing: dict[str, bool] = {}
+    admittable: dict[str, int] = {}  # borrowing user -> its requests worth admitting
+    quota: dict[str, int] = {}
+    #: user -> requests residency still admits in this step (None: no cap).
+    cap_room: dict[str, int | None] = {}
+    # Users whose later requests change nothing: those out of quota that may
+    # not borrow, borrowers whose list is full, and users at their cap.  A
+    # lone borrower's backlog is then one set lookup per request and step.
+    settled: set[str] = set()
+    guaranteed = 0
+    for request in waiting:
+        if request in in_turn:
+            continue
+        user = user_of.get(request)
+        if user is None or user in settled:
+            continue
+        if residency is not None:
+            room = cap_room.get(user, _UNASKED)
+            if room is _UNASKED:
+                room = cap_room[user] = residency.room(user, resident_count(user))
+            if room is not None:
+                if room <= 0:
+                    settled.add(user)  # its requests wait un-admitted this step
+                    continue
+                cap_room[user] = room - 1
+        left = quota.get(user)
+        if left is None:
+            left = quota_now(user)
+        if left > 0:
+            quota[user] = left - 1
+            guaranteed += 1
+            if guaranteed >= limit:
+                break
+            continue
+        quota[user] = 0
+        may = borrowing.get(user)
+        if may is None:
+            may = borrowing[user] = borrows(user)
+        if not may:
+            settled.add(user)
+            continue
+        costs = queued.setdefault(user, [])
+        most = admittable.get(user)
+        if most is None:
+            most = admittable[user] = min(wanted, limit - unpaid_decoding(lanes, prepaid, user))
+        if len(costs) < most:
+            costs.append(output_left(request))
+        if len(costs) >= most:
+            settled.add(user)
+    slots = min(free_slots, limit) - guaranteed
+    return guaranteed, max(0, min(slots, sum(map(len, queued.values()))))
