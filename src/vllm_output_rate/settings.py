@@ -96,6 +96,14 @@ GROUP_KEY = "group"
 #: file key, reloaded); in a user's ``{rate, ...}``: that user's own; 0: off.
 MIN_PACE_KEY = "min_stream_tokens_per_second"
 MIN_PACE_FLAG = "--output-rate-min-stream-tokens-per-second"
+#: Whether the policy decides (``enforce``) or only counts beside stock
+#: vLLM's decisions (``shadow``); also a limits-file key, so a reload
+#: switches between them.
+MODE_KEY = "mode"
+MODE_FLAG = "--output-rate-mode"
+ENFORCE = "enforce"
+SHADOW = "shadow"
+MODES = (ENFORCE, SHADOW)
 #: Range of every rate, ceiling and weight (tok/s; see the module docstring).
 MIN_RATE = 1e-6
 MAX_RATE = 1e9
@@ -105,8 +113,12 @@ MAX_RATIO = 1e6
 RESERVED_NAMES = frozenset({OTHER_USERS})
 _SECTION_KEYS = {
     DEFAULT_KEY, OVERRIDES_KEY, LIMITS_FILE_KEY, METRICS_MAX_USERS_KEY, STORE_KEY,
-    RECOMPUTE_BUDGET_KEY, INPUT_TOKEN_WEIGHT_KEY, GROUPS_KEY, MIN_PACE_KEY,
+    RECOMPUTE_BUDGET_KEY, INPUT_TOKEN_WEIGHT_KEY, GROUPS_KEY, MIN_PACE_KEY, MODE_KEY,
 }
+#: The keys a limits file may hold.
+LIMITS_FILE_KEYS = (
+    DEFAULT_KEY, OVERRIDES_KEY, GROUPS_KEY, INPUT_TOKEN_WEIGHT_KEY, MIN_PACE_KEY, MODE_KEY,
+)
 
 
 class OutputRateConfigError(ValueError):
@@ -137,6 +149,8 @@ class OutputRateSettings:
     ``min_stream_tokens_per_second`` / ``user_min_stream_tokens_per_second``:
     the minimum pace per resident stream, everybody's and per user (0: no
     residency cap; see ``policy/residency.py``).
+    ``mode``: ``enforce`` (the policy decides) or ``shadow`` (stock vLLM
+    decides; the policy only counts what it would have done).
     """
 
     default_rate: float
@@ -154,6 +168,7 @@ class OutputRateSettings:
     default_group: str | None = None
     min_stream_tokens_per_second: float = DEFAULT_MIN_STREAM_TOKENS_PER_SECOND
     user_min_stream_tokens_per_second: Mapping[str, float] = field(default_factory=dict)
+    mode: str = ENFORCE
 
     def to_config(self) -> dict[str, Any]:
         """The ``additional_config["output_rate"]`` form of these settings."""
@@ -181,7 +196,25 @@ class OutputRateSettings:
             config[INPUT_TOKEN_WEIGHT_KEY] = self.input_token_weight
         if self.min_stream_tokens_per_second != DEFAULT_MIN_STREAM_TOKENS_PER_SECOND:
             config[MIN_PACE_KEY] = self.min_stream_tokens_per_second
+        if self.mode != ENFORCE:
+            config[MODE_KEY] = self.mode
         return config
+
+    def limits_view(self) -> dict[str, Any]:
+        """What a limits file sets, one entry per user, group and top-level
+        key (``user_output_tokens_per_second.alice``), each as it would be
+        written: the audit trail compares two of these."""
+        config = self.to_config()
+        view: dict[str, Any] = {
+            DEFAULT_KEY: config[DEFAULT_KEY],
+            INPUT_TOKEN_WEIGHT_KEY: self.input_token_weight,
+            MIN_PACE_KEY: self.min_stream_tokens_per_second,
+            MODE_KEY: self.mode,
+        }
+        for section in (OVERRIDES_KEY, GROUPS_KEY):
+            for name, value in config.get(section, {}).items():
+                view[f"{section}.{name}"] = value
+        return view
 
     def _user_value(self, user: str) -> Any:
         """``user``'s entry as written: the key ``group`` only where its group
@@ -236,6 +269,7 @@ class OutputRateSettings:
             section.get(MIN_PACE_KEY, DEFAULT_MIN_STREAM_TOKENS_PER_SECOND),
             f"{where}[{MIN_PACE_KEY!r}]",
         )
+        mode = validate_mode(section.get(MODE_KEY, ENFORCE), f"{where}[{MODE_KEY!r}]")
         try:
             store = parse_store_section(section.get(STORE_KEY))
         except ValueError as exc:
@@ -247,7 +281,7 @@ class OutputRateSettings:
                 raise OutputRateConfigError(
                     f"{where}[{LIMITS_FILE_KEY!r}]: must be a file path"
                 )
-            rates = load_limits_file(limits_file, input_token_weight, min_pace)
+            rates = load_limits_file(limits_file, input_token_weight, min_pace, mode)
             return dataclasses.replace(
                 rates,
                 limits_file=limits_file,
@@ -276,6 +310,7 @@ class OutputRateSettings:
             recompute_budget=recompute_budget,
             input_token_weight=input_token_weight,
             min_stream_tokens_per_second=min_pace,
+            mode=mode,
         )
 
     def rate_of(self, user: str) -> float:
@@ -679,6 +714,13 @@ def validate_recompute_budget(value: Any, what: str) -> float:
     return _ratio(value, what, "must be a non-negative number")
 
 
+def validate_mode(value: Any, what: str) -> str:
+    """``enforce`` or ``shadow``, or OutputRateConfigError naming ``what``."""
+    if value not in MODES or not isinstance(value, str):
+        raise OutputRateConfigError(f"{what}: must be one of {list(MODES)}, got {_shown(value)}")
+    return value
+
+
 # -- files (limits, API keys) --------------------------------------------------------
 
 
@@ -688,11 +730,20 @@ def read_mapping_file(path: str, what: str) -> Mapping[str, Any]:
     ``.json`` files are read as JSON; anything else as YAML (a superset of
     JSON), so either format works under any name.
     """
+    return _parse_mapping(_read_bytes(path, what), path, what)
+
+
+def _read_bytes(path: str, what: str) -> bytes:
     try:
-        with open(path, encoding="utf-8") as fh:
-            text = fh.read()
+        with open(path, "rb") as fh:
+            return fh.read()
     except OSError as exc:
         raise OutputRateConfigError(f"{what} {path!r}: cannot read ({exc.strerror})") from None
+
+
+def _parse_mapping(raw: bytes, path: str, what: str) -> Mapping[str, Any]:
+    try:
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise OutputRateConfigError(
             f"{what} {path!r}: cannot read (not UTF-8 text: byte {exc.start})"
@@ -718,6 +769,7 @@ def load_limits_file(
     path: str,
     input_token_weight: float = 0.0,
     min_pace: float = DEFAULT_MIN_STREAM_TOKENS_PER_SECOND,
+    mode: str = ENFORCE,
 ) -> OutputRateSettings:
     """Rates from a limits file, validated as a whole.
 
@@ -728,17 +780,28 @@ def load_limits_file(
         groups: {team: {rate: 300, ceil: 600}}   # optional
         input_token_weight: 0.5        # optional
         min_stream_tokens_per_second: 1  # optional
+        mode: shadow                   # optional: enforce or shadow
 
     The default is required (the file alone turns the feature on).  A file
     without ``input_token_weight`` keeps ``input_token_weight`` (the flag's),
-    one without ``min_stream_tokens_per_second`` keeps ``min_pace``.
+    one without ``min_stream_tokens_per_second`` keeps ``min_pace``, one
+    without ``mode`` keeps ``mode``.
     """
+    return load_limits_version(path, input_token_weight, min_pace, mode)[0]
+
+
+def load_limits_version(
+    path: str,
+    input_token_weight: float = 0.0,
+    min_pace: float = DEFAULT_MIN_STREAM_TOKENS_PER_SECOND,
+    mode: str = ENFORCE,
+) -> tuple[OutputRateSettings, str]:
+    """:func:`load_limits_file`, and the hex SHA-256 of the very bytes it
+    parsed (which version of the file is in force, for the audit trail)."""
     what = f"{LIMITS_FILE_FLAG}"
-    data = read_mapping_file(path, what)
-    unknown = sorted(
-        set(data) - {DEFAULT_KEY, OVERRIDES_KEY, INPUT_TOKEN_WEIGHT_KEY, GROUPS_KEY, MIN_PACE_KEY},
-        key=repr,
-    )
+    raw = _read_bytes(path, what)
+    data = _parse_mapping(raw, path, what)
+    unknown = sorted(set(data) - set(LIMITS_FILE_KEYS), key=repr)
     if unknown:
         raise OutputRateConfigError(f"{what} {path!r}: unknown keys {unknown}")
     if data.get(DEFAULT_KEY) is None:
@@ -752,7 +815,7 @@ def load_limits_file(
         default, _null_is_empty(data.get(OVERRIDES_KEY)), _null_is_empty(data.get(GROUPS_KEY)),
         tuple(f"{what} {path!r}[{key!r}]" for key in (DEFAULT_KEY, OVERRIDES_KEY, GROUPS_KEY)),
     )
-    return OutputRateSettings(
+    settings = OutputRateSettings(
         **limits,
         input_token_weight=validate_input_token_weight(
             data.get(INPUT_TOKEN_WEIGHT_KEY, input_token_weight),
@@ -761,7 +824,9 @@ def load_limits_file(
         min_stream_tokens_per_second=validate_min_pace(
             data.get(MIN_PACE_KEY, min_pace), f"{what} {path!r}[{MIN_PACE_KEY!r}]"
         ),
+        mode=validate_mode(data.get(MODE_KEY, mode), f"{what} {path!r}[{MODE_KEY!r}]"),
     )
+    return settings, hashlib.sha256(raw).hexdigest()
 
 
 def file_signature(path: str) -> tuple[int, int, int] | None:

@@ -117,8 +117,13 @@ def _prompt(arrival: Arrival, index: int) -> list[int]:
     return shared + tail
 
 
-def trace(workload: Workload, limits: dict | None, async_: bool, spec_tokens: int = 0) -> list[dict]:
-    """Per-step decisions of one scheduler on ``workload``."""
+def trace(
+    workload: Workload, limits: dict | None, async_: bool, spec_tokens: int = 0,
+    scheduler_cls: type | None = None,
+) -> list[dict]:
+    """Per-step decisions of one scheduler on ``workload`` (``scheduler_cls``:
+    another class than the harness's, e.g. shadow mode's, which lets tokens
+    through beyond the limits: the harness's own quota check is off then)."""
     h = Harness(
         limits,
         async_=async_,
@@ -131,7 +136,10 @@ def trace(workload: Workload, limits: dict | None, async_: bool, spec_tokens: in
         max_model_len=1024,
         max_loras=workload.max_loras,
         encoder_cache_size=workload.encoder_cache,
+        scheduler_cls=scheduler_cls,
     )
+    if scheduler_cls is not None:
+        h.shadow = None
     ids = [f"q{i}" for i in range(len(workload.arrivals))]
     steps = []
     for step in range(workload.steps):

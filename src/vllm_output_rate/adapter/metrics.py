@@ -72,13 +72,22 @@ from vllm_output_rate.adapter.install import add_field, wrap
 from vllm_output_rate.policy.monitor import (
     ACTIVE,
     BORROWED,
+    CEIL,
     CHARGED,
     LIMIT,
     PROMPT,
+    RESIDENCY_CAP,
+    RESIDENCY_HELD,
+    SHADOW_BORROWED,
+    SHADOW_HELD,
+    SHADOW_RESIDENCY_HELD,
+    SHADOW_THROTTLED_S,
     THROTTLED,
     THROTTLED_S,
     WAITING,
+    WEIGHT,
 )
+from vllm_output_rate.settings import MODES as OUTPUT_RATE_MODES
 from vllm_output_rate.stores.backend import MODES as STORE_MODES
 
 PREFIX = "vllm:output_rate_"
@@ -215,6 +224,97 @@ class HolderSeries:
             self.requests.labels(self._model, holder, state).set(sum(row[i] for row in rows))
 
 
+class HolderExtras:
+    """The limit and shadow series of one kind of holder (see the module
+    doc), fed from a report's ``limits`` and ``shadow`` rows
+    (``policy/monitor.py``'s CEIL and SHADOW_HELD layouts).
+
+    A ceiling or a residency cap the holder does not have is +Inf (no
+    bound); ``residency`` is False for groups (no cap of their own).
+    Several engines' residency gauges export their sum, as the request
+    gauges do.
+    """
+
+    def __init__(self, model: str, registry: Any, label: str, infix: str, residency: bool) -> None:
+        from prometheus_client import Counter, Gauge
+
+        labels = ["model_name", label]
+        self._model = model
+        #: engine index -> holder -> (held by its cap, shadow residency), last reported.
+        self._per_engine: dict[int, dict[str, list[int]]] = {}
+        name = f"{PREFIX}{infix}"
+        who = "user" if label == "user" else "group"
+
+        def gauge(suffix: str, text: str) -> Any:
+            return Gauge(f"{name}{suffix}", text, labels, registry=registry,
+                         multiprocess_mode="mostrecent")
+
+        def counter(suffix: str, text: str) -> Any:
+            return Counter(f"{name}{suffix}", text, labels, registry=registry)
+
+        self.ceil = gauge("ceil_tokens_per_second",
+                          f"The {who}'s ceiling (tok/s): its rate for a hard cap, +Inf without a ceiling.")
+        self.weight = gauge("weight", f"The {who}'s borrowing weight (its rate unless configured).")
+        self.residency_cap = self.residency_held = None
+        if residency:
+            self.residency_cap = gauge(
+                "residency_cap_requests",
+                "Requests the user may hold resident (KV): max(1, floor(top rate / minimum pace)); "
+                "+Inf without a cap.",
+            )
+            self.residency_held = gauge(
+                "residency_held_requests",
+                "The user's waiting requests its residency cap keeps out now (enforce mode).",
+            )
+        self.shadow_held = counter(
+            "shadow_held_tokens", f"Shadow mode: tokens the {who}'s limit would have held back.")
+        self.shadow_throttled = counter(
+            "shadow_throttled_seconds", f"Shadow mode: seconds the {who} would have been throttled.")
+        self.shadow_borrowed = counter(
+            "shadow_borrowed_tokens",
+            f"Shadow mode: tokens the {who} would have borrowed beyond its rate, up to its ceiling.")
+        self.shadow_residency = gauge(
+            "shadow_residency_held_requests",
+            f"Shadow mode: resident requests of the {who} its residency cap would have kept waiting.")
+
+    def feed(self, engine_idx: int, holder: str, limits: list | None, shadow: list | None) -> None:
+        model = self._model
+        gauges = self._per_engine.setdefault(engine_idx, {}).setdefault(holder, [0, 0])
+        if limits is not None:
+            if limits[WEIGHT] is not None:
+                ceil = limits[CEIL]
+                self.ceil.labels(model, holder).set(float("inf") if ceil is None else ceil)
+                self.weight.labels(model, holder).set(limits[WEIGHT])
+                if self.residency_cap is not None:
+                    cap = limits[RESIDENCY_CAP]
+                    self.residency_cap.labels(model, holder).set(float("inf") if cap is None else cap)
+            gauges[0] = limits[RESIDENCY_HELD]
+            if self.residency_held is not None:
+                self.residency_held.labels(model, holder).set(self._sum(holder, 0))
+        if shadow is not None:
+            for metric, i in ((self.shadow_held, SHADOW_HELD),
+                              (self.shadow_throttled, SHADOW_THROTTLED_S),
+                              (self.shadow_borrowed, SHADOW_BORROWED)):
+                child = metric.labels(model, holder)  # the series exists from the start
+                if shadow[i]:
+                    child.inc(shadow[i])
+            gauges[1] = shadow[SHADOW_RESIDENCY_HELD]
+            self.shadow_residency.labels(model, holder).set(self._sum(holder, 1))
+
+    def _sum(self, holder: str, i: int) -> int:
+        return sum(rows[holder][i] for rows in self._per_engine.values() if holder in rows)
+
+    def drop(self, engine_idx: int, holder: str) -> None:
+        self._per_engine.setdefault(engine_idx, {}).pop(holder, None)
+        if any(holder in rows for rows in self._per_engine.values()):
+            return
+        for metric in (self.ceil, self.weight, self.residency_cap, self.residency_held,
+                       self.shadow_held, self.shadow_throttled, self.shadow_borrowed,
+                       self.shadow_residency):
+            if metric is not None:
+                _remove(metric, self._model, holder)
+
+
 class OutputRateExporter:
     """Prometheus series fed from per-user reports."""
 
@@ -226,7 +326,14 @@ class OutputRateExporter:
         #: engine index -> throttled requests, last reported.
         self._throttled_of: dict[int, int] = {}
         self.users = HolderSeries(self._model, registry, "user", "", USER_HELP)
+        self.user_extras = HolderExtras(self._model, registry, "user", "", residency=True)
         self.groups = GroupSeries(self._model, registry)
+        self.mode = Gauge(
+            f"{PREFIX}mode",
+            "1 for the mode in force: enforce (the policy decides) or shadow (stock vLLM "
+            "decides; the shadow_* series count what the policy would have done).",
+            ["model_name", "mode"], registry=registry, multiprocess_mode="mostrecent",
+        )
         self.throttled_requests = Gauge(
             f"{PREFIX}throttled_requests",
             "Requests resident in the engine but held for their user's quota "
@@ -275,8 +382,14 @@ class OutputRateExporter:
         model = self._model
         for user in report.get("removed", ()):
             self.users.drop(engine_idx, user)
+            self.user_extras.drop(engine_idx, user)
+        limits, shadow = report.get("limits", {}), report.get("shadow", {})
         for user, row in report.get("users", {}).items():
             self.users.feed(engine_idx, user, row)
+            self.user_extras.feed(engine_idx, user, limits.get(user), shadow.get(user))
+        if "mode" in report:
+            for mode in OUTPUT_RATE_MODES:
+                self.mode.labels(model, mode).set(1 if report["mode"] == mode else 0)
         if "groups" in report:  # groups are (or were) configured
             self.groups.observe(report, engine_idx)
         engine = report.get("engine", {})
@@ -313,6 +426,7 @@ class GroupSeries:
         #: user -> the group its user_group series names.
         self._user_group: dict[str, str] = {}
         self.series = HolderSeries(model, registry, "group", "group_", GROUP_HELP)
+        self.extras = HolderExtras(model, registry, "group", "group_", residency=False)
         self.user_group = Gauge(
             f"{PREFIX}user_group",
             "1 for the group the user belongs to (users with a series and a group).",
@@ -323,8 +437,11 @@ class GroupSeries:
         model = self._model
         for group in report.get("groups_removed", ()):
             self.series.drop(engine_idx, group)
+            self.extras.drop(engine_idx, group)
+        limits, shadow = report.get("group_limits", {}), report.get("group_shadow", {})
         for group, row in report["groups"].items():
             self.series.feed(engine_idx, group, row)
+            self.extras.feed(engine_idx, group, limits.get(group), shadow.get(group))
         user_groups = report.get("user_groups", {})
         removed = set(report.get("removed", ()))
         for user in set(report.get("users", ())) | removed:

@@ -37,7 +37,12 @@ from vllm_output_rate.settings import (
     CONFIG_KEY,
     DEFAULT_FLAG,
     GROUPS_FLAG,
+    LIMITS_FILE_FLAG,
+    MODE_FLAG,
+    MODE_KEY,
+    MODES,
     OVERRIDES_FLAG,
+    SHADOW,
     InvalidUserError,
     OutputRateConfigError,
     OutputRateSettings,
@@ -53,6 +58,10 @@ logger = logging.getLogger(__name__)
 
 SCHEDULER_CLS = "vllm_output_rate.adapter.scheduler.OutputRateScheduler"
 ASYNC_SCHEDULER_CLS = "vllm_output_rate.adapter.scheduler.OutputRateAsyncScheduler"
+#: Selected instead while shadow mode is or may become in force (``mode:
+#: shadow``, or a limits file, whose reload may switch it): enforce or shadow.
+SHADOW_SCHEDULER_CLS = "vllm_output_rate.adapter.shadow.ShadowScheduler"
+SHADOW_ASYNC_SCHEDULER_CLS = "vllm_output_rate.adapter.shadow.ShadowAsyncScheduler"
 
 # Whether the latest engine config created in this process turned the
 # feature on.  Front-end checks (identity, beam search) follow it.  It is
@@ -154,7 +163,39 @@ def add_output_rate_args(parser: argparse.ArgumentParser) -> None:
         f"Requires {DEFAULT_FLAG}.",
     )
     add_operate_args(parser)
+    add_mode_arg(parser)
     add_store_args(parser)
+
+
+def add_mode_arg(parser: argparse.ArgumentParser) -> None:
+    """``--output-rate-mode``, in a group of its own."""
+    group = parser.add_argument_group(
+        title="OutputRate mode",
+        description="Adopt the vllm-output-rate plugin safely: count first, enforce later.",
+    )
+    group.add_argument(
+        MODE_FLAG,
+        dest="output_rate_mode",
+        choices=MODES,
+        default=None,
+        help="enforce (default): the limits hold. shadow: vLLM schedules exactly as without "
+        "the plugin, and the vllm:output_rate_shadow_* series count what the limits would "
+        f"have held, throttled and borrowed. A limits file's 'mode' key wins and switches "
+        f"between them on reload ({LIMITS_FILE_FLAG}).",
+    )
+
+
+def merge_mode_arg(args: argparse.Namespace, section: dict | None) -> dict | None:
+    """Fold ``--output-rate-mode`` into the ``output_rate`` section."""
+    mode = getattr(args, "output_rate_mode", None)
+    if mode is None:
+        return section
+    if section is None:
+        raise OutputRateConfigError(
+            f"{MODE_FLAG} needs the feature on ({DEFAULT_FLAG} or {LIMITS_FILE_FLAG})"
+        )
+    section[MODE_KEY] = mode
+    return section
 
 
 def _patch_engine_args_cli() -> None:
@@ -187,6 +228,7 @@ def merge_cli_into_engine_args(engine_args: Any, args: argparse.Namespace) -> No
     groups = getattr(args, "output_rate_groups", None)
     section = parse_cli(None if default is None else str(default), overrides, groups)
     section = merge_operate_args(args, section)
+    section = merge_mode_arg(args, section)
     try:
         section = merge_store_args(args, section)
         if getattr(args, "output_rate_store", None) is not None:
@@ -330,13 +372,19 @@ def _patch_create_engine_config() -> None:
             vllm_config = original(self, *args, **kwargs)
             check_vllm_config(vllm_config)
             sched = vllm_config.scheduler_config
-            sched.scheduler_cls = (
-                ASYNC_SCHEDULER_CLS if sched.async_scheduling else SCHEDULER_CLS
-            )
+            if settings.mode == SHADOW or settings.limits_file:
+                sched.scheduler_cls = (
+                    SHADOW_ASYNC_SCHEDULER_CLS if sched.async_scheduling else SHADOW_SCHEDULER_CLS
+                )
+            else:
+                sched.scheduler_cls = (
+                    ASYNC_SCHEDULER_CLS if sched.async_scheduling else SCHEDULER_CLS
+                )
             _set_frontend_active(True)
             logger.info(
-                "vllm-output-rate: per-user output rate limiting on (default %s tok/s, "
+                "vllm-output-rate: per-user output rate limiting on (%s mode, default %s tok/s, "
                 "%d override(s), %s scheduling)",
+                settings.mode,
                 settings.default_rate,
                 len(settings.user_rates),
                 "async" if sched.async_scheduling else "sync",

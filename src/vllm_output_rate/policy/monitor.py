@@ -30,6 +30,7 @@ series).  :class:`ChargeHistory` keeps a few seconds of cumulative charges to an
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
 NS_PER_S = 1_000_000_000
@@ -42,6 +43,27 @@ OTHER_USERS = "__other__"
 #: -- only while some user may borrow -- borrowed tokens (increment)].
 CHARGED, THROTTLED_S, ACTIVE, THROTTLED, WAITING, LIMIT, PROMPT, BORROWED = range(8)
 
+#: ``report["limits"]`` fields per holder (gauges): [ceiling tokens/s (None:
+#: no ceiling), weight, residency cap in requests (None: no cap), waiting
+#: requests its residency cap holds now].  ``__other__`` has only the last.
+CEIL, WEIGHT, RESIDENCY_CAP, RESIDENCY_HELD = range(4)
+#: ``report["shadow"]`` fields per holder (increments, then a gauge): [tokens
+#: the policy would have held, seconds it would have throttled, tokens it
+#: would have borrowed, resident requests its residency cap would have kept
+#: waiting].
+SHADOW_HELD, SHADOW_THROTTLED_S, SHADOW_BORROWED, SHADOW_RESIDENCY_HELD = range(4)
+
+
+@dataclass
+class ShadowTotals:
+    """What shadow mode counted, per holder: cumulative ``held`` and
+    ``borrowed`` tokens and ``throttled_ns``, and ``residency_held`` now."""
+
+    held: Mapping[str, int] = field(default_factory=dict)
+    throttled_ns: Mapping[str, int] = field(default_factory=dict)
+    borrowed: Mapping[str, int] = field(default_factory=dict)
+    residency_held: Mapping[str, int] = field(default_factory=dict)
+
 
 class UserMonitor:
     """Turn cumulative per-user numbers into bounded, incremental reports."""
@@ -53,6 +75,8 @@ class UserMonitor:
         self._last_throttled: dict[str, int] = {}
         self._last_prompt: dict[str, int] = {}
         self._last_borrowed: dict[str, int] = {}
+        #: Shadow totals, last reported: held, throttled ns, borrowed.
+        self._last_shadow: tuple[dict[str, int], ...] = ({}, {}, {})
         self._labelled: dict[str, int] = {}  # non-configured user -> last active ns
         self._configured: frozenset[str] = frozenset()
         self._last_engine: dict[str, int] = {}
@@ -76,6 +100,8 @@ class UserMonitor:
         engine: Mapping[str, int] | None = None,
         prompt_charged: Mapping[str, int] | None = None,
         borrowed: Mapping[str, int] | None = None,
+        limits_of: Callable[[str], list[Any]] | None = None,
+        shadow: ShadowTotals | None = None,
     ) -> dict[str, Any]:
         """One report; see the module doc.  ``engine`` holds engine-wide totals.
 
@@ -84,6 +110,9 @@ class UserMonitor:
         ``counts`` is user -> (active, throttled, waiting) requests now.
         ``borrowed`` (cumulative borrowed tokens per user) is given only
         while some user may borrow; then every row has a :data:`BORROWED` field.
+        ``limits_of(holder)`` gives the gauges of ``report["limits"]``
+        (:data:`CEIL` ...); ``shadow`` the totals behind ``report["shadow"]``
+        (:data:`SHADOW_HELD` ...), while shadow mode counts or has counted.
         """
         charged_inc, self._last_charged = _growth(charged, self._last_charged)
         throttled_inc, self._last_throttled = _growth(throttled_ns, self._last_throttled)
@@ -101,9 +130,14 @@ class UserMonitor:
             for user in new_configured & set(self._labelled):
                 del self._labelled[user]
 
+        shadow_inc = None
+        if shadow is not None:
+            shadow_inc, self._last_shadow = _shadow_growth(shadow, self._last_shadow)
         active_users = set(charged_inc) | set(throttled_inc) | set(prompt_inc) | {
             u for u, c in counts.items() if any(c)
         }
+        if shadow_inc is not None:
+            active_users.update(shadow_inc[SHADOW_HELD], shadow_inc[SHADOW_BORROWED])
         labelled = self._labelled
         candidates = [u for u in active_users if u not in labelled and u not in new_configured]
         if candidates and len(labelled) < self.max_users:
@@ -157,6 +191,14 @@ class UserMonitor:
             if borrowed_inc is not None:
                 other[BORROWED] += borrowed_inc.get(user, 0)
         users[OTHER_USERS] = other
+        folded = [u for u in active_users if u not in users]
+
+        extra: dict[str, Any] = {}
+        if limits_of is not None:
+            extra["limits"] = _limit_rows(users, folded, limits_of)
+        if shadow_inc is not None:
+            assert shadow is not None
+            extra["shadow"] = _shadow_rows(users, folded, shadow_inc, shadow.residency_held)
 
         engine_inc: dict[str, int] = {}
         for name, total in (engine or {}).items():
@@ -165,7 +207,7 @@ class UserMonitor:
                 self._last_engine[name] = total
             else:
                 engine_inc[name] = total  # a gauge
-        return {"users": users, "removed": removed, "engine": engine_inc}
+        return {"users": users, "removed": removed, "engine": engine_inc, **extra}
 
     def idle_users(self, now_ns: int, idle_s: float) -> list[str]:
         """Users idle (no charge, no request) for ``idle_s`` or more at the last reports.
@@ -183,6 +225,52 @@ class UserMonitor:
             self._last_prompt.pop(user, None)
             self._last_borrowed.pop(user, None)
             self._idle_since.pop(user, None)
+            for last in self._last_shadow:
+                last.pop(user, None)
+
+
+def _shadow_growth(
+    shadow: ShadowTotals, last: tuple[dict[str, int], ...]
+) -> tuple[list[dict[str, int]], tuple[dict[str, int], ...]]:
+    """Increments of the shadow totals (held, throttled ns, borrowed) and the new ``last``."""
+    incs: list[dict[str, int]] = []
+    highs: list[dict[str, int]] = []
+    for current, before in zip((shadow.held, shadow.throttled_ns, shadow.borrowed), last):
+        inc, high = _growth(current, before)
+        incs.append(inc)
+        highs.append(high)
+    return incs, tuple(highs)
+
+
+def _limit_rows(
+    users: Mapping[str, Any], folded: list[str], limits_of: Callable[[str], list[Any]]
+) -> dict[str, list[Any]]:
+    rows = {user: limits_of(user) for user in users if user != OTHER_USERS}
+    held = sum(limits_of(user)[RESIDENCY_HELD] for user in folded)
+    rows[OTHER_USERS] = [None, None, None, held]
+    return rows
+
+
+def _shadow_rows(
+    users: Mapping[str, Any],
+    folded: list[str],
+    inc: list[dict[str, int]],
+    residency_held: Mapping[str, int],
+) -> dict[str, list[Any]]:
+    held, throttled, borrowed = inc
+
+    def row(of: Iterable[str]) -> list[Any]:
+        names = list(of)
+        return [
+            sum(held.get(u, 0) for u in names),
+            sum(throttled.get(u, 0) for u in names) / NS_PER_S,
+            sum(borrowed.get(u, 0) for u in names),
+            sum(residency_held.get(u, 0) for u in names),
+        ]
+
+    rows = {user: row((user,)) for user in users if user != OTHER_USERS}
+    rows[OTHER_USERS] = row(folded)
+    return rows
 
 
 def _growth(
