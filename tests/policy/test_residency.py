@@ -179,3 +179,115 @@ def test_no_surplus_release_for_a_requester_at_its_own_cap_or_without_quota():
     gate2.lanes.track("f2", "fast")
     gate2.plan(0, 10)
     assert part2.victim_for("f2", waiting=True) is None
+
+
+# -- where residency meets borrowing and priority (issue 43) ---------------------------
+
+
+def _world(x_resident: int, x_waiting: int, y_waiting: int):
+    """x {rate 0.01, ceil 8}: cap floor(8 / 2) = 4; y {rate 0.01, ceil 1000}."""
+    from vllm_output_rate.policy.gate import StepGate
+    from vllm_output_rate.policy.limiter import OutputRateLimiter
+
+    gate = StepGate(OutputRateLimiter(0.01, {}))
+    lanes = gate.lanes
+    ceilings = {"x": 8.0, "y": 1000.0}
+    residency = Residency(DEFAULT_MIN_STREAM_TOKENS_PER_SECOND, {}, lambda u: (0.01, ceilings[u]))
+    for i in range(x_resident):
+        lanes.track(f"x{i}", "x")
+        lanes.admit(f"x{i}", progressing=False)
+    waiting = [f"xw{i}" for i in range(x_waiting)] + [f"yw{i}" for i in range(y_waiting)]
+    for key in waiting:
+        lanes.track(key, key[0])
+    now = 10**12
+    for user in ("x", "y"):  # spend the rates' burst: both only borrow
+        while gate.ledger.limiter.try_take(user, now):
+            pass
+    gate.plan(now, 16)
+    return gate, residency, waiting
+
+
+@pytest.mark.parametrize("x_waiting", [0, 1, 20])
+def test_borrowing_demand_counts_no_request_its_users_cap_keeps_out(x_waiting):
+    """Room set aside for x's waiting requests while x holds its cap would
+    stay empty: they are not admitted (issue 43: the other borrower lost
+    62 % of its borrowed tokens to it)."""
+    from vllm_output_rate.policy.demand import waiting_demand
+
+    gate, residency, waiting = _world(4, x_waiting, 3)
+    queued: dict[str, list[int]] = {}
+    demand = waiting_demand(
+        waiting, gate.lanes, gate.ledger, lambda user: True, residency,
+        limit=12, free_slots=48, output_left=lambda key: 100, queued=queued,
+    )
+    assert demand == (0, 3)
+    assert queued == {"y": [100] * 3}
+    # Without residency x's requests are counted (what 92d09f2 did), for
+    # the room its 4 hidden streams leave: 12 - 4.
+    queued = {}
+    demand = waiting_demand(
+        waiting, gate.lanes, gate.ledger, lambda user: True, None,
+        limit=12, free_slots=48, output_left=lambda key: 100, queued=queued,
+    )
+    assert demand == (0, min(12, min(x_waiting, 12 - 4) + 3))
+
+
+def test_borrowing_demand_counts_up_to_the_room_left_under_the_cap():
+    from vllm_output_rate.policy.demand import waiting_demand
+
+    gate, residency, waiting = _world(1, 10, 0)
+    queued: dict[str, list[int]] = {}
+    demand = waiting_demand(
+        waiting, gate.lanes, gate.ledger, lambda user: True, residency,
+        limit=12, free_slots=48, output_left=lambda key: 100, queued=queued,
+    )
+    assert demand == (0, 3) and queued == {"x": [100] * 3}  # cap 4, one held
+
+
+def test_an_urgent_request_displaces_its_own_users_least_important_hidden_stream():
+    """Priority within a user (docs/design.md): the victim is a stream of
+    the requester's own user with a larger priority value, the least
+    important first, then the one that generated least; hidden, affordable,
+    releasable.  Never another user's, never an equally important one."""
+    from vllm_output_rate.policy.displacement import Displacement
+    from vllm_output_rate.policy.eviction import EvictionBudget
+    from vllm_output_rate.policy.gate import StepGate
+    from vllm_output_rate.policy.limiter import OutputRateLimiter
+
+    gate = StepGate(OutputRateLimiter(4, {}))
+    lanes = gate.lanes
+    priority = {"a5": 5, "a10": 10, "a10b": 10, "b20": 20, "a-urgent": 0, "a-same": 10}
+    generated = {"a5": 1, "a10": 7, "a10b": 3, "b20": 0}
+    for key in ("a5", "a10", "a10b", "b20"):
+        lanes.track(key, key[0])
+        lanes.admit(key, progressing=False)
+    for key in ("a-urgent", "a-same"):
+        lanes.track(key, "a")
+    visible: set[str] = set()
+    budget = EvictionBudget(1000, ratio=0)
+
+    def displacement(priority_of):
+        return Displacement(
+            lanes, gate.ledger, budget, set(), tokens_held=lambda k: 10 + generated[k],
+            priority_of=priority_of, can_release=lambda k: True,
+            generated_of=generated.__getitem__,
+        )
+
+    d = displacement(priority.__getitem__)
+    hidden = lambda key: key not in visible  # noqa: E731
+    assert d.own_stream_victim("a-urgent", hidden) == "a10b"  # least important, generated least
+    visible.add("a10b")
+    assert d.own_stream_victim("a-urgent", hidden) == "a10"
+    visible.update({"a10"})
+    assert d.own_stream_victim("a-urgent", hidden) == "a5"
+    assert d.own_stream_victim("a-same", hidden) is None  # only less important ones give way
+    visible.clear()
+    assert d.own_stream_victim("a-same", hidden) is None
+    assert displacement(None).own_stream_victim("a-urgent", hidden) is None  # fcfs: never
+    spent = EvictionBudget(0, ratio=0)
+    broke = Displacement(
+        lanes, gate.ledger, spent, set(), tokens_held=lambda k: 10 + generated[k],
+        priority_of=priority.__getitem__, can_release=lambda k: True,
+        generated_of=generated.__getitem__,
+    )
+    assert broke.own_stream_victim("a-urgent", hidden) is None  # the budget affords nothing
