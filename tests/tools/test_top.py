@@ -8,9 +8,18 @@ from __future__ import annotations
 
 import time
 
+import pytest
 from rich.console import Console
 
-from vllm_output_rate.tools.top import TopModel, parse_metrics, render
+from vllm_output_rate.tools.top import (
+    Sources,
+    TopModel,
+    cluster_view,
+    parse_metrics,
+    parse_sources,
+    read_sources,
+    render,
+)
 
 
 def exposition(charged: dict, throttled: dict, requests: dict, limits: dict, running=3) -> str:
@@ -246,3 +255,267 @@ def test_group_column_only_when_some_user_is_in_a_group():
             carol = next(line for line in shown.splitlines() if "carol" in line)
             assert "team-a" in next(line for line in shown.splitlines() if "alice" in line)
             assert " - " in carol  # in no group
+
+
+# -- several engines ------------------------------------------------------------------
+
+
+def engine_text(charged: dict, limits: dict, store: str | None = None, extra: str = "") -> str:
+    """One engine's /metrics: charge counters, limits, and the store mode in force."""
+    body = exposition(charged, {}, {}, limits)
+    if store is not None:
+        body += "".join(
+            f'vllm:output_rate_store_mode{{mode="{mode}",model_name="m"}} {int(mode == store)}\n'
+            for mode in ("shared", "local", "closed")
+        )
+    return body + extra
+
+
+def two_engine_model(store: str | None, charged_at) -> TopModel:
+    """Reads at t = 0..4 of engines a and b; ``charged_at(engine, t)`` is alice's counter."""
+    model = TopModel()
+    for t in range(5):
+        model.update_engines(float(t), {
+            name: parse_metrics(engine_text({"alice": charged_at(name, t)}, {"alice": 30.0}, store))
+            for name in ("http://a", "http://b")
+        })
+    return model
+
+
+def test_cluster_rate_is_the_sum_of_the_engines_rates():
+    # alice at 20 tok/s on engine a and 10 tok/s on engine b: 30 over the cluster.
+    model = two_engine_model("shared", lambda name, t: (20.0 if name == "http://a" else 10.0) * t)
+    view = cluster_view(model)
+    (alice,) = view.rows
+    assert alice.rate == 30.0
+    assert alice.charged_by_engine == {"http://a": 80.0, "http://b": 40.0}
+    assert alice.charged == sum(alice.charged_by_engine.values()) == 120.0
+    assert view.answering == ["http://a", "http://b"] and view.shared_store
+
+
+def test_shared_store_shows_one_quota_and_no_store_one_per_engine():
+    shared = cluster_view(two_engine_model("shared", lambda name, t: 10.0 * t))
+    alone = cluster_view(two_engine_model(None, lambda name, t: 10.0 * t))
+    assert (shared.rows[0].quota, shared.rows[0].quota_text) == (30.0, "30")
+    assert (alone.rows[0].quota, alone.rows[0].quota_text) == (60.0, "2×30")
+    assert not alone.shared_store
+    for view_model, expected in (
+        (two_engine_model("shared", lambda n, t: 10.0 * t), "quota shared through the store"),
+        (two_engine_model(None, lambda n, t: 10.0 * t), "each engine enforces its own limit"),
+    ):
+        console = Console(width=150, record=True)
+        console.print(render(view_model, "2 engines"))
+        shown = console.export_text()
+        assert expected in shown and "engines 2/2 answering" in shown
+        alice = next(line for line in shown.splitlines() if "alice" in line)
+        assert ("2×30" in alice) == (expected != "quota shared through the store")
+
+
+def test_an_engine_restart_is_a_reset_not_a_negative_rate():
+    # Engine b restarts between t=2 and t=3: its counter drops from 200 to 5,
+    # then grows by 100 a second again.  Its 5 + 100 tokens count, nothing
+    # is subtracted.
+    def charged(name, t):
+        if name == "http://a":
+            return 50.0 * t
+        return 100.0 * t if t <= 2 else 5.0 + 100.0 * (t - 3)
+
+    model = two_engine_model("shared", charged)
+    (alice,) = cluster_view(model).rows
+    # Window: t=1..4 (3 s): a grew 150; b grew 100 (1->2) + 5 (reset) + 100 (3->4).
+    assert alice.rate == (150.0 + 205.0) / 3
+    assert min(model.per_second("alice")) >= 0
+    assert model.per_second("alice")[2] == 50.0 + 5.0
+
+
+def test_an_engine_that_does_not_answer_is_shown_not_fatal():
+    model = TopModel()
+    text = engine_text({"alice": 0.0}, {"alice": 30.0}, "shared")
+    model.update_engines(0.0, {"http://a": parse_metrics(text), "http://b": parse_metrics(text)})
+    model.update_engines(1.0, {"http://a": parse_metrics(engine_text({"alice": 30.0}, {"alice": 30.0}, "shared"))},
+                         {"http://b": "cannot read http://b/metrics: refused"})
+    view = cluster_view(model)
+    assert view.answering == ["http://a"] and view.engines == ["http://a", "http://b"]
+    assert view.rows[0].rate == 30.0
+    console = Console(width=150, record=True)
+    console.print(render(model, "2 engines"))
+    shown = console.export_text()
+    assert "engines 1/2 answering" in shown and "cannot read http://b/metrics" in shown
+
+
+NEW_SERIES = (
+    'vllm:output_rate_ceil_tokens_per_second{model_name="m",user="alice"} 90.0\n'
+    'vllm:output_rate_weight{model_name="m",user="alice"} 3.0\n'
+    'vllm:output_rate_residency_cap_requests{model_name="m",user="alice"} 4.0\n'
+    'vllm:output_rate_residency_held_requests{model_name="m",user="alice"} 2.0\n'
+)
+
+
+def test_ceiling_weight_and_residency_columns_blank_where_absent():
+    model = TopModel()
+    for t in range(2):
+        model.update_engines(float(t), {
+            "http://a": parse_metrics(engine_text({"alice": 10.0 * t, "bob": 5.0 * t},
+                                                  {"alice": 30.0, "bob": 30.0}, extra=NEW_SERIES)),
+            # An engine without those series yet (an older plugin): still summed, never a crash.
+            "http://b": parse_metrics(engine_text({"alice": 10.0 * t}, {"alice": 30.0})),
+        })
+    rows = {row.user: row for row in cluster_view(model).rows}
+    alice, bob = rows["alice"], rows["bob"]
+    assert (alice.ceil, alice.weight, alice.residency_cap, alice.residency_held) == (90.0, 3.0, 4.0, 2.0)
+    assert (bob.ceil, bob.weight, bob.residency_cap, bob.residency_held) == (None, None, None, None)
+    assert alice.would_hold is None  # no shadow series: no WOULD columns
+    console = Console(width=150, record=True)
+    console.print(render(model, "2 engines"))
+    lines = console.export_text().splitlines()
+    header = next(line for line in lines if "USER" in line)
+    for column in ("CEIL", "WEIGHT", "RES HELD/CAP"):
+        assert column in header
+    assert "WOULD" not in header
+    assert "2/4" in next(line for line in lines if "alice" in line)
+    bob_line = next(line for line in lines if "bob" in line)
+    assert "90" not in bob_line and "/" not in bob_line
+
+    # Without any of them: no such column at all.
+    plain = TopModel()
+    plain.update(0.0, parse_metrics(engine_text({"alice": 1.0}, {"alice": 30.0})))
+    console = Console(width=150, record=True)
+    console.print(render(plain, "http://a"))
+    header = next(line for line in console.export_text().splitlines() if "USER" in line)
+    assert "CEIL" not in header and "WEIGHT" not in header and "RES" not in header
+
+
+def shadow_text(mode: str, charged: float, held: float, throttled_s: float, borrowed: float,
+                waiting: float) -> str:
+    return engine_text({"alice": charged}, {"alice": 20.0}) + (
+        f'vllm:output_rate_mode{{mode="enforce",model_name="m"}} {int(mode == "enforce")}\n'
+        f'vllm:output_rate_mode{{mode="shadow",model_name="m"}} {int(mode == "shadow")}\n'
+        f'vllm:output_rate_shadow_held_tokens_total{{model_name="m",user="alice"}} {held}\n'
+        f'vllm:output_rate_shadow_throttled_seconds_total{{model_name="m",user="alice"}} {throttled_s}\n'
+        f'vllm:output_rate_shadow_borrowed_tokens_total{{model_name="m",user="alice"}} {borrowed}\n'
+        f'vllm:output_rate_shadow_residency_held_requests{{model_name="m",user="alice"}} {waiting}\n'
+    )
+
+
+def test_shadow_mode_shows_what_enforcing_would_do():
+    # alice at 40 tok/s with a limit of 20 on two engines in shadow mode:
+    # half its tokens would have been held, it would have been throttled
+    # half the time (per engine), and its cap would keep 1 request waiting on each.
+    model = TopModel()
+    for t in range(4):
+        model.update_engines(float(t), {
+            name: parse_metrics(shadow_text("shadow", 20.0 * t, 10.0 * t, 0.25 * t, 2.0 * t, 1))
+            for name in ("http://a", "http://b")
+        })
+    view = cluster_view(model)
+    assert view.shadow and view.modes == {"http://a": "shadow", "http://b": "shadow"}
+    (alice,) = view.rows
+    assert alice.rate == 40.0 and alice.would_hold == 20.0 and alice.would_borrow == 4.0
+    assert alice.would_throttle_pct == 50.0 and alice.would_wait == 2
+    console = Console(width=170, record=True)
+    console.print(render(model, "2 engines"))
+    shown = console.export_text()
+    assert "SHADOW mode" in shown
+    header = next(line for line in shown.splitlines() if "USER" in line)
+    assert "WOULD HOLD/S" in header and "WOULD THR%" in header
+
+    # Enforcing: the mode is said, the WOULD columns stay while the series exist.
+    enforcing = TopModel()
+    enforcing.update(0.0, parse_metrics(shadow_text("enforce", 0, 0, 0, 0, 0)))
+    view = cluster_view(enforcing)
+    assert not view.shadow and view.modes == {"": "enforce"}
+
+
+# -- reading: URLs, Prometheus, errors ----------------------------------------------------
+
+
+def test_urls_repeat_or_comma_separate():
+    sources = parse_sources(["http://a:1/, http://b:2", "http://c:3", "http://a:1"], None)
+    assert sources.urls == ("http://a:1", "http://b:2", "http://c:3")
+    assert parse_sources(None, None).urls == ("http://127.0.0.1:8000",)
+    assert parse_sources(None, "http://p:9090/").prometheus == "http://p:9090"
+    with pytest.raises(ValueError):
+        parse_sources(["http://a"], "http://p")
+
+
+def _client(handler):
+    import httpx
+
+    return httpx.Client(transport=httpx.MockTransport(handler))
+
+
+def test_engines_read_and_a_401_is_a_hint_not_a_crash():
+    import httpx
+
+    def handler(request):
+        if request.url.host == "b":
+            return httpx.Response(401, text="no")
+        return httpx.Response(200, text=engine_text({"alice": 7.0}, {"alice": 30.0}, "shared"))
+
+    with _client(handler) as client:
+        _, snaps, errors = read_sources(Sources(urls=("http://a", "http://b")), client)
+    assert snaps["http://a"].users["alice"].charged == 7.0
+    assert snaps["http://a"].store_mode == "shared"
+    assert list(errors) == ["http://b"] and "401" in errors["http://b"]
+    assert "\n" not in errors["http://b"]
+
+
+def prometheus_answer(results):
+    return {"status": "success", "data": {"resultType": "vector", "result": results}}
+
+
+def test_prometheus_api_split_by_instance():
+    import httpx
+
+    now = time.time()
+
+    def series(instance, name, value, **labels):
+        return {"metric": {"__name__": name, "instance": instance, "job": "vllm",
+                           "model_name": "m", **labels},
+                "value": [now, str(value)]}
+
+    values = prometheus_answer([
+        series("e0:8000", "vllm:output_rate_output_tokens_charged_total", 100, user="alice"),
+        series("e1:8000", "vllm:output_rate_output_tokens_charged_total", 50, user="alice"),
+        series("e0:8000", "vllm:output_rate_limit_tokens_per_second", 30, user="alice"),
+        series("e0:8000", "vllm:output_rate_store_mode", 1, mode="shared"),
+        series("e1:8000", "vllm:output_rate_store_mode", 1, mode="shared"),
+        series("e1:8000", "vllm:num_requests_running", 3),
+    ])
+    # timestamp(): each series' scrape time; the engines were scraped 2 s apart.
+    times = prometheus_answer([
+        {"metric": {"instance": "e0:8000", "job": "vllm", "user": "alice"}, "value": [now, str(now - 4)]},
+        {"metric": {"instance": "e1:8000", "job": "vllm", "user": "alice"}, "value": [now, str(now - 2)]},
+    ])
+    asked = []
+
+    def handler(request):
+        asked.append(request.url.params["query"])
+        assert request.url.path == "/api/v1/query"
+        return httpx.Response(200, json=times if request.url.params["query"].startswith("timestamp(") else values)
+
+    with _client(handler) as client:
+        t, snaps, errors = read_sources(Sources(prometheus="http://p:9090"), client)
+    assert not errors and sorted(snaps) == ["e0:8000", "e1:8000"]
+    assert asked[0].startswith("{__name__=~") and asked[1].startswith("timestamp(")
+    assert snaps["e0:8000"].users["alice"].charged == 100 and snaps["e1:8000"].engine["num_requests_running"] == 3
+    # Scrape times on the reader's clock: 4 and 2 s before the read.
+    assert abs((t - snaps["e0:8000"].t) - 4) < 0.5 and abs((t - snaps["e1:8000"].t) - 2) < 0.5
+    model = TopModel()
+    model.update_engines(t, snaps)
+    assert cluster_view(model).shared_store and cluster_view(model).rows[0].charged == 150
+
+    with _client(lambda request: httpx.Response(503, text="down")) as client:
+        _, snaps, errors = read_sources(Sources(prometheus="http://p:9090"), client)
+    assert snaps == {} and "503" in errors["http://p:9090"]
+
+
+def test_prometheus_rates_use_scrape_times():
+    # Two reads 1 s apart see one scrape 15 s after the one before: the rate
+    # is over the 15 s between scrapes, and a scrape read twice counts once.
+    model = TopModel(window_s=60)
+    for t, scraped, charged in ((0.0, -1.0, 0.0), (1.0, 14.0, 300.0), (2.0, 14.0, 300.0)):
+        snap = parse_metrics(engine_text({"alice": charged}, {"alice": 30.0}))
+        snap.t = scraped
+        model.update_engines(t, {"e0": snap})
+    assert cluster_view(model).rows[0].rate == 20.0

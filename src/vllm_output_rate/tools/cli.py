@@ -241,7 +241,8 @@ PASSTHROUGH_COMMANDS = {
     "demo": (cmd_demo, "the same workload on stock vLLM and with the plugin; one figure"),
     "demo-cluster": (cmd_demo_cluster, "two engines sharing one Redis: a heavy user spread over "
                                        "both, a light user; table and figure"),
-    "top": (cmd_top, "live per-user view of a server's /metrics (like htop; q quits)"),
+    "top": (cmd_top, "live per-user view of one engine, several (one quota per user over "
+                     "all), or a Prometheus scraping them (like htop; q quits)"),
 }
 
 #: Commands parsed here: name -> (function taking the parsed namespace, help,
