@@ -111,7 +111,7 @@ def test_a_failed_reload_of_any_kind_is_counted_and_the_file_read_again(tmp_path
     def broken(*args, **kwargs):
         raise RuntimeError("disk hiccup")
 
-    monkeypatch.setattr(operate, "load_limits_file", broken)
+    monkeypatch.setattr(operate, "load_limits_version", broken)  # the watcher's loader since ecb9f42
     assert watcher.check()
     assert calls.good == [] and len(calls.bad) == 1 and "disk hiccup" in calls.bad[0]
     assert "\n" not in calls.bad[0]
@@ -288,3 +288,56 @@ def test_ratios_above_the_range_are_refused(key):
         from_section(**{DEFAULT_KEY: 10, key: 1e300})
     refused(e, WHERE, f"[{key!r}]", "at most 1e+06")
     assert getattr(from_section(**{DEFAULT_KEY: 10, key: 1e6}), key) == 1e6
+
+
+# -- flags that would do nothing (issue 46, item 3) -----------------------------------
+
+
+def _operate_args(argv):
+    import argparse
+
+    from vllm_output_rate.adapter.patches import add_output_rate_args
+
+    parser = argparse.ArgumentParser()
+    add_output_rate_args(parser)
+    return parser.parse_args(argv)
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--output-rate-unknown-users", "reject"], "--output-rate-unknown-users"),
+    (["--output-rate-api-keys", "keys.yaml"], "--output-rate-api-keys"),
+])
+def test_identity_flags_are_refused_while_the_feature_is_off(argv, flag):
+    from vllm_output_rate.adapter.options import merge_operate_args
+
+    with pytest.raises(OutputRateConfigError) as info:
+        merge_operate_args(_operate_args(argv), None)
+    message = str(info.value)
+    assert message.startswith(flag) and "needs the feature on" in message
+    assert "\n" not in message
+
+
+def test_the_user_header_warns_in_body_mode(caplog):
+    import logging
+
+    from vllm_output_rate.adapter.options import merge_operate_args
+
+    args = _operate_args(["--default-user-output-tokens-per-second", "20",
+                          "--output-rate-user-header", "x-user"])
+    with caplog.at_level(logging.WARNING, logger="vllm_output_rate.adapter.options"):
+        section = merge_operate_args(args, {DEFAULT_KEY: 20.0})
+    assert section is not None
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and lines[0].startswith(
+        "vllm-output-rate: --output-rate-user-header does nothing in --output-rate-identity body mode")
+
+
+def test_the_default_header_in_body_mode_says_nothing(caplog):
+    import logging
+
+    from vllm_output_rate.adapter.options import merge_operate_args
+
+    args = _operate_args(["--default-user-output-tokens-per-second", "20"])
+    with caplog.at_level(logging.WARNING, logger="vllm_output_rate.adapter.options"):
+        merge_operate_args(args, {DEFAULT_KEY: 20.0})
+    assert caplog.records == []

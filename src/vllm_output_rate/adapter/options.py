@@ -46,10 +46,16 @@ from .identity import (
     USER_HEADER_FLAG,
     install_middleware,
 )
+from .admin import (
+    ADMIN_KEY_ENV,
+    ADMIN_KEY_FILE_FLAG,
+    ADMIN_KEY_FLAG,
+    ADMIN_OPEN_FLAG,
+    AdminAccess,
+    admin_key_arg,
+)
 
 logger = logging.getLogger(__name__)
-
-ADMIN_KEY_FLAG = "--output-rate-admin-key"
 
 
 def _validated_number(validate: Callable[[object, str], float]) -> Callable[[str], float]:
@@ -87,8 +93,9 @@ def add_operate_args(parser: argparse.ArgumentParser) -> None:
         dest="output_rate_limits_file",
         default=None,
         metavar="FILE",
-        help="JSON or YAML file with default_user_output_tokens_per_second, "
-        "user_output_tokens_per_second and optionally groups and input_token_weight. "
+        help="JSON or YAML file with default_user_output_tokens_per_second and "
+        "optionally user_output_tokens_per_second, groups, input_token_weight and "
+        "min_stream_tokens_per_second. "
         "Turns the feature on by itself, wins over the rate flags, and is re-read "
         "within about a second when it changes "
         "(a file that fails validation is rejected whole; the old limits stay).",
@@ -107,7 +114,8 @@ def add_operate_args(parser: argparse.ArgumentParser) -> None:
         dest="output_rate_user_header",
         default=DEFAULT_USER_HEADER,
         metavar="NAME",
-        help="Header holding the user in header mode.",
+        help="Header holding the user in header mode (a request without it is "
+        "the anonymous user's, or refused under --output-rate-unknown-users reject).",
     )
     group.add_argument(
         API_KEYS_FLAG,
@@ -140,8 +148,8 @@ def add_operate_args(parser: argparse.ArgumentParser) -> None:
         type=_validated_number(validate_recompute_budget),
         default=None,
         metavar="RATIO",
-        help="Recomputed tokens per output token that evicting throttled requests "
-        "to make room for other users' waiting requests may cost "
+        help="Recomputed tokens that evicting throttled requests to make room for "
+        "other users' waiting requests may cost, per request scheduled "
         f"(default {DEFAULT_RECOMPUTE_RATIO}); 0 never evicts for a waiting request.",
     )
     group.add_argument(
@@ -169,8 +177,25 @@ def add_operate_args(parser: argparse.ArgumentParser) -> None:
         ADMIN_KEY_FLAG,
         dest="output_rate_admin_key",
         default=None,
+        type=admin_key_arg,
         metavar="KEY",
-        help="Bearer key required by GET /v1/output_rate/users (endpoint plugin).",
+        help="Bearer key required by GET /v1/output_rate/users (endpoint plugin); "
+        f"never logged. Also {ADMIN_KEY_FILE_FLAG} or ${ADMIN_KEY_ENV}. Without a key "
+        f"the route answers 403 unless {ADMIN_OPEN_FLAG} is given.",
+    )
+    group.add_argument(
+        ADMIN_KEY_FILE_FLAG,
+        dest="output_rate_admin_key_file",
+        default=None,
+        metavar="PATH",
+        help=f"File holding the admin key (read at startup), instead of {ADMIN_KEY_FLAG}.",
+    )
+    group.add_argument(
+        ADMIN_OPEN_FLAG,
+        dest="output_rate_admin_open",
+        action="store_true",
+        help="Serve GET /v1/output_rate/users to anyone, without a key "
+        "(only behind a network boundary you trust).",
     )
 
 
@@ -191,7 +216,10 @@ def merge_operate_args(args: argparse.Namespace, section: dict | None) -> dict |
     input_token_weight = getattr(args, "output_rate_input_token_weight", None)
     min_pace = getattr(args, "output_rate_min_stream_tokens_per_second", None)
     identity = getattr(args, "output_rate_identity", None) or "body"
+    admin_access = AdminAccess.from_args(args)  # a bad key file or a contradiction stops startup
     if section is None:
+        _refuse_identity_flags_while_off(args)
+        _warn_admin_flags_while_off(args, admin_access)
         if identity != "body" or max_users is not None or recompute_budget is not None:
             raise OutputRateConfigError(
                 f"{IDENTITY_FLAG} / {METRICS_MAX_USERS_FLAG} / {RECOMPUTE_BUDGET_FLAG} need "
@@ -211,5 +239,42 @@ def merge_operate_args(args: argparse.Namespace, section: dict | None) -> dict |
         section[METRICS_MAX_USERS_KEY] = max_users
     if recompute_budget is not None:
         section[RECOMPUTE_BUDGET_KEY] = recompute_budget
+    _warn_header_flag_in_body_mode(args, identity)
     install_middleware(args)
     return section
+
+
+_FEATURE_ON = f"({DEFAULT_FLAG} or {LIMITS_FILE_FLAG})"
+
+
+def _refuse_identity_flags_while_off(args: argparse.Namespace) -> None:
+    # Identity is checked only while the feature is on: accepting these while
+    # it is off would let an operator believe users are authenticated.
+    if getattr(args, "output_rate_api_keys", None):
+        raise OutputRateConfigError(f"{API_KEYS_FLAG} needs the feature on {_FEATURE_ON}")
+    if (getattr(args, "output_rate_unknown_users", None) or "default") != "default":
+        raise OutputRateConfigError(f"{UNKNOWN_USERS_FLAG} needs the feature on {_FEATURE_ON}")
+
+
+def _warn_admin_flags_while_off(args: argparse.Namespace, access: AdminAccess) -> None:
+    # The route still answers (404: feature off) and still checks the key, so
+    # the flag is harmless; say once that it guards nothing useful.
+    for flag, given in (
+        (ADMIN_KEY_FLAG, getattr(args, "output_rate_admin_key", None)),
+        (ADMIN_KEY_FILE_FLAG, getattr(args, "output_rate_admin_key_file", None)),
+        (ADMIN_OPEN_FLAG, getattr(args, "output_rate_admin_open", False)),
+    ):
+        if given:
+            logger.warning(
+                "vllm-output-rate: %s does nothing while the feature is off %s: "
+                "the admin route answers 404", flag, _FEATURE_ON,
+            )
+
+
+def _warn_header_flag_in_body_mode(args: argparse.Namespace, identity: str) -> None:
+    header = getattr(args, "output_rate_user_header", None)
+    if identity == "body" and header and header.lower() != DEFAULT_USER_HEADER:
+        logger.warning(
+            "vllm-output-rate: %s does nothing in %s body mode: the user is "
+            "vllm_xargs.output_rate_user", USER_HEADER_FLAG, IDENTITY_FLAG,
+        )
