@@ -169,6 +169,8 @@ class OutputRateSettings:
     min_stream_tokens_per_second: float = DEFAULT_MIN_STREAM_TOKENS_PER_SECOND
     user_min_stream_tokens_per_second: Mapping[str, float] = field(default_factory=dict)
     mode: str = ENFORCE
+    #: Hex SHA-256 of the limits file version these settings were read from.
+    limits_digest: str | None = None
 
     def to_config(self) -> dict[str, Any]:
         """The ``additional_config["output_rate"]`` form of these settings."""
@@ -199,22 +201,6 @@ class OutputRateSettings:
         if self.mode != ENFORCE:
             config[MODE_KEY] = self.mode
         return config
-
-    def limits_view(self) -> dict[str, Any]:
-        """What a limits file sets, one entry per user, group and top-level
-        key (``user_output_tokens_per_second.alice``), each as it would be
-        written: the audit trail compares two of these."""
-        config = self.to_config()
-        view: dict[str, Any] = {
-            DEFAULT_KEY: config[DEFAULT_KEY],
-            INPUT_TOKEN_WEIGHT_KEY: self.input_token_weight,
-            MIN_PACE_KEY: self.min_stream_tokens_per_second,
-            MODE_KEY: self.mode,
-        }
-        for section in (OVERRIDES_KEY, GROUPS_KEY):
-            for name, value in config.get(section, {}).items():
-                view[f"{section}.{name}"] = value
-        return view
 
     def _user_value(self, user: str) -> Any:
         """``user``'s entry as written: the key ``group`` only where its group
@@ -353,6 +339,23 @@ class OutputRateSettings:
     def borrows(self) -> bool:
         """Does any user have a ceiling above its rate (or none)?"""
         return self.share_table().any_borrower()
+
+
+def limits_view(settings: OutputRateSettings) -> dict[str, Any]:
+    """What a limits file sets, one entry per user, group and top-level
+    key (``user_output_tokens_per_second.alice``), each as it would be
+    written: the audit trail compares two of these."""
+    config = settings.to_config()
+    view: dict[str, Any] = {
+        DEFAULT_KEY: config[DEFAULT_KEY],
+        INPUT_TOKEN_WEIGHT_KEY: settings.input_token_weight,
+        MIN_PACE_KEY: settings.min_stream_tokens_per_second,
+        MODE_KEY: settings.mode,
+    }
+    for section in (OVERRIDES_KEY, GROUPS_KEY):
+        for name, value in config.get(section, {}).items():
+            view[f"{section}.{name}"] = value
+    return view
 
 
 #: Keys of a rate given as a mapping.
@@ -786,18 +789,9 @@ def load_limits_file(
     without ``input_token_weight`` keeps ``input_token_weight`` (the flag's),
     one without ``min_stream_tokens_per_second`` keeps ``min_pace``, one
     without ``mode`` keeps ``mode``.
+    The settings' ``limits_digest`` is the hex SHA-256 of the very bytes
+    parsed (which version of the file is in force, for the audit trail).
     """
-    return load_limits_version(path, input_token_weight, min_pace, mode)[0]
-
-
-def load_limits_version(
-    path: str,
-    input_token_weight: float = 0.0,
-    min_pace: float = DEFAULT_MIN_STREAM_TOKENS_PER_SECOND,
-    mode: str = ENFORCE,
-) -> tuple[OutputRateSettings, str]:
-    """:func:`load_limits_file`, and the hex SHA-256 of the very bytes it
-    parsed (which version of the file is in force, for the audit trail)."""
     what = f"{LIMITS_FILE_FLAG}"
     raw = _read_bytes(path, what)
     data = _parse_mapping(raw, path, what)
@@ -826,7 +820,19 @@ def load_limits_version(
         ),
         mode=validate_mode(data.get(MODE_KEY, mode), f"{what} {path!r}[{MODE_KEY!r}]"),
     )
-    return settings, hashlib.sha256(raw).hexdigest()
+    return dataclasses.replace(settings, limits_digest=hashlib.sha256(raw).hexdigest())
+
+
+def load_limits_version(
+    path: str,
+    input_token_weight: float = 0.0,
+    min_pace: float = DEFAULT_MIN_STREAM_TOKENS_PER_SECOND,
+    mode: str = ENFORCE,
+) -> tuple[OutputRateSettings, str]:
+    """:func:`load_limits_file` and the digest of the version it read."""
+    settings = load_limits_file(path, input_token_weight, min_pace, mode)
+    assert settings.limits_digest is not None
+    return settings, settings.limits_digest
 
 
 def file_signature(path: str) -> tuple[int, int, int] | None:

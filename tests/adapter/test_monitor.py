@@ -262,6 +262,57 @@ def test_charge_history_window():
     assert young.tokens_in_window(4 * S, {"u": 40}, ["u"]) == {"u": 40}
 
 
+#: One report with every kind of row: users, groups, limits, shadow, store.
+FULL_REPORT = {
+    "users": {"u": [1, 1.0, 1, 1, 1, 5.0, 1, 1]}, "removed": [], "mode": "shadow",
+    "limits": {"u": [10.0, 5.0, 2, 1]}, "shadow": {"u": [3, 0.5, 2, 1]},
+    "groups": {"g": [1, 0.0, 1, 1, 1, 5.0, 1, 1]}, "groups_removed": [],
+    "group_limits": {"g": [None, 2.0, None, 0]}, "group_shadow": {"g": [1, 0.25, 1, 0]},
+    "user_groups": {"u": "g"},
+    "engine": {"throttled_requests": 1, "idle_steps_total": 1, "reloads_total": 1,
+               "reload_failures_total": 1, "evictions_total": 1,
+               "eviction_recompute_tokens_total": 1, "store_mode": 0,
+               "store_outages_total": 1, "store_round_trips_total": 1,
+               "store_failed_round_trips_total": 1, "store_commands_total": 1,
+               "store_leased_tokens_total": 1, "store_spent_tokens_total": 1,
+               "store_returned_tokens_total": 1, "store_expired_tokens_total": 1},
+}
+
+
+def test_limits_and_shadow_rows_are_exported_under_their_documented_names():
+    """Ceiling (+Inf: none), weight, residency cap and held per user; ceiling
+    and weight per group; the shadow counters and gauges; the mode."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    registry = CollectorRegistry()
+    exporter = OutputRateExporter("m", registry=registry)
+    exporter.observe(FULL_REPORT)
+    exporter.observe({**FULL_REPORT, "mode": "enforce", "shadow": {"u": [4, 0.5, 0, 0]},
+                      "limits": {"u": [None, 5.0, None, 3]}})
+    got = {}
+    for family in text_string_to_metric_families(generate_latest(registry).decode()):
+        for s in family.samples:
+            key = s.labels.get("user") or s.labels.get("group") or s.labels.get("mode")
+            got[(s.name, key)] = s.value
+    assert got[("vllm:output_rate_ceil_tokens_per_second", "u")] == float("inf")
+    assert got[("vllm:output_rate_weight", "u")] == 5.0
+    assert got[("vllm:output_rate_residency_cap_requests", "u")] == float("inf")
+    assert got[("vllm:output_rate_residency_held_requests", "u")] == 3
+    assert got[("vllm:output_rate_group_ceil_tokens_per_second", "g")] == float("inf")
+    assert got[("vllm:output_rate_group_weight", "g")] == 2.0
+    assert got[("vllm:output_rate_shadow_held_tokens_total", "u")] == 7
+    assert got[("vllm:output_rate_shadow_throttled_seconds_total", "u")] == 1.0
+    assert got[("vllm:output_rate_shadow_borrowed_tokens_total", "u")] == 2
+    assert got[("vllm:output_rate_shadow_residency_held_requests", "u")] == 0
+    assert got[("vllm:output_rate_group_shadow_held_tokens_total", "g")] == 2
+    assert got[("vllm:output_rate_group_shadow_throttled_seconds_total", "g")] == 0.5
+    assert got[("vllm:output_rate_mode", "enforce")] == 1
+    assert got[("vllm:output_rate_mode", "shadow")] == 0
+    exporter.observe({**FULL_REPORT, "removed": ["u"], "users": {}})
+    names = {s.name for family in registry.collect() for s in family.samples if s.labels.get("user") == "u"}
+    assert not any("ceil" in n or "shadow" in n or "residency" in n for n in names), names
+
+
 def test_dashboard_queries_use_exported_series():
     """Every series the Grafana dashboard queries is one vLLM or the exporter defines."""
     import json
@@ -270,12 +321,10 @@ def test_dashboard_queries_use_exported_series():
 
     registry = CollectorRegistry()
     exporter = OutputRateExporter("m", registry=registry)
-    exporter.observe({"users": {"u": [1, 1.0, 1, 1, 1, 5.0]}, "removed": [],
-                      "engine": {"throttled_requests": 1, "idle_steps_total": 1,
-                                 "reloads_total": 1, "reload_failures_total": 1}})
+    exporter.observe(FULL_REPORT)
     exported = {s.name for family in registry.collect() for s in family.samples}
     dashboard = json.loads((Path(__file__).parents[2] / "dashboards" / "vllm-output-rate.json").read_text())
-    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
     exprs += [v["query"] for v in dashboard["templating"]["list"] if v["type"] == "query"]
     used = {name for e in exprs for name in re.findall(r"vllm:[a-z_]+", e)}
     ours = {n for n in used if n.startswith("vllm:output_rate_")}

@@ -53,6 +53,7 @@ from vllm_output_rate.settings import (
     OutputRateConfigError,
     OutputRateSettings,
     file_signature,
+    limits_view,
     load_limits_version,
 )
 
@@ -168,14 +169,7 @@ class OperateSchedulerMixin:
                 min_pace=section.get(MIN_PACE_KEY, DEFAULT_MIN_STREAM_TOKENS_PER_SECOND),
                 mode=section.get(MODE_KEY, ENFORCE),
             )
-            try:
-                digest = load_limits_version(
-                    settings.limits_file, settings.input_token_weight,
-                    settings.min_stream_tokens_per_second, settings.mode,
-                )[1]
-            except OutputRateConfigError:
-                digest = None  # replaced between the start's read and this one
-            operate.audit.started(settings.limits_file, digest, settings.limits_view())
+            operate.audit.started(settings.limits_file, settings.limits_digest)
             operate.watcher.start()
 
     # -- reload ----------------------------------------------------------------
@@ -193,7 +187,7 @@ class OperateSchedulerMixin:
     def apply_output_rate_limits(self, new: OutputRateSettings, digest: str | None = None) -> None:
         """Switch to ``new`` limits now (engine thread, between steps);
         ``digest``: the file version they come from, for the audit trail."""
-        before = self.output_rate_settings.limits_view()
+        before = limits_view(self.output_rate_settings)
         changed = self.output_rate_limiter.update_rates(new.default_rate, new.user_rates)
         settings = dataclasses.replace(
             self.output_rate_settings, default_rate=new.default_rate, user_rates=dict(new.user_rates),
@@ -204,6 +198,7 @@ class OperateSchedulerMixin:
             min_stream_tokens_per_second=new.min_stream_tokens_per_second,
             user_min_stream_tokens_per_second=dict(new.user_min_stream_tokens_per_second),
             mode=new.mode,
+            limits_digest=digest or new.limits_digest,
         )
         # Caps follow the new limits (streams now beyond them give way first),
         # and so do ceilings, groups and the prompt cost's weight.
@@ -215,7 +210,7 @@ class OperateSchedulerMixin:
             new.default_rate, len(new.user_rates), len(new.group_rates), new.input_token_weight,
             len(changed),
         )
-        self._operate.audit.applied(before, settings.limits_view(), digest)
+        self._operate.audit.applied(before, limits_view(settings), settings.limits_digest)
 
     def schedule(self, *args: Any, **kwargs: Any):
         self.output_rate_operate_step()
@@ -655,7 +650,7 @@ class LimitsAudit:
     in force), ``previous_digest``, ``changes`` (``{key, from, to}`` per
     changed key; ``null`` for a key absent on that side) and, when
     rejected, ``reason``.  Keys are those of
-    :meth:`~vllm_output_rate.settings.OutputRateSettings.limits_view`.
+    :func:`~vllm_output_rate.settings.limits_view`.
     """
 
     #: Wall clock for the records' time (s since the epoch); tests replace it.
@@ -671,7 +666,7 @@ class LimitsAudit:
         """The kept records, oldest first (copies: safe to serialise)."""
         return [dict(record) for record in self._records]
 
-    def started(self, path: str, digest: str | None, view: dict[str, Any]) -> None:
+    def started(self, path: str, digest: str | None) -> None:
         self.file, self.digest = path, digest
         self._record("started", digest, [], log=logger.info)
 
