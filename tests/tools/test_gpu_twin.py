@@ -1,0 +1,84 @@
+"""The GPU twin on a tiny configuration: properties on the simulated clock only.
+
+``benchmarks/gpu_twin.py`` reports figures at 10,000 users and 1,024 running;
+these checks run the same machinery (``vllm_output_rate_harness.twin``) small
+enough for a test: a few users, 16 running, a few simulated seconds.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from vllm_output_rate_harness.twin import S, GpuCostModel, Job, TwinEngine, Workload, max_in_window, run_lockstep
+
+COST = GpuCostModel("test GPU", "test model", 4.0, 0.05, 0.03)
+CAPS = {"cap-a": 60.0, "cap-b": 150.0}
+DURATION_S = 4.0
+
+
+def workload(limits_never_hit: bool = False, seed: int = 3) -> Workload:
+    rng = random.Random(seed)
+
+    def jobs() -> list[Job]:
+        return [Job(rng.randint(16, 64), rng.randint(8, 64), think_s=rng.random() * 0.05) for _ in range(40)]
+
+    entries = {**CAPS, "b1": {"rate": 10, "ceil": None, "weight": 1}, "b2": {"rate": 10, "ceil": None, "weight": 1}}
+    limits = {"default_user_output_tokens_per_second": 40, "user_output_tokens_per_second": entries}
+    if limits_never_hit:
+        limits = {"default_user_output_tokens_per_second": 1e9,
+                  "user_output_tokens_per_second": {u: 1e9 for u in entries}}
+    arrivals = sorted((rng.random() * DURATION_S, f"light-{rng.randrange(6)}", rng.randint(16, 96),
+                       rng.randint(4, 24)) for _ in range(40))
+    return Workload(limits, arrivals,
+                    streams={user: [jobs() for _ in range(4)] for user in entries},
+                    capped=dict(CAPS), borrowers={"b1": 1, "b2": 1},
+                    in_quota={u for _, u, _, _ in arrivals})
+
+
+def engine(name: str, limits, *, async_: bool = False, w: Workload) -> TwinEngine:
+    return TwinEngine(name, limits, COST, async_=async_, max_num_seqs=16, num_blocks=400,
+                      max_num_batched_tokens=256, watch=w.capped, borrowers=w.borrowers, fairness_window_s=1.0)
+
+
+@pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
+def test_every_capped_user_keeps_its_bound_on_the_gpu_clock(async_):
+    w = workload()
+    ours = engine("ours", w.limits, async_=async_, w=w)
+    stock = engine("stock", None, async_=async_, w=w)
+    run_lockstep([ours, stock], w, DURATION_S)
+    for user, rate in CAPS.items():
+        times = ours.sample_times[user]
+        assert times, user
+        for window_s in (0.5, 1.0, DURATION_S):
+            assert max_in_window(times, int(window_s * S)) <= (window_s + 0.1) * rate + 1, (user, window_s)
+        # the caps bind: stock, on the same requests, goes past them
+        assert len(stock.sample_times[user]) > (DURATION_S + 0.1) * rate + 1, user
+        # and the capped user still reaches its rate (within one burst and one step of warm-up)
+        assert len(times) >= (DURATION_S - 0.5) * rate, user
+
+
+@pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
+def test_limits_never_hit_make_stocks_tokens_on_the_same_arrivals(async_):
+    w = workload(limits_never_hit=True)
+    ours = engine("ours", w.limits, async_=async_, w=w)
+    stock = engine("stock", None, async_=async_, w=w)
+    run_lockstep([ours, stock], w, DURATION_S)
+    assert sum(stock.output_tokens.values()) > 0
+    assert ours.output_tokens == stock.output_tokens
+    assert ours.decodes == stock.decodes and ours.prefill == stock.prefill  # step for step
+
+
+def test_the_clock_is_the_cost_models():
+    w = workload()
+    ours = engine("ours", w.limits, w=w)
+    run_lockstep([ours], w, DURATION_S)
+    busy = [i for i, g in enumerate(ours.gpu_ms) if g]
+    assert busy
+    for i in busy:
+        assert ours.gpu_ms[i] == pytest.approx(int(COST.step_ms(ours.decodes[i], ours.prefill[i]) * 1e6) / 1e6)
+    assert sum(ours.gpu_ms) <= DURATION_S * 1000 + max(ours.gpu_ms)
+    # fairness readings exist once per simulated second and see the two backlogged borrowers
+    assert len(ours.fairness_readings) >= DURATION_S - 1
+    assert all(r.backlogged_users == 2 for _, r in ours.fairness_readings[1:])
