@@ -1474,6 +1474,57 @@ def machine_text(machine: dict) -> str:
     return ", ".join(parts)
 
 
+def _commits(doc: Any) -> list[str]:
+    """Every code commit a result records (``code.commit`` at any depth), in order."""
+    found: list[str] = []
+    if isinstance(doc, dict):
+        code = doc.get("code")
+        if isinstance(code, dict) and code.get("commit") and code["commit"] not in found:
+            found.append(code["commit"])
+        for key, value in doc.items():
+            if key != "code":
+                found += [c for c in _commits(value) if c not in found]
+    elif isinstance(doc, list):
+        for value in doc:
+            found += [c for c in _commits(value) if c not in found]
+    return found
+
+
+def recorded_line(names_docs: list[tuple[str, Doc]], page_machine: str | None) -> str:
+    """What each result file of a section records of its code and machine ("not recorded" where
+    it holds nothing), so that a reader can tell which code on which machine made each figure.
+    ``page_machine``: the one machine the page's head names, referred to rather than repeated."""
+    parts = []
+    for name, doc in names_docs:
+        commits = _commits(doc)
+        code = ("commit " + ", ".join(f"`{c[:10]}`" for c in commits)) if commits else "commit not recorded"
+        if not doc.get("machine"):
+            machine = "machine not recorded"
+        elif machine_text(doc["machine"]) == page_machine:
+            machine = "the machine named at the top"
+        else:
+            machine = machine_text(doc["machine"])
+        load = doc.get("load_before")
+        load_text = (f"; 1-min load before the run {load[0]:g}" if isinstance(load, list) and load else "")
+        parts.append(f"`{name}.json`: {code}; {machine}{load_text}")
+    return "Recorded: " + " · ".join(parts) + "."
+
+
+#: Marks a sentence or table row of the page whose target was missed or not met.
+MISSED_MARKS = ("**missed**", "**not met**")
+
+
+def missed_targets(sections: list[tuple[str, list[str]]]) -> list[str]:
+    """Every line that misses a target, under its section's title: one list for the whole page."""
+    lines: list[str] = []
+    for title, body in sections:
+        hits = [line.strip() for line in body if any(mark in line for mark in MISSED_MARKS)]
+        if hits:
+            lines.append(f"- **{title}**")
+            lines += [f"  - {hit.lstrip('- ')}" for hit in hits]
+    return lines
+
+
 def provenance(docs: dict[str, Doc]) -> list[str]:
     """The machine(s) and the dates, stated once for the whole page."""
     machines: dict[str, list[str]] = {}
@@ -1497,6 +1548,7 @@ def render(results: Path, page: Path) -> str:
     docs: dict[str, Doc] = {}
     missing: list[str] = []
     body: list[str] = []
+    rendered: list[tuple[str, list[str]]] = []
     for section in SECTIONS:
         doc = _load(results / f"{section.name}.json")
         extra = {name: _load(results / f"{name}.json") for name in section.companions}
@@ -1527,7 +1579,14 @@ def render(results: Path, page: Path) -> str:
                 print(f"warning: {why}", file=sys.stderr)
                 warning = [f"**The figure below is not from this result's JSON** (it does not carry the "
                            f"digest of `{source.name}`): re-run `{MAKES[section.name]}`.", ""]
-        body += [f"## {section.title}", "", *warning, *section.render(doc, extra, image), ""]
+        section_body = section.render(doc, extra, image)
+        rendered.append((section.title, section_body))
+        files = [(section.name, doc), *((name, d) for name, d in extra.items() if d is not None)]
+        body += [f"## {section.title}", "", files, "", *warning, *section_body, ""]
+    machines = {machine_text(d["machine"]) for d in docs.values() if d.get("machine")}
+    page_machine = next(iter(machines)) if len(machines) == 1 else None
+    # Each section's files, replaced by the line saying what they record.
+    body = [recorded_line(line, page_machine) if isinstance(line, list) else line for line in body]
     results_link = Path(os.path.relpath(results, page.parent)).as_posix()
     head = [
         "# Performance",
@@ -1540,6 +1599,15 @@ def render(results: Path, page: Path) -> str:
         "",
     ]
     head += [*provenance(docs), ""] if docs else ["No benchmark result is committed yet.", ""]
+    if docs:
+        head += ["Each section starts with what its result files record: the code commit the run measured "
+                 "(\"not recorded\" where the file holds none), the machine, when it started and the machine's "
+                 "load. Nothing here ran on a GPU.", ""]
+    missed = missed_targets(rendered)
+    if missed:
+        head += ["## Missed targets", "",
+                 "Every target this page reports as missed or not met, in one place (each is repeated, with its "
+                 "context, in its section below):", "", *missed, ""]
     tail = []
     if missing:
         tail = ["## Not measured yet", "", "| result | command that writes it |", "| --- | --- |",
