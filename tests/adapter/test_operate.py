@@ -203,3 +203,119 @@ def test_idle_users_are_forgotten_so_engine_state_stays_bounded(tmp_path):
     total_other = rep["users"][OTHER_USERS][0] + sum(
         row[0] for user, row in rep["users"].items() if user.startswith("one-off"))
     assert total_other == 3
+
+
+# -- the audit trail (issue 45 item 4) ------------------------------------------------
+
+
+def audit_of(h):
+    return h.sched.output_rate_users()["audit"]
+
+
+def test_a_reload_records_each_changed_key_from_and_to_with_the_digest(tmp_path, caplog):
+    import hashlib
+    import logging
+
+    h, path, watcher = make_harness(tmp_path, {"u": 20, "v": 5})
+    h.sched._operate.audit.wall_clock = lambda: 1_800_000_000.25
+    start = audit_of(h)
+    assert [e["outcome"] for e in start] == ["started"]
+    first_digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    assert start[0]["digest"] == first_digest
+    with caplog.at_level(logging.INFO, logger="vllm_output_rate.adapter.operate"):
+        reload(h, path, watcher, 1000, {"u": 10, "w": 7}, bump=1)
+        h.step()
+    entry = audit_of(h)[-1]
+    assert entry["outcome"] == "applied"
+    assert entry["digest"] == hashlib.sha256(path.read_bytes()).hexdigest() != first_digest
+    assert entry["previous_digest"] == first_digest
+    assert entry["time"] == "2027-01-15T08:00:00.250Z"
+    assert entry["changes"] == [
+        {"key": "user_output_tokens_per_second.u", "from": 20, "to": 10},
+        {"key": "user_output_tokens_per_second.v", "from": 5, "to": None},
+        {"key": "user_output_tokens_per_second.w", "from": None, "to": 7},
+    ]
+    # One structured line per change, each a whole JSON object.
+    lines = [r.getMessage() for r in caplog.records if "limits audit" in r.getMessage()]
+    assert len(lines) == 3
+    parsed = [json.loads(line.split("limits audit ", 1)[1]) for line in lines]
+    assert [(p["key"], p["from"], p["to"]) for p in parsed] == [
+        (c["key"], c["from"], c["to"]) for c in entry["changes"]]
+    assert all(p["digest"] == entry["digest"] for p in parsed)
+    assert h.sched.output_rate_users()["limits_digest"] == entry["digest"]
+
+
+def test_an_unchanged_reload_is_recorded_with_no_change(tmp_path):
+    h, path, watcher = make_harness(tmp_path, {"u": 20})
+    digest = audit_of(h)[0]["digest"]
+    write_limits(path, 1000, {"u": 20})  # the same limits, rewritten
+    bump_mtime(path, 1)
+    assert watcher.check()
+    h.step()
+    entry = audit_of(h)[-1]
+    assert entry["outcome"] == "applied" and entry["changes"] == []
+    assert entry["digest"] == entry["previous_digest"] == digest
+
+
+def test_a_failed_reload_records_why_and_the_version_still_in_force(tmp_path, caplog):
+    import logging
+
+    h, path, watcher = make_harness(tmp_path, {"u": 20})
+    digest = audit_of(h)[0]["digest"]
+    path.write_text("{not json")
+    bump_mtime(path, 1)
+    with caplog.at_level(logging.ERROR, logger="vllm_output_rate.adapter.operate"):
+        assert watcher.check()
+    h.step()
+    entry = audit_of(h)[-1]
+    assert entry["outcome"] == "rejected"
+    assert "cannot parse" in entry["reason"]
+    assert entry["digest"] == digest and entry["changes"] == []
+    assert h.sched.output_rate_users()["limits_digest"] == digest
+    lines = [r.getMessage() for r in caplog.records if "limits audit" in r.getMessage()]
+    assert len(lines) == 1 and json.loads(lines[0].split("limits audit ", 1)[1])["outcome"] == "rejected"
+
+
+def test_the_audit_keeps_the_last_n_records(tmp_path):
+    from vllm_output_rate.adapter.operate import AUDIT_KEEP
+
+    h, path, watcher = make_harness(tmp_path, {"u": 20})
+    for i in range(AUDIT_KEEP + 5):
+        reload(h, path, watcher, 1000, {"u": 20 + i % 2}, bump=i + 1)
+        h.step()
+    entries = audit_of(h)
+    assert len(entries) == AUDIT_KEEP
+    assert all(e["outcome"] == "applied" for e in entries)  # the start record went first
+    last = 20 + (AUDIT_KEEP + 4) % 2
+    assert entries[-1]["changes"] == [
+        {"key": "user_output_tokens_per_second.u", "from": 41 - last, "to": last}]
+
+
+# -- what an operator needs to read a borrower (issue 45 item 3) ---------------------
+
+
+def test_ceiling_weight_and_residency_in_the_report_and_the_admin_route(tmp_path):
+    """A user at 4 tok/s holds at most 2 requests (the default pace 2): of
+    its 5, 3 wait, held by the cap; a borrower shows its ceiling and weight,
+    one without a ceiling no ceiling and no cap."""
+    h, path, watcher = make_harness(tmp_path, {"capped": 4})
+    h.shadow = None  # borrowers run beyond their rates
+    write_limits(path, 1000, {"capped": 4, "b": {"rate": 5, "ceil": 50, "weight": 3},
+                              "open": {"rate": 5, "ceil": None}})
+    bump_mtime(path, 1)
+    assert watcher.check()
+    for _ in range(5):
+        h.add("capped", max_tokens=10_000)
+    h.add("b", max_tokens=10_000)
+    for _ in range(20):
+        h.step(10 * MS)
+    report = h.sched.output_rate_report(h.clock.now_ns)
+    assert report["limits"]["capped"] == [4, 4, 2, 3]
+    assert report["limits"]["b"] == [50, 3, 25, 0]
+    assert report["limits"]["open"] == [None, 5, None, 0]
+    assert "shadow" not in report and report["mode"] == "enforce"
+    users = h.sched.output_rate_users()["users"]
+    assert users["capped"]["residency_cap"] == 2 and users["capped"]["residency_held"] == 3
+    assert users["capped"]["waiting"] == 3
+    assert users["b"]["ceil"] == 50 and users["b"]["weight"] == 3
+    assert users["open"]["residency_cap"] is None

@@ -253,3 +253,36 @@ def test_shadow_enforce_shadow_by_reload(tmp_path, async_):
     assert {"key": "mode", "from": "enforce", "to": "shadow"} in changes
     h.run_until_done()
     h.check_resident_consistent()
+
+
+def test_the_mode_flag_lands_in_the_section_and_selects_the_shadow_scheduler(tmp_path):
+    import argparse
+    import types
+
+    from vllm_output_rate.adapter import patches
+    from vllm_output_rate.settings import OutputRateConfigError
+
+    parser = argparse.ArgumentParser()
+    patches.add_output_rate_args(parser)
+    args = parser.parse_args(["--default-user-output-tokens-per-second", "5",
+                              "--output-rate-mode", "shadow"])
+    engine_args = types.SimpleNamespace(additional_config=None)
+    patches.merge_cli_into_engine_args(engine_args, args)
+    assert engine_args.additional_config["output_rate"]["mode"] == "shadow"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--default-user-output-tokens-per-second", "5",
+                           "--output-rate-mode", "dry-run"])
+    with pytest.raises(OutputRateConfigError, match="--output-rate-mode needs the feature on"):
+        patches.merge_cli_into_engine_args(
+            types.SimpleNamespace(additional_config=None),
+            parser.parse_args(["--output-rate-mode", "shadow"]))
+    # Shadow mode, or a limits file (its reload may switch): the shadow
+    # scheduler; enforce without a file: the plugin's own, unchanged.
+    shadowing = Harness({**BINDING}, scheduler_cls=ShadowScheduler)
+    assert shadowing.config.scheduler_config.scheduler_cls == patches.SHADOW_SCHEDULER_CLS
+    path = tmp_path / "limits.json"
+    write(path, "enforce", 20)
+    filed = Harness({"limits_file": str(path)}, scheduler_cls=ShadowScheduler)
+    assert filed.config.scheduler_config.scheduler_cls == patches.SHADOW_SCHEDULER_CLS
+    plain = Harness({"default_user_output_tokens_per_second": 5})
+    assert plain.config.scheduler_config.scheduler_cls == patches.SCHEDULER_CLS

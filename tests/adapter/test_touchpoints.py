@@ -130,10 +130,12 @@ def test_every_vllm_method_the_schedulers_override_is_in_the_table():
     from vllm.v1.core.sched.scheduler import Scheduler
 
     from vllm_output_rate.adapter import scheduler as ours
+    from vllm_output_rate.adapter import shadow
 
     listed = _rows_for(touchpoints.SCHED) | _rows_for(touchpoints.ASYNC_SCHED)
     missing = []
-    for cls in (ours.OutputRateScheduler, ours.OutputRateAsyncScheduler):
+    for cls in (ours.OutputRateScheduler, ours.OutputRateAsyncScheduler,
+                shadow.ShadowScheduler, shadow.ShadowAsyncScheduler):
         for klass in cls.__mro__:
             if not klass.__module__.startswith("vllm_output_rate"):
                 continue

@@ -454,3 +454,55 @@ def test_resolve_user_invalid(value, fragments):
     with pytest.raises(InvalidUserError) as e:
         resolve_user({USER_ARG: value})
     refused(e, USER_ARG, *fragments)
+
+
+# -- mode (issue 45: shadow mode) ------------------------------------------------------
+
+
+def test_mode_defaults_to_enforce_and_round_trips():
+    from vllm_output_rate.settings import MODE_KEY
+
+    on = OutputRateSettings.from_additional_config({"output_rate": {DEFAULT_KEY: 5}})
+    assert on.mode == "enforce" and MODE_KEY not in on.to_config()
+    shadow = OutputRateSettings.from_additional_config(
+        {"output_rate": {DEFAULT_KEY: 5, MODE_KEY: "shadow"}})
+    assert shadow.mode == "shadow" and shadow.to_config()[MODE_KEY] == "shadow"
+    assert OutputRateSettings.from_additional_config({"output_rate": shadow.to_config()}) == shadow
+
+
+@pytest.mark.parametrize("bad", ["Shadow", "off", 1, None, ["shadow"]])
+def test_a_bad_mode_is_refused_naming_the_key(bad):
+    with pytest.raises(OutputRateConfigError) as e:
+        OutputRateSettings.from_additional_config({"output_rate": {DEFAULT_KEY: 5, "mode": bad}})
+    assert "'mode'" in str(e.value) and "enforce" in str(e.value)
+
+
+def test_a_limits_file_mode_wins_and_without_it_the_flag_mode_stays(tmp_path):
+    import hashlib
+    import json as _json
+
+    from vllm_output_rate.settings import load_limits_file
+
+    path = tmp_path / "limits.json"
+    path.write_text(_json.dumps({DEFAULT_KEY: 5, "mode": "shadow"}))
+    assert load_limits_file(str(path), mode="enforce").mode == "shadow"
+    path.write_text(_json.dumps({DEFAULT_KEY: 5}))
+    loaded = load_limits_file(str(path), mode="shadow")
+    assert loaded.mode == "shadow"
+    assert loaded.limits_digest == hashlib.sha256(path.read_bytes()).hexdigest()
+    path.write_text(_json.dumps({DEFAULT_KEY: 5, "mode": "dry-run"}))
+    with pytest.raises(OutputRateConfigError, match="mode"):
+        load_limits_file(str(path))
+
+
+def test_limits_view_names_every_user_and_group_entry():
+    from vllm_output_rate.settings import limits_view
+
+    s = OutputRateSettings.from_additional_config({"output_rate": {
+        DEFAULT_KEY: 5, OVERRIDES_KEY: {"a": 2, "b": {"rate": 1, "ceil": 3, "group": "g"}},
+        "groups": {"g": 4}, "mode": "shadow"}})
+    view = limits_view(s)
+    assert view[DEFAULT_KEY] == 5 and view["mode"] == "shadow"
+    assert view[f"{OVERRIDES_KEY}.a"] == 2
+    assert view[f"{OVERRIDES_KEY}.b"] == {"rate": 1, "ceil": 3, "weight": 1, "group": "g"}
+    assert view["groups.g"] == 4
