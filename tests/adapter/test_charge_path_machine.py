@@ -117,7 +117,9 @@ MAX_ADDED = 24
 DEFAULT_RATE = 100
 
 STEPS = int(os.environ.get("CHARGE_MACHINE_STEPS", "40"))
-ALL_CHECKS = ("bounds", "borrower", "liveness", "turns", "shares", "idle", "metrics", "refunds")
+ALL_CHECKS = (
+    "bounds", "borrower", "liveness", "turns", "shares", "idle", "metrics", "refunds", "work",
+)
 #: Checks that still find cases nobody has resolved, left out of ``make
 #: test`` until they are (run them with ``CHARGE_MACHINE_CHECKS=shares``):
 #:
@@ -176,7 +178,18 @@ ALL_CHECKS = ("bounds", "borrower", "liveness", "turns", "shares", "idle", "metr
 #: case here (chunked prefill, prompt cost, a tight KV cache: the eviction
 #: search's question refused a user whose prompt chunk had just taken its
 #: last token), since fixed.  Set ``PYTHONHASHSEED`` to try other orders.
-OPEN_CHECKS = ("shares",)
+#: * ``work`` (issue 43, new; 7. in ``after_step``): left out until its
+#:   exceptions are settled.  With ``CHARGE_MACHINE_CHECKS=work`` it fires
+#:   first at the suite's example 103 on 92d09f2 and on the fixes alike,
+#:   shrunk (92d09f2) to: sync, chunked, 4 slots, 2 active, token budget 32,
+#:   every user borrowing without a ceiling, u0 one 3-token request, three
+#:   backlog arrivals, three steps at one instant: one active slot and 30
+#:   tokens unused while u1 left a resident stream unscheduled.  No
+#:   residency cap binds there, so it is not issue 43's second defect (which
+#:   needs a ceiling); whether it is a gap of the step or of the check is
+#:   not settled.  The check does not reach that defect's shape: users with
+#:   a ceiling are outside what it judges.
+OPEN_CHECKS = ("shares", "work")
 #: For measuring one invariant at a time (default: all but OPEN_CHECKS).
 CHECKS = frozenset(os.environ.get(
     "CHARGE_MACHINE_CHECKS", ",".join(c for c in ALL_CHECKS if c not in OPEN_CHECKS)
@@ -986,6 +999,31 @@ class ChargePathMachine(RuleBasedStateMachine):
                         )
         else:
             self.share_gap.clear()
+
+        # 7. Work conservation (borrowers' room): no step leaves an active
+        # slot and a token of the budget unused while a borrower that
+        # nothing caps (no ceiling, no capped group, no prompt debt) holds a
+        # resident decoding stream it did not run.  Exceptions, each a step
+        # not judged: a tight KV cache or any preemption in the step (KV,
+        # not slots, bound), a stream about to end (async: its last token in
+        # flight), and prefills or waiting requests that the plan set room
+        # aside for, which the step then ran (they are in ``scheduled``).
+        if not self.tight_kv and not output.preempted_req_ids:
+            unused_slots = self.active_cap - len(scheduled)
+            unused_tokens = self.budget - output.total_num_scheduled_tokens
+            if unused_slots > 0 and unused_tokens > 0:
+                for user, info in users.items():
+                    if epoch.scope_of_borrower(user) is None or not info["free"]:
+                        continue
+                    idle = [rid for rid in info["decoding"] if rid not in scheduled
+                            and rid in sched.requests and not sched.requests[rid].is_finished()]
+                    if idle:
+                        self.broken(
+                            "work",
+                            f"{unused_slots} active slot(s) and {unused_tokens} token(s) of the "
+                            f"budget unused while borrower {user} (nothing caps it) left "
+                            f"{len(idle)} resident stream(s) unscheduled"
+                        )
 
     # -- bounds --------------------------------------------------------------------------
 
