@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 
-from server_harness import running_server
+from server_harness import ADMIN_ROUTE_ENV, running_server
 from vllm_output_rate.policy.residency import DEFAULT_MIN_STREAM_TOKENS_PER_SECOND, residency_cap
 from vllm_output_rate.tools import measure
 
@@ -65,7 +65,11 @@ SERVER_ARGS = [
     "--enforce-eager",
     # Server-side first/last output timestamps per request (jitter-free checks).
     "--enable-per-request-metrics",
+    # The admin route behind a key given on the command line: vLLM logs its
+    # non-default args at startup, and this one must be redacted there.
+    "--output-rate-admin-key", "e2e-admin-key-9f3c",
 ]
+ADMIN_KEY = "e2e-admin-key-9f3c"
 BURST_S = 0.1
 #: Server-side output timestamps are taken after the model step, the limiter's
 #: clock before it: allow this much when checking server-side intervals.
@@ -295,7 +299,9 @@ def new_client(timeout: float = 120.0) -> httpx.AsyncClient:
 
 def server_context(tmp_path_factory, model_dir):
     """The module's server; conftest starts it when the session begins."""
-    return running_server(SERVER_ARGS, tmp_path_factory.mktemp("server-logs"), "e2e", model=model_dir)
+    return running_server(SERVER_ARGS, tmp_path_factory.mktemp("server-logs"), "e2e", model=model_dir,
+                          # INFO: vLLM's "non-default args" line, checked for the admin key.
+                          env={**ADMIN_ROUTE_ENV, "VLLM_LOGGING_LEVEL": "INFO"})
 
 
 @pytest.fixture(scope="module")
@@ -892,3 +898,18 @@ def test_server_healthy_at_end(server):
         "vllm:num_requests_waiting": 0.0,
     }
     assert "Traceback" not in server.log_tail(400), server.log_tail(80)
+
+
+def test_admin_route_needs_the_key_and_the_log_never_shows_it(server):
+    url = f"{server.base_url}/v1/output_rate/users"
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        refused = httpx.get(url, headers=headers, timeout=30)
+        assert refused.status_code == 401, refused.text
+        assert "admin key" in refused.json()["error"]["message"]
+    answer = httpx.get(url, headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=30)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["default_rate"] == DEFAULT_RATE
+    log = server.log_path.read_text(errors="replace")
+    args_lines = [line for line in log.splitlines() if "non-default args" in line]
+    assert args_lines and "output_rate_admin_key" in args_lines[0], args_lines
+    assert ADMIN_KEY not in log

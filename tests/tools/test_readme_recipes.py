@@ -163,7 +163,7 @@ def _flags_in(text: str) -> set[str]:
 
 
 #: Flags README names that belong to other commands than ``serve``.
-NOT_SERVE_FLAGS = {"--once", "--url"}
+NOT_SERVE_FLAGS = {"--once", "--url", "--interval"}
 
 
 def test_every_flag_readme_names_exists(serve_parser):

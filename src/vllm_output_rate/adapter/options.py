@@ -216,10 +216,11 @@ def merge_operate_args(args: argparse.Namespace, section: dict | None) -> dict |
     input_token_weight = getattr(args, "output_rate_input_token_weight", None)
     min_pace = getattr(args, "output_rate_min_stream_tokens_per_second", None)
     identity = getattr(args, "output_rate_identity", None) or "body"
-    admin_access = AdminAccess.from_args(args)  # a bad key file or a contradiction stops startup
+    AdminAccess.from_args(args)  # a bad key file or a contradiction stops startup
     if section is None:
         _refuse_identity_flags_while_off(args)
-        _warn_admin_flags_while_off(args, admin_access)
+        _warn_admin_flags_while_off(args)
+        _warn_header_flag_in_body_mode(args, identity)
         if identity != "body" or max_users is not None or recompute_budget is not None:
             raise OutputRateConfigError(
                 f"{IDENTITY_FLAG} / {METRICS_MAX_USERS_FLAG} / {RECOMPUTE_BUDGET_FLAG} need "
@@ -256,7 +257,7 @@ def _refuse_identity_flags_while_off(args: argparse.Namespace) -> None:
         raise OutputRateConfigError(f"{UNKNOWN_USERS_FLAG} needs the feature on {_FEATURE_ON}")
 
 
-def _warn_admin_flags_while_off(args: argparse.Namespace, access: AdminAccess) -> None:
+def _warn_admin_flags_while_off(args: argparse.Namespace) -> None:
     # The route still answers (404: feature off) and still checks the key, so
     # the flag is harmless; say once that it guards nothing useful.
     for flag, given in (
