@@ -29,10 +29,22 @@ Series (labels ``model_name``, ``user``):
   its rate; also counted in ``..._output_tokens_charged_total``);
 * ``vllm:output_rate_requests{state="active|throttled|waiting"}``;
 * ``vllm:output_rate_limit_tokens_per_second``;
+* ``vllm:output_rate_ceil_tokens_per_second`` (the rate for a hard cap,
+  +Inf for ``ceil: null``), ``vllm:output_rate_weight``,
+  ``vllm:output_rate_residency_cap_requests`` (+Inf: no cap) and
+  ``vllm:output_rate_residency_held_requests`` (waiting requests the cap
+  keeps out now);
+* shadow mode: ``vllm:output_rate_shadow_held_tokens_total``,
+  ``…_shadow_throttled_seconds_total``, ``…_shadow_borrowed_tokens_total``
+  and the gauge ``…_shadow_residency_held_requests`` (see
+  :mod:`vllm_output_rate.policy.shadow`); ``vllm:output_rate_mode{mode}``
+  is 1 for the mode in force;
 
 with groups (label ``group``): ``vllm:output_rate_group_output_tokens_charged_total``,
 ``…_group_prompt_tokens_charged_total``, ``…_group_borrowed_tokens_total``,
-``…_group_requests{state}``, ``…_group_limit_tokens_per_second``, and
+``…_group_requests{state}``, ``…_group_limit_tokens_per_second``,
+``…_group_ceil_tokens_per_second``, ``…_group_weight``, the
+``…_group_shadow_…`` series, and
 ``vllm:output_rate_user_group{user, group}`` (1: the user's group);
 
 and engine-wide ``vllm:output_rate_throttled_requests`` (resident but held
