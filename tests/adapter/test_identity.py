@@ -115,6 +115,22 @@ def test_header_mode_refuses_a_different_body_user():
     assert "does not match" in error(payload)["message"]
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/responses",
+                                  "/v1/messages"])
+def test_every_documented_identity_route_carries_the_header_user(path):
+    """README and docs/operations.md name these four routes; each gets the identity."""
+    args = make_args(output_rate_identity="header")
+    status, _, fwd = call(args, path=path, headers=[("x-gateway-inference-fairness-id", "alice")])
+    assert status == 200 and user_of(fwd) == "alice"
+
+
+def test_the_openai_user_field_is_not_the_identity():
+    """OpenAI's ``user`` names nobody here: the request stays the anonymous user's."""
+    args = make_args(output_rate_identity="header")
+    status, _, fwd = call(args, body={"model": "m", "messages": [], "user": "alice"})
+    assert status == 200 and user_of(fwd) == ANONYMOUS_USER and fwd["user"] == "alice"
+
+
 def test_header_missing_is_anonymous_even_if_the_body_claims_a_name():
     args = make_args(output_rate_identity="header")
     status, _, fwd = call(args)
