@@ -60,6 +60,8 @@ EFFECTIVE_DEFAULTS = {
     "output_rate_expected_engines": store_config.StoreSettings.__dataclass_fields__[
         "expected_engines"].default,
     "output_rate_store_prefix": store_config.DEFAULT_PREFIX,
+    # Shadow mode (adapter/shadow.py): the limits hold unless told otherwise.
+    "output_rate_mode": getattr(settings, "ENFORCE", None),
 }
 
 #: Environment variables the plugin reads (not the tools').
