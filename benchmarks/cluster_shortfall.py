@@ -208,7 +208,8 @@ def main() -> None:
                  "--user-output-tokens-per-second", json.dumps(LIMITS),
                  "--output-rate-store", redis_srv.url,
                  "--output-rate-expected-engines", str(args.engines),
-                 "--output-rate-store-prefix", "cluster-shortfall"]
+                 "--output-rate-store-prefix", "cluster-shortfall",
+                 "--output-rate-admin-open"]  # loopback engines; their counters are read
         doc["server_args"] = flags
         began = time.monotonic()
         with benchkit.running_engines([(f"engine{i}", flags) for i in range(args.engines)], log_dir,

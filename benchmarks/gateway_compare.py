@@ -340,7 +340,8 @@ def server_args(args, plugin: bool) -> list[str]:
     if not plugin:
         return common
     return common + ["--default-user-output-tokens-per-second", f"{args.default_limit:g}",
-                     "--user-output-tokens-per-second", json.dumps({HEAVY: args.heavy_limit})]
+                     "--user-output-tokens-per-second", json.dumps({HEAVY: args.heavy_limit}),
+                     "--output-rate-admin-open"]  # loopback engine; its counters are read
 
 
 def single_char_token(model_dir: Path) -> int:

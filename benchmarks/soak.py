@@ -897,6 +897,7 @@ def run_cluster(args, plan, rates, default_rate, config, doc) -> dict:
             "--output-rate-store", store_url,
             "--output-rate-expected-engines", str(args.engines),
             "--output-rate-store-prefix", "soak",
+            "--output-rate-admin-open",  # loopback engines; the soak reads their counters
         ))
         doc["server_args"] = server_args
         engines = stack.enter_context(benchkit.restartable_engines(

@@ -90,6 +90,9 @@ def engine_args(args: argparse.Namespace, store_url: str) -> list[str]:
         "--output-rate-store", store_url,
         "--output-rate-expected-engines", str(args.engines),
         "--output-rate-store-prefix", PREFIX,
+        # The admin route is closed without a key; these engines listen on
+        # 127.0.0.1 only and the demo reads its counters.
+        "--output-rate-admin-open",
     ]
 
 
