@@ -313,6 +313,79 @@ def test_lowered_rate_mid_stream_and_broken_file(servers):
     assert not errors, errors
 
 
+def _write_with_mode(path, users, mode):
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as fh:
+        json.dump({"default_user_output_tokens_per_second": DEFAULT_RATE,
+                   "user_output_tokens_per_second": users, "mode": mode}, fh)
+    os.replace(tmp, path)
+
+
+def _wait_reloaded(server, before, what):
+    deadline = time.monotonic() + 5
+    while admin(server).json()["reloads"] == before:
+        assert time.monotonic() < deadline, f"{what} not reloaded within 5 s"
+        time.sleep(0.2)
+
+
+def _charged_over(server, user, seconds):
+    sent = time.monotonic()
+    a = admin(server).json()
+    time.sleep(seconds)
+    b = admin(server).json()
+    window = time.monotonic() - sent
+    return b["users"][user]["tokens_charged_total"] - a["users"][user]["tokens_charged_total"], window, b
+
+
+def test_shadow_then_enforce_by_reload_on_a_real_server(servers):
+    """bob at 10 tok/s, two streams: in shadow mode stock vLLM serves him
+    beyond the bound and the shadow series count what would have been held;
+    the same file with mode: enforce holds him to it, with no restart; the
+    audit trail names the switch."""
+    server, limits = servers["keyed"], servers["limits"]
+    stop, errors, counts = threading.Event(), [], []
+    threads = [threading.Thread(target=_stream_forever, args=(server, "sk-bob", stop, errors, counts))
+               for _ in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        # A reload is applied before the engine's next step: while it has work.
+        time.sleep(1.0)
+        before = admin(server).json()["reloads"]
+        _write_with_mode(limits, {**LIMITS, "bob": 10}, "shadow")
+        _wait_reloaded(server, before, "shadow mode")
+        time.sleep(1.0)
+        charged, window, data = _charged_over(server, "bob", 3.0)
+        print(f"\nbob in shadow mode: {charged} tokens in {window:.2f} s")
+        assert data["mode"] == "shadow"
+        assert charged > (window + BURST_S) * 10 + 1, (charged, window)  # not enforced
+        assert data["users"]["bob"]["shadow"]["held_tokens_total"] > 0
+        time.sleep(1.2)
+        text = server.metrics()
+        assert metric(text, "vllm:output_rate_mode", mode="shadow") == 1
+        assert metric(text, "vllm:output_rate_mode", mode="enforce") == 0
+        assert metric(text, "vllm:output_rate_shadow_held_tokens_total", user="bob") > 0
+        assert metric(text, "vllm:output_rate_ceil_tokens_per_second", user="bob") == 10
+
+        before = data["reloads"]
+        _write_with_mode(limits, {**LIMITS, "bob": 10}, "enforce")
+        _wait_reloaded(server, before, "enforce mode")
+        time.sleep(1.0)
+        charged, window, data = _charged_over(server, "bob", 3.0)
+        print(f"bob enforced: {charged} tokens in {window:.2f} s")
+        assert data["mode"] == "enforce"
+        assert 0 < charged <= (window + BURST_S) * 10 + 1, (charged, window)
+        changes = [c for e in data["audit"] for c in e["changes"]]
+        assert {"key": "mode", "from": "shadow", "to": "enforce"} in changes
+        assert data["audit"][-1]["digest"] == data["limits_digest"]
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=60)
+        write_limits(limits, LIMITS)
+    assert not errors, errors
+
+
 # -- top -------------------------------------------------------------------------------
 
 
