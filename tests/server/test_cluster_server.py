@@ -52,6 +52,7 @@ import pytest
 from redis_harness import RedisServer
 from server_harness import ADMIN_ROUTE_ENV, ConnectionBackoff, engine_env, running_server, while_alive
 
+from vllm_output_rate.tools import top
 from vllm_output_rate.tools.analysis import guarantee_bound
 
 pytestmark = [pytest.mark.server, pytest.mark.redis, pytest.mark.cluster]
@@ -66,6 +67,11 @@ CLOSED_ENGINE = 2  # the one engine started with --output-rate-store-fallback cl
 PREFIX = "cluster-test"
 PASSWORD = "s3cret-cluster-pw"
 ADMIN_ROUTE = "/v1/output_rate/users"
+#: The admin route is closed without a key: the engines take theirs from the
+#: environment (``top`` needs none: it reads only /metrics).
+ADMIN_KEY_ENV = "VLLM_OUTPUT_RATE_ADMIN_KEY"
+ADMIN_KEY = "cluster-admin-key-41d7"
+ADMIN_HEADERS = {"Authorization": f"Bearer {ADMIN_KEY}"}
 SAMPLE_EVERY_S = 0.5
 #: The light user's requests are long enough that the wait for its first
 #: lease after each pause (up to a lease round) stays a small part of the
@@ -102,7 +108,8 @@ class Engine:
     def start(self) -> "Engine":
         # The admin route: the engine-side counters.  A restart keeps the engine's CPUs.
         cm = running_server(self.args, self.log_dir, f"engine{self.index}-start{self.starts}",
-                            model=self.model_dir, env=engine_env(self.index, ENGINES, ADMIN_ROUTE_ENV))
+                            model=self.model_dir,
+                            env=engine_env(self.index, ENGINES, {**ADMIN_ROUTE_ENV, ADMIN_KEY_ENV: ADMIN_KEY}))
         self.starts += 1
         began = time.monotonic()
         self.server = cm.__enter__()
@@ -299,7 +306,8 @@ class Counters:
         if server is None:
             return None
         try:
-            r = await self.client.get(f"{server.base_url}{ADMIN_ROUTE}", timeout=30)
+            r = await self.client.get(f"{server.base_url}{ADMIN_ROUTE}", headers=ADMIN_HEADERS,
+                                      timeout=30)
             r.raise_for_status()
         except httpx.HTTPError:
             if engine.server is not server:
@@ -524,8 +532,8 @@ def test_outage_no_request_errors_nothing_truncated(outage_run, cluster):
         assert text.count("unreachable") >= 1, (engine.index, ours[-10:])
         assert text.count("answers again") == text.count("unreachable"), (engine.index, ours[-10:])
         # The password came in the store URL: no log line shows it (vLLM's
-        # argument log included).
-        assert PASSWORD not in text
+        # argument log included); nor does the admin key.
+        assert PASSWORD not in text and ADMIN_KEY not in text
 
 
 def test_outage_local_fallback_enforces_rate_over_expected_engines(outage_run):
@@ -655,6 +663,71 @@ def check_light(load: Load, a: Sample, b: Sample) -> None:
     assert light <= 0.5 * heavy, (light, heavy)
 
 
+#: The engines the heavy user streams on in the two-engine part, as top reads them.
+TOP_ENGINES = [0, 1]
+#: How long top's /metrics counters may take to catch up with the admin
+#: route's once the engines are idle (vLLM sends its stats with a step's
+#: output): a hang guard, not a latency figure.
+TOP_SETTLE_GUARD_S = 20.0
+
+
+class ClusterTop:
+    """``vllm-output-rate top --url E0,E1`` without its terminal: its reads
+    (:func:`top.read_sources`) fed to its model, the view kept per label."""
+
+    def __init__(self, engines) -> None:
+        self.engines = engines
+        self.model = top.TopModel(window_s=MEASURED_S)
+        self.views: dict[str, top.ClusterView] = {}
+        self.reads: dict[str, tuple[float, float]] = {}  # label -> (sent, done)
+        self.admin: dict[str, list] = {}  # label -> the admin route's counters top should match
+        self.settle_reads = 0  # reads until they matched (printed: how far /metrics lagged)
+        self.client = httpx.Client(timeout=30, trust_env=False)
+
+    def sources(self) -> top.Sources:
+        return top.parse_sources([",".join(self.engines[i].server.base_url for i in TOP_ENGINES)], None)
+
+    def _read(self) -> tuple[float, float, dict, dict]:
+        sent = time.monotonic()
+        t, snaps, errors = top.read_sources(self.sources(), self.client)
+        return sent, t, snaps, errors
+
+    async def read(self, label: str, after: str | None = None) -> top.ClusterView:
+        """Read every engine once; ``after``: no sooner than MEASURED_S after
+        that read ended (top's window is what it divides by)."""
+        if after is not None:
+            await asyncio.sleep(max(0.0, self.reads[after][1] + MEASURED_S - time.monotonic()))
+        sent, t, snaps, errors = await asyncio.to_thread(self._read)
+        assert not errors, errors
+        self.model.update_engines(t, snaps, errors)
+        self.reads[label] = (sent, t)
+        self.views[label] = top.cluster_view(self.model)
+        return self.views[label]
+
+    async def settle(self, label: str, admin: Sample) -> None:
+        """Read (into a model of its own) until top's per-engine counters of
+        the heavy user match the admin route's read ``admin`` (both taken
+        with the user idle on those engines), or the guard runs out."""
+        want = [admin.charged(i).get("heavy", 0) for i in TOP_ENGINES]
+        deadline = time.monotonic() + TOP_SETTLE_GUARD_S
+        while True:
+            _, t, snaps, errors = await asyncio.to_thread(self._read)
+            self.settle_reads += 1
+            model = top.TopModel()
+            model.update_engines(t, snaps, errors)
+            view = self.views[label] = top.cluster_view(model)
+            self.admin[label] = want
+            heavy = next((r for r in view.rows if r.user == "heavy"), None)
+            seen = [heavy.charged_by_engine.get(self.sources().urls[k]) if heavy else None
+                    for k in range(len(TOP_ENGINES))]
+            if seen == want or time.monotonic() > deadline:
+                return
+            await asyncio.sleep(0.5)
+
+    def close(self) -> None:
+        self.client.close()
+
+
 @pytest.fixture(scope="module")
 def shared_run(cluster):
     """Phases, one after another without a gap:
@@ -687,6 +760,7 @@ def shared_run(cluster):
     async def scenario():
         async with client_for_engines() as client:
             counters = Counters(client, engines)
+            cluster_top = ClusterTop(engines)
             tasks = load.users(client, {
                 "heavy": (9, HEAVY_TOKENS, [0, 1, 2]),
                 "light": (1, LIGHT_TOKENS, [0]),
@@ -704,10 +778,12 @@ def shared_run(cluster):
             load.user_stop_at["light"] = marks["move_01"]
             await idle([CLOSED_ENGINE], "engine 2 not drained")
             two_from = await counters.sample("two_from")
+            await cluster_top.read("two_from")
             await asyncio.sleep(two_from.done + MEASURED_S / 2 - time.monotonic())
             await counters.sample("mid2")
             await asyncio.sleep(two_from.done + MEASURED_S + 0.05 - time.monotonic())
             await counters.sample("two_to")
+            await cluster_top.read("two_to", after="two_from")
             # Engine 2 has served nothing since it was drained: its last read
             # stands for the stopped process.  Requests still running on
             # engines 0+1 finish during the restart.
@@ -717,7 +793,9 @@ def shared_run(cluster):
             marks["stopped"] = time.monotonic()
             await asyncio.to_thread(restarted.start)
             marks["ready"] = time.monotonic()
-            await counters.sample("ready")
+            await idle(TOP_ENGINES, "heavy's requests on engines 0+1 not finished")
+            ready = await counters.sample("ready")
+            await cluster_top.settle("idle", ready)
             load.paused.discard("heavy")
             await asyncio.sleep(RESUMED_S)
             await counters.sample("resumed")
@@ -731,14 +809,15 @@ def shared_run(cluster):
             with contextlib.suppress(asyncio.CancelledError):
                 await sampler
             await counters.sample("end")  # after the last requests finished
-            return counters.samples
+            cluster_top.close()
+            return counters.samples, cluster_top
 
-    samples = asyncio.run(while_alive(scenario(), lambda: live_servers(engines)))
-    return load, samples, marks
+    samples, cluster_top = asyncio.run(while_alive(scenario(), lambda: live_servers(engines)))
+    return load, samples, marks, cluster_top
 
 
 def test_three_engines_share_one_users_quota(shared_run):
-    load, samples, marks = shared_run
+    load, samples, marks, _ = shared_run
     assert not load.failures(), load.failures()[:3]
     a, b = labelled(samples, "warm"), labelled(samples, "move_01")
     # Not 3 x 30: one quota over three engines.
@@ -753,13 +832,13 @@ def test_three_engines_share_one_users_quota(shared_run):
 
 
 def test_light_user_on_one_engine_is_not_held_back(shared_run):
-    load, samples, _ = shared_run
+    load, samples, _, _ = shared_run
     print()
     check_light(load, labelled(samples, "warm"), labelled(samples, "move_01"))
 
 
 def test_two_engines_share_one_users_quota(shared_run):
-    _, samples, _ = shared_run
+    _, samples, _, _ = shared_run
     # Engine 2 out of the rotation and drained: the heavy user on engines 0 + 1 only.
     a, b = labelled(samples, "two_from"), labelled(samples, "two_to")
     split = check_rate(a, b, "heavy over 2 engines")
@@ -767,7 +846,7 @@ def test_two_engines_share_one_users_quota(shared_run):
 
 
 def test_streams_moving_between_engines_keep_one_quota(shared_run):
-    load, samples, marks = shared_run
+    load, samples, marks, _ = shared_run
     # Across the first move (0+1+2 -> 0+1): from the middle of the
     # three-engine part to the middle of the two-engine part.
     check_rate(labelled(samples, "mid3"), labelled(samples, "mid2"),
@@ -794,7 +873,7 @@ def test_streams_moving_between_engines_keep_one_quota(shared_run):
 
 
 def test_restarted_engine_gives_no_fresh_burst(shared_run):
-    _, samples, marks = shared_run
+    _, samples, marks, _ = shared_run
     print(f"\nengine 2 took {marks['ready'] - marks['stopped']:.0f} s to start again")
     resumed, end = labelled(samples, "resumed"), labelled(samples, "end")
     split = per_engine(resumed, end, "heavy")
@@ -812,3 +891,44 @@ def test_restarted_engine_gives_no_fresh_burst(shared_run):
     print(f"worst window since the stop: {worst_tokens} tokens in {window:.2f} s "
           f"(bound {bound:.1f})")
     assert excess <= 0, (worst_tokens, bound, window)
+
+
+def test_top_shows_the_cluster_rate_within_the_shared_quota(shared_run):
+    """``top`` over engines 0 and 1 (the heavy user streams on both): one
+    quota, shown once because the engines share it through the store; the
+    user's cluster rate, the sum of both engines' counter rates over the
+    two-engine part (>= MEASURED_S), within the documented bound of that
+    quota; and with the user idle, its counters per engine are the admin
+    route's and the cluster figure their sum."""
+    *_, cluster_top = shared_run
+    first, last = cluster_top.views["two_from"], cluster_top.views["two_to"]
+    for view in (first, last):
+        assert view.shared_store and len(view.answering) == len(TOP_ENGINES), view
+        assert set(view.store_modes.values()) == {"shared"}, view.store_modes
+    heavy = next(r for r in last.rows if r.user == "heavy")
+    before = next(r for r in first.rows if r.user == "heavy")
+    assert (heavy.quota, heavy.quota_text) == (HEAVY_RATE, str(HEAVY_RATE))
+    (sent_a, done_a), (sent_b, done_b) = cluster_top.reads["two_from"], cluster_top.reads["two_to"]
+    span = done_b - done_a  # what top divides by
+    assert span >= MEASURED_S
+    grew = {url: heavy.charged_by_engine[url] - before.charged_by_engine.get(url, 0)
+            for url in heavy.charged_by_engine}
+    tokens = sum(grew.values())
+    print(f"\ntop over engines 0+1: heavy {heavy.rate:.1f} tok/s (quota {heavy.quota_text}, "
+          f"shared) over {span:.1f} s; per engine {list(grew.values())}")
+    # The cluster rate is the engines' counters summed over top's own window ...
+    assert abs(heavy.rate * span - tokens) < 1e-6 * max(1, tokens), (heavy.rate, span, tokens)
+    # ... both engines served the user ...
+    assert len(grew) == len(TOP_ENGINES) and min(grew.values()) > 0, grew
+    # ... and together they stayed within the one quota (the documented
+    # bound over the widest window top's two reads can span).
+    assert tokens <= shared_bound(done_b - sent_a), (tokens, shared_bound(done_b - sent_a))
+
+    idle = cluster_top.views["idle"]
+    heavy = next(r for r in idle.rows if r.user == "heavy")
+    urls = cluster_top.sources().urls
+    admin = cluster_top.admin["idle"]
+    print(f"idle: top's counters per engine {heavy.charged_by_engine} after "
+          f"{cluster_top.settle_reads} read(s); admin route {admin}")
+    assert [heavy.charged_by_engine.get(url) for url in urls] == admin, (heavy.charged_by_engine, admin)
+    assert heavy.charged == sum(admin) > 0
