@@ -12,6 +12,7 @@ import pytest
 from rich.console import Console
 
 from vllm_output_rate.tools.top import (
+    HISTORY_S,
     Sources,
     TopModel,
     cluster_view,
@@ -419,11 +420,15 @@ def test_shadow_mode_shows_what_enforcing_would_do():
     header = next(line for line in shown.splitlines() if "USER" in line)
     assert "WOULD HOLD/S" in header and "WOULD THR%" in header
 
-    # Enforcing: the mode is said, the WOULD columns stay while the series exist.
+    # Enforcing: no shadow line, no WOULD columns (the shadow series are still exported).
     enforcing = TopModel()
     enforcing.update(0.0, parse_metrics(shadow_text("enforce", 0, 0, 0, 0, 0)))
     view = cluster_view(enforcing)
     assert not view.shadow and view.modes == {"": "enforce"}
+    console = Console(width=170, record=True)
+    console.print(render(enforcing, "http://a"))
+    shown = console.export_text()
+    assert "WOULD" not in shown and "SHADOW" not in shown
 
 
 # -- reading: URLs, Prometheus, errors ----------------------------------------------------
@@ -519,3 +524,31 @@ def test_prometheus_rates_use_scrape_times():
         snap.t = scraped
         model.update_engines(t, {"e0": snap})
     assert cluster_view(model).rows[0].rate == 20.0
+
+
+def test_a_narrow_pane_keeps_the_numbers_and_the_newest_spark_points():
+    # Every optional column on 150 columns (the tmux test's pane): numbers
+    # stay whole, the spark line gives up its oldest points.
+    def text(t):
+        charged = 1000.0 * min(t, 60) + 3000.0 * max(0, t - 60)
+        return engine_text({"carol": charged}, {"carol": 1000.0}, extra=(
+            'vllm:output_rate_user_group{group="research-team",model_name="m",user="carol"} 1\n'
+            f'vllm:output_rate_prompt_tokens_charged_total{{model_name="m",user="carol"}} {t}\n'
+            f'vllm:output_rate_borrowed_tokens_total{{model_name="m",user="carol"}} {t}\n'
+            'vllm:output_rate_ceil_tokens_per_second{model_name="m",user="carol"} +Inf\n'
+            'vllm:output_rate_weight{model_name="m",user="carol"} 1000\n'
+            'vllm:output_rate_residency_cap_requests{model_name="m",user="carol"} +Inf\n'
+            'vllm:output_rate_residency_held_requests{model_name="m",user="carol"} 0\n'
+        ))
+
+    model = TopModel()
+    for t in range(70):
+        model.update(float(t), parse_metrics(text(t)))
+    console = Console(width=150, record=True)
+    console.print(render(model, "http://127.0.0.1:8000"))
+    carol = next(line for line in console.export_text().splitlines() if "carol" in line)
+    cells = [cell.strip() for cell in carol.split("│")[1:-1]]
+    assert cells[2:4] == ["1000", "3000"] and "…" not in carol, carol
+    assert "0/∞" in cells and "∞" in cells
+    spark = cells[-1]
+    assert 0 < len(spark) < HISTORY_S and spark.endswith("█"), spark  # the newest: 3x the old rate

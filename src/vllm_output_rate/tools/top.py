@@ -472,12 +472,31 @@ def read_sources(sources: Sources, client) -> tuple[float, dict[str, Snapshot], 
 def _fmt(value: float | None) -> str:
     if value is None or math.isnan(value):
         return "-"
+    if math.isinf(value):
+        return "∞"  # a ceiling or cap of +Inf: none
     return f"{value:.0f}" if value >= 10 or value == int(value) else f"{value:.1f}"
 
 
 def _blank(value: float | None) -> str:
     """A column other engines may not export yet: blank where absent."""
     return "" if value is None else _fmt(value)
+
+
+class _Spark:
+    """A spark line that, in a narrow column, keeps its newest points."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __rich_console__(self, console, options):
+        from rich.text import Text
+
+        yield Text(self.text[-options.max_width:] if options.max_width > 0 else "", no_wrap=True)
+
+    def __rich_measure__(self, console, options):
+        from rich.measure import Measurement
+
+        return Measurement(min(1, len(self.text)), len(self.text))
 
 
 def _cluster_line(view: ClusterView) -> str:
@@ -490,14 +509,12 @@ def _cluster_line(view: ClusterView) -> str:
                      + (f" (fallback on {', '.join(fallback)})" if fallback else ""))
     elif len(view.answering) > 1:
         parts.append("no shared store: each engine enforces its own limit (LIMIT = engines×N)")
-    if view.modes:
-        shadow = sorted(n for n, m in view.modes.items() if m == "shadow")
-        if shadow and len(shadow) == len(view.modes):
-            parts.append("SHADOW mode: nothing is held; WOULD columns show what enforce would do")
-        elif shadow:
-            parts.append(f"shadow mode on {len(shadow)}/{len(view.modes)} engines")
-        else:
-            parts.append("enforcing")
+    shadow = sorted(n for n, m in view.modes.items() if m == "shadow")
+    if shadow and len(shadow) == len(view.modes):
+        parts.append("SHADOW mode: nothing is held; WOULD columns show what enforce would do")
+    elif shadow:
+        parts.append(f"shadow mode on {len(shadow)}/{len(view.modes)} engines, "
+                     "the others enforcing")
     return "   ".join(parts)
 
 
@@ -529,11 +546,12 @@ def render(model: TopModel, url: str, error: str | None = None):
     prompt, borrowed = shown("prompt_rate"), shown("borrowed")
     ceil, weight = shown("ceil"), shown("weight")
     residency = shown("residency_cap") or shown("residency_held")
-    shadow = view.shadow or any(
-        shown(a) for a in ("would_hold", "would_throttle_pct", "would_borrow", "would_wait"))
+    # The shadow counters stay exported once enforcing: their columns only
+    # while some engine is in shadow mode.
+    shadow = view.shadow
     # The group column only when some user is in a group (groups configured).
     grouped = any(row.group is not None for row in rows)
-    right = {"justify": "right"}
+    right = {"justify": "right", "no_wrap": True}
     optional = [
         (prompt, "PROMPT/S", lambda r: _fmt(r.prompt_rate)),
         (borrowed, "BORROWED", lambda r: _fmt(r.borrowed)),
@@ -555,7 +573,8 @@ def render(model: TopModel, url: str, error: str | None = None):
         ("LIMIT", right), ("TOK/S", right), ("ACTIVE", right),
         ("THROTTLED", right), ("WAITING", right), ("THR%", right),
         *((name, right) for name, _ in optional),
-        (f"LAST {HISTORY_S}s", {"no_wrap": True}),
+        # The spark line takes what the numbers leave (its oldest points dropped).
+        (f"LAST {HISTORY_S}s", {"no_wrap": True, "ratio": 1}),
     ):
         table.add_column(name, **kw)
     for row in rows:
@@ -565,7 +584,7 @@ def render(model: TopModel, url: str, error: str | None = None):
                  _fmt(row.rate), str(row.active), str(row.throttled), str(row.waiting),
                  f"{row.throttled_pct:.0f}%"]
         cells += [cell(row) for _, cell in optional]
-        table.add_row(*cells, row.spark, style=style)
+        table.add_row(*cells, _Spark(row.spark), style=style)
     errors = [error] if error else []
     errors += [message for name, message in view.errors.items() if message != error]
     if errors:
