@@ -42,21 +42,28 @@ for KV; Llama-3-8B stores 2 (K, V) x 32 layers x 8 KV heads x 128 dims x
 2 bytes = 128 KiB per token, so 54 GiB / 128 KiB = 442,368 tokens = 27,648
 blocks of 16.
 
-Workload (``build_workload``, seeded; R = ``--max-num-seqs``): 10,000
+Workload (``build_workload``, seeded; R = running requests): 10,000
 configured users.  Four hard-capped heavy users (0.25 R ... 2 R tok/s), each
-R/8 closed-loop streams; six borrowers at rate 0.05 R (four of weight 1
-without a ceiling, weight 2 and 3 with ceilings 4 R and 6 R), R/8 streams
-each; a group capped at 0.5 R whose two members have 0.4 R each, R/16
-streams each; the remaining 9,988 users, each capped at 50 tok/s, send
-open-loop requests (Poisson, about 10 % of the engine's output capacity)
-spread over users by a Pareto(1.2) weight, so a few send many and most send
-none or one.  Prompt cost 0.05, residency on (its default).  Heavy requests
-128-256 prompt tokens and 64-512 output tokens; light ones 256-768 and
-32-256.  The KV-pressure variant gives heavy users 384-512 prompt and
-1,000-1,500 output tokens, more than the KV cache holds at R = 1,024.
-Open-loop arrivals are identical for every engine; closed-loop streams send
-the same sequence of requests, each when the previous one finished (so
-their send times follow each engine's service).
+R/8 closed-loop streams; six borrowers at rate 0.05 R: four of weight 1
+without a ceiling with R/4 streams each (together enough to fill every slot
+the caps leave, so borrowing can use the spare capacity), weight 2 and 3 with
+ceilings 4 R and 6 R and R/8 streams; a group capped at 0.5 R whose two
+members have 0.4 R each, R/16 streams each; the remaining 9,988 users, each
+capped at 50 tok/s, send open-loop requests (Poisson, about 10 % of the
+engine's decode capacity) spread over users by a Pareto(1.2) weight, so a
+few send many and most send none or one.  Prompt cost 0.01 (at 0.05 a
+borrower at 0.05 R paid about 10 tokens of its rate per admission and was
+starved: a probe at R = 64 made 0.22 x stock's tokens), residency on (its
+default).  Heavy requests 128-256 prompt and 64-512 output tokens; light
+ones 256-768 and 32-256.  The KV-pressure variant gives heavy users 384-512
+prompt and 1,000-1,500 output tokens, more than the KV cache holds at
+R = 1,024.  Stock runs with ``--max-num-seqs`` R; ours as the README sizes
+it, ``--max-num-seqs`` 2 R resident and ``--max-num-active-seqs`` R (with
+resident = active, throttled capped streams held running places: a probe at
+R = 64 made 0.34 x stock's tokens).  Open-loop arrivals are identical for
+every engine; closed-loop streams send the same sequence of requests, each
+when the previous one finished (so their send times follow each engine's
+service).
 
 Usage: ``python benchmarks/gpu_twin.py`` (writes ``docs/benchmarks/gpu_twin.json``,
 ``docs/gpu_twin.png`` and ``docs/gpu_twin.md``); ``--render`` only rewrites
@@ -111,8 +118,10 @@ COST_SOURCE = {
 BYTES_PER_KV_TOKEN = 2 * 32 * 8 * 128 * 2  # K and V, 32 layers, 8 KV heads, 128 dims, 2 bytes
 KV_BYTES = int((0.9 * 80 - 8.03e9 * 2 / 2**30 - 3.0) * 2**30)
 KV_BLOCKS = KV_BYTES // BYTES_PER_KV_TOKEN // 16
-INPUT_TOKEN_WEIGHT = 0.05
+INPUT_TOKEN_WEIGHT = 0.01
 LIGHT_RATE = 50.0
+#: Ours: --max-num-seqs = this x R resident, --max-num-active-seqs = R running.
+RESIDENT_FACTOR = 2
 TARGETS = {
     "added_fraction_of_decode_step": 0.05,
     "binding_ratio": 1.10,
@@ -175,7 +184,10 @@ def build_workload(running: int, *, users: int = 10_000, idle_users: int = 0, du
     jobs_per_stream = max(4, int(duration_s * 30 / 64) + 2)  # more than any stream can finish
     streams: dict[str, list[list[Job]]] = {}
     for user in list(cap_users) + list(borrowers):
-        streams[user] = [[heavy_job() for _ in range(jobs_per_stream)] for _ in range(max(1, r // 8))]
+        # equal-weight borrowers without a ceiling bring R streams together: borrowing can use
+        # every slot the caps leave
+        n = r // 4 if borrowers.get(user) == 1 else r // 8
+        streams[user] = [[heavy_job() for _ in range(jobs_per_stream)] for _ in range(max(1, n))]
     for user in group_users:
         streams[user] = [[heavy_job() for _ in range(jobs_per_stream)] for _ in range(max(1, r // 16))]
     # Open-loop light users: about light_share of the engine's decode capacity.
@@ -205,7 +217,11 @@ def engines_for(workload: Workload, running: int, sides: list[tuple[str, str, bo
     out = []
     for name, kind, async_ in sides:
         limits = None if kind == "stock" else (never_hit_limits if kind == "never_hit" else workload.limits)
-        out.append(TwinEngine(name, limits, H100_LLAMA31_8B, async_=async_, max_num_seqs=running,
+        # Ours as documented: resident slots beyond the active ones, so throttled requests
+        # keep their KV without taking a running place; stock runs what it holds.
+        out.append(TwinEngine(name, limits, H100_LLAMA31_8B, async_=async_,
+                              max_num_seqs=running if limits is None else RESIDENT_FACTOR * running,
+                              max_num_active_seqs=None if limits is None else running,
                               num_blocks=num_blocks, watch=workload.capped, borrowers=workload.borrowers))
     return out
 
@@ -257,8 +273,8 @@ def run_idle_sweep(running: int, idle: list[int], duration_s: float, seed: int) 
     for n in idle:
         w = build_workload(running, users=212, idle_users=n, duration_s=duration_s, seed=seed)
         loads = loads or w
-        engines.append(TwinEngine(f"idle_{n}", w.limits, H100_LLAMA31_8B, max_num_seqs=running,
-                                  num_blocks=KV_BLOCKS))
+        engines.append(TwinEngine(f"idle_{n}", w.limits, H100_LLAMA31_8B, max_num_seqs=RESIDENT_FACTOR * running,
+                                  max_num_active_seqs=running, num_blocks=KV_BLOCKS))
     engines.append(TwinEngine("stock", None, H100_LLAMA31_8B, max_num_seqs=running, num_blocks=KV_BLOCKS))
     run_lockstep(engines, loads, duration_s, seed=seed)
     rows = {}

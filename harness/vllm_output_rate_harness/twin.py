@@ -108,10 +108,12 @@ class TwinEngine(Harness):
     """One scheduler (stock or ours, sync or async) on the GPU's clock."""
 
     def __init__(self, name: str, limits: dict | None, cost: GpuCostModel, *, async_: bool = False,
-                 max_num_seqs: int, num_blocks: int, max_num_batched_tokens: int = 8192,
+                 max_num_seqs: int, num_blocks: int, max_num_active_seqs: int | None = None,
+                 max_num_batched_tokens: int = 8192,
                  max_model_len: int = 2048, watch: Iterable[str] = (), fairness_window_s: float = 10.0,
                  borrowers: Mapping[str, float] | None = None) -> None:
         super().__init__(limits, async_=async_, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
+                         max_num_active_seqs=max_num_active_seqs,
                          max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                          clock=FakeClock(0))
         self.name = name
