@@ -40,6 +40,7 @@ SERIES_TESTS ?= tests/policy/test_limiter.py tests/policy/test_gate.py tests/con
 	tests/adapter/test_lora.py tests/adapter/test_multimodal.py tests/adapter/test_spec_decode.py tests/adapter/test_data_parallel.py \
 	tests/adapter/test_borrowing.py tests/adapter/test_prompt_cost_scheduler.py tests/adapter/test_combined_modes.py \
 	tests/adapter/test_groups_scheduler.py tests/adapter/test_step_defects.py \
+	tests/adapter/test_shadow.py tests/policy/test_shadow_counter.py tests/adapter/test_operate.py tests/adapter/test_monitor.py \
 	tests/adapter/test_series.py tests/tools/test_cli_config.py
 # vllm serve subprocesses cannot start on the GPU wheel (no CPU kernels).
 SERIES_TEST_ARGS ?= -m 'not server'
