@@ -552,3 +552,29 @@ def test_a_narrow_pane_keeps_the_numbers_and_the_newest_spark_points():
     assert "0/∞" in cells and "∞" in cells
     spark = cells[-1]
     assert 0 < len(spark) < HISTORY_S and spark.endswith("█"), spark  # the newest: 3x the old rate
+
+
+def test_a_narrow_terminal_gives_up_optional_columns_first():
+    def text(t):
+        return engine_text({"carol": 1000.0 * t}, {"carol": 1000.0}, extra=(
+            'vllm:output_rate_ceil_tokens_per_second{model_name="m",user="carol"} 2000\n'
+            'vllm:output_rate_weight{model_name="m",user="carol"} 1000\n'
+            'vllm:output_rate_residency_cap_requests{model_name="m",user="carol"} 500\n'
+            'vllm:output_rate_residency_held_requests{model_name="m",user="carol"} 0\n'
+            'vllm:output_rate_residency_held_requests{model_name="m",user="__other__"} 0\n'
+        ))
+
+    model = TopModel()
+    for t in range(5):
+        model.update(float(t), parse_metrics(text(t)))
+    for width, kept in ((85, ()), (110, ("CEIL", "WEIGHT")), (200, ("CEIL", "WEIGHT", "RES HELD/CAP"))):
+        console = Console(width=width, record=True)
+        console.print(render(model, "http://127.0.0.1:8000", width=width))
+        lines = console.export_text().splitlines()
+        header = next(line for line in lines if "USER" in line)
+        carol = next(line for line in lines if "carol" in line)
+        assert "…" not in header + carol and "1000" in carol, (width, header, carol)
+        for column in ("CEIL", "WEIGHT", "RES HELD/CAP"):
+            assert (column in header) == (column in kept), (width, header)
+    other = next(line for line in lines if "__other__" in line)
+    assert "0/" not in other  # held requests without a cap: no dangling slash

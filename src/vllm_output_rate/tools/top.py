@@ -482,6 +482,13 @@ def _blank(value: float | None) -> str:
     return "" if value is None else _fmt(value)
 
 
+def _residency(row: Row) -> str:
+    """Requests held by the residency cap / the cap (blank where not exported)."""
+    if row.residency_cap is None:
+        return _blank(row.residency_held)
+    return f"{_fmt(row.residency_held or 0)}/{_fmt(row.residency_cap)}"
+
+
 class _Spark:
     """A spark line that, in a narrow column, keeps its newest points."""
 
@@ -518,7 +525,33 @@ def _cluster_line(view: ClusterView) -> str:
     return "   ".join(parts)
 
 
-def render(model: TopModel, url: str, error: str | None = None):
+#: Optional columns given up first when the terminal is too narrow (the
+#: shadow columns last: in shadow mode they are what the operator came for).
+DROP_FIRST = ("RES HELD/CAP", "WEIGHT", "CEIL", "PROMPT/S", "BORROWED",
+              "WOULD WAIT", "WOULD BORROW", "WOULD THR%", "WOULD HOLD/S")
+#: The spark line's narrowest useful width.
+SPARK_MIN = 10
+
+
+def _fit(columns: list[tuple[str, list[str]]], width: int) -> set[str]:
+    """The optional columns to leave out so that every cell shows whole
+    in ``width`` characters (each column: padding and a border, 3 more)."""
+    def needed(kept):
+        return 1 + SPARK_MIN + 3 + sum(
+            3 + max([len(name), *map(len, cells)]) for name, cells in kept)
+
+    dropped: set[str] = set()
+    for name in DROP_FIRST:
+        if needed([c for c in columns if c[0] not in dropped]) <= width:
+            break
+        if any(c[0] == name for c in columns):
+            dropped.add(name)
+    return dropped
+
+
+def render(model: TopModel, url: str, error: str | None = None, width: int | None = None):
+    """The table; ``width``: the terminal's, to leave out optional columns
+    that would not fit (None: keep them all)."""
     from rich.table import Table
     from rich.text import Text
 
@@ -557,9 +590,7 @@ def render(model: TopModel, url: str, error: str | None = None):
         (borrowed, "BORROWED", lambda r: _fmt(r.borrowed)),
         (ceil, "CEIL", lambda r: _blank(r.ceil)),
         (weight, "WEIGHT", lambda r: _blank(r.weight)),
-        (residency, "RES HELD/CAP",
-         lambda r: "" if r.residency_cap is None and r.residency_held is None
-         else f"{_fmt(r.residency_held or 0)}/{_blank(r.residency_cap)}"),
+        (residency, "RES HELD/CAP", _residency),
         (shadow, "WOULD HOLD/S", lambda r: _blank(r.would_hold)),
         (shadow, "WOULD THR%",
          lambda r: "" if r.would_throttle_pct is None else f"{r.would_throttle_pct:.0f}%"),
@@ -567,6 +598,16 @@ def render(model: TopModel, url: str, error: str | None = None):
         (shadow, "WOULD WAIT", lambda r: _blank(r.would_wait)),
     ]
     optional = [(name, cell) for on, name, cell in optional if on]
+    if width is not None:
+        base = ["USER", *(["GROUP"] if grouped else []), "LIMIT", "TOK/S", "ACTIVE",
+                "THROTTLED", "WAITING", "THR%"]
+        columns = [(name, ["00000"]) for name in base]  # room for a rate of 5 digits
+        columns[0] = ("USER", [row.user for row in rows])
+        if grouped:
+            columns[1] = ("GROUP", [(row.group or "-")[:16] for row in rows])
+        columns += [(name, [cell(row) for row in rows]) for name, cell in optional]
+        dropped = _fit(columns, width)
+        optional = [(name, cell) for name, cell in optional if name not in dropped]
     for name, kw in (
         ("USER", {"no_wrap": True}),
         *((("GROUP", {"no_wrap": True, "max_width": 16}),) if grouped else ()),
@@ -686,12 +727,13 @@ def run(
     with httpx.Client(timeout=READ_TIMEOUT_S, trust_env=False) as client:
         apply(poller.read_once(client))
     if once:
-        console.print(render(model, label))
+        console.print(render(model, label, width=console.width))
         return
     poller.start()
     try:
         with _Keys() as keys, Live(
-            render(model, label), console=console, screen=True, auto_refresh=False
+            render(model, label, width=console.width), console=console, screen=True,
+            auto_refresh=False
         ) as live:
             while True:
                 if keys.read(KEY_WAIT_S) in ("q", "Q", "\x03"):
@@ -701,7 +743,7 @@ def run(
                 except queue.Empty:
                     continue
                 apply(result)
-                live.update(render(model, label), refresh=True)
+                live.update(render(model, label, width=console.width), refresh=True)
     finally:
         poller.stop()
 
