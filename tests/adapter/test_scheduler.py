@@ -847,11 +847,14 @@ def _hand_built(cls):
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
 
+from vllm_output_rate.adapter.shadow import ShadowAsyncScheduler, ShadowScheduler  # noqa: E402
+
 
 @pytest.mark.parametrize(
     "stock, ours",
-    [(Scheduler, OutputRateScheduler), (AsyncScheduler, OutputRateAsyncScheduler)],
-    ids=["sync", "async"],
+    [(Scheduler, OutputRateScheduler), (AsyncScheduler, OutputRateAsyncScheduler),
+     (Scheduler, ShadowScheduler), (AsyncScheduler, ShadowAsyncScheduler)],
+    ids=["sync", "async", "shadow-sync", "shadow-async"],
 )
 def test_a_scheduler_built_without_our_init_finishes_a_request_as_stock_does(stock, ours):
     """Issue 43: our ``update_from_output`` read ``self._draft_account`` (and

@@ -154,6 +154,9 @@ class OperateSchedulerMixin:
 
     #: Wall-free monotonic clock for reports (ns); tests replace it.
     output_rate_operate_clock: Callable[[], int] = staticmethod(time.monotonic_ns)
+    #: None until our ``__init__`` ran; a scheduler built without it (vLLM's
+    #: own tests use ``object.__new__``) schedules, reports and stops as stock.
+    _operate: OperateState | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -213,7 +216,8 @@ class OperateSchedulerMixin:
         self._operate.audit.applied(before, limits_view(settings), settings.limits_digest)
 
     def schedule(self, *args: Any, **kwargs: Any):
-        self.output_rate_operate_step()
+        if self._operate is not None:
+            self.output_rate_operate_step()
         return super().schedule(*args, **kwargs)
 
     def output_rate_operate_step(self) -> None:
@@ -230,7 +234,7 @@ class OperateSchedulerMixin:
             operate.history.record(now, self._output_rate_charged())
 
     def shutdown(self) -> None:
-        if self._operate.watcher is not None:
+        if self._operate is not None and self._operate.watcher is not None:
             self._operate.watcher.stop()
         super().shutdown()
 
@@ -238,8 +242,8 @@ class OperateSchedulerMixin:
 
     def make_stats(self, *args: Any, **kwargs: Any):
         stats = super().make_stats(*args, **kwargs)
-        if stats is None:
-            return None
+        if stats is None or self._operate is None:
+            return stats
         now = self.output_rate_operate_clock()
         busy = bool(self.running) or bool(self.waiting)
         operate = self._operate

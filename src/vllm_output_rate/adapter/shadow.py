@@ -41,6 +41,9 @@ class ShadowSchedulerMixin:
 
     #: vLLM's own ``schedule`` for this class (set on the concrete classes).
     _stock_schedule: Any = None
+    #: A scheduler built without our ``__init__`` (vLLM's own tests build
+    #: one with ``object.__new__``) is not shadowing: it behaves as stock.
+    _shadowing: bool = False
 
     def configure(self, settings: OutputRateSettings) -> None:
         super().configure(settings)  # type: ignore[misc]
@@ -67,7 +70,8 @@ class ShadowSchedulerMixin:
         self.output_rate_idle_wait_s = None
 
     def schedule(self, *args: Any, **kwargs: Any):
-        self.output_rate_operate_step()  # may switch the mode (a reload)
+        if self._operate is not None:
+            self.output_rate_operate_step()  # may switch the mode (a reload)
         if not self._shadowing:
             return OutputRateSchedulerMixin.schedule(self, *args, **kwargs)
         output = self._stock_schedule(*args, **kwargs)
