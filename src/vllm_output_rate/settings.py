@@ -78,7 +78,7 @@ METRICS_MAX_USERS_FLAG = "--output-rate-metrics-max-users"
 DEFAULT_METRICS_MAX_USERS = 100
 #: Shared quota store (``vllm_output_rate.stores.config``): {"url", "fallback", ...}.
 STORE_KEY = "store"
-#: Recomputed tokens per output token that evictions for waiting requests may
+#: Recomputed tokens per request scheduled in a step that evictions for waiting requests may
 #: cost (``vllm_output_rate.policy.eviction``).
 RECOMPUTE_BUDGET_KEY = "recompute_budget"
 RECOMPUTE_BUDGET_FLAG = "--output-rate-recompute-budget"
@@ -137,7 +137,7 @@ class OutputRateSettings:
     over the flags) and the engine re-reads it when it changes.
     ``metrics_max_users``: per-user metric series for users without a
     configured rate (the others are summed under ``__other__``).
-    ``recompute_budget``: recomputed tokens per output token that evicting
+    ``recompute_budget``: recomputed tokens per request scheduled that evicting
     throttled requests for waiting ones may cost (0: never).
     ``input_token_weight``: tokens of quota each computed prompt token costs
     (0: prompt tokens are free; see ``policy/prompt_cost.py``).
@@ -713,7 +713,7 @@ def validate_input_token_weight(value: Any, what: str) -> float:
 
 
 def validate_recompute_budget(value: Any, what: str) -> float:
-    """Recomputed tokens per output token, in [0, MAX_RATIO]."""
+    """Recomputed tokens per request scheduled, in [0, MAX_RATIO]."""
     return _ratio(value, what, "must be a non-negative number")
 
 

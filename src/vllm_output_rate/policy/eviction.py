@@ -27,7 +27,7 @@ Plain Python: no vLLM import.
 
 from __future__ import annotations
 
-#: Recomputed tokens allowed per output token served (the default).
+#: Recomputed tokens allowed per request scheduled in a step (the default).
 DEFAULT_RECOMPUTE_RATIO = 0.25
 
 
