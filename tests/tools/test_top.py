@@ -578,3 +578,83 @@ def test_a_narrow_terminal_gives_up_optional_columns_first():
             assert (column in header) == (column in kept), (width, header)
     other = next(line for line in lines if "__other__" in line)
     assert "0/" not in other  # held requests without a cap: no dangling slash
+
+
+class _CountingMetrics:
+    """A /metrics endpoint on 127.0.0.1 whose alice counter grows by ``step``
+    with every read (so each scrape sees a new value), with a shared store."""
+
+    def __init__(self, step: float) -> None:
+        import http.server
+        import threading
+
+        served = self.served = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                served.append(step * (len(served) + 1))
+                body = engine_text({"alice": served[-1]}, {"alice": 30.0}, "shared").encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.target = f"127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_top_through_a_real_prometheus(tmp_path):
+    import httpx
+    from prometheus_harness import PrometheusServer
+
+    engines = [_CountingMetrics(100.0), _CountingMetrics(1.0)]
+    try:
+        with PrometheusServer(tmp_path, [e.target for e in engines], rule_files=()) as prom, \
+                httpx.Client(timeout=30, trust_env=False) as client:
+            sources = parse_sources(None, prom.url)
+            model = TopModel(window_s=60)
+
+            def read_until(enough):
+                # A hang guard, not a speed figure: Prometheus scrapes every second.
+                deadline = time.monotonic() + 60
+                while True:
+                    t, snaps, errors = read_sources(sources, client)
+                    assert not errors, errors
+                    if enough(snaps) or time.monotonic() > deadline:
+                        model.update_engines(t, snaps, errors)
+                        return snaps
+                    time.sleep(0.5)
+
+            def charged(snaps):
+                return {name: snap.users["alice"].charged for name, snap in snaps.items()
+                        if "alice" in snap.users}
+
+            first = charged(read_until(lambda s: len(charged(s)) == 2))
+            # Both engines scraped again since.
+            last = read_until(lambda s: len(charged(s)) == 2 and all(
+                v > first[k] for k, v in charged(s).items()))
+        # Each engine's values carry its scrape time (timestamp(up)), on top's clock.
+        assert all(snap.t is not None for snap in last.values()), last
+        view = cluster_view(model)
+        # Engines told apart by Prometheus' instance label, each a shared-store engine.
+        assert sorted(view.answering) == sorted(e.target for e in engines)
+        assert view.shared_store
+        (alice,) = view.rows
+        for engine in engines:
+            value = alice.charged_by_engine[engine.target]
+            assert value in engine.served, (value, engine.served)  # a value the engine served
+        assert alice.charged == sum(alice.charged_by_engine.values())
+        assert alice.quota_text == "30" and alice.rate > 0
+    finally:
+        for engine in engines:
+            engine.close()

@@ -49,6 +49,10 @@ KEY_WAIT_S = 0.1
 READ_TIMEOUT_S = 5.0
 #: What top asks Prometheus for: the plugin's series and vLLM's queue gauges.
 PROMETHEUS_SELECTOR = '{__name__=~"vllm:output_rate_.+|vllm:num_requests_(running|waiting)"}'
+#: When Prometheus last scraped each target (``up`` is written with every
+#: scrape; timestamp() of the plugin's series would drop their names and
+#: collide).
+SCRAPE_TIMES = "timestamp(up)"
 #: Labels Prometheus adds that tell engines apart.
 TARGET_LABELS = ("instance", "job")
 
@@ -154,7 +158,7 @@ def _add_sample(snap: Snapshot, name: str, labels: dict[str, str], value: float)
 def parse_prometheus(values: dict, times: dict | None = None) -> dict[str, Snapshot]:
     """Per scrape target (``instance``, else ``job``), a snapshot from the
     answers of Prometheus' instant-query API: ``values`` for the selector,
-    ``times`` for ``timestamp(selector)`` (the scrape times, in seconds)."""
+    ``times`` for :data:`SCRAPE_TIMES` (the scrape times, in seconds)."""
     snaps: dict[str, Snapshot] = {}
     for item in _vector(values):
         labels = dict(item["metric"])
@@ -444,7 +448,7 @@ def read_sources(sources: Sources, client) -> tuple[float, dict[str, Snapshot], 
         url = f"{base}/api/v1/query"
         try:
             answers = []
-            for query in (PROMETHEUS_SELECTOR, f"timestamp({PROMETHEUS_SELECTOR})"):
+            for query in (PROMETHEUS_SELECTOR, SCRAPE_TIMES):
                 response = client.get(url, params={"query": query})
                 response.raise_for_status()
                 answers.append(response.json())
