@@ -429,7 +429,7 @@ def render(doc: dict) -> str:
         worst = res["ours"].get("capped_worst_ratio")
         target(f"every capped user within {t['capped_within']:.0%} of its limit over {m['duration_s']:.0f} s "
                f"(R={running})", worst is not None and abs(worst - 1) <= t["capped_within"],
-               f"worst {worst:.4f} of its limit", "charged = output + 0.05 × computed prompt tokens")
+               f"worst {worst:.4f} of its limit", f"charged = output + {INPUT_TOKEN_WEIGHT} × computed prompt tokens")
         tp = res["ours"]["throughput_tok_s"] / res["stock"]["throughput_tok_s"]
         target(f"throughput ≥ {t['throughput_ratio']} × stock (R={running})", tp >= t["throughput_ratio"],
                f"{tp:.3f} ×", f"ours {res['ours']['throughput_tok_s']:.0f}, stock {res['stock']['throughput_tok_s']:.0f} tok/s")
@@ -453,7 +453,11 @@ def render(doc: dict) -> str:
         ok = p99 is not None and alone and p99 <= t["first_token_p99_ratio"] * alone
         target(f"KV pressure: in-quota first-token p99 ≤ {t['first_token_p99_ratio']} × alone (R={kv['running']})",
                ok, f"{_fmt(p99, 1)} ms vs {_fmt(alone, 1)} ms alone = {p99 / alone:.2f} ×" if p99 and alone else "–",
-               f"stock {_fmt(r['stock']['in_quota_first_token_ms']['p99'], 1)} ms")
+               f"alone = the same open-loop users on ours without the heavy users; on stock alone their p99 is "
+               f"{_fmt(r['stock_alone']['in_quota_first_token_ms']['p99'], 1)} ms, so against stock alone the figure "
+               f"is {p99 / r['stock_alone']['in_quota_first_token_ms']['p99']:.0f} ×; stock under the pressure: "
+               f"{r['stock']['in_quota_first_token_ms']['requests']} first tokens in the run. 'In quota' counts every "
+               "light user (50 tok/s each), including the few the Pareto weights give several concurrent requests")
     lines += ["## Targets (issue 44)", "", "| target | figure | verdict | note |", "|---|---|---|---|", *rows, ""]
     for running, m in sorted(main.items()):
         res = m["results"]
@@ -512,7 +516,17 @@ def render(doc: dict) -> str:
         lines.append("")
     lines += ["## Reading it", "",
               "The CPU figures are this shared 2-core machine's; a server CPU is faster, so the fractions are "
-              "upper bounds for the same code. The GPU side is a model: the fractions scale with 1 / step time.", ""]
+              "upper bounds for the same code. The GPU side is a model: the fractions scale with 1 / step time.", "",
+              "Why the misses (not yet diagnosed to the line; what the probes showed): ours made far fewer tokens "
+              "than stock because its steps were small (mean modelled step 5.7 ms at 256 running against stock's "
+              "23.9 ms): the borrowers, at a guaranteed rate of 0.05 R, pay each admission's prompt cost out of "
+              "that rate, which limits how fast their streams can turn over (a probe at 64 running: prompt cost "
+              "0.05 with resident = active gave 0.22 × stock's tokens, prompt cost 0 gave 0.34 ×, prompt cost 0 "
+              "with 2 R resident 0.79 ×, the rest of that gap being the weighted borrowers' ceilings). The capped "
+              "users' shortfall follows the same small steps and the warm-up (every stream's prefill at t = 0). "
+              "Per-step CPU ratios compare steps of different content (ours: 2 R resident, fewer decodes). "
+              "Shortened runs: 45 simulated s (not 60), KV pressure 15 s, sweeps 6 s (at 1,024 running, 6 s is "
+              "mostly the warm-up's prefill steps); the async classes ran only in tests/tools/test_gpu_twin.py.", ""]
     return "\n".join(lines)
 
 
