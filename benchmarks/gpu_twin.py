@@ -318,7 +318,9 @@ def git_facts() -> dict:
 # -- the page ---------------------------------------------------------------------------------
 
 
-def plot(doc: dict, path: Path) -> None:
+def plot(doc: dict, path: Path, source: Path | None = None) -> None:
+    """``source``: the JSON ``doc`` came from (default: docs/benchmarks/gpu_twin.json), whose
+    digest the PNG carries so the performance page can tell a stale figure."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -354,7 +356,9 @@ def plot(doc: dict, path: Path) -> None:
         axes[1].legend(fontsize=8)
         axes[1].grid(True, which="both", alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    from vllm_output_rate.tools.render import figure_metadata
+
+    fig.savefig(path, dpi=110, metadata=figure_metadata(source or OUT_JSON))
 
 
 def _fmt(x, digits=3) -> str:
