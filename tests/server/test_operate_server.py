@@ -81,7 +81,8 @@ def server_context(tmp_path_factory, model_dir):
                                UNCAPPED: 1_000_000,
                                "alice": {"rate": LIMITS["alice"], "group": GROUP}}),
                    "--output-rate-groups", json.dumps({GROUP: 1_000_000}),
-                   "--output-rate-identity", "header"]
+                   "--output-rate-identity", "header",
+                   "--output-rate-admin-key", ADMIN_KEY]  # the admin route is closed without one
     with contextlib.ExitStack() as stack:
         # With the admin route; each waits for its own health check.  Side by
         # side on one machine: each model worker on its own CPU.
