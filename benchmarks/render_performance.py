@@ -1512,7 +1512,21 @@ def _commits(doc: Any) -> list[str]:
     return found
 
 
-def recorded_line(names_docs: list[tuple[str, Doc]], page_machine: str | None) -> str:
+def committed_in(path: Path) -> str | None:
+    """The last commit that changed ``path`` (None outside a git checkout): a result that
+    records no code commit was measured on code at or before it."""
+    import subprocess
+
+    try:
+        done = subprocess.run(["git", "log", "-1", "--format=%h", "--", path.name], cwd=path.parent,
+                              capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() or None if done.returncode == 0 else None
+
+
+def recorded_line(names_docs: list[tuple[str, Doc]], page_machine: str | None,
+                  results: Path | None = None) -> str:
     """What each result file of a section records of its code and machine ("not recorded" where
     it holds nothing), so that a reader can tell which code on which machine made each figure.
     ``page_machine``: the one machine the page's head names, referred to rather than repeated."""
@@ -1520,6 +1534,9 @@ def recorded_line(names_docs: list[tuple[str, Doc]], page_machine: str | None) -
     for name, doc in names_docs:
         commits = _commits(doc)
         code = ("commit " + ", ".join(f"`{c[:10]}`" for c in commits)) if commits else "commit not recorded"
+        since = None if commits or results is None else committed_in(results / f"{name}.json")
+        if since:
+            code += f" (the file last changed in `{since}`: the code measured is at or before it)"
         if not doc.get("machine"):
             machine = "machine not recorded"
         elif machine_text(doc["machine"]) == page_machine:
@@ -1615,7 +1632,7 @@ def render(results: Path, page: Path) -> str:
     machines = {machine_text(d["machine"]) for d in docs.values() if d.get("machine")}
     page_machine = next(iter(machines)) if len(machines) == 1 else None
     # Each section's files, replaced by the line saying what they record.
-    body = [recorded_line(line, page_machine) if isinstance(line, list) else line for line in body]
+    body = [recorded_line(line, page_machine, results) if isinstance(line, list) else line for line in body]
     results_link = Path(os.path.relpath(results, page.parent)).as_posix()
     head = [
         "# Performance",
