@@ -34,7 +34,7 @@ from typing import Iterable, Mapping, Sequence
 from vllm.v1.outputs import ModelRunnerOutput
 
 from vllm_output_rate.policy.fairness import FairnessWindow, jain_index, largest_gap
-from vllm_output_rate_harness.scheduler_sim import TOKEN, FakeClock, Harness
+from vllm_output_rate_harness.scheduler_sim import TOKEN, FakeClock, Harness, max_in_window
 
 S = 1_000_000_000
 MS = 1_000_000
@@ -339,15 +339,6 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     k = (len(ordered) - 1) * q
     lo, hi = math.floor(k), math.ceil(k)
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
-
-
-def max_in_window(times: Sequence[int], window_ns: int) -> int:
-    best = lo = 0
-    for hi, t in enumerate(times):
-        while t - times[lo] >= window_ns:
-            lo += 1
-        best = max(best, hi - lo + 1)
-    return best
 
 
 def summary(e: TwinEngine, workload: Workload, duration_s: float, decode_step_ms: float) -> dict:
