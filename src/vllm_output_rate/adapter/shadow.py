@@ -26,6 +26,7 @@ from vllm_output_rate.adapter.scheduler import (
     OutputRateAsyncScheduler,
     OutputRateScheduler,
     OutputRateSchedulerMixin,
+    _can_progress_unpaid,
 )
 from vllm_output_rate.policy.shadow import ShadowCounter
 from vllm_output_rate.settings import SHADOW, OutputRateSettings
@@ -137,13 +138,6 @@ def _shadow_limits(settings: OutputRateSettings) -> tuple:
         users, user_rates, settings.group_table(),
         (settings.default_rate, dict(settings.group_rates)), settings.group_of,
     )
-
-
-def _can_progress_unpaid(request) -> bool:
-    """At least two positions left: its next chunk need not sample (as the
-    plugin classifies an admission: a prefill, or a decoding stream)."""
-    remaining = request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
-    return remaining >= 2
 
 
 class ShadowScheduler(ShadowSchedulerMixin, OutputRateScheduler):

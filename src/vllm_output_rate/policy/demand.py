@@ -93,7 +93,7 @@ def waiting_demand(
             continue
         if residency is not None:
             room = cap_room.get(user, _UNASKED)
-            if room is _UNASKED:
+            if room == _UNASKED:
                 room = cap_room[user] = residency.room(user, resident_count(user))
             if room is not None:
                 if room <= 0:
