@@ -254,6 +254,23 @@ def _stream_forever(server, key, stop, errors, counts):
             return
 
 
+@contextlib.contextmanager
+def _streaming(server, keys):
+    """One :func:`_stream_forever` thread per key while the block runs; yields the
+    list their errors go to (complete once the block is left: the threads are joined)."""
+    stop, errors, counts = threading.Event(), [], []
+    threads = [threading.Thread(target=_stream_forever, args=(server, key, stop, errors, counts))
+               for key in keys]
+    for t in threads:
+        t.start()
+    try:
+        yield errors
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=60)
+
+
 def test_admin_route_needs_its_key(servers):
     server = servers["keyed"]
     assert_openai_error(admin(server, key=None), 401, "admin key")
@@ -265,51 +282,44 @@ def test_admin_route_needs_its_key(servers):
 
 def test_lowered_rate_mid_stream_and_broken_file(servers):
     server, limits = servers["keyed"], servers["limits"]
-    stop, errors, counts = threading.Event(), [], []
-    threads = [threading.Thread(target=_stream_forever, args=(server, "sk-bob", stop, errors, counts))
-               for _ in range(2)]
-    for t in threads:
-        t.start()
     try:
-        time.sleep(2.5)
-        first = admin(server).json()["users"]["bob"]
-        assert first["active"] + first["throttled"] == 2
-        assert first["rate"] == 100 and first["tokens_last_10s"] > 0
-        reloads_before = admin(server).json()["reloads"]
-        write_limits(limits, {**LIMITS, "bob": 10})
-        deadline = time.monotonic() + 5
-        while admin(server).json()["reloads"] == reloads_before:
-            assert time.monotonic() < deadline, "limits file not reloaded within 5 s"
-            time.sleep(0.2)
-        time.sleep(1.0)
-        sent = time.monotonic()
-        a = admin(server).json()
-        time.sleep(3.0)
-        b = admin(server).json()
-        window = time.monotonic() - sent  # at least the engine time between the two reads
-        charged = b["users"]["bob"]["tokens_charged_total"] - a["users"]["bob"]["tokens_charged_total"]
-        print(f"\nbob after the reload: {charged} tokens in {window:.2f} s")
-        # Still served, within the new rate's bound (the old one allowed 10 x more).
-        assert 0 < charged <= (window + BURST_S) * 10 + 1, (charged, window)
-        assert b["users"]["bob"]["rate"] == 10
-        # A broken file: rejected whole, bob stays at 10, the failure is counted.
-        with open(limits, "w") as fh:
-            fh.write('{"default_user_output_tokens_per_second": 50, "user_output_tokens_per_second": {"bob": -1}}')
-        deadline = time.monotonic() + 5
-        while admin(server).json()["reload_failures"] == 0:
-            assert time.monotonic() < deadline, "broken file not noticed within 5 s"
-            time.sleep(0.2)
-        c = admin(server).json()
-        assert c["users"]["bob"]["rate"] == 10 and c["users"]["alice"]["rate"] == 20
-        time.sleep(1.2)
-        text = server.metrics()
-        assert metric(text, "vllm:output_rate_limit_reload_failures_total") >= 1
-        assert metric(text, "vllm:output_rate_limit_reloads_total") >= 1
-        assert metric(text, "vllm:output_rate_limit_tokens_per_second", user="bob") == 10
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(timeout=60)
+        with _streaming(server, ["sk-bob"] * 2) as errors:
+            time.sleep(2.5)
+            first = admin(server).json()["users"]["bob"]
+            assert first["active"] + first["throttled"] == 2
+            assert first["rate"] == 100 and first["tokens_last_10s"] > 0
+            reloads_before = admin(server).json()["reloads"]
+            write_limits(limits, {**LIMITS, "bob": 10})
+            deadline = time.monotonic() + 5
+            while admin(server).json()["reloads"] == reloads_before:
+                assert time.monotonic() < deadline, "limits file not reloaded within 5 s"
+                time.sleep(0.2)
+            time.sleep(1.0)
+            sent = time.monotonic()
+            a = admin(server).json()
+            time.sleep(3.0)
+            b = admin(server).json()
+            window = time.monotonic() - sent  # at least the engine time between the two reads
+            charged = b["users"]["bob"]["tokens_charged_total"] - a["users"]["bob"]["tokens_charged_total"]
+            print(f"\nbob after the reload: {charged} tokens in {window:.2f} s")
+            # Still served, within the new rate's bound (the old one allowed 10 x more).
+            assert 0 < charged <= (window + BURST_S) * 10 + 1, (charged, window)
+            assert b["users"]["bob"]["rate"] == 10
+            # A broken file: rejected whole, bob stays at 10, the failure is counted.
+            with open(limits, "w") as fh:
+                fh.write('{"default_user_output_tokens_per_second": 50, "user_output_tokens_per_second": {"bob": -1}}')
+            deadline = time.monotonic() + 5
+            while admin(server).json()["reload_failures"] == 0:
+                assert time.monotonic() < deadline, "broken file not noticed within 5 s"
+                time.sleep(0.2)
+            c = admin(server).json()
+            assert c["users"]["bob"]["rate"] == 10 and c["users"]["alice"]["rate"] == 20
+            time.sleep(1.2)
+            text = server.metrics()
+            assert metric(text, "vllm:output_rate_limit_reload_failures_total") >= 1
+            assert metric(text, "vllm:output_rate_limit_reloads_total") >= 1
+            assert metric(text, "vllm:output_rate_limit_tokens_per_second", user="bob") == 10
+    finally:  # after the streams stopped, as they were started under the test's limits
         write_limits(limits, LIMITS)
     assert not errors, errors
 
@@ -344,45 +354,38 @@ def test_shadow_then_enforce_by_reload_on_a_real_server(servers):
     the same file with mode: enforce holds him to it, with no restart; the
     audit trail names the switch."""
     server, limits = servers["keyed"], servers["limits"]
-    stop, errors, counts = threading.Event(), [], []
-    threads = [threading.Thread(target=_stream_forever, args=(server, "sk-bob", stop, errors, counts))
-               for _ in range(2)]
-    for t in threads:
-        t.start()
     try:
-        # A reload is applied before the engine's next step: while it has work.
-        time.sleep(1.0)
-        before = admin(server).json()["reloads"]
-        _write_with_mode(limits, {**LIMITS, "bob": 10}, "shadow")
-        _wait_reloaded(server, before, "shadow mode")
-        time.sleep(1.0)
-        charged, window, data = _charged_over(server, "bob", 3.0)
-        print(f"\nbob in shadow mode: {charged} tokens in {window:.2f} s")
-        assert data["mode"] == "shadow"
-        assert charged > (window + BURST_S) * 10 + 1, (charged, window)  # not enforced
-        assert data["users"]["bob"]["shadow"]["held_tokens_total"] > 0
-        time.sleep(1.2)
-        text = server.metrics()
-        assert metric(text, "vllm:output_rate_mode", mode="shadow") == 1
-        assert metric(text, "vllm:output_rate_mode", mode="enforce") == 0
-        assert metric(text, "vllm:output_rate_shadow_held_tokens_total", user="bob") > 0
-        assert metric(text, "vllm:output_rate_ceil_tokens_per_second", user="bob") == 10
+        with _streaming(server, ["sk-bob"] * 2) as errors:
+            # A reload is applied before the engine's next step: while it has work.
+            time.sleep(1.0)
+            before = admin(server).json()["reloads"]
+            _write_with_mode(limits, {**LIMITS, "bob": 10}, "shadow")
+            _wait_reloaded(server, before, "shadow mode")
+            time.sleep(1.0)
+            charged, window, data = _charged_over(server, "bob", 3.0)
+            print(f"\nbob in shadow mode: {charged} tokens in {window:.2f} s")
+            assert data["mode"] == "shadow"
+            assert charged > (window + BURST_S) * 10 + 1, (charged, window)  # not enforced
+            assert data["users"]["bob"]["shadow"]["held_tokens_total"] > 0
+            time.sleep(1.2)
+            text = server.metrics()
+            assert metric(text, "vllm:output_rate_mode", mode="shadow") == 1
+            assert metric(text, "vllm:output_rate_mode", mode="enforce") == 0
+            assert metric(text, "vllm:output_rate_shadow_held_tokens_total", user="bob") > 0
+            assert metric(text, "vllm:output_rate_ceil_tokens_per_second", user="bob") == 10
 
-        before = data["reloads"]
-        _write_with_mode(limits, {**LIMITS, "bob": 10}, "enforce")
-        _wait_reloaded(server, before, "enforce mode")
-        time.sleep(1.0)
-        charged, window, data = _charged_over(server, "bob", 3.0)
-        print(f"bob enforced: {charged} tokens in {window:.2f} s")
-        assert data["mode"] == "enforce"
-        assert 0 < charged <= (window + BURST_S) * 10 + 1, (charged, window)
-        changes = [c for e in data["audit"] for c in e["changes"]]
-        assert {"key": "mode", "from": "shadow", "to": "enforce"} in changes
-        assert data["audit"][-1]["digest"] == data["limits_digest"]
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(timeout=60)
+            before = data["reloads"]
+            _write_with_mode(limits, {**LIMITS, "bob": 10}, "enforce")
+            _wait_reloaded(server, before, "enforce mode")
+            time.sleep(1.0)
+            charged, window, data = _charged_over(server, "bob", 3.0)
+            print(f"bob enforced: {charged} tokens in {window:.2f} s")
+            assert data["mode"] == "enforce"
+            assert 0 < charged <= (window + BURST_S) * 10 + 1, (charged, window)
+            changes = [c for e in data["audit"] for c in e["changes"]]
+            assert {"key": "mode", "from": "shadow", "to": "enforce"} in changes
+            assert data["audit"][-1]["digest"] == data["limits_digest"]
+    finally:  # after the streams stopped, as they were started under the test's limits
         write_limits(limits, LIMITS)
     assert not errors, errors
 
