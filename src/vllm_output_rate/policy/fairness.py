@@ -106,7 +106,11 @@ class FairnessWindow:
         for user in backlogged:
             seen[user] = seen.get(user, 0) + 1
 
-    def reading(self, now_ns: int) -> FairnessReading:
+    def reading(self, now_ns: int, weights: Mapping[str, float] | None = None) -> FairnessReading:
+        """The window ending at ``now_ns``.  ``weights``, when given, are the
+        weights to divide by (a user missing from it: :meth:`set_weight`'s,
+        else 1); a caller whose users come and go passes them here rather
+        than keep every user it ever saw in :meth:`set_weight`'s table."""
         self._forget(now_ns)
         observed = [b for b in self._buckets if b.observations]
         if not observed:
@@ -121,7 +125,8 @@ class FairnessWindow:
             for user, tokens in bucket.served.items():
                 if user in service:
                     service[user] += tokens
-        weighted = {u: s / self._weights.get(u, 1.0) for u, s in service.items()}
+        given = weights or {}
+        weighted = {u: s / given.get(u, self._weights.get(u, 1.0)) for u, s in service.items()}
         return FairnessReading(
             len(weighted), jain_index(weighted.values()), largest_gap(weighted.values()), weighted
         )

@@ -25,6 +25,24 @@ growth beyond that is reported.
 second :class:`UserMonitor` over them, configured groups always having their
 series).  :class:`ChargeHistory` keeps a few seconds of cumulative charges to answer
 "tokens in the last 10 s" for the admin route.
+
+Fairness (``report["fairness"]``, :class:`BorrowerFairness`): at every
+report, over a sliding window (:data:`FAIRNESS_WINDOW_S`), Jain's index of
+service / weight among the *backlogged borrowers* and the largest weighted
+service gap between two of them -- the numbers the GPU twin
+(``harness/vllm_output_rate_harness/twin.py``) reports per window:
+
+* a *borrower* is a user whose ceiling is above its rate (or who has no
+  ceiling): its share of spare capacity is what its weight promises.  A
+  hard-capped user is left out: its service is its cap, not a share;
+* *backlogged*: the user had at least one request in the engine (resident --
+  running or held for quota -- or waiting; a key of ``counts``) at every
+  report in the window.  The twin asks the same at every step;
+* *service*: output tokens charged (``charged``), divided by the user's
+  weight (``limits_of(user)[WEIGHT]``, at the latest report).
+
+With fewer than two backlogged borrowers nobody competed: the index is 1
+and the gap 0, and ``backlogged_users`` says so.
 """
 
 from __future__ import annotations
@@ -32,6 +50,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
+
+from vllm_output_rate.policy.fairness import FairnessWindow
 
 NS_PER_S = 1_000_000_000
 #: The one series that stands for every user beyond the metrics cap.
@@ -53,6 +73,11 @@ CEIL, WEIGHT, RESIDENCY_CAP, RESIDENCY_HELD = range(4)
 #: waiting].
 SHADOW_HELD, SHADOW_THROTTLED_S, SHADOW_BORROWED, SHADOW_RESIDENCY_HELD = range(4)
 
+#: Default length of the fairness window (s): the GPU twin's window.
+FAIRNESS_WINDOW_S = 10.0
+#: ``report["fairness"]`` keys (gauges, one set per engine).
+FAIRNESS_KEYS = ("window_s", "backlogged_users", "jain_index", "service_gap_tokens")
+
 
 @dataclass
 class ShadowTotals:
@@ -68,8 +93,11 @@ class ShadowTotals:
 class UserMonitor:
     """Turn cumulative per-user numbers into bounded, incremental reports."""
 
-    def __init__(self, max_users: int, idle_evict_s: float = 300.0) -> None:
+    def __init__(
+        self, max_users: int, idle_evict_s: float = 300.0, fairness_window_s: float = FAIRNESS_WINDOW_S
+    ) -> None:
         self.max_users = max_users
+        self.fairness = BorrowerFairness(fairness_window_s)
         self._idle_evict_ns = int(idle_evict_s * NS_PER_S)
         self._last_charged: dict[str, int] = {}
         self._last_throttled: dict[str, int] = {}
@@ -113,6 +141,8 @@ class UserMonitor:
         ``limits_of(holder)`` gives the gauges of ``report["limits"]``
         (:data:`CEIL` ...); ``shadow`` the totals behind ``report["shadow"]``
         (:data:`SHADOW_HELD` ...), while shadow mode counts or has counted.
+        With ``limits_of`` the report also has ``fairness``
+        (:class:`BorrowerFairness`; keys :data:`FAIRNESS_KEYS`).
         """
         charged_inc, self._last_charged = _growth(charged, self._last_charged)
         throttled_inc, self._last_throttled = _growth(throttled_ns, self._last_throttled)
@@ -196,6 +226,7 @@ class UserMonitor:
         extra: dict[str, Any] = {}
         if limits_of is not None:
             extra["limits"] = _limit_rows(users, folded, limits_of)
+            extra["fairness"] = self.fairness.report(now_ns, charged_inc, counts, rate_of, limits_of)
         if shadow_inc is not None:
             assert shadow is not None
             extra["shadow"] = _shadow_rows(users, folded, shadow_inc, shadow.residency_held)
@@ -308,6 +339,59 @@ def _increments(current: Mapping[str, int], last: Mapping[str, int]) -> dict[str
         if inc:
             out[user] = inc
     return out
+
+
+class BorrowerFairness:
+    """Fairness among backlogged borrowers over a sliding window, fed once a report.
+
+    Each report is one observation of a :class:`FairnessWindow` (1 s
+    buckets for the default 10 s window): the borrowers with a request in
+    the engine now, and the tokens each of them was charged since the last
+    report.  Only users backlogged now are looked at (a borrower that is
+    not cannot count in any window holding this report), so the work per
+    report is bounded by the users with requests, never by every
+    configured user.
+    """
+
+    def __init__(self, window_s: float = FAIRNESS_WINDOW_S) -> None:
+        if not window_s > 0:
+            raise ValueError(f"fairness window must be positive, got {window_s!r}")
+        self.window_s = float(window_s)
+        self._window = FairnessWindow(int(window_s * NS_PER_S))
+
+    def report(
+        self,
+        now_ns: int,
+        charged_inc: Mapping[str, int],
+        counts: Mapping[str, Any],
+        rate_of: Callable[[str], float],
+        limits_of: Callable[[str], list[Any]],
+    ) -> dict[str, Any]:
+        """Observe this report and read the window ending now (keys :data:`FAIRNESS_KEYS`)."""
+        weights: dict[str, float] = {}
+        for user in counts:
+            if user == OTHER_USERS:
+                continue
+            limits = limits_of(user)
+            weight, ceil = limits[WEIGHT], limits[CEIL]
+            if weight is None or not weight > 0:
+                continue
+            if ceil is None or ceil > rate_of(user):
+                weights[user] = weight
+        window = self._window
+        window.observe(weights, now_ns)
+        for user in weights:
+            tokens = charged_inc.get(user, 0)
+            if tokens:
+                window.serve(user, tokens, now_ns)
+        reading = window.reading(now_ns, weights)
+        return {
+            "window_s": self.window_s,
+            "backlogged_users": reading.backlogged_users,
+            # Fewer than two: nobody competed (backlogged_users tells it apart).
+            "jain_index": 1.0 if reading.jain is None else reading.jain,
+            "service_gap_tokens": 0.0 if reading.gap_tokens is None else reading.gap_tokens,
+        }
 
 
 class GroupTotals:
