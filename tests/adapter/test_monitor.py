@@ -276,7 +276,33 @@ FULL_REPORT = {
                "store_failed_round_trips_total": 1, "store_commands_total": 1,
                "store_leased_tokens_total": 1, "store_spent_tokens_total": 1,
                "store_returned_tokens_total": 1, "store_expired_tokens_total": 1},
+    "fairness": {"window_s": 10.0, "backlogged_users": 2, "jain_index": 0.9, "service_gap_tokens": 40.0},
 }
+
+
+def test_fairness_gauges_are_per_engine_with_vllms_engine_label():
+    """Each data-parallel engine its own fairness series (an index is not a
+    sum); a report without fairness leaves them as they were."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    registry = CollectorRegistry()
+    exporter = OutputRateExporter("m", registry=registry)
+    exporter.observe(FULL_REPORT, engine_idx=0)
+    exporter.observe({**FULL_REPORT, "fairness": {
+        "window_s": 10.0, "backlogged_users": 0, "jain_index": 1.0, "service_gap_tokens": 0.0}}, engine_idx=1)
+    exporter.observe({"users": {}, "removed": [], "engine": {}}, engine_idx=0)
+    got = {}
+    for family in text_string_to_metric_families(generate_latest(registry).decode()):
+        for s in family.samples:
+            if s.name.startswith("vllm:output_rate_fairness_"):
+                assert set(s.labels) == {"model_name", "engine"}, s
+                got[(s.name.removeprefix("vllm:output_rate_fairness_"), s.labels["engine"])] = s.value
+    assert got == {
+        ("window_seconds", "0"): 10.0, ("window_seconds", "1"): 10.0,
+        ("backlogged_users", "0"): 2, ("backlogged_users", "1"): 0,
+        ("jain_index", "0"): 0.9, ("jain_index", "1"): 1.0,
+        ("service_gap_tokens", "0"): 40.0, ("service_gap_tokens", "1"): 0.0,
+    }
 
 
 def test_limits_and_shadow_rows_are_exported_under_their_documented_names():

@@ -55,6 +55,19 @@ because everything was throttled), ``vllm:output_rate_limit_reloads_total``,
 for other requests) and ``vllm:output_rate_eviction_recompute_tokens_total``
 (the tokens they held: what their return recomputes at most).
 
+Fairness, per engine (labels ``model_name`` and ``engine``, as vLLM's own
+per-engine series: with data parallelism each engine has its own; see
+:class:`~vllm_output_rate.policy.monitor.BorrowerFairness`), over the last
+``vllm:output_rate_fairness_window_seconds`` (10 s):
+
+* ``vllm:output_rate_fairness_jain_index`` -- Jain's index of output tokens /
+  weight among the borrowers backlogged through the window (1: equal
+  weighted service; 1/n: one of n took it all; 1 with fewer than two);
+* ``vllm:output_rate_fairness_service_gap_tokens`` -- the largest difference
+  in output tokens / weight between two of them (0 with fewer than two);
+* ``vllm:output_rate_fairness_backlogged_users`` -- how many there were
+  (0 or 1: the index is 1 because nobody competed).
+
 With a shared store (``--output-rate-store``), engine-wide (label
 ``model_name``; figures from
 :meth:`~vllm_output_rate.stores.lease.LeasedOutputRateLimiter.figures`):
@@ -99,6 +112,7 @@ from vllm_output_rate.policy.monitor import (
     WAITING,
     WEIGHT,
 )
+from vllm_output_rate.policy.monitor import FAIRNESS_KEYS
 from vllm_output_rate.settings import MODES as OUTPUT_RATE_MODES
 from vllm_output_rate.stores.backend import MODES as STORE_MODES
 
@@ -123,6 +137,23 @@ STORE_COUNTERS = {
                                    "Leased tokens whose lease ran out unspent (handed back "
                                    "with the next answered round)."),
 }
+
+
+#: Fairness gauges: report key (``report["fairness"]``) -> (series name, help).
+FAIRNESS_GAUGES = {
+    "window_s": ("fairness_window_seconds",
+                 "Length of the sliding window the fairness gauges are taken over (s)."),
+    "backlogged_users": ("fairness_backlogged_users",
+                         "Borrowers (ceiling above rate) with a request in this engine at every "
+                         "report of the fairness window; 0 or 1: nobody competed."),
+    "jain_index": ("fairness_jain_index",
+                   "Jain's index of output tokens / weight among the backlogged borrowers over "
+                   "the window: 1 equal weighted service, 1/n one took all (1 with fewer than two)."),
+    "service_gap_tokens": ("fairness_service_gap_tokens",
+                           "Largest difference of output tokens / weight between two backlogged "
+                           "borrowers over the window (0 with fewer than two)."),
+}
+assert set(FAIRNESS_GAUGES) == set(FAIRNESS_KEYS)
 
 
 def install_stats_field() -> None:
@@ -386,6 +417,12 @@ class OutputRateExporter:
             key: Counter(f"{PREFIX}{name}", text, ["model_name"], registry=registry)
             for key, (name, text) in STORE_COUNTERS.items()
         }
+        # Per engine, not summed: an index of two engines' users is no sum of theirs.
+        self.fairness = {
+            key: Gauge(f"{PREFIX}{name}", text, ["model_name", "engine"], registry=registry,
+                       multiprocess_mode="mostrecent")
+            for key, (name, text) in FAIRNESS_GAUGES.items()
+        }
 
     def observe(self, report: dict, engine_idx: int = 0) -> None:
         """Feed one engine's report.  Several engines (data-parallel ranks)
@@ -417,6 +454,11 @@ class OutputRateExporter:
             child = metric.labels(model)
             if engine.get(key):
                 child.inc(engine[key])
+        fairness = report.get("fairness")
+        if fairness is not None:
+            for key, gauge in self.fairness.items():
+                if key in fairness:
+                    gauge.labels(model, str(engine_idx)).set(fairness[key])
         if "store_mode" in engine:  # a shared store is configured
             for code, mode in enumerate(STORE_MODES):
                 self.store_mode.labels(model, mode).set(1 if engine["store_mode"] == code else 0)
