@@ -658,3 +658,83 @@ def test_top_through_a_real_prometheus(tmp_path):
     finally:
         for engine in engines:
             engine.close()
+
+
+def _fairness_text(per_engine: dict) -> str:
+    """/metrics text of the plugin's exporter fed one report per engine index."""
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.exposition import generate_latest
+
+    from vllm_output_rate.adapter.metrics import OutputRateExporter
+
+    registry = CollectorRegistry()
+    exporter = OutputRateExporter("m", registry=registry)
+    for idx, (n, jain, gap) in per_engine.items():
+        exporter.observe({"users": {}, "removed": [], "engine": {}, "fairness": {
+            "window_s": 10.0, "backlogged_users": n, "jain_index": jain, "service_gap_tokens": gap}},
+            engine_idx=idx)
+    return generate_latest(registry).decode()
+
+
+def _shown(model) -> str:
+    console = Console(width=200, record=True)
+    console.print(render(model, "x"))
+    return console.export_text()
+
+
+def test_fairness_one_line_per_engine_never_summed():
+    # One URL serving two data-parallel engines: each its own line.
+    model = TopModel()
+    model.update(0.0, parse_metrics(_fairness_text({0: (6, 0.8123, 330.0), 1: (1, 1.0, 0.0)})))
+    view = cluster_view(model)
+    assert [(line.engine, line.fairness.jain, line.fairness.backlogged) for line in view.fairness] == [
+        ("0", 0.8123, 6), ("1", 1.0, 1)]
+    assert "fairness_jain_index" not in model.engine  # not summed into the engine-wide figures
+    shown = _shown(model)
+    assert "fairness engine 0: Jain 0.812 among 6 backlogged borrowers over 10 s, " \
+           "largest weighted gap 330 tokens" in shown
+    assert "fairness engine 1: nobody competed over 10 s (1 backlogged borrower;" in shown
+    # A single engine: no engine name.
+    model = TopModel()
+    model.update(0.0, parse_metrics(_fairness_text({0: (3, 0.99, 12.0)})))
+    assert "fairness: Jain 0.990 among 3 backlogged borrowers" in _shown(model)
+    # An engine without the plugin's fairness series: no line.
+    model = TopModel()
+    model.update(0.0, parse_metrics(engine_text({"alice": 1.0}, {"alice": 30.0})))
+    assert cluster_view(model).fairness == [] and "fairness" not in _shown(model)
+
+
+def test_fairness_lines_in_the_multi_engine_views():
+    # --url a --url b
+    model = TopModel()
+    model.update_engines(0.0, {
+        "http://a": parse_metrics(_fairness_text({0: (2, 0.95, 40.0)})),
+        "http://b": parse_metrics(_fairness_text({0: (4, 0.5, 900.0)})),
+    })
+    shown = _shown(model)
+    assert "fairness http://a engine 0: Jain 0.950 among 2" in shown
+    assert "fairness http://b engine 0: Jain 0.500 among 4" in shown
+    # --prometheus: the targets told apart by instance, the engines by vLLM's label.
+    from vllm_output_rate.tools.top import parse_prometheus
+
+    def item(instance, name, value, engine):
+        return {"metric": {"__name__": name, "instance": instance, "job": "vllm", "model_name": "m",
+                           "engine": engine}, "value": [0, str(value)]}
+
+    answer = prometheus_answer([
+        item("e0:8000", "vllm:output_rate_fairness_jain_index", 0.97, "0"),
+        item("e0:8000", "vllm:output_rate_fairness_backlogged_users", 3, "0"),
+        item("e0:8000", "vllm:output_rate_fairness_jain_index", 1, "1"),
+        item("e0:8000", "vllm:output_rate_fairness_backlogged_users", 0, "1"),
+        item("e1:8000", "vllm:output_rate_fairness_jain_index", 0.6, "0"),
+        item("e1:8000", "vllm:output_rate_fairness_backlogged_users", 5, "0"),
+        item("e1:8000", "vllm:output_rate_fairness_service_gap_tokens", 1234, "0"),
+    ])
+    model = TopModel()
+    model.update_engines(0.0, parse_prometheus(answer))
+    lines = [line.text(True) for line in cluster_view(model).fairness]
+    assert lines == [
+        "fairness e0:8000 engine 0: Jain 0.970 among 3 backlogged borrowers, largest weighted gap - tokens",
+        "fairness e0:8000 engine 1: nobody competed (0 backlogged borrowers; Jain 1 by definition)",
+        "fairness e1:8000 engine 0: Jain 0.600 among 5 backlogged borrowers, largest weighted gap 1234 tokens",
+    ]

@@ -8,6 +8,9 @@ all engines, active / throttled / waiting requests, throttled %, borrowed
 tok/s and a spark-line of the last minute; sorted by current rate.  Columns
 for the ceiling, the weight, the residency cap and, in shadow mode, what the
 limiter *would* have done appear when some engine exports those series.
+Above the table, one fairness line per engine (each data-parallel engine of
+each source): Jain's index among the backlogged borrowers over the engine's
+window, the largest weighted service gap and how many borrowers competed.
 ``q`` quits.  Drawn with ``rich``.
 
 Cluster rates are the sum over engines of each engine's own counter rate; a
@@ -53,6 +56,8 @@ PROMETHEUS_SELECTOR = '{__name__=~"vllm:output_rate_.+|vllm:num_requests_(runnin
 #: scrape; timestamp() of the plugin's series would drop their names and
 #: collide).
 SCRAPE_TIMES = "timestamp(up)"
+#: A fairness line is red below this Jain's index (with two or more competing).
+FAIRNESS_WARN = 0.9
 #: Labels Prometheus adds that tell engines apart.
 TARGET_LABELS = ("instance", "job")
 
@@ -103,9 +108,30 @@ HELD = {
 }
 
 
+#: Per-engine fairness gauges (``vllm:output_rate_fairness_*``, label ``engine``).
+FAIRNESS = {
+    "fairness_window_seconds": "window_s",
+    "fairness_backlogged_users": "backlogged",
+    "fairness_jain_index": "jain",
+    "fairness_service_gap_tokens": "gap_tokens",
+}
+
+
+@dataclass
+class EngineFairness:
+    """One engine's fairness gauges (None: not exported)."""
+
+    window_s: float | None = None
+    backlogged: float | None = None
+    jain: float | None = None
+    gap_tokens: float | None = None
+
+
 @dataclass
 class Snapshot:
     users: dict[str, UserSample] = field(default_factory=dict)
+    #: vLLM's engine label (data-parallel rank) -> its fairness gauges.
+    fairness: dict[str, EngineFairness] = field(default_factory=dict)
     engine: dict[str, float] = field(default_factory=dict)
     store_mode: str | None = None  # shared / local / closed; None: no store configured
     mode: str | None = None  # enforce / shadow; None: not exported
@@ -131,6 +157,9 @@ def _add_sample(snap: Snapshot, name: str, labels: dict[str, str], value: float)
     if not name.startswith(PREFIX) or name.endswith("_created"):
         return
     key = name[len(PREFIX):]
+    if key in FAIRNESS:  # per engine: an index is not summed
+        setattr(snap.fairness.setdefault(labels.get("engine", ""), EngineFairness()), FAIRNESS[key], value)
+        return
     if key in ("store_mode", "mode"):
         if value == 1 and "mode" in labels:
             setattr(snap, "store_mode" if key == "store_mode" else "mode", labels["mode"])
@@ -215,6 +244,27 @@ class Row:
 
 
 @dataclass
+class FairnessLine:
+    """One engine's fairness as top shows it."""
+
+    source: str  # the URL or Prometheus target ("" for the single-URL view)
+    engine: str  # vLLM's engine label (data-parallel rank)
+    fairness: EngineFairness
+
+    def text(self, where: bool) -> str:
+        f = self.fairness
+        head = f"fairness {self.source + ' ' if self.source else ''}engine {self.engine}" if where else "fairness"
+        window = "" if f.window_s is None else f" over {_fmt(f.window_s)} s"
+        n = int(f.backlogged or 0)
+        if n < 2:
+            return (f"{head}: nobody competed{window} ({n} backlogged borrower{'' if n == 1 else 's'}; "
+                    "Jain 1 by definition)")
+        jain = "-" if f.jain is None else f"{f.jain:.3f}"
+        return (f"{head}: Jain {jain} among {n} backlogged borrowers{window}, "
+                f"largest weighted gap {_fmt(f.gap_tokens)} tokens")
+
+
+@dataclass
 class ClusterView:
     """What top shows, without the terminal."""
 
@@ -226,6 +276,8 @@ class ClusterView:
     engine: dict[str, float]  # engine-wide series summed over the answering engines
     rows: list[Row]
     errors: dict[str, str]
+    #: Every answering engine's fairness, by source then engine label.
+    fairness: list[FairnessLine] = field(default_factory=list)
 
     @property
     def shadow(self) -> bool:
@@ -330,10 +382,15 @@ class TopModel:
                 if row.user in latest[n].users
             }
         rows.sort(key=lambda r: (-r.rate, r.user))
+        fairness = [
+            FairnessLine(name, engine, latest[name].fairness[engine])
+            for name in answering
+            for engine in sorted(latest[name].fairness, key=lambda e: (len(e), e))
+        ]
         return ClusterView(
             engines=list(self.engines), answering=answering, shared_store=shared,
             store_modes=store_modes, modes=modes, engine=dict(self.engine), rows=rows,
-            errors=dict(self.errors),
+            errors=dict(self.errors), fairness=fairness,
         )
 
     def rows(self) -> list[Row]:
@@ -572,6 +629,12 @@ def render(model: TopModel, url: str, error: str | None = None, width: int | Non
     cluster = _cluster_line(view)
     if cluster:
         title.append("\n" + cluster, style="magenta" if view.shadow else None)
+    # One line per engine; which engine only when there are several.
+    where = len(view.fairness) > 1
+    for line in view.fairness:
+        f = line.fairness
+        low = (f.backlogged or 0) >= 2 and f.jain is not None and f.jain < FAIRNESS_WARN
+        title.append("\n" + line.text(where), style="red" if low else None)
     table = Table(title=title, title_justify="left", expand=True)
     rows = view.rows
 
@@ -774,7 +837,10 @@ def main(argv: list[str] | None = None) -> None:
         "shown as E×N (E engines answering).  CEIL, WEIGHT and RES HELD/CAP (requests "
         "held by the residency cap / the cap) appear when the engines export them (blank "
         "for a user an engine does not report); in shadow mode WOULD HOLD/S, WOULD THR%%, "
-        "WOULD BORROW and WOULD WAIT show what enforcing would have done.  top reads only "
+        "WOULD BORROW and WOULD WAIT show what enforcing would have done.  A fairness line "
+        "per engine shows Jain's index of output tokens / weight among the borrowers "
+        "backlogged through its window (10 s), the largest weighted gap in tokens and how "
+        "many competed (under two: nobody competed).  top reads only "
         "/metrics: the admin route and its key are not needed.",
     )
     parser.add_argument(
