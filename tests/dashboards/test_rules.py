@@ -66,7 +66,8 @@ def test_every_dashboard_query_parses(tmp_path):
                    "group_output_tokens_charged_total", "store_mode", "evictions_total",
                    "residency_cap_requests", "residency_held_requests", "shadow_held_tokens_total",
                    "shadow_throttled_seconds_total", "shadow_borrowed_tokens_total",
-                   "shadow_residency_held_requests", "vllm:output_rate_mode"):
+                   "shadow_residency_held_requests", "vllm:output_rate_mode",
+                   "fairness_jain_index", "fairness_service_gap_tokens", "fairness_backlogged_users"):
         assert series in text, f"no dashboard query reads {series}"
     assert "$" not in text, "a Grafana variable was left in a query"
     failed = _check_as_rules(queries, tmp_path)
