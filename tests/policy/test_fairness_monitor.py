@@ -146,3 +146,12 @@ def test_weights_given_to_a_reading_are_not_kept():
     engine = Engine()
     engine.run(15, {"a": 10, "b": 10})
     assert engine.monitor.fairness._window._weights == {}
+
+
+def test_a_holder_without_a_rate_or_weight_is_skipped_not_an_error():
+    # The group monitor's rate_of is a dict's get: a group removed by a reload has none.
+    monitor = UserMonitor(max_users=10)
+    report = monitor.report(S, {"gone": 5, "g": 5}, {}, {"gone": (1, 0, 0), "g": (1, 0, 0)}, {},
+                            {"g": 1.0}.get,
+                            limits_of=lambda h: [None, 1.0, None, 0] if h == "g" else [5.0, 2.0, None, 0])
+    assert report["fairness"]["backlogged_users"] == 1

@@ -376,7 +376,8 @@ class BorrowerFairness:
             weight, ceil = limits[WEIGHT], limits[CEIL]
             if weight is None or not weight > 0:
                 continue
-            if ceil is None or ceil > rate_of(user):
+            rate = rate_of(user)
+            if rate is not None and (ceil is None or ceil > rate):
                 weights[user] = weight
         window = self._window
         window.observe(weights, now_ns)
