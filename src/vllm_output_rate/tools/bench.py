@@ -56,6 +56,7 @@ import json
 import math
 import shlex
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
@@ -67,6 +68,7 @@ from vllm_output_rate.tools.analysis import (
     BURST_S,
     DEFAULT_WINDOWS_S,
     UserSummary,
+    guarantee_bound,
     loop_lag_summary,
     summarize,
     totals,
@@ -75,12 +77,19 @@ from vllm_output_rate.tools.measure import (
     CANCELLED,
     CHARGED_TOKENS,
     DEFAULT_PROMPT,
+    ERROR,
     ERROR_STATUSES,
+    FINISHED,
+    HTTP_ERROR,
     RUNNING,
+    RUNNING_GAUGE,
+    WAITING_GAUGE,
     RequestRecord,
+    metric_sum,
     openai_client,
     parse_metrics,
     per_label,
+    percentile,
     stream_body,
     stream_completion,
     watch_loop_lag,
@@ -203,16 +212,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--user",
-        dest="users",
+        dest="users_given",
         action="append",
         type=parse_user_spec,
-        required=True,
         metavar="NAME:STREAMS[:MAX_TOKENS]",
         help=f"a user and its concurrent streams (MAX_TOKENS default {DEFAULT_MAX_TOKENS}); repeatable",
     )
     parser.add_argument(
-        "--duration", type=_positive_float, required=True, metavar="SECONDS",
-        help="how long to keep issuing requests",
+        "--duration", type=_positive_float, metavar="SECONDS",
+        help="how long to keep issuing requests (required)",
     )
     parser.add_argument(
         "--grace", type=float, default=DEFAULT_GRACE_S, metavar="SECONDS",
@@ -237,6 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", dest="json_path", metavar="OUT.json", help="write raw data and summary")
     parser.add_argument("--plot", dest="plot_path", metavar="OUT.png", help="draw output rate over time and cumulative tokens per user")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (it is also off when stdout is not a terminal)")
+    add_twin_arguments(parser)
     return parser
 
 
@@ -563,7 +572,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(attach_anonymous_values(argv))
-    users: list[UserSpec] = args.users
+    if args.scenario == "twin":
+        if args.users_given:
+            parser.error("--user and --scenario twin exclude each other (the scenario brings its users)")
+        return twin_main(args, argv)
+    if not args.users_given:
+        parser.error("the following arguments are required: --user (or --scenario twin)")
+    if args.duration is None:
+        parser.error("the following arguments are required: --duration")
+    users: list[UserSpec] = args.users_given
     seen = [spec.user for spec in users]
     duplicates = sorted({u for u in seen if seen.count(u) > 1})
     if duplicates:
@@ -619,6 +636,523 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         path.parent.mkdir(parents=True, exist_ok=True)
         plot_run(outcome.records, {s.user: s.limit_tokens_per_s for s in summaries}, path,
                  title=f"Output tokens per user ({outcome.model})")
+        print(f"wrote {path}")
+    return document
+
+
+# --------------------------------------------------------------------------
+# Scenario "twin": the GPU twin's workload against a real server
+# --------------------------------------------------------------------------
+#
+# ``--scenario twin`` drives the users of :mod:`.workload` (the twin's heavy
+# capped users, weighted borrowers, a group and a Pareto long tail) and prints
+# the twin's figures, each with its clock:
+#
+# * **engine counters**: what the engine's ``/metrics`` says it charged and
+#   generated, read from a thread every ``--read-every`` seconds.  The engine
+#   publishes its per-user counters about once a second, so a read may be up
+#   to ~1 s old; after the load the counters are read until the engine is
+#   empty and they stopped moving, so totals are complete.  Rates divide them
+#   by seconds of the client's clock (the load's duration, or the time
+#   between two reads): client *receive* times never enter them.
+# * **client clock**: first-token times (send to first token received), which
+#   include the client's own stalls; the engine's own figure is shown beside
+#   them when the server sends per-request metrics.
+
+TWIN_SCHEMA = "vllm-output-rate-bench-twin/1"
+SCENARIOS = ("twin",)
+GENERATION_TOKENS = "vllm:generation_tokens_total"
+PROMPT_CHARGED = "vllm:output_rate_prompt_tokens_charged_total"
+USER_REQUESTS = "vllm:output_rate_requests"
+USER_LIMIT = "vllm:output_rate_limit_tokens_per_second"
+STORE_MODE_SERIES = "vllm:output_rate_store_mode"
+#: The series a twin read keeps (the rest of /metrics is skipped before parsing).
+TWIN_SERIES = frozenset({CHARGED_TOKENS, PROMPT_CHARGED, USER_REQUESTS, USER_LIMIT, GENERATION_TOKENS,
+                         STORE_MODE_SERIES, "vllm:num_requests_running", "vllm:num_requests_waiting"})
+#: Prompt token ids are drawn from this range: inside the tiny model's vocabulary
+#: (689) and every real one, above the special tokens.
+PROMPT_ID_RANGE = (10, 680)
+DEFAULT_CONCURRENCY = 256
+DEFAULT_TWIN_USERS = 10_000
+DEFAULT_FAIRNESS_WINDOW_S = 10.0
+DEFAULT_READ_EVERY_S = 1.0
+#: After the load: read until the engine is empty and its counters stopped moving, at most this long.
+SETTLE_MAX_S = 20.0
+ENGINE = "engine counters"
+CLIENT = "client clock"
+
+
+def add_twin_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "scenario twin", "the GPU twin's workload (benchmarks/gpu_twin.py) against a real server; "
+        "start the server with the limits file --limits-out writes")
+    group.add_argument("--scenario", choices=SCENARIOS, help="run a built-in workload instead of --user streams")
+    group.add_argument("--concurrency", type=int, default=DEFAULT_CONCURRENCY, metavar="R",
+                       help=f"running requests the engine is sized for: streams and rates scale with it "
+                       f"(default {DEFAULT_CONCURRENCY})")
+    group.add_argument("--users", type=int, default=DEFAULT_TWIN_USERS, metavar="N",
+                       help=f"configured users in all, twelve named ones and a long tail (default {DEFAULT_TWIN_USERS:,})")
+    group.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    group.add_argument("--capacity", type=_positive_float, metavar="TOK_S",
+                       help="the engine's output tokens per second, which sets the long tail's arrival rate "
+                       "(default: R requests every 20 ms)")
+    group.add_argument("--light-share", type=float, default=0.10, metavar="F",
+                       help="the long tail's share of --capacity (default 0.10)")
+    group.add_argument("--length-scale", type=_positive_float, default=1.0, metavar="F",
+                       help="multiply every prompt and output length (default 1; 0.1 fits a 512-token model)")
+    group.add_argument("--kv-pressure", action="store_true",
+                       help="heavy users send 384-512 prompt and 1,000-1,500 output tokens (times --length-scale)")
+    group.add_argument("--fairness-window", type=_positive_float, default=DEFAULT_FAIRNESS_WINDOW_S,
+                       metavar="SECONDS", help=f"window of Jain's index and the service gap (default {DEFAULT_FAIRNESS_WINDOW_S:g})")
+    group.add_argument("--read-every", type=_positive_float, default=DEFAULT_READ_EVERY_S, metavar="SECONDS",
+                       help=f"read the engine's /metrics this often (default {DEFAULT_READ_EVERY_S:g})")
+    group.add_argument("--limits-out", metavar="FILE", help="write the scenario's limits file here")
+    group.add_argument("--dry-run", action="store_true",
+                       help="write --limits-out, print the workload and the serve flags, send nothing")
+
+
+def twin_workload(args: argparse.Namespace, duration_s: float):
+    from vllm_output_rate.tools.workload import build_twin_workload
+
+    try:
+        return build_twin_workload(
+            args.concurrency, users=args.users, duration_s=duration_s, seed=args.seed,
+            capacity_tok_s=args.capacity, light_share=args.light_share, length_scale=args.length_scale,
+            kv_pressure=args.kv_pressure)
+    except ValueError as exc:
+        raise BenchError(str(exc)) from None
+
+
+def describe_workload(workload, duration_s: float) -> str:
+    light_users = len(workload.in_quota)
+    per_user: dict[str, int] = {}
+    for _, user, _, _ in workload.arrivals:
+        per_user[user] = per_user.get(user, 0) + 1
+    busiest = max(per_user.values(), default=0)
+    return (f"twin workload (seed {workload.seed}, R={workload.concurrency}): {len(workload.users):,} configured users; "
+            f"{workload.stream_count} closed-loop streams of {len(workload.streams)} heavy users; "
+            f"{len(workload.arrivals)} open-loop requests in {duration_s:g} s from {light_users} of the long tail "
+            f"(the busiest sends {busiest})")
+
+
+# -- reading the engine ------------------------------------------------------------
+
+
+@dataclass
+class EngineRead:
+    """One read of ``/metrics`` (times: ``time.monotonic()`` just before and after)."""
+
+    sent: float
+    done: float
+    output: dict[str, float]  # user -> output tokens charged
+    prompt: dict[str, float]  # user -> prompt tokens charged (before the weight)
+    backlog: dict[str, float]  # user -> requests in the engine (active, throttled, waiting)
+    limits: dict[str, float]  # user -> configured rate
+    generated: float  # vllm:generation_tokens_total
+    in_engine: float  # requests running + waiting
+    shared_store: bool
+
+    def charged(self, user: str, weight: float) -> float:
+        return self.output.get(user, 0.0) + weight * self.prompt.get(user, 0.0)
+
+
+def engine_read(text: str, sent: float, done: float) -> EngineRead:
+    """The figures of one ``/metrics`` text the twin scenario uses."""
+    kept = []
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in TWIN_SERIES:
+            kept.append(line)
+    samples = parse_metrics("\n".join(kept) + "\n")
+    backlog: dict[str, float] = {}
+    for labels, value in samples.get(USER_REQUESTS, []):
+        if "user" in labels:
+            backlog[labels["user"]] = backlog.get(labels["user"], 0.0) + value
+    return EngineRead(
+        sent, done,
+        output=per_label(samples, CHARGED_TOKENS, "user"),
+        prompt=per_label(samples, PROMPT_CHARGED, "user"),
+        backlog=backlog,
+        limits={u: v for u, v in per_label(samples, USER_LIMIT, "user").items()},
+        generated=metric_sum(samples, GENERATION_TOKENS) or 0.0,
+        in_engine=(metric_sum(samples, RUNNING_GAUGE) or 0.0) + (metric_sum(samples, WAITING_GAUGE) or 0.0),
+        shared_store=STORE_MODE_SERIES in samples,
+    )
+
+
+class MetricsReader:
+    """Reads one engine's ``/metrics`` every ``period_s`` from a thread of its
+    own (parsing a large ``/metrics`` must not stall the streams' event loop)."""
+
+    def __init__(self, url: str, period_s: float) -> None:
+        import httpx
+
+        self.url = url.rstrip("/") + "/metrics"
+        self.period_s = period_s
+        self.reads: list[EngineRead] = []
+        self.failed = 0
+        self._http = httpx.Client(timeout=30.0, trust_env=False)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def read_now(self) -> EngineRead | None:
+        with self._lock:
+            sent = time.monotonic()
+            try:
+                response = self._http.get(self.url)
+                response.raise_for_status()
+                text = response.text
+            except Exception:  # noqa: BLE001 -- a missed read is counted, the next one tries again
+                self.failed += 1
+                return None
+            read = engine_read(text, sent, time.monotonic())
+            self.reads.append(read)
+            return read
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.period_s):
+            self.read_now()
+
+    def start(self) -> "MetricsReader":
+        self._thread = threading.Thread(target=self._loop, name="twin-metrics", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def close(self) -> None:
+        self.stop()
+        self._http.close()
+
+
+def limit_mismatches(read: EngineRead, workload) -> list[str]:
+    """Users whose rate the engine exports and the scenario's limits file disagrees with."""
+    out = []
+    for user, entry in workload.limits["user_output_tokens_per_second"].items():
+        if user in read.limits:
+            rate = entry["rate"] if isinstance(entry, dict) else entry
+            if not math.isclose(read.limits[user], rate, rel_tol=1e-6):
+                out.append(f"{user}: {read.limits[user]:g} tok/s on the engine, {rate:g} in the scenario")
+    return out
+
+
+# -- the run ---------------------------------------------------------------------
+
+
+@dataclass
+class TwinRun:
+    model: str
+    t0: float  # time.monotonic() when the load began
+    load_s: float
+    reads: list[EngineRead]  # the first before the load, the last once the engine was empty
+    records: list[RequestRecord]  # times in seconds since t0
+    loop_lag_s: list[float]
+    settled: bool  # the engine was empty and its counters still at the last read
+
+
+def _prompt(rng, length: int) -> list[int]:
+    lo, hi = PROMPT_ID_RANGE
+    return [rng.randrange(lo, hi) for _ in range(length)]  # random ids: no shared prefix blocks
+
+
+async def _closed_stream(client: Any, model: str, user: str, stream: int, jobs: Sequence[Any], seed: int,
+                         records: list[RequestRecord], t0: float) -> None:
+    """One heavy user's stream: its jobs one after another (from the start again
+    when they run out) until cancelled."""
+    import random
+
+    rng = random.Random(f"{seed}/{user}/{stream}")
+    index = 0
+    while True:
+        job = jobs[index % len(jobs)]
+        index += 1
+        if job.think_s:
+            await asyncio.sleep(job.think_s)
+        record = RequestRecord(user=user, stream=stream)
+        records.append(record)
+        await stream_completion(client, stream_body(model, user, job.max_tokens, _prompt(rng, job.prompt_len)),
+                                record, t0)
+        if record.status in ERROR_STATUSES:
+            await asyncio.sleep(ERROR_BACKOFF_S)
+
+
+async def _open_loop(client: Any, model: str, arrivals: Sequence[tuple[float, str, int, int]], seed: int,
+                     records: list[RequestRecord], t0: float, sent: list[asyncio.Task]) -> None:
+    """The long tail: each request at its own time, whatever the engine does."""
+    import random
+
+    rng = random.Random(f"{seed}/open-loop")
+    for at, user, prompt_len, max_tokens in arrivals:
+        delay = t0 + at - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        record = RequestRecord(user=user, stream=-1)
+        records.append(record)
+        body = stream_body(model, user, max_tokens, _prompt(rng, prompt_len))
+        sent.append(asyncio.create_task(stream_completion(client, body, record, t0)))
+
+
+async def run_twin(url: str, workload: Any, duration_s: float, model: str | None = None,
+                   read_every_s: float = DEFAULT_READ_EVERY_S, settle_max_s: float = SETTLE_MAX_S) -> TwinRun:
+    """Drive ``workload`` against the engine at ``url`` for ``duration_s``; every
+    request still in flight then is cancelled (the twin stops counting there too)."""
+    connections = workload.stream_count + min(len(workload.arrivals), 256) + 4
+    reader = MetricsReader(url, read_every_s)
+    try:
+        async with openai_client(url, max_connections=connections) as client:
+            model = await discover_model(client, url, model)
+            before = await asyncio.to_thread(reader.read_now)
+            if before is None:
+                raise BenchError(f"cannot read {url}/metrics: the twin scenario judges on the engine's counters")
+            wrong = limit_mismatches(before, workload)
+            if wrong:
+                raise BenchError("the server runs other limits than the scenario's (start it with "
+                                 "--output-rate-limits-file, written by --limits-out): " + "; ".join(wrong[:5]))
+            records: list[RequestRecord] = []
+            open_sent: list[asyncio.Task] = []
+            loop_lag: list[float] = []
+            t0 = time.monotonic()
+            reader.start()
+            tasks = [asyncio.create_task(_closed_stream(client, model, user, i, jobs, workload.seed, records, t0))
+                     for user, streams in workload.streams.items() for i, jobs in enumerate(streams)]
+            tasks.append(asyncio.create_task(_open_loop(client, model, workload.arrivals, workload.seed,
+                                                        records, t0, open_sent)))
+            lag_watcher = asyncio.create_task(watch_loop_lag(loop_lag))
+            try:
+                await asyncio.sleep(max(0.0, t0 + duration_s - time.monotonic()))
+            finally:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                for task in open_sent:
+                    task.cancel()
+                await asyncio.gather(*open_sent, return_exceptions=True)
+                lag_watcher.cancel()
+        settled = await asyncio.to_thread(_settle, reader, settle_max_s)
+    finally:
+        reader.close()
+    for record in records:
+        if record.status == RUNNING:
+            record.status = CANCELLED
+    return TwinRun(model, t0, duration_s, reader.reads, records, loop_lag, settled)
+
+
+def _settle(reader: MetricsReader, settle_max_s: float) -> bool:
+    """Read until the engine is empty and two reads agree (the engine reports
+    at once when it empties), at most ``settle_max_s``."""
+    reader.stop()
+    deadline = time.monotonic() + settle_max_s
+    last = None
+    while time.monotonic() < deadline:
+        read = reader.read_now()
+        if read is not None and last is not None and read.in_engine == 0 and last.in_engine == 0 \
+                and read.output == last.output and read.prompt == last.prompt:
+            return True
+        last = read if read is not None else last
+        time.sleep(reader.period_s)
+    return False
+
+
+# -- the figures -----------------------------------------------------------------
+
+
+def _first_tokens_ms(records: Sequence[RequestRecord], users: set[str]) -> dict[str, Any]:
+    client = [(r.token_times[0] - r.start) * 1000 for r in records if r.user in users and r.token_times]
+    engine = [r.server_first_token_s * 1000 for r in records
+              if r.user in users and r.server_first_token_s is not None]
+    return {"requests": len(client), "p50": percentile(client, 50), "p99": percentile(client, 99),
+            "engine_requests": len(engine), "engine_p50": percentile(engine, 50),
+            "engine_p99": percentile(engine, 99)}
+
+
+def _fairness_windows(workload: Any, reads: Sequence[EngineRead], t0: float, load_s: float,
+                      window_s: float) -> list[dict[str, Any]]:
+    """The twin's per-window fairness among backlogged borrowers, on the engine's
+    counters: service = output tokens charged between reads, backlogged = the
+    engine held a request of the user at every read of the window."""
+    from vllm_output_rate.policy.fairness import FairnessWindow, jain_index, largest_gap
+
+    ns = 1_000_000_000
+    window = FairnessWindow(int(window_s * ns))
+    for user, weight in workload.borrowers.items():
+        window.set_weight(user, weight)
+    equal = sorted(u for u, w in workload.borrowers.items() if w == 1)
+    rows = []
+    boundary = window_s
+    for previous, read in zip(reads, reads[1:]):
+        at = read.done - t0
+        if previous.done - t0 >= load_s or boundary > load_s + 1e-9:
+            break
+        now = int(at * ns)
+        for user in workload.borrowers:
+            served = read.output.get(user, 0.0) - previous.output.get(user, 0.0)
+            if served > 0:
+                window.serve(user, int(served), now)
+        window.observe([u for u in workload.borrowers if read.backlog.get(u, 0) > 0], now)
+        while at >= boundary and boundary <= load_s + 1e-9:
+            reading = window.reading(now)
+            service = reading.weighted_service
+            eq = [service[u] for u in equal if u in service]
+            rows.append({"end_s": boundary, "backlogged_borrowers": reading.backlogged_users,
+                         "jain_equal_weight": jain_index(eq), "gap_equal_weight_tokens": largest_gap(eq),
+                         "jain_weighted_all": reading.jain, "gap_weighted_all_tokens": reading.gap_tokens,
+                         "weighted_service": dict(service)})
+            boundary += window_s
+    return rows
+
+
+def twin_figures(workload: Any, run: TwinRun, window_s: float = DEFAULT_FAIRNESS_WINDOW_S) -> dict[str, Any]:
+    """The twin's figures for one engine, from the run's reads and records."""
+    reads = run.reads
+    before, final = reads[0], reads[-1]
+    t0, load_s = run.t0, run.load_s
+    load_end = next((r for r in reads[1:] if r.sent - t0 >= load_s), final)
+    span_s = load_end.done - before.sent
+    weight = workload.input_token_weight
+    shared = 1 if final.shared_store else 0
+    envelope_s = final.done - before.sent  # every charge of the run happened inside it
+    capped = {}
+    for user, limit in workload.capped.items():
+        output = final.output.get(user, 0.0) - before.output.get(user, 0.0)
+        prompt = final.prompt.get(user, 0.0) - before.prompt.get(user, 0.0)
+        charged = output + weight * prompt
+        bound = guarantee_bound(envelope_s, limit, BURST_S, shared_engines=shared)
+        capped[user] = {"limit_tok_s": limit, "output_tokens": output, "prompt_tokens_charged": prompt,
+                        "charged_tokens": charged, "achieved_over_limit": charged / (limit * load_s),
+                        "bound_tokens": bound, "within_bound": charged <= bound}
+    worst = max((c["achieved_over_limit"] for c in capped.values()), key=lambda r: abs(r - 1), default=None)
+    groups = {}
+    for group, (rate, members) in workload.groups.items():
+        charged = sum(final.charged(u, weight) - before.charged(u, weight) for u in members)
+        groups[group] = {"limit_tok_s": rate, "charged_tokens": charged,
+                         "achieved_over_limit": charged / (rate * load_s)}
+    statuses = {status: sum(1 for r in run.records if r.status == status)
+                for status in (FINISHED, CANCELLED, HTTP_ERROR, ERROR)}
+    return {
+        "load_s": load_s,
+        "throughput_tok_s": (load_end.generated - before.generated) / span_s if span_s > 0 else None,
+        "throughput_span_s": span_s,
+        "envelope_s": envelope_s,
+        "shared_store": bool(shared),
+        "settled": run.settled,
+        "reads": len(reads),
+        "capped": capped,
+        "capped_worst_ratio": worst,
+        "groups": groups,
+        "fairness_window_s": window_s,
+        "fairness_windows": _fairness_windows(workload, reads, t0, load_s, window_s),
+        "in_quota_first_token_ms": _first_tokens_ms(run.records, workload.in_quota),
+        "requests": {"sent": len(run.records), **statuses},
+    }
+
+
+def _fmt(value: Any, digits: int = 3) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, float):
+        return f"{value:,.{digits}f}"
+    return str(value)
+
+
+def format_twin_table(figures: Mapping[str, Any], title: str = "") -> str:
+    """The twin's table for one engine (markdown), every column naming its clock."""
+    ft = figures["in_quota_first_token_ms"]
+    groups = figures["groups"]
+    group_cell = ", ".join(f"{g} {_fmt(v['achieved_over_limit'])}" for g, v in groups.items()) or "–"
+    engine_ft = ""
+    if ft["engine_requests"]:
+        engine_ft = f" (engine: {_fmt(ft['engine_p50'], 1)} / {_fmt(ft['engine_p99'], 1)})"
+    lines = [title] if title else []
+    lines += [
+        f"| output tok/s [{ENGINE}] | worst capped / limit [{ENGINE}] | group / limit [{ENGINE}] | "
+        f"first token p50 / p99 ms, in quota [{CLIENT}] | requests timed |",
+        "|---|---|---|---|---|",
+        f"| {_fmt(figures['throughput_tok_s'], 0)} | {_fmt(figures['capped_worst_ratio'], 4)} | {group_cell} | "
+        f"{_fmt(ft['p50'], 1)} / {_fmt(ft['p99'], 1)}{engine_ft} | {ft['requests']} |",
+        "",
+        f"Capped users over the load's {figures['load_s']:g} s [{ENGINE}; charged = output + prompt cost]:",
+        "",
+        "| user | limit tok/s | output tokens | prompt tokens charged | charged / (limit × load s) | "
+        "bound over the run's reads | within |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for user, c in figures["capped"].items():
+        lines.append(f"| {user} | {_fmt(c['limit_tok_s'], 1)} | {_fmt(c['output_tokens'], 0)} | "
+                     f"{_fmt(c['prompt_tokens_charged'], 0)} | {_fmt(c['achieved_over_limit'], 4)} | "
+                     f"{_fmt(c['bound_tokens'], 0)} | {'yes' if c['within_bound'] else 'NO'} |")
+    lines += ["", f"Fairness per {figures['fairness_window_s']:g} s window among backlogged borrowers [{ENGINE}]:", "",
+              "| window end s | backlogged borrowers | Jain, equal weight | gap, equal weight (tokens) | "
+              "Jain, service/weight, all | largest weighted gap (tokens) |",
+              "|---|---|---|---|---|---|"]
+    for w in figures["fairness_windows"]:
+        lines.append(f"| {w['end_s']:g} | {w['backlogged_borrowers']} | {_fmt(w['jain_equal_weight'], 4)} | "
+                     f"{_fmt(w['gap_equal_weight_tokens'], 0)} | {_fmt(w['jain_weighted_all'], 4)} | "
+                     f"{_fmt(w['gap_weighted_all_tokens'], 0)} |")
+    if not figures["fairness_windows"]:
+        lines.append("| – | no window ended inside the load | | | | |")
+    return "\n".join(lines)
+
+
+def twin_main(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
+    """``--scenario twin``: write the limits, or drive the server and print the table."""
+    duration_s = args.duration or 60.0
+    try:
+        workload = twin_workload(args, duration_s)
+    except BenchError as exc:
+        _fail(str(exc), 2)
+    print(describe_workload(workload, duration_s))
+    if args.limits_out:
+        path = Path(args.limits_out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(workload.limits_text())
+        print(f"wrote {path}: start the server with\n  vllm-output-rate serve MODEL "
+              + shlex.join(workload.serve_args(str(path))))
+    document: dict[str, Any] = {"schema": TWIN_SCHEMA, "command": shlex.join(["vllm-output-rate", "bench", *argv])}
+    if args.dry_run:
+        return document
+    if args.duration is None:
+        _fail("--duration is required to run the scenario (or --dry-run)", 2)
+    url = (args.urls or [DEFAULT_URL])[0].rstrip("/")
+    if len(args.urls or []) > 1:
+        _fail("--scenario twin drives one engine: give one --url", 2)
+    try:
+        run = asyncio.run(run_twin(url, workload, duration_s, args.model, args.read_every))
+    except BenchError as exc:
+        _fail(str(exc))
+    except KeyboardInterrupt:
+        _fail("interrupted", 130)
+    figures = twin_figures(workload, run, args.fairness_window)
+    title = (f"{url}  model={run.model}  R={workload.concurrency}  users={len(workload.users):,}  "
+             f"load={duration_s:g}s  requests={figures['requests']['sent']} (finished "
+             f"{figures['requests'][FINISHED]}, cancelled at the end {figures['requests'][CANCELLED]}, errors "
+             f"{figures['requests'][HTTP_ERROR] + figures['requests'][ERROR]})  /metrics reads={len(run.reads)}")
+    print(format_twin_table(figures, title))
+    lag = loop_lag_summary(run.loop_lag_s)
+    if not run.settled:
+        print("\nwarning: the engine was not empty (or its counters still moved) when the reads ended: "
+              "totals may be short")
+    warning = client_lag_warning(lag["loop_lag_max_s"])
+    if warning:
+        print(f"\nwarning (first-token times only): {warning}")
+    document.update({
+        "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "config": {"url": url, "model": run.model, "duration_s": duration_s, "concurrency": workload.concurrency,
+                   "users": len(workload.users), "seed": workload.seed, "length_scale": args.length_scale,
+                   "capacity_tok_s": args.capacity, "light_share": args.light_share,
+                   "kv_pressure": args.kv_pressure, "read_every_s": args.read_every},
+        "clocks": {"rates": f"{ENGINE}: /metrics deltas over seconds of the client's clock",
+                   "first_token": f"{CLIENT}: first token received minus request sent"},
+        "client": lag,
+        "figures": figures,
+    })
+    if args.json_path:
+        path = Path(args.json_path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(document, indent=1) + "\n")
         print(f"wrote {path}")
     return document
 
