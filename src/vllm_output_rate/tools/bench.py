@@ -900,7 +900,9 @@ async def run_twin(url: str, workload: Any, duration_s: float, model: str | None
                    read_every_s: float = DEFAULT_READ_EVERY_S, settle_max_s: float = SETTLE_MAX_S) -> TwinRun:
     """Drive ``workload`` against the engine at ``url`` for ``duration_s``; every
     request still in flight then is cancelled (the twin stops counting there too)."""
-    connections = workload.stream_count + min(len(workload.arrivals), 256) + 4
+    # A connection for every request that may be in flight at once: an open-loop request
+    # waiting for a free connection would add the client's wait to its first-token time.
+    connections = workload.stream_count + len(workload.arrivals) + 4
     reader = MetricsReader(url, read_every_s)
     try:
         async with openai_client(url, max_connections=connections) as client:
@@ -972,8 +974,10 @@ def _first_tokens_ms(records: Sequence[RequestRecord], users: set[str]) -> dict[
 def _fairness_windows(workload: Any, reads: Sequence[EngineRead], t0: float, load_s: float,
                       window_s: float) -> list[dict[str, Any]]:
     """The twin's per-window fairness among backlogged borrowers, on the engine's
-    counters: service = output tokens charged between reads, backlogged = the
-    engine held a request of the user at every read of the window."""
+    counters: service = output tokens charged between two reads, dated at the
+    earlier one (so a window counts the intervals that began in it);
+    backlogged = the engine held a request of the user at every read of the
+    window.  A window's reading is taken at the first read past its end."""
     from vllm_output_rate.policy.fairness import FairnessWindow, jain_index, largest_gap
 
     ns = 1_000_000_000
@@ -988,10 +992,11 @@ def _fairness_windows(workload: Any, reads: Sequence[EngineRead], t0: float, loa
         if previous.done - t0 >= load_s or boundary > load_s + 1e-9:
             break
         now = int(at * ns)
+        began = int((previous.done - t0) * ns)
         for user in workload.borrowers:
             served = read.output.get(user, 0.0) - previous.output.get(user, 0.0)
             if served > 0:
-                window.serve(user, int(served), now)
+                window.serve(user, int(served), began)
         window.observe([u for u in workload.borrowers if read.backlog.get(u, 0) > 0], now)
         while at >= boundary and boundary <= load_s + 1e-9:
             reading = window.reading(now)
