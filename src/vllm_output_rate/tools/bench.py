@@ -38,6 +38,23 @@ Layers: :mod:`.measure` (streaming client, window convention, Prometheus),
 there), :mod:`.render` (tables and figures); this module drives the run and
 is the command line.
 
+The GPU twin's workload (``--scenario twin``, issue 44): the users of
+:mod:`.workload` -- four hard-capped heavy users, six weighted borrowers (two
+with ceilings), a group of two, and a Pareto long tail of 50 tok/s users
+sending open-loop requests -- scaled by ``--concurrency`` R and ``--users``::
+
+    vllm-output-rate bench --scenario twin --concurrency 256 --users 10000 \\
+        --limits-out twin-limits.json --dry-run      # write the limits, print the serve flags
+    vllm-output-rate bench --scenario twin --concurrency 256 --users 10000 \\
+        --url http://127.0.0.1:8000 --duration 60 --json twin.json
+
+prints the twin's table (``benchmarks/gpu_twin.py``) for this one engine:
+throughput, every capped user's charged tokens over its limit, the group's,
+Jain's index and the largest weighted service gap among backlogged borrowers
+per window -- all on the engine's ``/metrics`` counters -- and the long
+tail's first-token p50/p99 on the client's clock.  See the section at the end
+of this module.
+
 ``--json OUT.json`` writes one object: ``schema``, ``command``, ``started_at``
 (UTC), ``config``, ``wall_s``, ``client`` (event-loop lag of the bench
 itself), ``totals``, ``summary`` (one :class:`UserSummary` per user) and

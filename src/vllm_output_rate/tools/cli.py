@@ -237,7 +237,8 @@ def cmd_top(argv: list[str]) -> None:
 PASSTHROUGH_COMMANDS = {
     "serve": (cmd_serve, "run vLLM's OpenAI-compatible server with the plugin "
                          "(every argument goes to `vllm serve`)"),
-    "bench": (cmd_bench, "drive many users against a server and report per-user rates"),
+    "bench": (cmd_bench, "drive many users against a server and report per-user rates "
+                         "(--scenario twin: the GPU twin's workload and table)"),
     "demo": (cmd_demo, "the same workload on stock vLLM and with the plugin; one figure"),
     "demo-cluster": (cmd_demo_cluster, "two engines sharing one Redis: a heavy user spread over "
                                        "both, a light user; table and figure"),
