@@ -39,8 +39,8 @@ class Engine:
 
     def run(self, seconds: int, per_second: dict, backlogged=lambda t, u: True) -> dict:
         """``seconds`` more reports; each user in ``per_second`` is charged that
-        many tokens a second and has requests (a key of counts) while
-        ``backlogged(t, user)``.  Returns the last report's fairness."""
+        many tokens a second and has a request held for quota (counts'
+        throttled) while ``backlogged(t, user)``.  Returns the last report's fairness."""
         fairness = {}
         for _ in range(seconds):
             self.t += 1
@@ -151,7 +151,22 @@ def test_weights_given_to_a_reading_are_not_kept():
 def test_a_holder_without_a_rate_or_weight_is_skipped_not_an_error():
     # The group monitor's rate_of is a dict's get: a group removed by a reload has none.
     monitor = UserMonitor(max_users=10)
-    report = monitor.report(S, {"gone": 5, "g": 5}, {}, {"gone": (1, 0, 0), "g": (1, 0, 0)}, {},
+    report = monitor.report(S, {"gone": 5, "g": 5}, {}, {"gone": (1, 1, 0), "g": (0, 0, 1)}, {},
                             {"g": 1.0}.get,
                             limits_of=lambda h: [None, 1.0, None, 0] if h == "g" else [5.0, 2.0, None, 0])
     assert report["fairness"]["backlogged_users"] == 1
+
+
+def test_a_borrower_all_of_whose_requests_ran_is_not_backlogged():
+    # b runs every request it has (active only): it got all it asked for, its
+    # smaller service is its demand, not unfairness.  a is held for quota, c waits.
+    monitor = UserMonitor(max_users=10)
+    charged = {}
+    for t in range(1, 16):
+        for user, tokens in (("a", 30), ("b", 5), ("heavy", 60)):
+            charged[user] = charged.get(user, 0) + tokens
+        counts = {"a": (1, 1, 0), "b": (2, 0, 0), "heavy": (1, 0, 3)}
+        fairness = monitor.report(t * S, dict(charged), {}, counts, {}, rate_of,
+                                  limits_of=limits_of)["fairness"]
+    assert fairness["backlogged_users"] == 2  # a and heavy (weight 2: 30 per weight each)
+    assert fairness["jain_index"] == pytest.approx(1.0)

@@ -61,7 +61,8 @@ per-engine series: with data parallelism each engine has its own; see
 ``vllm:output_rate_fairness_window_seconds`` (10 s):
 
 * ``vllm:output_rate_fairness_jain_index`` -- Jain's index of output tokens /
-  weight among the borrowers backlogged through the window (1: equal
+  weight among the borrowers backlogged through the window (a request held
+  for quota or waiting at every report in it; 1: equal
   weighted service; 1/n: one of n took it all; 1 with fewer than two);
 * ``vllm:output_rate_fairness_service_gap_tokens`` -- the largest difference
   in output tokens / weight between two of them (0 with fewer than two);
@@ -144,8 +145,8 @@ FAIRNESS_GAUGES = {
     "window_s": ("fairness_window_seconds",
                  "Length of the sliding window the fairness gauges are taken over (s)."),
     "backlogged_users": ("fairness_backlogged_users",
-                         "Borrowers (ceiling above rate) with a request in this engine at every "
-                         "report of the fairness window; 0 or 1: nobody competed."),
+                         "Borrowers (ceiling above rate) with a request held for quota or waiting "
+                         "at every report of the fairness window; 0 or 1: nobody competed."),
     "jain_index": ("fairness_jain_index",
                    "Jain's index of output tokens / weight among the backlogged borrowers over "
                    "the window: 1 equal weighted service, 1/n one took all (1 with fewer than two)."),

@@ -35,9 +35,15 @@ service gap between two of them -- the numbers the GPU twin
 * a *borrower* is a user whose ceiling is above its rate (or who has no
   ceiling): its share of spare capacity is what its weight promises.  A
   hard-capped user is left out: its service is its cap, not a share;
-* *backlogged*: the user had at least one request in the engine (resident --
-  running or held for quota -- or waiting; a key of ``counts``) at every
-  report in the window.  The twin asks the same at every step;
+* *backlogged*: at every report in the window the user wanted more than it
+  got -- a resident request held back for quota, or a request waiting
+  (``counts``' throttled or waiting > 0).  A user all of whose requests ran
+  in the last step was served all it asked for then; counting it would make
+  a demand-limited user (one stream, say) look short-changed.  The twin
+  (``harness/vllm_output_rate_harness/twin.py``) asks at every step whether
+  the user has an unfinished request: the same users whenever every
+  borrower has more streams than it gets slots (its workloads), more users
+  otherwise;
 * *service*: output tokens charged (``charged``), divided by the user's
   weight (``limits_of(user)[WEIGHT]``, at the latest report).
 
@@ -345,9 +351,9 @@ class BorrowerFairness:
     """Fairness among backlogged borrowers over a sliding window, fed once a report.
 
     Each report is one observation of a :class:`FairnessWindow` (1 s
-    buckets for the default 10 s window): the borrowers with a request in
-    the engine now, and the tokens each of them was charged since the last
-    report.  Only users backlogged now are looked at (a borrower that is
+    buckets for the default 10 s window): the borrowers with a request held
+    for quota or waiting now, and the tokens each of them was charged since
+    the last report.  Only users backlogged now are looked at (a borrower that is
     not cannot count in any window holding this report), so the work per
     report is bounded by the users with requests, never by every
     configured user.
@@ -369,9 +375,9 @@ class BorrowerFairness:
     ) -> dict[str, Any]:
         """Observe this report and read the window ending now (keys :data:`FAIRNESS_KEYS`)."""
         weights: dict[str, float] = {}
-        for user in counts:
-            if user == OTHER_USERS:
-                continue
+        for user, (_active, throttled, waiting) in counts.items():
+            if not (throttled or waiting) or user == OTHER_USERS:
+                continue  # got all it asked for in the last step: not competing
             limits = limits_of(user)
             weight, ceil = limits[WEIGHT], limits[CEIL]
             if weight is None or not weight > 0:

@@ -839,7 +839,7 @@ def main(argv: list[str] | None = None) -> None:
         "for a user an engine does not report); in shadow mode WOULD HOLD/S, WOULD THR%%, "
         "WOULD BORROW and WOULD WAIT show what enforcing would have done.  A fairness line "
         "per engine shows Jain's index of output tokens / weight among the borrowers "
-        "backlogged through its window (10 s), the largest weighted gap in tokens and how "
+        "with a request held for quota or waiting throughout its window (10 s), the largest weighted gap in tokens and how "
         "many competed (under two: nobody competed).  top reads only "
         "/metrics: the admin route and its key are not needed.",
     )
