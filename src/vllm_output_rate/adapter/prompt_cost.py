@@ -98,23 +98,3 @@ class PromptCostHooks:
         if user is not None and user not in self._lanes.order:
             prompt_cost.forget_user(user)
         return result
-
-    def _settle_prompt_cost(self, step, output) -> None:
-        """End of a step (after the ledger's settle): keep the prompt charges of
-        what was scheduled, refund the rest, and move the users refused for
-        their prompt cost behind every other user.  Their prefills are shown to
-        vLLM for free; at the front of the order they would take the visible
-        room of the users behind them step after step while paying off a debt
-        (when the active cap is below the resident requests)."""
-        prompt_cost = self.output_rate_prompt_cost
-        if prompt_cost.step_charges:
-            num_scheduled = output.num_scheduled_tokens
-            prompt_cost.settle(
-                lambda request: num_scheduled.get(request.request_id, 0), self._ledger.now_ns
-            )
-        refused = step.refused_for_prompts
-        if refused:
-            order = self._lanes.order
-            for user in refused:
-                if user in order:
-                    order.move_to_end(user)

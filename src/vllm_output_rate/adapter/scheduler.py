@@ -38,7 +38,7 @@ the gate, its lanes and ledger, and :class:`..policy.displacement.Displacement`)
   PRIORITY policy only within the same or a less important priority),
   before vLLM's own victim choice and also on behalf of waiting requests of
   users with no resident request.  A request evicted this way comes back
-  only into free KV and never evicts others (:meth:`_kv_room_for`).
+  only into free KV and never evicts others (:meth:`kv_room_for`).
   Which request gives way, and for whom, is
   :class:`~vllm_output_rate.policy.displacement.Displacement`'s choice.
 * **Refund once.**  After vLLM's ``schedule()`` returns, every charge whose
@@ -65,7 +65,7 @@ request; groups of users paying every token together) and
 (drafts).  Each hook is a plain override: none replaces another at run
 time.  The features they ask are assembled by
 :meth:`OutputRateSchedulerMixin.configure` at start and on every reload, and
-what a step decided is one :class:`_Step`, dropped when the step is settled.
+what a step decided is one :class:`StepDecision`, dropped when the step is settled.
 """
 
 from __future__ import annotations
@@ -98,6 +98,13 @@ from vllm_output_rate.policy.gate import StepGate, StepPlan
 from vllm_output_rate.policy.groups import GroupQuotas
 from vllm_output_rate.policy.handover import slot_handover
 from vllm_output_rate.policy.prompt_cost import PromptCost
+from vllm_output_rate.policy.step import (
+    NOTHING_PREPAID,
+    REPEAT_PLAN,
+    EngineFacts,
+    StepDecision,
+    StepPolicy,
+)
 from vllm_output_rate.settings import (
     ANONYMOUS_USER,
     InvalidUserError,
@@ -118,30 +125,18 @@ class MembershipHooks:
 
     def add_request(self, request: Request) -> None:
         if self._lanes is not None and request.request_id not in self.requests:
-            self._lanes.track(request, _user_of(request))
-            if not self._facts.chunked_prefill and not request.resumable:
-                # Its first token comes with its whole prefill: it needs
-                # quota to be admitted, so it takes turns with its user's
-                # resident streams.
-                self._lanes.wait_in_turn(request)
-            if request.resumable:
-                # Streaming-input sessions need bookkeeping after each step;
-                # engines that never see one skip it.
-                self._facts.sessions = True
+            self._policy.on_add(request, _user_of(request), request.resumable)
         super().add_request(request)
 
     def _free_request(self, request: Request, *args: Any, **kwargs: Any):
         if self._lanes is not None:
-            self._lanes.forget(request)
-            self._evicted_for_quota.discard(request)
+            self._policy.on_free(request)
         return super()._free_request(request, *args, **kwargs)
 
     def _preempt_request(self, request: Request, *args: Any, **kwargs: Any) -> None:
         if self._lanes is None:
             return super()._preempt_request(request, *args, **kwargs)
-        self._lanes.release(request)
-        if not self._facts.chunked_prefill and not request.resumable:
-            self._lanes.wait_in_turn(request)  # as on arrival
+        self._policy.on_preempt(request, request.resumable)
         step = self._step
         if step is not None:
             step.preempted.append(request)
@@ -204,7 +199,7 @@ class ChargingHooks:
         return self._charge_drafts(request, num_computed_tokens, num_new_tokens)
 
     def _charge_at_sampling_position(
-        self, step: _Step, request: Request, num_computed_tokens: int, num_new_tokens: int
+        self, step: StepDecision, request: Request, num_computed_tokens: int, num_new_tokens: int
     ) -> int:
         """When the scheduled chunk reaches the sampling position, one unit
         of the user's quota is taken here, or the chunk is cut short of it."""
@@ -242,76 +237,15 @@ class ChargingHooks:
             return True
         if request.lora_request is not None and not self._adapter_fits(step, request):
             return False
-        if not self._residency_admits(step, request):
-            return False  # waits un-admitted: its user's quota moves no more streams
-        ledger = self._ledger
-        user_of = self._lanes.user_of
-        if step.slot_donors:
-            # Slots were freed in this step for requests that can run now:
-            # neither the donors' own requests nor anyone out of quota may
-            # take them instead.
-            return user_of[request] not in step.slot_donors and ledger.charge(request, take=False)
-        samples_at_once = (
-            not self._facts.chunked_prefill
-            or request.num_tokens - request.num_computed_tokens <= 1
-        )
-        if samples_at_once:
-            if request in self._evicted_for_quota and not self._kv_room_for(request):
-                return False
-            return ledger.charge(request, take=False)
-        if request.status == RequestStatus.PREEMPTED:
-            # No re-admission thrash: a preempted stream comes back only while
-            # its user can pay now or is being served in this step (then it
-            # takes its turn in the user's rotation instead of starving).
-            # A borrower's preempted stream may also come back into a slot
-            # given to its user by borrowing (before its user's new requests:
-            # vLLM puts it at the front of the queue); otherwise a borrower
-            # that gave a slot to another (policy/handover.py) would keep
-            # the stream out until its own rate paid for it.
-            if not (ledger.charge(request, take=False) or ledger.is_served_now(request)):
-                if step.borrow_admits is None or (
-                    request in self._evicted_for_quota and not self._kv_room_for(request)
-                ):
-                    return False
-                return self._admit_to_borrow(step, request)
-            return request not in self._evicted_for_quota or self._kv_room_for(request)
-        if step.borrow_admits is not None:
-            return self._admit_to_borrow(step, request)
-        return True
-
-    def _admit_to_borrow(self, step: _Step, request: Request) -> bool:
-        """A waiting request that would only run by borrowing is admitted in
-        counter order (see BorrowingHooks._offer_spare_to_borrowers), not in
-        arrival order: while its user has admissions left in this step
-        (``step.borrow_admits``).  Skipped, it keeps its place in the queue.
-        Any other request passes."""
-        admits = step.borrow_admits
-        assert admits is not None
-        user = self._lanes.user_of[request]
-        if self._ledger.quota_now(user) == 0 and self._borrowing.table.borrows(user):
-            left = admits.get(user, 0)
-            if left <= 0:
-                return False
-            admits[user] = left - 1
-            step.admitted_to_borrow.add(request)
-        return True
+        return step.may_admit(request, request.status == _PREEMPTED)
 
     def _ec_transfer_pending(self, request: Request, num_computed_tokens: int) -> bool:
         if super()._ec_transfer_pending(request, num_computed_tokens):
             return True
         step = self._step
-        if step is None:
-            return False
         # After the prefix-cache lookup: if only the sampling position is
         # left and the user cannot pay, skip instead of stopping admission.
-        if request.num_tokens - num_computed_tokens <= 1:
-            if self._ledger.charge(request, take=False):
-                return False
-            return not (
-                request in step.admitted_to_borrow
-                and self._borrowing.can_lend(self._lanes.user_of[request], self._ledger.now_ns)
-            )
-        return False
+        return step is not None and not step.may_start(request, num_computed_tokens)
 
 
 class AdapterHooks:
@@ -333,7 +267,7 @@ class AdapterHooks:
     limits never hit, LoRA admissions are stock vLLM's.
     """
 
-    def _adapter_fits(self, step: _Step, request: Request) -> bool:
+    def _adapter_fits(self, step: StepDecision, request: Request) -> bool:
         """May ``request`` (which has an adapter) be admitted in this step?"""
         lora_id = request.lora_request.lora_int_id
         if lora_id <= 0 or not (step.plan.hidden or step.refused_visible):
@@ -346,53 +280,6 @@ class AdapterHooks:
             known |= _adapters_of(running[step.adapters_seen:])
             step.adapters_seen = len(running)
         return lora_id in known or len(known) < self.lora_config.max_loras
-
-
-class ResidencyHooks:
-    """Residency follows the rate (:mod:`~vllm_output_rate.policy.residency`).
-
-    A waiting request of a user that already holds as many resident requests
-    as its quota keeps moving at the minimum pace is skipped through vLLM's
-    own skip path: it keeps its place in the queue and holds no KV, and the
-    requests behind it are reached.  Those resident beyond the cap (a lowered
-    limit) are released first for other users' waiting requests
-    (``Displacement``, given the same :class:`~.policy.residency.Residency`).
-    """
-
-    def _residency_admits(self, step: _Step, request: Request) -> bool:
-        """May ``request`` become resident in this step (its user's cap)?"""
-        lanes = self._lanes
-        user_of = lanes.user_of
-        user = user_of[request]
-        room = self.output_rate_residency.room(user, lanes.resident_count(user))
-        if room is None:
-            return True
-        if room <= 0:
-            return self._displace_own_stream(step, request)
-        # This step's admissions are not in the lanes yet (see _admit_new).
-        admitted = 0
-        for r in self.running[step.running_at_start:]:
-            if user_of.get(r) == user:
-                admitted += 1
-                if admitted >= room:
-                    return self._displace_own_stream(step, request)
-        return True
-
-    def _displace_own_stream(self, step: _Step, request: Request) -> bool:
-        """Priority scheduling: ``request``, kept out by its user's cap, may
-        take the place of a less important hidden stream of its own user
-        (``Displacement.own_stream_victim``).  True: it was made room for."""
-        if not self._facts.priority_policy or step.plan is _REPEAT_PLAN:
-            return False  # a repeated step hides nothing: no stream to give way
-        offered = step.visible_now
-        if offered is None:
-            offered = step.visible_now = set(self.running)
-        victim = self._displacement.own_stream_victim(request, lambda r: r not in offered)
-        if victim is None:
-            return False
-        self._evict(victim)
-        step.plan.hidden -= 1  # its slot is the request's now
-        return True
 
 
 class EvictionHooks:
@@ -419,7 +306,7 @@ class EvictionHooks:
             active_cap=self._active_cap,
             # Held out of the waiting queue until the step ends: re-admitted
             # now, a victim would take back the slot it was freed from.
-            evict=self._evict,
+            evict=self.evict,
         )
 
     def _kv_victim_for(self, request: Request) -> Request | None:
@@ -427,10 +314,10 @@ class EvictionHooks:
         evict before trying again (None: vLLM's own preemption decides)."""
         victim = self._throttled_victim_for(request)
         if victim is not None:
-            self._evict(victim)
+            self.evict(victim)
         return victim
 
-    def _kv_room_for(self, request: Request) -> bool:
+    def kv_room_for(self, request: Request) -> bool:
         """May a request evicted for quota come back now (see ``fits_in_free_kv``)?"""
         return fits_in_free_kv(
             request.num_tokens,
@@ -448,7 +335,7 @@ class EvictionHooks:
             least_important = max(r.priority for r in self.running)
         return self._displacement.victim_for(request, not running, least_important)
 
-    def _evict(self, victim: Request) -> None:
+    def evict(self, victim: Request) -> None:
         self._preempt_for_quota(victim)
         # vLLM's waiting loop may be mid-iteration and about to pop the head
         # of the queue it peeked; keep the victim out until the step ends.
@@ -615,16 +502,6 @@ class SpecDecodeHooks:
         # vLLM keeps the first drafts: cut every draft past those paid for.
         return num_new_tokens - (drafts - paid)
 
-    def _settle_drafts(self, output) -> None:
-        """The single refund point for drafts paid in this step."""
-        scheduled = output.num_scheduled_tokens
-        spec = output.scheduled_spec_decode_tokens
-
-        def drafts_dispatched(req_id: str) -> int:
-            return len(spec.get(req_id, ())) if req_id in scheduled else 0
-
-        self._draft_account.settle_step(output, self._ledger.now_ns, drafts_dispatched)
-
     def update_from_output(self, scheduler_output, model_runner_output):
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         account = self._draft_account
@@ -649,7 +526,6 @@ class OutputRateSchedulerMixin(
     MembershipHooks,
     ChargingHooks,
     AdapterHooks,
-    ResidencyHooks,
     EvictionHooks,
     BorrowingHooks,
     SpecDecodeHooks,
@@ -660,7 +536,7 @@ class OutputRateSchedulerMixin(
     its bases are the hooks vLLM calls along the way, one concern each.
     Every attribute they share is set here: the features in ``__init__``
     and :meth:`configure` (at start and on every reload), what one step
-    decided in ``self._step`` (a :class:`_Step`, None between steps).
+    decided in ``self._step`` (a :class:`StepDecision`, None between steps).
     """
 
     #: Clock for the limiter, in integer nanoseconds; tests replace it.
@@ -671,9 +547,10 @@ class OutputRateSchedulerMixin(
     # attributes by hand) runs every hook as stock vLLM.  Between steps the
     # hooks that keep our state ask ``_lanes``; inside a step ``_step``.
     _lanes: Any = None
-    _facts: _EngineFacts | None = None
-    _step: _Step | None = None
+    _facts: EngineFacts | None = None
+    _step: StepDecision | None = None
     _draft_account: DraftAccount | None = None
+    _policy: StepPolicy | None = None
     #: Builds the limiter from the settings; tests give a data-parallel rank
     #: a leased limiter on a fake store and clock.
     output_rate_limiter_factory: Callable[..., Any] = staticmethod(make_limiter)
@@ -689,7 +566,7 @@ class OutputRateSchedulerMixin(
                 "it is selected automatically when the feature is configured"
             )
         priority_policy = self.policy == SchedulingPolicy.PRIORITY
-        self._facts = _EngineFacts(
+        self._facts = EngineFacts(
             chunked_prefill=bool(self.scheduler_config.enable_chunked_prefill),
             priority_policy=priority_policy,
             # A data-parallel rank whose requests are all throttled must keep
@@ -697,7 +574,7 @@ class OutputRateSchedulerMixin(
             # step): waiting on its input queue would stall every other rank.
             data_parallel=self.vllm_config.parallel_config.data_parallel_size > 1,
         )
-        self._step: _Step | None = None
+        self._step: StepDecision | None = None
         #: The users' own rates (the first level of every composed quota).
         self.output_rate_limiter = self.output_rate_limiter_factory(settings)
         self.output_rate_gate = gate = StepGate(self.output_rate_limiter)
@@ -710,7 +587,7 @@ class OutputRateSchedulerMixin(
         #: None means "poll as stock vLLM does".
         self.output_rate_idle_wait_s: float | None = None
         # Requests we preempted because their user was out of quota, until
-        # they are resident again (see _kv_room_for).
+        # they are resident again (see kv_room_for).
         self._evicted_for_quota: set[Request] = set()
         # What evictions on behalf of waiting requests may make the engine
         # recompute; the budget holds one longest request (none at ratio 0).
@@ -737,6 +614,16 @@ class OutputRateSchedulerMixin(
             self._ledger, settings.input_token_weight
         )
         self._draft_account = DraftAccount(self._ledger) if self.num_spec_tokens else None
+        self._policy = StepPolicy(
+            gate,
+            self._facts,
+            self.output_rate_eviction_budget,
+            self.output_rate_residency,
+            self._displacement,
+            self.output_rate_prompt_cost,
+            self._draft_account,
+            self._evicted_for_quota,
+        )
         self.output_rate_groups: GroupQuotas | None = None
         self._borrowing: Borrowing | None = None
         self.configure(settings)
@@ -769,12 +656,7 @@ class OutputRateSchedulerMixin(
         step = self._step
         if step is None:
             return self._active_cap
-        if step.plan.over_cap:
-            return 0  # runnable requests were left out for lack of room
-        return min(
-            self._active_cap + step.refused_visible,
-            self.max_num_running_reqs - step.plan.hidden,
-        )
+        return step.active_cap()
 
     @max_num_active_reqs.setter
     def max_num_active_reqs(self, value: int) -> None:
@@ -819,12 +701,15 @@ class OutputRateSchedulerMixin(
             self.running = plan.visible  # vLLM appends admissions to it
         else:
             self.running = list(resident)
-        self._step = step = _Step(
+        self._step = step = self._policy.decision(
+            self,
             plan,
             plan.prepaid,
             all_visible_paid=not plan.prefills and self._draft_account is None,
             running_at_start=len(self.running),
             borrow_admits=borrow_admits,
+            configured_cap=self._active_cap,
+            max_resident=self.max_num_running_reqs,
         )
         if plan.throttled and self.waiting:
             self._free_slots_for_waiting(plan, len(resident))
@@ -871,11 +756,14 @@ class OutputRateSchedulerMixin(
         resident = self.running
         num_resident = len(resident)
         self.running = list(resident)  # vLLM edits this copy; `resident` keeps the start
-        self._step = step = _Step(
-            _REPEAT_PLAN,
-            _NOTHING_PREPAID,
+        self._step = step = self._policy.decision(
+            self,
+            REPEAT_PLAN,
+            NOTHING_PREPAID,
             all_visible_paid=self._draft_account is None,
             running_at_start=num_resident,
+            configured_cap=self._active_cap,
+            max_resident=self.max_num_running_reqs,
         )
         try:
             output = super().schedule(*args, **kwargs)
@@ -898,25 +786,13 @@ class OutputRateSchedulerMixin(
         self._settle_step(step, output)
         return output
 
-    def _settle_step(self, step: _Step, output) -> None:
-        """What both kinds of step settle last: prompt charges, drafts, the
-        eviction budget's earnings and the idle wait."""
-        if self.output_rate_prompt_cost.weight:
-            self._settle_prompt_cost(step, output)
-        if self._draft_account is not None:
-            self._settle_drafts(output)
-        self.output_rate_eviction_budget.earn(len(output.num_scheduled_tokens))
-        if (
-            output.total_num_scheduled_tokens == 0
-            and not step.held_for_other_reasons
-            and not self._facts.data_parallel
-        ):
-            wait_ns = self.output_rate_gate.idle_wait_ns()
-            self.output_rate_idle_wait_s = None if wait_ns is None else wait_ns / 1e9
-        else:
-            self.output_rate_idle_wait_s = None
+    def _settle_step(self, step: StepDecision, output) -> None:
+        """What both kinds of step settle last (``StepPolicy.end``)."""
+        policy = self._policy
+        policy.end(step, output)
+        self.output_rate_idle_wait_s = policy.idle_wait_s
 
-    def _admit_new(self, step: _Step, running_after: list[Request], num_before: int) -> list[Request]:
+    def _admit_new(self, step: StepDecision, running_after: list[Request], num_before: int) -> list[Request]:
         """Classify and return the requests vLLM admitted in this step.
 
         vLLM only appends admitted requests to ``running`` and removes
@@ -935,7 +811,7 @@ class OutputRateSchedulerMixin(
         return admitted
 
     def _settle_membership(
-        self, step: _Step, resident: list[Request], num_visible: int
+        self, step: StepDecision, resident: list[Request], num_visible: int
     ) -> list[Request]:
         """Make ``self.running`` the full resident list again, admissions included.
 
@@ -948,74 +824,6 @@ class OutputRateSchedulerMixin(
         resident.extend(admitted)
         self.running = resident
         return admitted
-
-
-class _EngineFacts:
-    """What the plugin's hooks need to know of the engine they run in."""
-
-    __slots__ = ("chunked_prefill", "priority_policy", "data_parallel", "sessions")
-
-    def __init__(self, chunked_prefill: bool, priority_policy: bool, data_parallel: bool) -> None:
-        self.chunked_prefill = chunked_prefill
-        self.priority_policy = priority_policy
-        self.data_parallel = data_parallel
-        #: A streaming-input session was seen: residency is then checked
-        #: after every step's output (see MembershipHooks).
-        self.sessions = False
-
-
-class _Step:
-    """What one ``schedule()`` call has decided so far (``self._step``
-    while vLLM's step runs; settled and dropped at its end)."""
-
-    __slots__ = (
-        "plan", "prepaid", "all_visible_paid", "running_at_start", "refused_visible",
-        "preempted", "evicted", "slot_donors", "held_for_other_reasons", "borrow_admits",
-        "admitted_to_borrow", "adapters", "adapters_seen", "refused_for_prompts", "visible_now",
-    )
-
-    def __init__(
-        self,
-        plan: StepPlan,
-        prepaid: Container,
-        all_visible_paid: bool,
-        running_at_start: int,
-        borrow_admits: dict[str, int] | None = None,
-    ) -> None:
-        self.plan = plan
-        #: Decoding requests the plan already paid for.
-        self.prepaid = prepaid
-        #: Every visible request is paid for: vLLM's running loop skips the
-        #: charging check (its waiting loop never does).
-        self.all_visible_paid = all_visible_paid
-        #: len(self.running) when vLLM's step began: it appends its admissions.
-        self.running_at_start = running_at_start
-        #: Visible requests refused their sampling position (they free an
-        #: active slot for a waiting request).
-        self.refused_visible = 0
-        self.preempted: list[Request] = []
-        #: Requests evicted for quota, kept out of the waiting queue until
-        #: the step ends (re-admitted at once they would take back the slot).
-        self.evicted: list[Request] = []
-        self.slot_donors: set[str] = set()  # users who gave up a slot this step
-        #: A waiting request was held for a reason other than quota (a
-        #: grammar): the engine must not idle-wait after this step.
-        self.held_for_other_reasons = False
-        #: With borrowing: user -> waiting requests it may still have
-        #: admitted by borrowing (None: admission order is vLLM's).
-        self.borrow_admits = borrow_admits
-        #: Waiting requests admitted into a spare slot by borrowing, which
-        #: may borrow their sampled token.
-        self.admitted_to_borrow: set[Request] = set()
-        #: LoRA adapters of the resident requests and this step's admissions
-        #: (see AdapterHooks), built on first need; entries of running counted.
-        self.adapters: set[int] | None = None
-        self.adapters_seen = 0
-        #: Users refused for their prompt cost: behind every other user next.
-        self.refused_for_prompts: set[str] = set()
-        #: The requests offered to vLLM in this step, as a set, built on the
-        #: first displacement within a user (priority scheduling).
-        self.visible_now: set[Request] | None = None
 
 
 class _EvictingKVCacheManager:
@@ -1050,15 +858,10 @@ class _EvictingKVCacheManager:
 #: it runs for every scheduled request of every step.
 _stock_lookahead = Scheduler._reserve_prefill_lookahead
 _RUNNING = RequestStatus.RUNNING
-_NOTHING_PREPAID: frozenset = frozenset()
 # Waiting requests vLLM could admit in this step (not held for grammar,
 # remote KV or a streaming-input chunk).
 _ADMITTABLE = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
-# What max_num_active_reqs and the waiting-queue hooks see during a repeated
-# step: every resident request offered, none hidden, nobody throttled.
-_REPEAT_PLAN = StepPlan(
-    visible=[], hidden=0, over_cap=False, prepaid=_NOTHING_PREPAID, prefills=[], throttled=False
-)
+_PREEMPTED = RequestStatus.PREEMPTED
 
 
 class _SampledView:

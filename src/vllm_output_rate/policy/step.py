@@ -1,0 +1,530 @@
+"""One step's decisions, asked by an engine loop: :class:`StepPolicy`.
+
+The order in which an engine loop (vLLM's ``Scheduler.schedule`` through the
+adapter, or a model engine in the tests) must call it.  Between steps, as
+requests come and go: ``policy.on_add(request, user, resumable)`` on arrival,
+``policy.on_preempt(request, resumable)`` when the engine preempts one,
+``policy.on_free(request)`` when one finishes or is aborted.  Once per step::
+
+    decision = policy.begin(view, now_ns)         # 1. before anything is scheduled
+    running list = decision.visible               #    (None: every resident request)
+    for request in the running list:              # 2. the engine's running loop
+        n = decision.tokens_for(request, computed, new, running=True)
+        allocation fails -> decision.victim_for(request, running=True)
+            (a victim: it was evicted, retry; None: the engine's own preemption)
+    for request in the waiting queue:             # 3. the waiting loop (none after a preemption)
+        stop once len(running list) >= decision.active_cap()
+        if not decision.may_admit(request, preempted):  skip it (it keeps its place)
+        after the prefix-cache lookup:
+        if not decision.may_start(request, computed):   skip it
+        n = decision.tokens_for(request, computed, new, running=False)
+        allocation fails -> decision.victim_for(request, running=False), as above
+    policy.end(decision, outcome)                 # 4. the one settle
+    policy.idle_wait_ns()                         # 5. if the step scheduled nothing
+
+``decision.repeat`` is True for a step that repeats the last one (every
+resident stream offered and paid in bulk, see ``StepGate.steady``): the engine
+then offers every resident request in its own order and ``tokens_for`` need
+not be asked in its running loop (``decision.all_visible_paid``).
+
+Requests are the engine's own objects, used as keys; what the policy reads
+of one is :class:`StepRequest` (vLLM's ``Request`` has every member; a plain
+test object must too).  What the policy reads of the engine is
+:class:`EngineView` (the adapter's scheduler is one; nothing is copied).
+The decision has no effect outside the policy's own parts except through
+``view.evict`` (a request the policy chose to give way: the engine preempts
+it and keeps it out of the waiting queue until the step ends).
+
+Plain Python: no vLLM import.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Container, Hashable, Protocol, Sequence, cast
+
+from vllm_output_rate.policy.borrow import Borrowing
+from vllm_output_rate.policy.displacement import Displacement
+from vllm_output_rate.policy.drafts import DraftAccount
+from vllm_output_rate.policy.eviction import EvictionBudget
+from vllm_output_rate.policy.gate import StepGate
+from vllm_output_rate.policy.plan import StepPlan
+from vllm_output_rate.policy.prompt_cost import PromptCost
+from vllm_output_rate.policy.residency import Residency
+
+Key = Hashable
+
+__all__ = [
+    "EngineFacts",
+    "EngineView",
+    "REPEAT_PLAN",
+    "StepDecision",
+    "StepOutcome",
+    "StepPolicy",
+    "StepRequest",
+]
+
+
+class StepRequest(Protocol):
+    """What the policy reads of a request (hashable: it is the key)."""
+
+    @property
+    def request_id(self) -> str:
+        """The engine's id of the request."""
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus output tokens so far."""
+
+    @property
+    def num_computed_tokens(self) -> int:
+        """Positions whose KV is computed."""
+
+    @property
+    def num_output_placeholders(self) -> int:
+        """Tokens scheduled but not yet returned (async scheduling)."""
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Output tokens generated so far."""
+
+    @property
+    def max_tokens(self) -> int:
+        """Most output tokens it may generate."""
+
+    @property
+    def priority(self) -> int:
+        """Smaller is more important (priority scheduling only)."""
+
+    def __hash__(self) -> int: ...
+
+
+class EngineView(Protocol):
+    """What the policy reads of the engine during a step, and its one effector.
+
+    ``running`` is the engine's running list as the step sees it: the
+    requests offered at the start, then this step's admissions appended.
+    """
+
+    running: Sequence[Any]
+
+    def kv_room_for(self, request: Any) -> bool:
+        """Would ``request`` (evicted for quota earlier) fit into free KV now?"""
+
+    def evict(self, request: Any) -> None:
+        """Preempt ``request`` for quota now and hold it out of the waiting
+        queue until the step ends (the policy chose it to give way)."""
+
+
+class StepOutcome(Protocol):
+    """What the engine reports when a step ends (vLLM's ``SchedulerOutput``
+    has every member)."""
+
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    scheduled_spec_decode_tokens: dict[str, list[int]]
+
+
+class EngineFacts:
+    """What the policy needs to know of the engine it decides for."""
+
+    __slots__ = ("chunked_prefill", "priority_policy", "data_parallel", "sessions")
+
+    def __init__(self, chunked_prefill: bool, priority_policy: bool, data_parallel: bool) -> None:
+        self.chunked_prefill = chunked_prefill
+        self.priority_policy = priority_policy
+        self.data_parallel = data_parallel
+        #: A streaming-input session was seen: residency is then checked
+        #: after every step's output.
+        self.sessions = False
+
+
+#: What a repeated step's decision holds as its plan: every resident request
+#: offered, none hidden, nobody throttled.
+NOTHING_PREPAID: frozenset[Key] = frozenset()
+REPEAT_PLAN = StepPlan(
+    visible=[],
+    hidden=0,
+    over_cap=False,
+    prepaid=cast("set[Key]", NOTHING_PREPAID),  # never written: a step that repeats pays in bulk
+    prefills=[],
+    throttled=False,
+)
+
+
+class StepDecision:
+    """What one step has decided so far; answers the engine's in-step questions.
+
+    Made by :meth:`StepPolicy.begin`, settled by :meth:`StepPolicy.end`.
+    """
+
+    __slots__ = (
+        "policy", "view", "plan", "visible", "configured_cap", "max_resident", "prepaid", "all_visible_paid", "running_at_start",
+        "refused_visible", "preempted", "evicted", "slot_donors", "held_for_other_reasons",
+        "borrow_admits", "admitted_to_borrow", "adapters", "adapters_seen",
+        "refused_for_prompts", "visible_now",
+    )
+
+    def __init__(
+        self,
+        policy: StepPolicy,
+        view: EngineView,
+        plan: StepPlan,
+        prepaid: Container[Key],
+        all_visible_paid: bool,
+        running_at_start: int,
+        borrow_admits: dict[str, int] | None = None,
+        configured_cap: int = 0,
+        max_resident: int = 0,
+    ) -> None:
+        self.policy = policy
+        self.view = view
+        self.plan = plan
+        #: The running list the engine's loop sees in this step, in its
+        #: order (None: every resident request, as the engine holds them).
+        self.visible: list[Any] | None = None
+        #: The engine's configured active cap and its most resident requests.
+        self.configured_cap = configured_cap
+        self.max_resident = max_resident
+        #: Decoding requests the plan already paid for.
+        self.prepaid = prepaid
+        #: Every visible request is paid for: the engine's running loop may
+        #: skip asking :meth:`tokens_for` (its waiting loop never does).
+        self.all_visible_paid = all_visible_paid
+        #: len(view.running) when the engine's step began: it appends its admissions.
+        self.running_at_start = running_at_start
+        #: Visible requests refused their sampling position (they free an
+        #: active slot for a waiting request).
+        self.refused_visible = 0
+        self.preempted: list[Any] = []
+        #: Requests evicted for quota, kept out of the waiting queue until
+        #: the step ends (re-admitted at once they would take back the slot).
+        self.evicted: list[Any] = []
+        self.slot_donors: set[str] = set()  # users who gave up a slot this step
+        #: A waiting request was held for a reason other than quota (a
+        #: grammar): the engine must not idle-wait after this step.
+        self.held_for_other_reasons = False
+        #: With borrowing: user -> waiting requests it may still have
+        #: admitted by borrowing (None: admission order is the engine's).
+        self.borrow_admits = borrow_admits
+        #: Waiting requests admitted into a spare slot by borrowing, which
+        #: may borrow their sampled token.
+        self.admitted_to_borrow: set[Any] = set()
+        #: LoRA adapters of the resident requests and this step's admissions,
+        #: built on first need (the adapter's); entries of running counted.
+        self.adapters: set[int] | None = None
+        self.adapters_seen = 0
+        #: Users refused for their prompt cost: behind every other user next.
+        self.refused_for_prompts: set[str] = set()
+        #: The requests offered in this step, as a set, built on the first
+        #: displacement within a user (priority scheduling).
+        self.visible_now: set[Any] | None = None
+
+    @property
+    def repeat(self) -> bool:
+        """The step repeats the last one (see ``StepGate.steady``)."""
+        return self.plan is REPEAT_PLAN
+
+    # -- the engine's waiting loop ------------------------------------------
+
+    def may_admit(self, request: StepRequest, preempted: bool) -> bool:
+        """Asked in the engine's waiting loop, for a request the engine itself
+        would admit now: may it become resident in this step?  False: the
+        engine skips it and it keeps its place in the queue.
+
+        Residency (its user's cap; under priority its own less important
+        stream may give way), the slots freed for others in this step, the
+        user's quota for a request that samples at once, a preempted
+        stream's return, and a borrower's turn for a slot set aside for
+        borrowing."""
+        policy = self.policy
+        if not self._residency_admits(request):
+            return False  # waits un-admitted: its user's quota moves no more streams
+        ledger = policy.ledger
+        if self.slot_donors:
+            # Slots were freed in this step for requests that can run now:
+            # neither the donors' own requests nor anyone out of quota may
+            # take them instead.
+            return (
+                policy.lanes.user_of[request] not in self.slot_donors
+                and ledger.charge(request, take=False)
+            )
+        evicted = policy.evicted_for_quota
+        samples_at_once = (
+            not policy.facts.chunked_prefill
+            or request.num_tokens - request.num_computed_tokens <= 1
+        )
+        if samples_at_once:
+            if request in evicted and not self.view.kv_room_for(request):
+                return False
+            return ledger.charge(request, take=False)
+        if preempted:
+            # No re-admission thrash: a preempted stream comes back only while
+            # its user can pay now or is being served in this step (then it
+            # takes its turn in the user's rotation instead of starving).
+            # A borrower's preempted stream may also come back into a slot
+            # given to its user by borrowing (before its user's new requests:
+            # the engine puts it at the front of the queue); otherwise a
+            # borrower that gave a slot to another (policy/handover.py) would
+            # keep the stream out until its own rate paid for it.
+            if not (ledger.charge(request, take=False) or ledger.is_served_now(request)):
+                if self.borrow_admits is None or (
+                    request in evicted and not self.view.kv_room_for(request)
+                ):
+                    return False
+                return self._admit_to_borrow(request)
+            return request not in evicted or self.view.kv_room_for(request)
+        if self.borrow_admits is not None:
+            return self._admit_to_borrow(request)
+        return True
+
+    def _admit_to_borrow(self, request: StepRequest) -> bool:
+        """A waiting request that would only run by borrowing is admitted in
+        counter order (:meth:`Borrowing.admissions`), not in arrival order:
+        while its user has admissions left in this step.  Any other request
+        passes."""
+        admits = self.borrow_admits
+        assert admits is not None
+        policy = self.policy
+        user = policy.lanes.user_of[request]
+        borrowing = policy.gate.borrowing
+        assert borrowing is not None  # admissions by borrowing are counted only with it
+        if policy.ledger.quota_now(user) == 0 and borrowing.table.borrows(user):
+            left = admits.get(user, 0)
+            if left <= 0:
+                return False
+            admits[user] = left - 1
+            self.admitted_to_borrow.add(request)
+        return True
+
+    def _residency_admits(self, request: StepRequest) -> bool:
+        """May ``request`` become resident in this step (its user's cap)?"""
+        lanes = self.policy.lanes
+        user_of = lanes.user_of
+        user = user_of[request]
+        room = self.policy.residency.room(user, lanes.resident_count(user))
+        if room is None:
+            return True
+        if room <= 0:
+            return self._displace_own_stream(request)
+        # This step's admissions are not in the lanes yet.
+        admitted = 0
+        running = self.view.running
+        for index in range(self.running_at_start, len(running)):
+            if user_of.get(running[index]) == user:
+                admitted += 1
+                if admitted >= room:
+                    return self._displace_own_stream(request)
+        return True
+
+    def _displace_own_stream(self, request: StepRequest) -> bool:
+        """Priority scheduling: ``request``, kept out by its user's cap, may
+        take the place of a less important hidden stream of its own user
+        (``Displacement.own_stream_victim``).  True: it was made room for."""
+        if not self.policy.facts.priority_policy or self.plan is REPEAT_PLAN:
+            return False  # a repeated step hides nothing: no stream to give way
+        offered = self.visible_now
+        if offered is None:
+            offered = self.visible_now = set(self.view.running)
+        victim = self.policy.displacement.own_stream_victim(request, lambda r: r not in offered)
+        if victim is None:
+            return False
+        self.view.evict(victim)
+        self.plan.hidden -= 1  # its slot is the request's now
+        return True
+
+    def may_start(self, request: StepRequest, num_computed_tokens: int) -> bool:
+        """Asked in the engine's waiting loop after its prefix-cache lookup
+        (``num_computed_tokens`` includes the cached prefix): False if only
+        the sampling position is left and the user can pay neither from its
+        quota nor by borrowing (the engine skips it instead of stopping
+        admission for everybody behind it)."""
+        if request.num_tokens - num_computed_tokens > 1:
+            return True
+        policy = self.policy
+        if policy.ledger.charge(request, take=False):
+            return True
+        borrowing = policy.gate.borrowing
+        return (
+            request in self.admitted_to_borrow
+            and borrowing is not None
+            and borrowing.can_lend(policy.lanes.user_of[request], policy.ledger.now_ns)
+        )
+
+    # -- every scheduled request --------------------------------------------
+
+    def tokens_for(
+        self, request: StepRequest, num_computed_tokens: int, num_new_tokens: int, running: bool
+    ) -> int:
+        """Asked for every request the engine is about to schedule (running
+        loop, then waiting loop), before it allocates KV: how many of
+        ``num_new_tokens`` it may compute.  The user pays here for the token
+        the chunk samples (with prompt cost for its prompt positions; with
+        speculative decoding for its drafts), or the chunk is cut short of
+        the sampling position."""
+        raise NotImplementedError("the adapter still charges in ChargingHooks (moves in step 3)")
+
+    def victim_for(self, request: StepRequest, running: bool) -> Any | None:
+        """Asked when the engine could not allocate KV for ``request``: the
+        throttled request that gives way (the policy evicts it through
+        ``view.evict``), or None (the engine's own preemption decides)."""
+        raise NotImplementedError("the adapter still chooses in EvictionHooks (moves in step 4)")
+
+    def active_cap(self) -> int:
+        """Asked by the engine's waiting loop before each admission: how long
+        its running list may grow.  Throttled requests do not count as
+        active; never more than the most resident requests."""
+        plan = self.plan
+        if plan.over_cap:
+            return 0  # runnable requests were left out for lack of room
+        return min(self.configured_cap + self.refused_visible, self.max_resident - plan.hidden)
+
+
+class StepPolicy:
+    """Every per-step rule of one engine, over its parts.
+
+    Built once per engine from the settings' parts; :meth:`configure` (a
+    reload) swaps the features the settings ask for, keeping state.
+    """
+
+    def __init__(
+        self,
+        gate: StepGate,
+        facts: EngineFacts,
+        budget: EvictionBudget,
+        residency: Residency,
+        displacement: Displacement,
+        prompt_cost: PromptCost,
+        drafts: DraftAccount | None,
+        evicted_for_quota: set[Any],
+    ) -> None:
+        self.gate = gate
+        self.lanes = gate.lanes
+        self.ledger = gate.ledger
+        self.facts = facts
+        self.budget = budget
+        self.residency = residency
+        self.displacement = displacement
+        self.prompt_cost = prompt_cost
+        self.drafts = drafts
+        #: Requests preempted because their user was out of quota, until
+        #: they are resident again (they come back into free KV only).
+        self.evicted_for_quota = evicted_for_quota
+        #: After :meth:`end` of a step that ran nothing: seconds the engine
+        #: may wait for input (None: poll as usual).
+        self.idle_wait_s: float | None = None
+
+    @property
+    def borrowing(self) -> Borrowing | None:
+        return self.gate.borrowing
+
+    # -- membership, between steps ------------------------------------------
+
+    def on_add(self, request: Any, user: str, resumable: bool = False) -> None:
+        """A request arrived for ``user`` (``resumable``: a streaming-input session)."""
+        lanes = self.lanes
+        lanes.track(request, user)
+        if not self.facts.chunked_prefill and not resumable:
+            # Its first token comes with its whole prefill: it needs quota
+            # to be admitted, so it takes turns with its user's resident streams.
+            lanes.wait_in_turn(request)
+        if resumable:
+            # Streaming-input sessions need bookkeeping after each step;
+            # engines that never see one skip it.
+            self.facts.sessions = True
+
+    def on_preempt(self, request: Any, resumable: bool = False) -> None:
+        """The engine preempted a resident request (its own choice or ours)."""
+        self.lanes.release(request)
+        if not self.facts.chunked_prefill and not resumable:
+            self.lanes.wait_in_turn(request)  # as on arrival
+
+    def on_free(self, request: Any) -> None:
+        """A request finished or was aborted: forget it."""
+        self.lanes.forget(request)
+        self.evicted_for_quota.discard(request)
+
+    def begin(self, view: EngineView, now_ns: int) -> StepDecision:
+        """Asked first in every step, before anything is scheduled: which
+        requests the engine may look at, and the decision that answers its
+        in-step questions."""
+        raise NotImplementedError("the adapter still plans in OutputRateSchedulerMixin.schedule")
+
+    def decision(
+        self,
+        view: EngineView,
+        plan: StepPlan,
+        prepaid: Container[Key],
+        all_visible_paid: bool,
+        running_at_start: int,
+        borrow_admits: dict[str, int] | None = None,
+        configured_cap: int = 0,
+        max_resident: int = 0,
+    ) -> StepDecision:
+        """The decision of a step whose plan is made (``REPEAT_PLAN``: a
+        repeated step)."""
+        return StepDecision(
+            self, view, plan, prepaid, all_visible_paid, running_at_start, borrow_admits,
+            configured_cap, max_resident,
+        )
+
+    def end(self, decision: StepDecision, outcome: StepOutcome) -> None:
+        """Asked last in every step, with what the engine scheduled: keep
+        the prompt charges and drafts of what ran, refund the rest, earn the
+        recompute budget, and work out the idle wait (:attr:`idle_wait_s`).
+        The quota of the planned requests is settled before this
+        (``StepGate.settle`` / ``Ledger.settle_repeat``)."""
+        prompt_cost = self.prompt_cost
+        if prompt_cost.weight:
+            self._settle_prompt_cost(decision, outcome)
+        drafts = self.drafts
+        if drafts is not None:
+            self._settle_drafts(outcome)
+        self.budget.earn(len(outcome.num_scheduled_tokens))
+        if (
+            outcome.total_num_scheduled_tokens == 0
+            and not decision.held_for_other_reasons
+            and not self.facts.data_parallel
+        ):
+            wait_ns = self.gate.idle_wait_ns()
+            self.idle_wait_s = None if wait_ns is None else wait_ns / 1e9
+        else:
+            self.idle_wait_s = None
+
+    def idle_wait_ns(self) -> int | None:
+        """Asked after a step that ran nothing: how long the engine may wait
+        for input before the next user can run (None: no user was held)."""
+        wait_s = self.idle_wait_s
+        return None if wait_s is None else int(wait_s * 1e9)
+
+    def _settle_prompt_cost(self, decision: StepDecision, outcome: StepOutcome) -> None:
+        """Keep the prompt charges of what was scheduled, refund the rest, and
+        move the users refused for their prompt cost behind every other user.
+        Their prefills are offered for free; at the front of the order they
+        would take the visible room of the users behind them step after step
+        while paying off a debt (when the active cap is below the resident
+        requests)."""
+        prompt_cost = self.prompt_cost
+        if prompt_cost.step_charges:
+            num_scheduled = outcome.num_scheduled_tokens
+
+            def scheduled(request: Any) -> int:
+                return num_scheduled.get(request.request_id, 0)
+
+            prompt_cost.settle(scheduled, self.ledger.now_ns)
+        refused = decision.refused_for_prompts
+        if refused:
+            order = self.lanes.order
+            for user in refused:
+                if user in order:
+                    order.move_to_end(user)
+
+    def _settle_drafts(self, outcome: StepOutcome) -> None:
+        """The single refund point for drafts paid in this step."""
+        scheduled = outcome.num_scheduled_tokens
+        spec = outcome.scheduled_spec_decode_tokens
+
+        def drafts_dispatched(req_id: Any) -> int:
+            return len(spec.get(req_id, ())) if req_id in scheduled else 0
+
+        assert self.drafts is not None
+        self.drafts.settle_step(outcome, self.ledger.now_ns, drafts_dispatched)
