@@ -210,6 +210,17 @@ def test_unequal_service_lowers_jain_and_a_borrower_idle_at_one_read_leaves_that
     assert f["fairness_windows"][2]["backlogged_borrowers"] == 6
 
 
+def test_reads_before_the_engine_first_reported_a_borrower_do_not_empty_the_first_window():
+    w, run = hand_made_run({**EQUAL, "borrow-w2": 20.0, "borrow-w3": 30.0})
+    for read in run.reads[1:3]:  # the engine's first report comes at 3 s
+        read.backlog = {}
+    first = twin_figures(w, run, window_s=5.0)["fairness_windows"][0]
+    assert first["backlogged_borrowers"] == 6 and first["jain_equal_weight"] == pytest.approx(1.0)
+    for read in run.reads[1:7]:  # not a borrower in the engine before 6 s: nobody through (0, 5]
+        read.backlog = {}
+    assert twin_figures(w, run, window_s=5.0)["fairness_windows"][0]["backlogged_borrowers"] == 0
+
+
 def test_the_table_has_every_row_and_every_column_names_its_clock():
     w, run = hand_made_run({**EQUAL, "borrow-w2": 20.0, "borrow-w3": 30.0})
     f = twin_figures(w, run, window_s=10.0)

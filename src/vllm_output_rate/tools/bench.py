@@ -994,7 +994,10 @@ def _fairness_windows(workload: Any, reads: Sequence[EngineRead], t0: float, loa
     counters: service = output tokens charged between two reads, dated at the
     earlier one (so a window counts the intervals that began in it);
     backlogged = the engine held a request of the user at every read of the
-    window.  A window's reading is taken at the first read past its end."""
+    window.  A window's reading is taken at the first read past its end.
+    Reads before the engine first showed a borrower's request are left out:
+    the engine reports about once a second, so the load's first read or two
+    show it empty and would keep every borrower out of the first window."""
     from vllm_output_rate.policy.fairness import FairnessWindow, jain_index, largest_gap
 
     ns = 1_000_000_000
@@ -1004,10 +1007,19 @@ def _fairness_windows(workload: Any, reads: Sequence[EngineRead], t0: float, loa
     equal = sorted(u for u, w in workload.borrowers.items() if w == 1)
     rows = []
     boundary = window_s
+    reported = False
     for previous, read in zip(reads, reads[1:]):
         at = read.done - t0
         if previous.done - t0 >= load_s or boundary > load_s + 1e-9:
             break
+        reported = reported or any(read.backlog.get(u, 0) > 0 for u in workload.borrowers)
+        if not reported:
+            while at >= boundary and boundary <= load_s + 1e-9:  # ended before any report: nobody
+                rows.append({"end_s": boundary, "backlogged_borrowers": 0, "jain_equal_weight": None,
+                             "gap_equal_weight_tokens": None, "jain_weighted_all": None,
+                             "gap_weighted_all_tokens": None, "weighted_service": {}})
+                boundary += window_s
+            continue
         now = int(at * ns)
         began = int((previous.done - t0) * ns)
         for user in workload.borrowers:
