@@ -6,6 +6,10 @@ The real-server run is ``tests/server/test_bench_twin_server.py``.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import socket
+import threading
 from collections import Counter
 
 import pytest
@@ -236,3 +240,121 @@ def test_the_table_has_every_row_and_every_column_names_its_clock():
     assert f["capped_worst_ratio"] == 0.0
     assert "| 10 | 6 | 1.0000 | 0 |" in text and "| 20 | 6 |" in text
     assert "[engine counters; charged = output + prompt cost]" in text
+
+
+# -- the whole run against a fake engine (no vLLM) ---------------------------------------
+
+
+class FakeEngine:
+    """An OpenAI-compatible streaming server whose /metrics counts, per user, the
+    tokens it sent (as charged), its requests in flight, and all tokens generated."""
+
+    def __init__(self, per_user_series: bool = True) -> None:
+        self.per_user_series = per_user_series
+        self.sent: Counter = Counter()
+        self.in_flight: Counter = Counter()
+        self.bodies: list = []
+
+    def app(self):
+        import json as _json
+
+        from aiohttp import web
+
+        async def models(request):
+            return web.json_response({"object": "list", "data": [{"id": "fake"}]})
+
+        async def completions(request):
+            body = await request.json()
+            self.bodies.append(body)
+            user = body["vllm_xargs"]["output_rate_user"]
+            self.in_flight[user] += 1
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await response.prepare(request)
+            try:
+                for i in range(body["max_tokens"]):
+                    last = i == body["max_tokens"] - 1
+                    choice = {"index": 0, "text": "x", "token_ids": [100 + i], "finish_reason": "length" if last else None}
+                    await response.write(f"data: {_json.dumps({'choices': [choice]})}\n\n".encode())
+                    self.sent[user] += 1
+                    await asyncio.sleep(0.005)
+                await response.write(b"data: [DONE]\n\n")
+            except ConnectionResetError:  # the client cancelled: nothing more to send
+                pass
+            finally:
+                self.in_flight[user] -= 1
+            return response
+
+        async def metrics(request):
+            lines = [f'vllm:generation_tokens_total{{model_name="fake"}} {sum(self.sent.values())}',
+                     f'vllm:num_requests_running{{model_name="fake"}} {sum(self.in_flight.values())}',
+                     'vllm:num_requests_waiting{model_name="fake"} 0']
+            if self.per_user_series:
+                for user, n in self.sent.items():
+                    lines.append(f'vllm:output_rate_output_tokens_charged_total{{model_name="fake",user="{user}"}} {n}')
+                for user, n in self.in_flight.items():
+                    lines.append(f'vllm:output_rate_requests{{model_name="fake",state="active",user="{user}"}} {n}')
+            return web.Response(text="\n".join(lines) + "\n")
+
+        app = web.Application()
+        app.router.add_get("/v1/models", models)
+        app.router.add_post("/v1/completions", completions)
+        app.router.add_get("/metrics", metrics)
+        return app
+
+
+@contextlib.contextmanager
+def serving(fake: FakeEngine):
+    from aiohttp import web
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    loop = asyncio.new_event_loop()
+    ready = threading.Event()
+
+    def serve():
+        asyncio.set_event_loop(loop)
+        runner = web.AppRunner(fake.app(), access_log=None)
+        loop.run_until_complete(runner.setup())
+        loop.run_until_complete(web.SockSite(runner, sock).start())
+        ready.set()
+        loop.run_forever()
+        loop.run_until_complete(runner.cleanup())
+        loop.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    assert ready.wait(10)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+
+
+FAKE_SCENARIO = ["--scenario", "twin", "--concurrency", "2", "--users", "20", "--length-scale", "0.05",
+                 "--capacity", "2000", "--duration", "1", "--fairness-window", "0.5", "--read-every", "0.1"]
+
+
+def test_a_run_sends_the_workload_cancels_at_the_end_and_counts_what_the_engine_counted(tmp_path, capsys):
+    fake = FakeEngine()
+    with serving(fake) as url:
+        doc = bench.main(["--url", url, *FAKE_SCENARIO, "--json", str(tmp_path / "t.json")])
+    f = doc["figures"]
+    # every request the engine saw was recorded (some cancelled at the end before they reached it)
+    assert f["settled"] and f["requests"]["finished"] <= len(fake.bodies) <= f["requests"]["sent"]
+    for user in ("cap-0", "cap-1", "cap-2", "cap-3"):
+        assert f["capped"][user]["output_tokens"] == fake.sent[user] > 0  # the engine's count, exactly
+    assert {b["vllm_xargs"]["output_rate_user"] for b in fake.bodies} >= {"cap-0", "borrow-w3", "grp-1"}
+    prompts = [b["prompt"] for b in fake.bodies]
+    assert all(isinstance(p, list) and p and all(10 <= t < 680 for t in p) for p in prompts)  # token ids
+    assert [w["end_s"] for w in f["fairness_windows"]] == [0.5, 1.0]
+    assert all(0 <= w["backlogged_borrowers"] <= 6 for w in f["fairness_windows"])
+    assert f["in_quota_first_token_ms"]["requests"] > 0
+    assert not sum(fake.in_flight.values())  # the load's last requests were cancelled, not left running
+    assert "no per-user counters" not in capsys.readouterr().out
+
+
+def test_an_engine_without_the_plugin_is_said_to_have_no_per_user_counters(capsys):
+    with serving(FakeEngine(per_user_series=False)) as url:
+        bench.main(["--url", url, *FAKE_SCENARIO])
+    assert "no per-user counters" in capsys.readouterr().out

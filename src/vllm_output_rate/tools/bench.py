@@ -1166,6 +1166,9 @@ def twin_main(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
              f"{figures['requests'][HTTP_ERROR] + figures['requests'][ERROR]})  /metrics reads={len(run.reads)}")
     print(format_twin_table(figures, title))
     lag = loop_lag_summary(run.loop_lag_s)
+    if not run.reads[-1].output:
+        print(f"\nwarning: {url}/metrics has no per-user counters ({CHARGED_TOKENS}): is the plugin on? "
+              "Every capped and fairness figure above is then empty")
     if not run.settled:
         print("\nwarning: the engine was not empty (or its counters still moved) when the reads ended: "
               "totals may be short")
