@@ -11,6 +11,7 @@ import random
 
 import pytest
 
+from vllm_output_rate_harness.scheduler_sim import MS, Harness
 from vllm_output_rate_harness.twin import S, GpuCostModel, Job, TwinEngine, Workload, max_in_window, run_lockstep
 
 COST = GpuCostModel("test GPU", "test model", 4.0, 0.05, 0.03)
@@ -82,3 +83,57 @@ def test_the_clock_is_the_cost_models():
     # fairness readings exist once per simulated second and see the two backlogged borrowers
     assert len(ours.fairness_readings) >= DURATION_S - 1
     assert all(r.backlogged_users == 2 for _, r in ours.fairness_readings[1:])
+
+
+# -- issue 44: why the twin's plugin made a fraction of stock's tokens --------------------------
+# Two defects where borrowing meets prompt cost, each reproduced on the real scheduler with a
+# fake clock (10 ms a step).  Borrowers at a low guaranteed rate with prompt cost on are the
+# twin's workload; with `input_token_weight: 0` both cases run every slot, as stock does.
+
+PROMPT_COST_BORROWERS = {u: {"rate": 5, "ceil": None, "weight": 1} for u in ("b1", "b2")}
+
+
+def _borrowers_with_prompt_cost(users: dict, weight: float, **harness) -> Harness:
+    limits = {"default_user_output_tokens_per_second": 1000, "user_output_tokens_per_second": users,
+              "input_token_weight": weight}
+    return Harness(limits, num_blocks=400, max_num_batched_tokens=256, **harness)
+
+
+def _samples_per_step(h: Harness, steps: int) -> list[int]:
+    counts = []
+    for _ in range(steps):
+        counts.append(len(h._sampling_ids(h.step(10 * MS))))
+    h.drain()
+    return counts
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "issue 44: policy/demand.waiting_demand counts a borrower's waiting requests as admissions "
+    "(room set aside before borrowed streams) although prompt cost refuses them (a borrower out of "
+    "quota cannot pay a prompt: PromptCost.can_pay); the room stays empty and the resident "
+    "streams that would have borrowed it do not run (the twin at 256 running: each borrower 46 tokens in 4 "
+    "simulated s; with these requests left uncounted 620-810)"))
+def test_borrowers_waiting_prompts_that_prompt_cost_refuses_take_no_room_from_borrowed_streams():
+    # b1 and b2 each hold one resident stream (admitted on their burst) and 9 waiting requests;
+    # 16 resident slots, 8 active: the waiting requests ask for more room than the step has.
+    h = _borrowers_with_prompt_cost(PROMPT_COST_BORROWERS, 0.01, max_num_seqs=16, max_num_active_seqs=8)
+    for _ in range(10):
+        h.add("b1", prompt_len=32, max_tokens=400)
+        h.add("b2", prompt_len=32, max_tokens=400)
+    counts = _samples_per_step(h, 60)
+    # Nothing else runs: both resident streams borrow a token every step (today: their 5 tok/s).
+    assert min(counts[10:]) >= 2, counts
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "issue 44: with prompt cost a borrower's new request is admitted only when its guaranteed rate "
+    "has a token left (design.md: 'it waits for its rate'), and the plan spends that rate on the "
+    "user's decoding streams first, so while one of its streams decodes none of its waiting "
+    "requests is admitted: free slots stay empty though borrowing is unbounded (no ceiling)"))
+def test_a_lone_borrower_with_prompt_cost_fills_the_free_slots():
+    h = _borrowers_with_prompt_cost({"b": {"rate": 5, "ceil": None, "weight": 1}}, 0.01, max_num_seqs=8)
+    for _ in range(8):
+        h.add("b", prompt_len=32, max_tokens=400)
+    counts = _samples_per_step(h, 60)
+    # Stock, and ours at weight 0: all 8 requests sample every step.  Today: 1 of 8.
+    assert min(counts[10:]) == 8, counts
