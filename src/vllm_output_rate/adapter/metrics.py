@@ -100,6 +100,7 @@ from vllm_output_rate.policy.monitor import (
     BORROWED,
     CEIL,
     CHARGED,
+    FAIRNESS_KEYS,
     LIMIT,
     PROMPT,
     RESIDENCY_CAP,
@@ -113,7 +114,6 @@ from vllm_output_rate.policy.monitor import (
     WAITING,
     WEIGHT,
 )
-from vllm_output_rate.policy.monitor import FAIRNESS_KEYS
 from vllm_output_rate.settings import MODES as OUTPUT_RATE_MODES
 from vllm_output_rate.stores.backend import MODES as STORE_MODES
 
