@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import socket
 import threading
 from collections import Counter
@@ -104,6 +105,16 @@ def test_dry_run_writes_the_limits_and_prints_how_to_serve_them(tmp_path, capsys
     out = capsys.readouterr().out
     assert path.exists() and "--max-num-seqs 32 --max-num-active-seqs 16" in out and str(path) in out
     assert "30 configured users" in out
+
+
+def test_the_limits_can_be_printed_and_the_tail_sent_alone(capsys):
+    bench.main(["--scenario", "twin", "--concurrency", "4", "--users", "13", "--limits-out", "-", "--dry-run"])
+    out = capsys.readouterr().out
+    assert json.loads(out[out.index("{"):])["user_output_tokens_per_second"]["u00000"] == LIGHT_RATE
+    args = bench.build_parser().parse_args(["--scenario", "twin", "--users", "300", "--tail-only"])
+    alone, together = bench.twin_workload(args, 30.0), build_twin_workload(256, users=300, duration_s=30.0)
+    assert alone.arrivals == together.arrivals and alone.limits == together.limits
+    assert not alone.streams and not alone.capped and not alone.borrowers
 
 
 def test_user_streams_and_the_scenario_exclude_each_other(capsys):
@@ -256,8 +267,6 @@ class FakeEngine:
         self.bodies: list = []
 
     def app(self):
-        import json as _json
-
         from aiohttp import web
 
         async def models(request):
@@ -274,7 +283,7 @@ class FakeEngine:
                 for i in range(body["max_tokens"]):
                     last = i == body["max_tokens"] - 1
                     choice = {"index": 0, "text": "x", "token_ids": [100 + i], "finish_reason": "length" if last else None}
-                    await response.write(f"data: {_json.dumps({'choices': [choice]})}\n\n".encode())
+                    await response.write(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
                     self.sent[user] += 1
                     await asyncio.sleep(0.005)
                 await response.write(b"data: [DONE]\n\n")

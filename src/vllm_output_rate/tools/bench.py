@@ -719,11 +719,14 @@ def add_twin_arguments(parser: argparse.ArgumentParser) -> None:
                        help="multiply every prompt and output length (default 1; 0.1 fits a 512-token model)")
     group.add_argument("--kv-pressure", action="store_true",
                        help="heavy users send 384-512 prompt and 1,000-1,500 output tokens (times --length-scale)")
+    group.add_argument("--tail-only", action="store_true",
+                       help="send only the long tail's requests (the same ones): the baseline its "
+                       "first-token times are compared with")
     group.add_argument("--fairness-window", type=_positive_float, default=DEFAULT_FAIRNESS_WINDOW_S,
                        metavar="SECONDS", help=f"window of Jain's index and the service gap (default {DEFAULT_FAIRNESS_WINDOW_S:g})")
     group.add_argument("--read-every", type=_positive_float, default=DEFAULT_READ_EVERY_S, metavar="SECONDS",
                        help=f"read the engine's /metrics this often (default {DEFAULT_READ_EVERY_S:g})")
-    group.add_argument("--limits-out", metavar="FILE", help="write the scenario's limits file here")
+    group.add_argument("--limits-out", metavar="FILE", help="write the scenario's limits file here ('-': print it)")
     group.add_argument("--dry-run", action="store_true",
                        help="write --limits-out, print the workload and the serve flags, send nothing")
 
@@ -732,12 +735,15 @@ def twin_workload(args: argparse.Namespace, duration_s: float):
     from vllm_output_rate.tools.workload import build_twin_workload
 
     try:
-        return build_twin_workload(
+        workload = build_twin_workload(
             args.concurrency, users=args.users, duration_s=duration_s, seed=args.seed,
             capacity_tok_s=args.capacity, light_share=args.light_share, length_scale=args.length_scale,
             kv_pressure=args.kv_pressure)
     except ValueError as exc:
         raise BenchError(str(exc)) from None
+    if args.tail_only:  # the twin's "alone": the same long-tail requests, nobody else sending
+        workload.streams, workload.capped, workload.borrowers = {}, {}, {}
+    return workload
 
 
 def describe_workload(workload, duration_s: float) -> str:
@@ -1139,7 +1145,9 @@ def twin_main(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     except BenchError as exc:
         _fail(str(exc), 2)
     print(describe_workload(workload, duration_s))
-    if args.limits_out:
+    if args.limits_out == "-":
+        print(workload.limits_text(), end="")
+    elif args.limits_out:
         path = Path(args.limits_out)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(workload.limits_text())
@@ -1180,7 +1188,8 @@ def twin_main(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
         "config": {"url": url, "model": run.model, "duration_s": duration_s, "concurrency": workload.concurrency,
                    "users": len(workload.users), "seed": workload.seed, "length_scale": args.length_scale,
                    "capacity_tok_s": args.capacity, "light_share": args.light_share,
-                   "kv_pressure": args.kv_pressure, "read_every_s": args.read_every},
+                   "kv_pressure": args.kv_pressure, "tail_only": args.tail_only,
+                   "read_every_s": args.read_every},
         "clocks": {"rates": f"{ENGINE}: /metrics deltas over seconds of the client's clock",
                    "first_token": f"{CLIENT}: first token received minus request sent"},
         "client": lag,
