@@ -111,7 +111,7 @@ class TwinEngine(Harness):
                  max_num_seqs: int, num_blocks: int, max_num_active_seqs: int | None = None,
                  max_num_batched_tokens: int = 8192,
                  max_model_len: int = 2048, watch: Iterable[str] = (), fairness_window_s: float = 10.0,
-                 borrowers: Mapping[str, float] | None = None) -> None:
+                 borrowers: Mapping[str, float] | None = None, measure_from_s: float = 0.0) -> None:
         super().__init__(limits, async_=async_, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
                          max_num_active_seqs=max_num_active_seqs,
                          max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
@@ -120,6 +120,9 @@ class TwinEngine(Harness):
         self.cost = cost
         self.shadow = None  # bounds are checked from the outside, on the token times
         self.ours = limits is not None
+        #: What a computed prompt token costs this engine's users (stock: charged as the workload's
+        #: limits would, to compare with the same figure).
+        self.input_token_weight = None if limits is None else float(limits.get("input_token_weight", 0))
         self._reqs: dict[str, _Req] = {}
         self._open: dict[str, int] = {}  # user -> unfinished requests
         self.finished_streams: list[tuple[str, int, int]] = []  # (user, stream, finish ns)
@@ -127,6 +130,12 @@ class TwinEngine(Harness):
         self.sample_times: dict[str, list[int]] = {u: [] for u in self.watch}
         self.output_tokens: dict[str, int] = {}
         self.prompt_charged: dict[str, int] = {}
+        # The same from measure_from_s on (the warm-up left out): every stream's first prompt
+        # arrives at t = 0, and the prefill-bound steps until they are computed give each
+        # stream at most one token a step, whatever its user's limit.
+        self.measure_from_ns = int(measure_from_s * S)
+        self.output_measured: dict[str, int] = {}
+        self.prompt_measured: dict[str, int] = {}
         self.first_token_ms: dict[str, list[float]] = {}
         self.borrowers = dict(borrowers or {})
         self.fairness = FairnessWindow(int(fairness_window_s * S))
@@ -190,6 +199,9 @@ class TwinEngine(Harness):
                 reached = min(after, prompt_len)
                 if reached > rec.prompt_charged:
                     self.prompt_charged[rec.user] = self.prompt_charged.get(rec.user, 0) + reached - rec.prompt_charged
+                    if now >= self.measure_from_ns:
+                        self.prompt_measured[rec.user] = (self.prompt_measured.get(rec.user, 0)
+                                                          + reached - rec.prompt_charged)
                     rec.prompt_charged = reached
             if not request.is_prefill_chunk:
                 sampling.append(rid)
@@ -237,6 +249,8 @@ class TwinEngine(Harness):
                 if n:
                     user = rec.user
                     self.output_tokens[user] = self.output_tokens.get(user, 0) + n
+                    if dispatched_ns >= self.measure_from_ns:
+                        self.output_measured[user] = self.output_measured.get(user, 0) + n
                     if user in self.watch:
                         self.sample_times[user].extend([dispatched_ns] * n)  # charged at dispatch
                     if user in self.borrowers:
@@ -342,7 +356,8 @@ def percentile(values: Sequence[float], q: float) -> float | None:
 
 
 def summary(e: TwinEngine, workload: Workload, duration_s: float, decode_step_ms: float) -> dict:
-    """Figures of one engine's run (JSON-ready)."""
+    """Figures of one engine's run (JSON-ready).  ``measured``: throughput and the capped
+    users' charged tokens from the engine's ``measure_from_s`` to ``duration_s`` only."""
     busy = [i for i, g in enumerate(e.gpu_ms) if g > 0]
     cpu_us = [e.cpu_ns[i] / 1000 for i in busy]
     gpu_ms = [e.gpu_ms[i] for i in busy]
@@ -385,6 +400,18 @@ def summary(e: TwinEngine, workload: Workload, duration_s: float, decode_step_ms
     if capped:
         ratios = [c["achieved_over_limit"] for c in capped.values()]
         row["capped_worst_ratio"] = max(ratios, key=lambda r: abs(r - 1))
+    span = duration_s - e.measure_from_ns / S
+    if span > 0:
+        measured: dict = {"from_s": e.measure_from_ns / S, "to_s": duration_s,
+                          "output_tokens": sum(e.output_measured.values()),
+                          "throughput_tok_s": sum(e.output_measured.values()) / span, "capped": {}}
+        for user, limit in workload.capped.items():
+            weight = workload.input_token_weight if e.input_token_weight is None else e.input_token_weight
+            charged = e.output_measured.get(user, 0) + weight * e.prompt_measured.get(user, 0)
+            measured["capped"][user] = charged / (limit * span)
+        if measured["capped"]:
+            measured["capped_worst_ratio"] = max(measured["capped"].values(), key=lambda r: abs(r - 1))
+        row["measured"] = measured
     windows = []
     equal = sorted(u for u, w in workload.borrowers.items() if w == 1)
     for t, reading in e.fairness_readings:
