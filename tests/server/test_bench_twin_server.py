@@ -78,7 +78,9 @@ def _wait_empty(server) -> measure.Samples:
     deadline = time.monotonic() + 60
     while True:
         samples = _metrics(server)
-        if not measure.metric_sum(samples, measure.RUNNING_GAUGE) and not measure.metric_sum(samples, measure.WAITING_GAUGE):
+        busy = (measure.metric_sum(samples, measure.RUNNING_GAUGE) or 0) + (
+            measure.metric_sum(samples, measure.WAITING_GAUGE) or 0)
+        if not busy:
             time.sleep(1.5)  # the last per-user report reaches /metrics
             return _metrics(server)
         assert time.monotonic() < deadline, "engine did not drain"

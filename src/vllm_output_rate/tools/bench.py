@@ -708,7 +708,8 @@ def add_twin_arguments(parser: argparse.ArgumentParser) -> None:
                        help=f"running requests the engine is sized for: streams and rates scale with it "
                        f"(default {DEFAULT_CONCURRENCY})")
     group.add_argument("--users", type=int, default=DEFAULT_TWIN_USERS, metavar="N",
-                       help=f"configured users in all, twelve named ones and a long tail (default {DEFAULT_TWIN_USERS:,})")
+                       help="configured users in all, twelve named ones and a long tail "
+                       f"(default {DEFAULT_TWIN_USERS:,})")
     group.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     group.add_argument("--capacity", type=_positive_float, metavar="TOK_S",
                        help="the engine's output tokens per second, which sets the long tail's arrival rate "
@@ -723,7 +724,8 @@ def add_twin_arguments(parser: argparse.ArgumentParser) -> None:
                        help="send only the long tail's requests (the same ones): the baseline its "
                        "first-token times are compared with")
     group.add_argument("--fairness-window", type=_positive_float, default=DEFAULT_FAIRNESS_WINDOW_S,
-                       metavar="SECONDS", help=f"window of Jain's index and the service gap (default {DEFAULT_FAIRNESS_WINDOW_S:g})")
+                       metavar="SECONDS",
+                       help=f"window of Jain's index and the service gap (default {DEFAULT_FAIRNESS_WINDOW_S:g})")
     group.add_argument("--read-every", type=_positive_float, default=DEFAULT_READ_EVERY_S, metavar="SECONDS",
                        help=f"read the engine's /metrics this often (default {DEFAULT_READ_EVERY_S:g})")
     group.add_argument("--limits-out", metavar="FILE", help="write the scenario's limits file here ('-': print it)")
@@ -752,7 +754,8 @@ def describe_workload(workload, duration_s: float) -> str:
     for _, user, _, _ in workload.arrivals:
         per_user[user] = per_user.get(user, 0) + 1
     busiest = max(per_user.values(), default=0)
-    return (f"twin workload (seed {workload.seed}, R={workload.concurrency}): {len(workload.users):,} configured users; "
+    return (f"twin workload (seed {workload.seed}, R={workload.concurrency}): "
+            f"{len(workload.users):,} configured users; "
             f"{workload.stream_count} closed-loop streams of {len(workload.streams)} heavy users; "
             f"{len(workload.arrivals)} open-loop requests in {duration_s:g} s from {light_users} of the long tail "
             f"(the busiest sends {busiest})")
