@@ -91,6 +91,52 @@ def test_hand_over_gives_no_slot_to_a_borrower_its_ceiling_already_binds(async_)
     assert sum(rates) >= sum(_tokens_per_second(off, arrived + STEPS_PER_S)) - R_CEIL
 
 
+# -- 1b. admissions give no free slot to a borrower its ceiling already binds ----------
+
+
+def _admissions_with_a_ceiling_bound_borrower(async_: bool):
+    """y {rate 1, no ceiling, weight 1} has 60 requests of 100 tokens queued
+    and fills the 8 slots; then x {rate 1, ceil 20, weight 3} arrives with 8
+    long streams.  Every slot that frees up (one of y's requests ends about
+    every 0.14 s) goes to a waiting borrower by admissions.  Returns the
+    harness and the step x arrived in."""
+    config = limits(
+        1,
+        x={"rate": 1, "ceil": R_CEIL, "weight": 3},
+        y={"rate": 1, "ceil": None, "weight": 1},
+    )
+    h = Harness(config, max_num_seqs=SLOTS, async_=async_)
+    for _ in range(60):
+        h.add("y", max_tokens=100)
+    for _ in range(20):
+        h.step(10 * MS)
+    arrived = len(h.sampled_log)
+    for _ in range(SLOTS):
+        h.add("x", max_tokens=1000)
+    for _ in range(600):  # y's queue lasts about 8 s more: backlogged throughout
+        h.step(10 * MS)
+        assert resident_of(h, "x") <= math.ceil(R_CEIL / STEPS_PER_S) + 1
+    h.check_resident_consistent()
+    return h, arrived
+
+
+@pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
+def test_admissions_give_no_free_slot_to_a_borrower_its_ceiling_already_binds(async_):
+    """x's ceiling pays at most 20 tok/s, which one slot carries (one token
+    per 10 ms step), so while y is backlogged a slot freed by y goes back to
+    y unless x could use it (``Borrowing.admissions`` asks each borrower's
+    cap, as the hand-over does).  So x never holds more than ``ceil(20 /
+    100) + 1 = 2`` slots, and from the second second after x arrives the
+    engine samples at least ``(8 - 1) x 100 = 700`` tokens in every second.
+
+    Before the fix (a8c8dad): x, least weighted service, won the freed
+    slots one after another, held 7 to 8 of them within 6 s, and the engine
+    made 682, 460, 320, 300, 220, 200 tokens in its first seconds (sync)."""
+    h, arrived = _admissions_with_a_ceiling_bound_borrower(async_)
+    rates = _tokens_per_second(h, arrived + STEPS_PER_S)
+    assert min(rates) >= (SLOTS - 1) * STEPS_PER_S, rates
+
+
 # -- 2. borrowing room is not reserved for requests residency will not admit ----------
 
 

@@ -317,6 +317,53 @@ def test_admissions_give_the_least_weighted_service_each_slot_within_the_slots(u
     assert len(order) == min(max(slots, 0), sum(len(queued[u]) for u in names if not users[names.index(u)][4]))
 
 
+@settings(max_examples=60)
+@given(
+    users=st.lists(
+        st.tuples(
+            st.integers(1, 4),  # weight
+            st.integers(0, 6),  # waiting requests
+            st.integers(0, 200),  # what its resident requests may still output
+            st.one_of(st.none(), st.integers(0, 4)),  # streams its cap would feed (None: any)
+        ),
+        min_size=1, max_size=5,
+    ),
+    slots=st.integers(0, 20),
+)
+def test_admissions_serve_users_their_cap_would_feed_before_the_others(users, slots):
+    """Issue 43: a borrower whose ceiling binds gets a free slot only when no
+    borrower its cap would feed has a request left; nothing else changes."""
+    names = [f"u{i}" for i in range(len(users))]
+    b = _borrowing({n: u[0] for n, u in zip(names, users)})
+    queued = {n: [10] * u[1] for n, u in zip(names, users)}
+    committed = {n: u[2] for n, u in zip(names, users)}
+    usable = {n: u[3] for n, u in zip(names, users)}
+    order = b.admissions(queued, committed, slots, usable)
+    # As many slots handed out as without the question (work-conserving).
+    assert len(order) == len(b.admissions(queued, committed, slots))
+    given: dict[str, int] = {}
+    beyond_seen = False
+    for user in order:
+        n = given.get(user, 0)
+        given[user] = n + 1
+        most = usable[user]
+        beyond = most is not None and n >= most
+        # Once a slot went beyond a cap, no user with room under its cap and
+        # a request left is served again.
+        assert beyond or not beyond_seen, (order, usable)
+        beyond_seen = beyond_seen or beyond
+    if beyond_seen:
+        for name in names:
+            most = usable[name]
+            assert given.get(name, 0) == len(queued[name]) or (
+                most is not None and given.get(name, 0) >= most
+            )
+    # Without caps to ask (every user None), the order is the old one.
+    assert b.admissions(queued, committed, slots, dict.fromkeys(names)) == b.admissions(
+        queued, committed, slots
+    )
+
+
 def test_slots_freed_together_are_spread_by_weight():
     b = _borrowing({"p": 1, "q": 2, "r": 3, "s": 4})
     queued = {u: [20] * 50 for u in "pqrs"}

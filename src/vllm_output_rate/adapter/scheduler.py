@@ -386,7 +386,10 @@ class BorrowingHooks:
         admits: dict[str, int] = {}
         if admissions:
             committed = self._committed_output(queued)
-            for user in self._borrowing.admissions(queued, committed, admissions):
+            borrowing = self._borrowing
+            lanes, ledger = self._lanes, self._ledger
+            usable = {u: borrowing.streams_it_could_add(lanes, ledger, u) for u in queued}
+            for user in borrowing.admissions(queued, committed, admissions, usable):
                 admits[user] = admits.get(user, 0) + 1
         if receiver is not None:
             admits[receiver] = admits.get(receiver, 0) + 1

@@ -354,6 +354,20 @@ class Borrowing:
             return False
         return not table.ceiled(user) or (self.cap is not None and self.cap.available(user, now_ns) > 0)
 
+    def streams_it_could_add(self, lanes: Lanes, ledger: Ledger, user: str) -> int | None:
+        """How many more resident streams of ``user`` its cap would feed a
+        token in this step, beyond its hidden decoding streams (those the
+        step did not pay for, which borrow first); None: no ceiling, any
+        number.  0 for a user that does not borrow."""
+        table = self.table
+        if not table.borrows(user):
+            return 0
+        cap = self.cap
+        if not table.ceiled(user) or cap is None:
+            return None
+        hidden = unpaid_decoding(lanes, ledger.prepaid, user)
+        return max(0, cap.available(user, ledger.now_ns) - hidden)
+
     def could_borrow_another(self, lanes: Lanes, ledger: Ledger, user: str) -> bool:
         """Would one more resident stream of ``user`` borrow in this step?
 
@@ -363,16 +377,8 @@ class Borrowing:
         nothing from another slot: the slot would only spread the same
         ceiling over more streams, while the user giving it up loses a
         stream's every token (issue 43).  No ceiling: any slot is used."""
-        table = self.table
-        if not table.borrows(user):
-            return False
-        if not table.ceiled(user):
-            return True
-        cap = self.cap
-        if cap is None:
-            return True
-        hidden = unpaid_decoding(lanes, ledger.prepaid, user)
-        return cap.available(user, ledger.now_ns) > hidden
+        more = self.streams_it_could_add(lanes, ledger, user)
+        return more is None or more > 0
 
     def lend(self, user: str, key: Key, now_ns: int) -> bool:
         """Borrow the sampled token of a request of ``user`` given a slot by
@@ -394,7 +400,11 @@ class Borrowing:
         return True
 
     def admissions(
-        self, queued: Mapping[str, Sequence[int]], committed: Mapping[str, int], slots: int
+        self,
+        queued: Mapping[str, Sequence[int]],
+        committed: Mapping[str, int],
+        slots: int,
+        usable: Mapping[str, int | None] | None = None,
     ) -> list[str]:
         """Which borrowing users' waiting requests take ``slots`` free resident
         slots.  ``queued`` maps each user whose waiting requests would only
@@ -415,8 +425,16 @@ class Borrowing:
         between a group's members.  A user or group that is not a current
         borrower starts at the smallest counter of its scope (no banked
         credit), as in :meth:`offer`.  Ties go to the user that appears
-        first.  Returns one user per admission, in the order chosen;
-        nothing is changed."""
+        first.
+
+        ``usable`` (see :meth:`streams_it_could_add`) maps a user to how
+        many more streams its cap would feed now (None or absent: any).  A
+        user given that many competes for the slots left over only after
+        every user that could still use one (issue 43: a borrower whose
+        ceiling binds would spread the same ceiling over more streams while
+        the slot could carry another borrower's every token); the order
+        among those is the same counter order.  Returns one user per
+        admission, in the order chosen; nothing is changed."""
         if slots <= 0 or not queued:
             return []
         table = self.table
@@ -424,7 +442,14 @@ class Borrowing:
         floors = self._floors()
         #: group -> its counter plus what it is committed to, per group weight.
         group_keys: dict[str, float] = {}
-        heap: list[tuple[float, float, int, str, int]] = []
+        most_of = {} if usable is None else usable
+
+        def tier(user: str, given: int) -> int:
+            """0 while the user's cap would feed another stream, else 1."""
+            most = most_of.get(user)
+            return 0 if most is None or given < most else 1
+
+        heap: list[tuple[int, float, float, int, str, int]] = []
         for index, (user, costs) in enumerate(queued.items()):
             if not costs or not table.borrows(user):
                 continue
@@ -432,19 +457,19 @@ class Borrowing:
             key = self._start(user, floors) + committed.get(user, 0) / weight
             group = group_of(user)
             if group is None:
-                heap.append((key, key, index, user, 0))
+                heap.append((tier(user, 0), key, key, index, user, 0))
                 continue
             if group not in group_keys:
                 members = sum(n for u, n in committed.items() if group_of(u) == group)
                 group_keys[group] = self._group_start(group, floors) + members / table.group_weight(group)
-            heap.append((group_keys[group], key, index, user, 0))
+            heap.append((tier(user, 0), group_keys[group], key, index, user, 0))
         heapq.heapify(heap)
         order: list[str] = []
         while heap and len(order) < slots:
-            primary, key, index, user, given = heapq.heappop(heap)
+            rank, primary, key, index, user, given = heapq.heappop(heap)
             group = group_of(user) if group_keys else None
             if group is not None and primary != group_keys[group]:
-                heapq.heappush(heap, (group_keys[group], key, index, user, given))
+                heapq.heappush(heap, (rank, group_keys[group], key, index, user, given))
                 continue  # its group was given a slot since: requeued
             order.append(user)
             costs = queued[user]
@@ -455,7 +480,7 @@ class Borrowing:
             else:
                 primary = group_keys[group] = group_keys[group] + cost / table.group_weight(group)
             if given + 1 < len(costs):
-                heapq.heappush(heap, (primary, key, index, user, given + 1))
+                heapq.heappush(heap, (tier(user, given + 1), primary, key, index, user, given + 1))
         return order
 
     def _floors(self) -> dict[str | None, float]:
