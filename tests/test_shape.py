@@ -1,9 +1,11 @@
-"""The package's shape, checked: layers, no import cycle, small classes.
+"""The package's shape, checked: layers, no import cycle, one writer of the ledger.
 
 These are the rules a maintainer relies on when changing one part: the
 policy never reaches up into stores or vLLM, no two modules need each other
-(a lazy import inside a function counts as an import), and a class small
-enough to hold in one's head (at most :data:`MAX_METHODS` methods).
+(a lazy import inside a function counts as an import), the plain-Python
+layers type-check strictly, and only the ledger writes its records.  How
+big a class may be is judged by what it owns, in review, not by a count
+here (a method cap was met by splitting classes, issue 43).
 """
 
 from __future__ import annotations
@@ -18,8 +20,6 @@ import grimp
 
 REPO = Path(__file__).resolve().parents[1]
 SRC = REPO / "src" / "vllm_output_rate"
-#: More methods than this and a class is two classes.
-MAX_METHODS = 12
 
 
 def test_layer_contract_is_kept():
@@ -80,25 +80,6 @@ def test_cycle_finder_finds_a_cycle():
     assert _cycles(Graph()) == [["a", "b"]]
 
 
-def _large_classes() -> list[str]:
-    found = []
-    for path in sorted(SRC.rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.ClassDef):
-                methods = [
-                    item
-                    for item in node.body
-                    if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef))
-                ]
-                if len(methods) > MAX_METHODS:
-                    found.append(f"{path.relative_to(REPO)}::{node.name} ({len(methods)} methods)")
-    return found
-
-
-def test_no_class_has_more_than_twelve_methods():
-    assert _large_classes() == []
-
-
 def test_policy_and_stores_type_check_strictly():
     """mypy --strict on the two plain-Python layers (pyproject's [tool.mypy]):
     a protocol whose implementations drift apart fails here, not in an engine."""
@@ -120,7 +101,9 @@ _MUTATORS = frozenset({"add", "discard", "update", "append", "clear", "pop", "re
 def _record_writes(tree: ast.AST) -> list[int]:
     """Lines that write a ledger record held by another object: assigned to,
     item-assigned, mutated in place, directly or through a local alias
-    (``x = ledger.prepaid; x.add(k)``).  ``self.<name>`` is the object's own."""
+    (``x = ledger.prepaid; x.add(k)``, or a loop variable over a tuple of
+    records: ``for x in (ledger.ran, other): x.pop(u)``).  ``self.<name>``
+    is the object's own."""
 
     def foreign_record(node: ast.AST) -> bool:
         return (
@@ -135,6 +118,15 @@ def _record_writes(tree: ast.AST) -> list[int]:
         for node in ast.walk(func):
             if isinstance(node, ast.Assign) and foreign_record(node.value):
                 aliases.update(t.id for t in node.targets if isinstance(t, ast.Name))
+            elif (
+                isinstance(node, (ast.For, ast.AsyncFor))
+                and isinstance(node.target, ast.Name)
+                and isinstance(node.iter, (ast.Tuple, ast.List, ast.Set))
+                and any(foreign_record(item) for item in node.iter.elts)
+            ):
+                # ``for totals in (ledger.ran, ...)``: the loop variable is
+                # each record in turn.
+                aliases.add(node.target.id)
 
         def held(node: ast.AST) -> bool:
             return foreign_record(node) or (isinstance(node, ast.Name) and node.id in aliases)
@@ -181,3 +173,19 @@ def test_record_write_finder_finds_direct_and_aliased_writes():
         "    return ledger.charged_tokens.get(user)\n"
     )
     assert _record_writes(ast.parse(source)) == [2, 4, 5]
+
+
+def test_record_write_finder_finds_a_write_through_a_loop_alias():
+    source = (
+        "def forget(ledger, other, users):\n"
+        "    for totals in (other, ledger.charged_tokens):\n"
+        "        for user in users:\n"
+        "            totals.pop(user, None)\n"
+        "    for key in ledger.prepaid:\n"
+        "        key.pop()\n"
+        "    for others in (other,):\n"
+        "        others.pop(1)\n"
+    )
+    # The record's elements (line 6) are not the record; a tuple without a
+    # record (line 8) holds none.  (Aliases are found by name, per function.)
+    assert _record_writes(ast.parse(source)) == [4]

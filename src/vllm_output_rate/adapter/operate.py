@@ -328,7 +328,8 @@ class OperateSchedulerMixin:
         if forgotten:
             prompt_totals = self.output_rate_prompt_cost.prompt_tokens
             borrowed = _borrowed_tokens(self.output_rate_gate) or {}
-            for totals in (ledger.charged_tokens, ledger.throttled_ns, prompt_totals, borrowed):
+            ledger.forget_totals(forgotten)
+            for totals in (prompt_totals, borrowed):
                 for user in forgotten:
                     totals.pop(user, None)
             shadow = getattr(self, "output_rate_shadow", None)

@@ -264,6 +264,15 @@ class Ledger:
             charged_tokens[user] = charged_tokens.get(user, 0) + 1
         return refunded
 
+    def forget_totals(self, users: Iterable[str]) -> None:
+        """Drop the per-user totals (``charged_tokens``, ``throttled_ns``) of
+        ``users`` idle long enough to be forgotten; their exported counters
+        are kept by whoever reported them."""
+        charged_tokens, throttled_ns = self.charged_tokens, self.throttled_ns
+        for user in users:
+            charged_tokens.pop(user, None)
+            throttled_ns.pop(user, None)
+
     def keep(self, tokens: Mapping[str, int], sampled: bool) -> None:
         """Count per user the tokens another part of the step paid and kept.
 
