@@ -147,7 +147,7 @@ vllm:num_requests_waiting{engine="0",model_name="m"} 2.0
 def test_a_read_keeps_the_counters_the_table_needs():
     read = engine_read(METRICS, 1.0, 1.5)
     assert read.output == {"cap-0": 40.0} and read.prompt == {"cap-0": 300.0}
-    assert read.backlog == {"borrow-0": 3.0, "borrow-1": 0.0}
+    assert read.backlog == {"borrow-0": 2.0}  # held or waiting only: an active request is being served
     assert (read.generated, read.in_engine, read.shared_store) == (1234.0, 5.0, False)
     assert read.charged("cap-0", 0.01) == pytest.approx(43.0)
     assert engine_read(METRICS + 'vllm:output_rate_store_mode{mode="shared",model_name="m"} 1.0\n', 0, 0).shared_store
@@ -304,7 +304,9 @@ class FakeEngine:
                 for user, n in self.sent.items():
                     lines.append(f'vllm:output_rate_output_tokens_charged_total{{model_name="fake",user="{user}"}} {n}')
                 for user, n in self.in_flight.items():
-                    lines.append(f'vllm:output_rate_requests{{model_name="fake",state="active",user="{user}"}} {n}')
+                    # The fake serves one request at a time per stream and holds nothing
+                    # for quota: what it has not answered yet waits.
+                    lines.append(f'vllm:output_rate_requests{{model_name="fake",state="waiting",user="{user}"}} {n}')
             return web.Response(text="\n".join(lines) + "\n")
 
         app = web.Application()

@@ -681,6 +681,7 @@ SCENARIOS = ("twin",)
 GENERATION_TOKENS = "vllm:generation_tokens_total"
 PROMPT_CHARGED = "vllm:output_rate_prompt_tokens_charged_total"
 USER_REQUESTS = "vllm:output_rate_requests"
+BACKLOG_STATES = ("throttled", "waiting")
 USER_LIMIT = "vllm:output_rate_limit_tokens_per_second"
 STORE_MODE_SERIES = "vllm:output_rate_store_mode"
 #: The series a twin read keeps (the rest of /metrics is skipped before parsing).
@@ -772,7 +773,7 @@ class EngineRead:
     done: float
     output: dict[str, float]  # user -> output tokens charged
     prompt: dict[str, float]  # user -> prompt tokens charged (before the weight)
-    backlog: dict[str, float]  # user -> requests in the engine (active, throttled, waiting)
+    backlog: dict[str, float]  # user -> requests held for quota or waiting
     limits: dict[str, float]  # user -> configured rate
     generated: float  # vllm:generation_tokens_total
     in_engine: float  # requests running + waiting
@@ -790,9 +791,11 @@ def engine_read(text: str, sent: float, done: float) -> EngineRead:
         if name in TWIN_SERIES:
             kept.append(line)
     samples = parse_metrics("\n".join(kept) + "\n")
+    # Backlogged as the engine's own fairness gauges count it: a request held
+    # for quota or waiting.  A borrower whose requests all ran got what it asked.
     backlog: dict[str, float] = {}
     for labels, value in samples.get(USER_REQUESTS, []):
-        if "user" in labels:
+        if "user" in labels and labels.get("state") in BACKLOG_STATES:
             backlog[labels["user"]] = backlog.get(labels["user"], 0.0) + value
     return EngineRead(
         sent, done,
@@ -1002,8 +1005,8 @@ def _fairness_windows(workload: Any, reads: Sequence[EngineRead], t0: float, loa
     """The twin's per-window fairness among backlogged borrowers, on the engine's
     counters: service = output tokens charged between two reads, dated at the
     earlier one (so a window counts the intervals that began in it);
-    backlogged = the engine held a request of the user at every read of the
-    window.  A window's reading is taken at the first read past its end.
+    backlogged = the engine held a request of the user for quota, or had one
+    waiting, at every read of the window (the engine's own gauges' rule).  A window's reading is taken at the first read past its end.
     Reads before the engine first showed a borrower's request are left out:
     the engine reports about once a second, so the load's first read or two
     show it empty and would keep every borrower out of the first window."""
