@@ -41,7 +41,7 @@ SERIES_TESTS ?= tests/policy/test_limiter.py tests/policy/test_gate.py tests/con
 	tests/adapter/test_borrowing.py tests/adapter/test_prompt_cost_scheduler.py tests/adapter/test_combined_modes.py \
 	tests/adapter/test_groups_scheduler.py tests/adapter/test_step_defects.py \
 	tests/adapter/test_shadow.py tests/policy/test_shadow_counter.py tests/adapter/test_operate.py tests/adapter/test_monitor.py \
-	tests/policy/test_fairness.py \
+	tests/policy/test_fairness.py tests/policy/test_fairness_monitor.py tests/adapter/test_fairness_engine.py tests/tools/test_bench_twin.py \
 	tests/adapter/test_series.py tests/tools/test_cli_config.py
 # vllm serve subprocesses cannot start on the GPU wheel (no CPU kernels).
 SERIES_TEST_ARGS ?= -m 'not server'

@@ -46,6 +46,7 @@ PRESTARTED = (
     "test_prompt_cost_server",
     "test_spec_decode_server",
     "test_server_death",
+    "test_prometheus_server",
 )
 #: Modules that run last, when no other server is up.
 RUN_LAST = ("test_cluster_server", "test_data_parallel_server")
