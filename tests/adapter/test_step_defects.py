@@ -14,7 +14,7 @@ from unittest import mock
 
 import pytest
 
-import vllm_output_rate.adapter.scheduler as scheduler_module
+import vllm_output_rate.policy.step as step_module
 from vllm_output_rate_harness.scheduler_sim import MS, Harness, limits
 
 S = 1_000_000_000
@@ -52,7 +52,7 @@ def _ceiling_bound_receiver(async_: bool, handover: bool):
     arrived = len(h.sampled_log)
     for _ in range(SLOTS):
         h.add("r", max_tokens=1000)
-    no_handover = mock.patch.object(scheduler_module, "slot_handover", lambda *a, **k: None)
+    no_handover = mock.patch.object(step_module, "slot_handover", lambda *a, **k: None)
     with no_handover if not handover else mock.MagicMock():
         for _ in range(850):  # v's streams (1000 tokens) are all still live
             h.step(10 * MS)

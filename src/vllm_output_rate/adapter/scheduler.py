@@ -72,7 +72,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Container
+from typing import Any, Callable
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.request_queue import SchedulingPolicy
@@ -90,17 +90,13 @@ from vllm_output_rate.factory import (
     update_residency,
 )
 from vllm_output_rate.policy.borrow import Borrowing
-from vllm_output_rate.policy.demand import waiting_demand
 from vllm_output_rate.policy.displacement import Displacement, fits_in_free_kv
 from vllm_output_rate.policy.drafts import DraftAccount
 from vllm_output_rate.policy.eviction import EvictionBudget
-from vllm_output_rate.policy.gate import StepGate, StepPlan
+from vllm_output_rate.policy.gate import StepGate
 from vllm_output_rate.policy.groups import GroupQuotas
-from vllm_output_rate.policy.handover import slot_handover
 from vllm_output_rate.policy.prompt_cost import PromptCost
 from vllm_output_rate.policy.step import (
-    NOTHING_PREPAID,
-    REPEAT_PLAN,
     EngineFacts,
     StepDecision,
     StepPolicy,
@@ -137,9 +133,6 @@ class MembershipHooks:
         if self._lanes is None:
             return super()._preempt_request(request, *args, **kwargs)
         self._policy.on_preempt(request, request.resumable)
-        step = self._step
-        if step is not None:
-            step.preempted.append(request)
         super()._preempt_request(request, *args, **kwargs)
 
     def update_from_output(self, scheduler_output, model_runner_output):
@@ -290,31 +283,12 @@ class EvictionHooks:
     carry its choices out.
     """
 
-    def _free_slots_for_waiting(self, plan: StepPlan, num_resident: int) -> None:
-        """Throttled requests must not keep every model-runner slot from
-        others (see ``Displacement.free_slots_for``)."""
-        occupied = num_resident + self.num_waiting_for_streaming_input
-        admittable = (
-            request
-            for request in list(self.waiting)  # evictions change the queue
-            if request.status in _ADMITTABLE
-        )
-        self._step.slot_donors = self._displacement.free_slots_for(
-            admittable,
-            plan,
-            free_slots=self.max_num_running_reqs - occupied,
-            active_cap=self._active_cap,
-            # Held out of the waiting queue until the step ends: re-admitted
-            # now, a victim would take back the slot it was freed from.
-            evict=self.evict,
-        )
-
     def _kv_victim_for(self, request: Request) -> Request | None:
         """An allocation for ``request`` failed: the throttled request to
         evict before trying again (None: vLLM's own preemption decides)."""
         victim = self._throttled_victim_for(request)
         if victim is not None:
-            self.evict(victim)
+            self._step.evict(victim)
         return victim
 
     def kv_room_for(self, request: Request) -> bool:
@@ -335,133 +309,36 @@ class EvictionHooks:
             least_important = max(r.priority for r in self.running)
         return self._displacement.victim_for(request, not running, least_important)
 
-    def evict(self, victim: Request) -> None:
-        self._preempt_for_quota(victim)
-        # vLLM's waiting loop may be mid-iteration and about to pop the head
-        # of the queue it peeked; keep the victim out until the step ends.
-        self.waiting.remove_request(victim)
-        self._step.evicted.append(victim)
+    # -- the engine view the step policy reads (policy.step.EngineView) -------
 
-    def _preempt_for_quota(self, victim: Request) -> None:
-        """Preempt ``victim`` to the front of the waiting queue, paid from the
-        recompute budget; it comes back into free KV only."""
-        # Every eviction is paid for, also those for a running request that
-        # needs KV (vLLM would preempt someone then anyway): the budget then
-        # runs into debt, and waiting requests wait until it is paid back.
-        self.output_rate_eviction_budget.spend(victim.num_computed_tokens)
-        self._evicted_for_quota.add(victim)
-        self._preempt_request(victim, time.monotonic())
+    def active_slots(self) -> int:
+        return self._active_cap - self.num_waiting_for_streaming_input
 
+    def configured_active_cap(self) -> int:
+        return self._active_cap
 
-class BorrowingHooks:
-    """Spare capacity for users whose ceiling is above their rate (see
-    :mod:`vllm_output_rate.policy.borrow`), and groups of users paying every
-    token together (:mod:`vllm_output_rate.policy.groups`): set up from the
-    settings, and offered after the plan, when the step has room left."""
+    def max_resident(self) -> int:
+        return self.max_num_running_reqs
 
-    def _offer_spare_to_borrowers(self, plan: StepPlan, slots: int) -> dict[str, int] | None:
-        """Room the plan left, less what waiting requests the active cap
-        would admit need, goes to borrowers.  Returns, per borrowing user,
-        how many of its waiting requests may be admitted by borrowing (None:
-        admission order is vLLM's)."""
-        room = slots - len(plan.visible) - plan.reserved
-        queued: dict[str, list[int]] | None = None
-        receiver = None
-        if room > 0 and (self._ledger.short or self.waiting):
-            queued = {}
-            guaranteed, admissions = self._waiting_demand(room, queued)
-            room -= guaranteed + admissions
-            if queued and not admissions and room > 0:
-                receiver = self._hand_over_slot(plan, room, queued)
-                if receiver is not None:
-                    room -= 1  # its request borrows its token at once (Borrowing.lend)
-        # Also with no room or nobody short: then it only keeps the counters.
-        self.output_rate_gate.borrow(plan, room, queued or ())
-        if queued is None:
-            return None
-        # Which borrowers' waiting requests take the free slots is the
-        # borrowing's choice (least weighted service first), not the
-        # queue's order: the waiting-queue hook skips a borrower's request
-        # beyond its user's share through vLLM's own skip path.
-        admits: dict[str, int] = {}
-        if admissions:
-            committed = self._committed_output(queued)
-            borrowing = self._borrowing
-            lanes, ledger = self._lanes, self._ledger
-            usable = {u: borrowing.streams_it_could_add(lanes, ledger, u) for u in queued}
-            for user in borrowing.admissions(queued, committed, admissions, usable):
-                admits[user] = admits.get(user, 0) + 1
-        if receiver is not None:
-            admits[receiver] = admits.get(receiver, 0) + 1
-        return admits
+    def free_slots(self) -> int:
+        return self.max_num_running_reqs - len(self.running) - self.num_waiting_for_streaming_input
 
-    def _hand_over_slot(self, plan: StepPlan, room: int, users: dict[str, list[int]]) -> str | None:
-        """No model-runner slot free and borrowers waiting: the borrower
-        furthest ahead of its weighted share gives one of its hidden streams
-        to the one behind it (:mod:`~vllm_output_rate.policy.handover`,
-        ``Displacement.handover_victim``).  Returns the user the freed slot
-        is for, or None.  Runs before the step is handed to vLLM: the victim
-        leaves the resident list here (it is hidden, so not in the plan's
-        visible requests), paid from the recompute budget like every
-        eviction, and comes back into free KV only.
+    def has_waiting(self) -> bool:
+        return bool(self.waiting)
 
-        Not with priority scheduling, nor where a borrower's new request
-        cannot be admitted by borrowing (without chunked prefill it waits
-        its turn on its rate; with prompt cost its prompt needs its rate)."""
-        facts = self._facts
-        if (
-            facts.priority_policy
-            or not facts.chunked_prefill
-            or self.output_rate_prompt_cost.weight
-            or self.max_num_running_reqs - len(self.running) - self.num_waiting_for_streaming_input
-            > 0
-        ):
-            return None
-        pair = slot_handover(self._borrowing, self._lanes, users, room, ledger=self._ledger)
-        if pair is None:
-            return None
-        donor, receiver = pair
-        victim = self._displacement.handover_victim(donor)
-        if victim is None:
-            return None
-        self._preempt_for_quota(victim)
-        self.running.remove(victim)  # the resident list (no step yet: nothing else holds it)
-        plan.hidden -= 1
-        return receiver
-
-    def _committed_output(self, users: Container[str]) -> dict[str, int]:
-        """What the resident requests of ``users``, and of the other members
-        of their groups (a group's admissions weigh all of its members), may
-        still output."""
-        user_of = self._lanes.user_of
-        group_of = self._borrowing.table.group_of
-        groups = {group_of(u) for u in users} - {None}
-        committed: dict[str, int] = {}
-        for request in self.running:  # every resident request (before the step's swap)
-            user = user_of.get(request)
-            if user is None:
-                continue
-            if user in users or (groups and group_of(user) in groups):
-                committed[user] = committed.get(user, 0) + _output_left(request)
-        return committed
-
-    def _waiting_demand(self, limit: int, queued: dict[str, list[int]]) -> tuple[int, int]:
-        """Waiting requests that get room before borrowed streams
-        (:func:`~vllm_output_rate.policy.demand.waiting_demand` decides)."""
+    def admittable_waiting(self):
         waiting = self.waiting
-        return waiting_demand(
-            (r for r in waiting if r.status in _ADMITTABLE) if waiting else (),
-            self._lanes,
-            self._ledger,
-            self._borrowing.table.borrows,
-            self.output_rate_residency,
-            limit=limit,
-            free_slots=(
-                self.max_num_running_reqs - len(self.running) - self.num_waiting_for_streaming_input
-            ),
-            output_left=_output_left,
-            queued=queued,
-        )
+        return (r for r in waiting if r.status in _ADMITTABLE) if waiting else ()
+
+    def evict(self, victim: Request) -> None:
+        self._preempt_request(victim, time.monotonic())
+        # vLLM's waiting loop may be mid-iteration and about to pop the head
+        # of the queue it peeked; the victim stays out until the step ends.
+        self.waiting.remove_request(victim)
+
+    def give_up_slot(self, victim: Request) -> None:
+        self._preempt_request(victim, time.monotonic())
+        self.running.remove(victim)  # the resident list (no step yet: nothing else holds it)
 
 
 class SpecDecodeHooks:
@@ -530,7 +407,6 @@ class OutputRateSchedulerMixin(
     ChargingHooks,
     AdapterHooks,
     EvictionHooks,
-    BorrowingHooks,
     SpecDecodeHooks,
 ):
     """Per-user output-rate limiting on top of vLLM's V1 ``Scheduler``.
@@ -676,46 +552,14 @@ class OutputRateSchedulerMixin(
     # -- one step ------------------------------------------------------------
 
     def schedule(self, *args: Any, **kwargs: Any):
-        gate = self.output_rate_gate
-        lanes = self._lanes
-        slots = self._active_cap - self.num_waiting_for_streaming_input
-        now_ns = self.output_rate_clock()
-        prompt_cost = self.output_rate_prompt_cost
-        if prompt_cost.debt:
-            prompt_cost.repay(now_ns)
-        if gate.steady(now_ns, slots):
-            return self._schedule_repeat(args, kwargs)
-        plan = gate.plan(now_ns, slots)
         resident = self.running
-        borrow_admits = None
-        if gate.borrowing is not None and not plan.over_cap:
-            borrow_admits = self._offer_spare_to_borrowers(plan, slots)
+        self._step = step = self._policy.begin(self, self.output_rate_clock())
+        if step.repeat:
+            return self._schedule_repeat(step, resident, args, kwargs)
+        plan = step.plan
+        visible = step.visible
+        self.running = list(resident) if visible is None else visible
         num_visible = len(plan.visible) + len(plan.borrowed)
-        # The gate decides which requests vLLM sees; vLLM's own order among
-        # them (admission order) decides who gets the token budget first and
-        # who is preempted first, exactly as in stock vLLM.
-        if plan.borrowed:
-            # Borrowers last: vLLM's token budget reaches them last, and its
-            # preemption (from the end of `running`) first.
-            lanes.in_admission_order(plan.visible)
-            self.running = plan.visible + plan.borrowed
-        elif plan.hidden:
-            lanes.in_admission_order(plan.visible)
-            self.running = plan.visible  # vLLM appends admissions to it
-        else:
-            self.running = list(resident)
-        self._step = step = self._policy.decision(
-            self,
-            plan,
-            plan.prepaid,
-            all_visible_paid=not plan.prefills and self._draft_account is None,
-            running_at_start=len(self.running),
-            borrow_admits=borrow_admits,
-            configured_cap=self._active_cap,
-            max_resident=self.max_num_running_reqs,
-        )
-        if plan.throttled and self.waiting:
-            self._free_slots_for_waiting(plan, len(resident))
         kv_cache_manager = self.kv_cache_manager
         if plan.throttled:
             # Hidden throttled requests exist: allocation failures evict them
@@ -730,6 +574,7 @@ class OutputRateSchedulerMixin(
             for victim in step.evicted:
                 self.waiting.prepend_request(victim)
 
+        lanes = self._lanes
         num_scheduled = output.num_scheduled_tokens
         for request in plan.prefills:
             if request.request_id in num_scheduled:
@@ -744,11 +589,11 @@ class OutputRateSchedulerMixin(
             and len(num_scheduled) - len(admitted) == num_visible
         )
         sampled = _SampledView(num_scheduled)
-        gate.settle(sampled, all_prepaid_sampled=undisturbed)
+        self.output_rate_gate.settle(sampled, all_prepaid_sampled=undisturbed)
         self._settle_step(step, output)
         return output
 
-    def _schedule_repeat(self, args: tuple, kwargs: dict):
+    def _schedule_repeat(self, step: StepDecision, resident: list, args: tuple, kwargs: dict):
         """A step that repeats the last one (see ``StepGate.steady``).
 
         Every resident request is decoding and already paid for, so vLLM
@@ -756,18 +601,8 @@ class OutputRateSchedulerMixin(
         to build or merge back, and its running loop skips the charging
         check.  Admissions from the waiting queue are charged as usual.
         """
-        resident = self.running
         num_resident = len(resident)
         self.running = list(resident)  # vLLM edits this copy; `resident` keeps the start
-        self._step = step = self._policy.decision(
-            self,
-            REPEAT_PLAN,
-            NOTHING_PREPAID,
-            all_visible_paid=self._draft_account is None,
-            running_at_start=num_resident,
-            configured_cap=self._active_cap,
-            max_resident=self.max_num_running_reqs,
-        )
         try:
             output = super().schedule(*args, **kwargs)
         finally:
@@ -885,11 +720,6 @@ def _can_progress_unpaid(request: Request) -> bool:
         request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
     )
     return remaining >= 2
-
-
-def _output_left(request: Request) -> int:
-    """Tokens the request may still output (at most: it may stop sooner)."""
-    return max(request.max_tokens - request.num_output_tokens, 1)
 
 
 def _generated(request: Request) -> int:

@@ -40,13 +40,15 @@ Plain Python: no vLLM import.
 
 from __future__ import annotations
 
-from typing import Any, Container, Hashable, Protocol, Sequence, cast
+from typing import Any, Container, Hashable, Iterable, Protocol, Sequence, cast
 
 from vllm_output_rate.policy.borrow import Borrowing
+from vllm_output_rate.policy.demand import waiting_demand
 from vllm_output_rate.policy.displacement import Displacement
 from vllm_output_rate.policy.drafts import DraftAccount
 from vllm_output_rate.policy.eviction import EvictionBudget
 from vllm_output_rate.policy.gate import StepGate
+from vllm_output_rate.policy.handover import slot_handover
 from vllm_output_rate.policy.plan import StepPlan
 from vllm_output_rate.policy.prompt_cost import PromptCost
 from vllm_output_rate.policy.residency import Residency
@@ -92,6 +94,10 @@ class StepRequest(Protocol):
         """Most output tokens it may generate."""
 
     @property
+    def is_prefill_chunk(self) -> bool:
+        """Its last scheduled chunk ended before the sampling position."""
+
+    @property
     def priority(self) -> int:
         """Smaller is more important (priority scheduling only)."""
 
@@ -107,12 +113,36 @@ class EngineView(Protocol):
 
     running: Sequence[Any]
 
+    def active_slots(self) -> int:
+        """Requests the step may keep active: the configured active cap less
+        the slots held for streaming input."""
+
+    def configured_active_cap(self) -> int:
+        """The engine's active cap as configured (``max_num_active_seqs``)."""
+
+    def max_resident(self) -> int:
+        """Most requests that may be resident (``max_num_seqs``)."""
+
+    def free_slots(self) -> int:
+        """Resident slots free now (``max_num_seqs`` less those held)."""
+
+    def has_waiting(self) -> bool:
+        """Is any request waiting to be admitted?"""
+
+    def admittable_waiting(self) -> Iterable[Any]:
+        """The waiting requests the engine could admit in this step (not held
+        for a grammar, remote KV or a streaming-input chunk), in queue order."""
+
     def kv_room_for(self, request: Any) -> bool:
         """Would ``request`` (evicted for quota earlier) fit into free KV now?"""
 
     def evict(self, request: Any) -> None:
-        """Preempt ``request`` for quota now and hold it out of the waiting
-        queue until the step ends (the policy chose it to give way)."""
+        """Preempt ``request`` (not in the running list the engine's loop
+        sees) and hold it out of the waiting queue until the step ends."""
+
+    def give_up_slot(self, request: Any) -> None:
+        """Before the step: preempt ``request`` and drop it from the running
+        list (it waits at the front of the queue)."""
 
 
 class StepOutcome(Protocol):
@@ -158,7 +188,7 @@ class StepDecision:
     """
 
     __slots__ = (
-        "policy", "view", "plan", "visible", "configured_cap", "max_resident", "prepaid", "all_visible_paid", "running_at_start",
+        "policy", "view", "plan", "visible", "resident", "configured_cap", "max_resident", "prepaid", "all_visible_paid", "running_at_start",
         "refused_visible", "preempted", "evicted", "slot_donors", "held_for_other_reasons",
         "borrow_admits", "admitted_to_borrow", "adapters", "adapters_seen",
         "refused_for_prompts", "visible_now",
@@ -182,6 +212,8 @@ class StepDecision:
         #: The running list the engine's loop sees in this step, in its
         #: order (None: every resident request, as the engine holds them).
         self.visible: list[Any] | None = None
+        #: The resident requests when the step began (the engine's list).
+        self.resident: Sequence[Any] = ()
         #: The engine's configured active cap and its most resident requests.
         self.configured_cap = configured_cap
         self.max_resident = max_resident
@@ -316,6 +348,14 @@ class StepDecision:
                     return self._displace_own_stream(request)
         return True
 
+    def evict(self, victim: Any) -> None:
+        """Preempt ``victim`` for quota now, paid from the recompute budget,
+        and hold it out of the waiting queue until the step ends (the engine's
+        waiting loop may be about to pop the request it peeked)."""
+        self.policy._pay_eviction(victim)
+        self.view.evict(victim)
+        self.evicted.append(victim)
+
     def _displace_own_stream(self, request: StepRequest) -> bool:
         """Priority scheduling: ``request``, kept out by its user's cap, may
         take the place of a less important hidden stream of its own user
@@ -328,7 +368,7 @@ class StepDecision:
         victim = self.policy.displacement.own_stream_victim(request, lambda r: r not in offered)
         if victim is None:
             return False
-        self.view.evict(victim)
+        self.evict(victim)
         self.plan.hidden -= 1  # its slot is the request's now
         return True
 
@@ -412,6 +452,8 @@ class StepPolicy:
         #: After :meth:`end` of a step that ran nothing: seconds the engine
         #: may wait for input (None: poll as usual).
         self.idle_wait_s: float | None = None
+        #: The decision of the step in progress (from :meth:`begin`).
+        self.current: StepDecision | None = None
 
     @property
     def borrowing(self) -> Borrowing | None:
@@ -437,6 +479,9 @@ class StepPolicy:
         self.lanes.release(request)
         if not self.facts.chunked_prefill and not resumable:
             self.lanes.wait_in_turn(request)  # as on arrival
+        decision = self.current
+        if decision is not None:
+            decision.preempted.append(request)
 
     def on_free(self, request: Any) -> None:
         """A request finished or was aborted: forget it."""
@@ -445,9 +490,194 @@ class StepPolicy:
 
     def begin(self, view: EngineView, now_ns: int) -> StepDecision:
         """Asked first in every step, before anything is scheduled: which
-        requests the engine may look at, and the decision that answers its
-        in-step questions."""
-        raise NotImplementedError("the adapter still plans in OutputRateSchedulerMixin.schedule")
+        requests the engine may look at (``decision.visible``), and the
+        decision that answers its in-step questions.
+
+        The gate plans the step (or repeats the last one); spare room goes
+        to borrowers (:meth:`_offer_spare_to_borrowers`, which may hand a
+        slot from one borrower to another); throttled requests give up
+        slots to waiting requests that can run (:meth:`_free_slots_for_waiting`).
+        The requests chosen to give way are preempted through ``view``."""
+        self.current = None
+        gate = self.gate
+        slots = view.active_slots()
+        prompt_cost = self.prompt_cost
+        if prompt_cost.debt:
+            prompt_cost.repay(now_ns)
+        resident = view.running
+        if gate.steady(now_ns, slots):
+            decision = StepDecision(
+                self, view, REPEAT_PLAN, NOTHING_PREPAID,
+                all_visible_paid=self.drafts is None,
+                running_at_start=len(resident),
+                configured_cap=view.configured_active_cap(),
+                max_resident=view.max_resident(),
+            )
+            decision.resident = resident
+            self.current = decision
+            return decision
+        plan = gate.plan(now_ns, slots)
+        borrow_admits = None
+        if gate.borrowing is not None and not plan.over_cap:
+            borrow_admits = self._offer_spare_to_borrowers(view, plan, slots)
+        # The gate decides which requests the engine sees; the engine's own
+        # order among them (admission order) decides who gets the token
+        # budget first and who is preempted first, exactly as in stock vLLM.
+        visible: list[Any] | None
+        if plan.borrowed:
+            # Borrowers last: the token budget reaches them last, and
+            # preemption (from the end of the running list) first.
+            self.lanes.in_admission_order(plan.visible)
+            visible = plan.visible + plan.borrowed
+        elif plan.hidden:
+            self.lanes.in_admission_order(plan.visible)
+            visible = plan.visible  # the engine appends admissions to it
+        else:
+            visible = None
+        decision = StepDecision(
+            self, view, plan, plan.prepaid,
+            all_visible_paid=not plan.prefills and self.drafts is None,
+            running_at_start=len(resident) if visible is None else len(visible),
+            borrow_admits=borrow_admits,
+            configured_cap=view.configured_active_cap(),
+            max_resident=view.max_resident(),
+        )
+        decision.visible = visible
+        decision.resident = resident
+        self.current = decision
+        if plan.throttled and view.has_waiting():
+            self._free_slots_for_waiting(decision, len(resident))
+        return decision
+
+    # -- the step's offer to borrowers --------------------------------------
+
+    def _offer_spare_to_borrowers(
+        self, view: EngineView, plan: StepPlan, slots: int
+    ) -> dict[str, int] | None:
+        """Room the plan left, less what waiting requests the active cap
+        would admit need, goes to borrowers.  Returns, per borrowing user,
+        how many of its waiting requests may be admitted by borrowing (None:
+        admission order is the engine's)."""
+        borrowing = self.gate.borrowing
+        assert borrowing is not None
+        lanes, ledger = self.lanes, self.ledger
+        room = slots - len(plan.visible) - plan.reserved
+        queued: dict[str, list[int]] | None = None
+        receiver = None
+        admissions = 0
+        if room > 0 and (ledger.short or view.has_waiting()):
+            queued = {}
+            guaranteed, admissions = waiting_demand(
+                view.admittable_waiting(),
+                lanes,
+                ledger,
+                borrowing.table.borrows,
+                self.residency,
+                limit=room,
+                free_slots=view.free_slots(),
+                output_left=output_left,
+                queued=queued,
+            )
+            room -= guaranteed + admissions
+            if queued and not admissions and room > 0:
+                receiver = self._hand_over_slot(view, plan, room, queued)
+                if receiver is not None:
+                    room -= 1  # its request borrows its token at once (Borrowing.lend)
+        # Also with no room or nobody short: then it only keeps the counters.
+        self.gate.borrow(plan, room, queued or ())
+        if queued is None:
+            return None
+        # Which borrowers' waiting requests take the free slots is the
+        # borrowing's choice (least weighted service first), not the
+        # queue's order: may_admit skips a borrower's request beyond its
+        # user's share.
+        admits: dict[str, int] = {}
+        if admissions:
+            committed = self._committed_output(view, queued)
+            usable = {u: borrowing.streams_it_could_add(lanes, ledger, u) for u in queued}
+            for user in borrowing.admissions(queued, committed, admissions, usable):
+                admits[user] = admits.get(user, 0) + 1
+        if receiver is not None:
+            admits[receiver] = admits.get(receiver, 0) + 1
+        return admits
+
+    def _hand_over_slot(
+        self, view: EngineView, plan: StepPlan, room: int, users: dict[str, list[int]]
+    ) -> str | None:
+        """No resident slot free and borrowers waiting: the borrower furthest
+        ahead of its weighted share gives one of its hidden streams to the
+        one behind it (:mod:`~vllm_output_rate.policy.handover`,
+        ``Displacement.handover_victim``).  Returns the user the freed slot
+        is for, or None.  The victim leaves the running list before the
+        engine's step (it is hidden, so not offered), paid from the
+        recompute budget like every eviction, and comes back into free KV only.
+
+        Not with priority scheduling, nor where a borrower's new request
+        cannot be admitted by borrowing (without chunked prefill it waits
+        its turn on its rate; with prompt cost its prompt needs its rate)."""
+        facts = self.facts
+        if (
+            facts.priority_policy
+            or not facts.chunked_prefill
+            or self.prompt_cost.weight
+            or view.free_slots() > 0
+        ):
+            return None
+        borrowing = self.gate.borrowing
+        assert borrowing is not None
+        pair = slot_handover(borrowing, self.lanes, users, room, ledger=self.ledger)
+        if pair is None:
+            return None
+        donor, receiver = pair
+        victim = self.displacement.handover_victim(donor)
+        if victim is None:
+            return None
+        self._pay_eviction(victim)
+        view.give_up_slot(victim)
+        plan.hidden -= 1
+        return receiver
+
+    def _committed_output(self, view: EngineView, users: Container[str]) -> dict[str, int]:
+        """What the resident requests of ``users``, and of the other members
+        of their groups (a group's admissions weigh all of its members), may
+        still output."""
+        borrowing = self.gate.borrowing
+        assert borrowing is not None
+        user_of = self.lanes.user_of
+        group_of = borrowing.table.group_of
+        groups = {group_of(u) for u in cast(Iterable[str], users)} - {None}
+        committed: dict[str, int] = {}
+        for request in view.running:  # every resident request (before the step's swap)
+            user = user_of.get(request)
+            if user is None:
+                continue
+            if user in users or (groups and group_of(user) in groups):
+                committed[user] = committed.get(user, 0) + output_left(request)
+        return committed
+
+    # -- slots and KV: who gives way ----------------------------------------
+
+    def _free_slots_for_waiting(self, decision: StepDecision, num_resident: int) -> None:
+        """Throttled requests must not keep every resident slot from others
+        (see ``Displacement.free_slots_for``)."""
+        view = decision.view
+        decision.slot_donors = self.displacement.free_slots_for(
+            list(view.admittable_waiting()),  # evictions change the queue
+            decision.plan,
+            free_slots=view.free_slots(),
+            active_cap=decision.configured_cap,
+            # Held out of the waiting queue until the step ends: re-admitted
+            # now, a victim would take back the slot it was freed from.
+            evict=decision.evict,
+        )
+
+    def _pay_eviction(self, victim: Any) -> None:
+        """Every eviction for quota is paid from the recompute budget, also
+        those for a running request that needs KV (the engine would preempt
+        someone then anyway: the budget runs into debt, and waiting requests
+        wait until it is paid back); the victim comes back into free KV only."""
+        self.budget.spend(victim.num_computed_tokens)
+        self.evicted_for_quota.add(victim)
 
     def decision(
         self,
@@ -473,6 +703,7 @@ class StepPolicy:
         recompute budget, and work out the idle wait (:attr:`idle_wait_s`).
         The quota of the planned requests is settled before this
         (``StepGate.settle`` / ``Ledger.settle_repeat``)."""
+        self.current = None
         prompt_cost = self.prompt_cost
         if prompt_cost.weight:
             self._settle_prompt_cost(decision, outcome)
@@ -528,3 +759,9 @@ class StepPolicy:
 
         assert self.drafts is not None
         self.drafts.settle_step(outcome, self.ledger.now_ns, drafts_dispatched)
+
+
+def output_left(request: Any) -> int:
+    """Tokens the request may still output (at most: it may stop sooner)."""
+    left: int = max(request.max_tokens - request.num_output_tokens, 1)
+    return left
