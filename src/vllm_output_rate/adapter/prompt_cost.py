@@ -16,32 +16,6 @@ from vllm.v1.request import Request, RequestStatus
 class PromptCostHooks:
     """Charge computed prompt positions at dispatch; skip what cannot pay."""
 
-    def _charge_with_prompt_cost(
-        self, step, request: Request, num_computed_tokens: int, num_new_tokens: int
-    ) -> int:
-        """The charge with prompt cost: the chunk's uncharged prompt
-        positions are paid for (possibly into debt) or the chunk waits."""
-        prompt_cost = self.output_rate_prompt_cost
-        num_prompt = request.num_prompt_tokens
-        if num_computed_tokens < num_prompt and prompt_cost.uncharged(
-            request, num_computed_tokens, num_new_tokens, num_prompt
-        ):
-            user = self._lanes.user_of[request]
-            if not prompt_cost.can_pay(request, user):
-                if request.status == RequestStatus.RUNNING:
-                    step.refused_visible += 1
-                step.refused_for_prompts.add(user)
-                return 0
-            num_new_tokens = self._charge_at_sampling_position(
-                step, request, num_computed_tokens, num_new_tokens
-            )
-            if num_new_tokens > 0:
-                prompt_cost.charge(request, user, num_computed_tokens, num_new_tokens, num_prompt)
-            return num_new_tokens
-        return self._charge_at_sampling_position(
-            step, request, num_computed_tokens, num_new_tokens
-        )
-
     def _handle_blocked_waiting_request(self, request: Request) -> bool:
         # A new request of a user in prompt debt cannot go in this step:
         # whatever the prefix cache holds, it computes at least its last

@@ -179,42 +179,16 @@ class ChargingHooks:
         step = self._step
         if step is None or (step.all_visible_paid and request.status is _RUNNING):
             return _stock_lookahead(self, request, num_computed_tokens, num_new_tokens)
-        if self.output_rate_prompt_cost.weight:
-            num_new_tokens = self._charge_with_prompt_cost(
-                step, request, num_computed_tokens, num_new_tokens
-            )
-        else:
-            num_new_tokens = self._charge_at_sampling_position(
-                step, request, num_computed_tokens, num_new_tokens
-            )
-        if self._draft_account is None or num_new_tokens <= 0:
-            return num_new_tokens
-        return self._charge_drafts(request, num_computed_tokens, num_new_tokens)
+        return step.tokens_for(
+            request, num_computed_tokens, num_new_tokens, request.status == _RUNNING
+        )
 
-    def _charge_at_sampling_position(
-        self, step: StepDecision, request: Request, num_computed_tokens: int, num_new_tokens: int
-    ) -> int:
-        """When the scheduled chunk reaches the sampling position, one unit
-        of the user's quota is taken here, or the chunk is cut short of it."""
-        num_new_tokens = _stock_lookahead(self, request, num_computed_tokens, num_new_tokens)
-        if num_new_tokens <= 0:
-            return num_new_tokens
-        if request in step.prepaid:  # a decoding stream the plan already paid for
-            return num_new_tokens
-        sample_at = request.num_tokens + request.num_output_placeholders
-        if num_computed_tokens + num_new_tokens < sample_at:
-            return num_new_tokens  # an intermediate prefill chunk is free
-        if self._ledger.charge(request):
-            return num_new_tokens
-        if request in step.admitted_to_borrow and self.output_rate_gate.lend(request):
-            return num_new_tokens
-        # Out of quota: stop short of the sampling position.
-        allowed = sample_at - 1 - num_computed_tokens if self._facts.chunked_prefill else 0
-        allowed = max(allowed, 0)
-        if allowed and request.mm_features and self.scheduler_config.disable_chunked_mm_input:
-            allowed = _end_before_split_item(request, num_computed_tokens, allowed)
-        if allowed == 0 and request.status == RequestStatus.RUNNING:
-            step.refused_visible += 1
+    def engine_chunk(self, request: Request, num_computed_tokens: int, num_new_tokens: int) -> int:
+        return _stock_lookahead(self, request, num_computed_tokens, num_new_tokens)
+
+    def chunk_end_before(self, request: Request, num_computed_tokens: int, allowed: int) -> int:
+        if request.mm_features and self.scheduler_config.disable_chunked_mm_input:
+            return _end_before_split_item(request, num_computed_tokens, allowed)
         return allowed
 
     def _handle_blocked_waiting_request(self, request: Request) -> bool:
@@ -353,34 +327,6 @@ class SpecDecodeHooks:
     Without speculative decoding none of this runs: the hook is not
     installed and ``update_from_output`` only checks one attribute.
     """
-
-    def _charge_drafts(
-        self, request: Request, num_computed_tokens: int, num_new_tokens: int
-    ) -> int:
-        """After the sampled token is paid for: the drafts the user can pay
-        for now; the chunk is cut to those."""
-        drafts = (
-            num_computed_tokens
-            + num_new_tokens
-            - request.num_tokens
-            - request.num_output_placeholders
-        )
-        if drafts <= 0 or request.status != RequestStatus.RUNNING:
-            # A waiting request reaching here with drafts is vLLM padding a
-            # new decode to the uniform draft count: -1 sentinels, which the
-            # model never accepts, so they cost nothing.
-            return num_new_tokens
-        # Drafts past max_tokens can never be emitted: vLLM stops the request
-        # there.  (Tokens still in flight under async scheduling are not
-        # subtracted: they may be rejected, so this never under-charges.)
-        wanted = max(0, min(drafts, request.max_tokens - request.num_output_tokens - 1))
-        paid = self._draft_account.pay(
-            request.request_id, self._lanes.user_of[request], self._ledger.now_ns, wanted
-        )
-        if paid == wanted:
-            return num_new_tokens  # any drafts left over lie past max_tokens
-        # vLLM keeps the first drafts: cut every draft past those paid for.
-        return num_new_tokens - (drafts - paid)
 
     def update_from_output(self, scheduler_output, model_runner_output):
         outputs = super().update_from_output(scheduler_output, model_runner_output)

@@ -94,6 +94,10 @@ class StepRequest(Protocol):
         """Most output tokens it may generate."""
 
     @property
+    def num_prompt_tokens(self) -> int:
+        """Prompt tokens."""
+
+    @property
     def is_prefill_chunk(self) -> bool:
         """Its last scheduled chunk ended before the sampling position."""
 
@@ -143,6 +147,15 @@ class EngineView(Protocol):
     def give_up_slot(self, request: Any) -> None:
         """Before the step: preempt ``request`` and drop it from the running
         list (it waits at the front of the queue)."""
+
+    def engine_chunk(self, request: Any, num_computed_tokens: int, num_new_tokens: int) -> int:
+        """The engine's own cut of a chunk before it is charged (vLLM: its
+        prefill lookahead); ``num_new_tokens`` if it has none."""
+
+    def chunk_end_before(self, request: Any, num_computed_tokens: int, allowed: int) -> int:
+        """Where a chunk cut short for quota may end, at most ``allowed``
+        tokens (vLLM: not inside a multimodal item under
+        ``--disable-chunked-mm-input``)."""
 
 
 class StepOutcome(Protocol):
@@ -401,7 +414,106 @@ class StepDecision:
         the chunk samples (with prompt cost for its prompt positions; with
         speculative decoding for its drafts), or the chunk is cut short of
         the sampling position."""
-        raise NotImplementedError("the adapter still charges in ChargingHooks (moves in step 3)")
+        policy = self.policy
+        if policy.prompt_cost.weight:
+            num_new_tokens = self._charge_with_prompt_cost(
+                request, num_computed_tokens, num_new_tokens, running
+            )
+        else:
+            num_new_tokens = self._charge_at_sampling_position(
+                request, num_computed_tokens, num_new_tokens, running
+            )
+        if policy.drafts is None or num_new_tokens <= 0:
+            return num_new_tokens
+        return self._charge_drafts(request, num_computed_tokens, num_new_tokens, running)
+
+    def _charge_at_sampling_position(
+        self, request: StepRequest, num_computed_tokens: int, num_new_tokens: int, running: bool
+    ) -> int:
+        """When the scheduled chunk reaches the sampling position, one unit
+        of the user's quota is taken here, or the chunk is cut short of it:
+        to the second-to-last prompt position with chunked prefill (an
+        intermediate chunk is free), else to nothing.  A request admitted in
+        this step into a slot set aside for borrowing borrows the token."""
+        num_new_tokens = self.view.engine_chunk(request, num_computed_tokens, num_new_tokens)
+        if num_new_tokens <= 0:
+            return num_new_tokens
+        if request in self.prepaid:  # a decoding stream the plan already paid for
+            return num_new_tokens
+        sample_at = request.num_tokens + request.num_output_placeholders
+        if num_computed_tokens + num_new_tokens < sample_at:
+            return num_new_tokens  # an intermediate prefill chunk is free
+        policy = self.policy
+        if policy.ledger.charge(request):
+            return num_new_tokens
+        if request in self.admitted_to_borrow and policy.gate.lend(request):
+            return num_new_tokens
+        # Out of quota: stop short of the sampling position.
+        allowed = sample_at - 1 - num_computed_tokens if policy.facts.chunked_prefill else 0
+        if allowed > 0:
+            allowed = self.view.chunk_end_before(request, num_computed_tokens, allowed)
+        else:
+            allowed = 0
+        if allowed == 0 and running:
+            self.refused_visible += 1
+        return allowed
+
+    def _charge_with_prompt_cost(
+        self, request: StepRequest, num_computed_tokens: int, num_new_tokens: int, running: bool
+    ) -> int:
+        """With prompt cost: the chunk's uncharged prompt positions are paid
+        for (possibly into debt) or the chunk waits; then the sampling
+        position as without."""
+        prompt_cost = self.policy.prompt_cost
+        num_prompt = request.num_prompt_tokens
+        if num_computed_tokens < num_prompt and prompt_cost.uncharged(
+            request, num_computed_tokens, num_new_tokens, num_prompt
+        ):
+            user = self.policy.lanes.user_of[request]
+            if not prompt_cost.can_pay(request, user):
+                if running:
+                    self.refused_visible += 1
+                self.refused_for_prompts.add(user)
+                return 0
+            num_new_tokens = self._charge_at_sampling_position(
+                request, num_computed_tokens, num_new_tokens, running
+            )
+            if num_new_tokens > 0:
+                prompt_cost.charge(request, user, num_computed_tokens, num_new_tokens, num_prompt)
+            return num_new_tokens
+        return self._charge_at_sampling_position(
+            request, num_computed_tokens, num_new_tokens, running
+        )
+
+    def _charge_drafts(
+        self, request: StepRequest, num_computed_tokens: int, num_new_tokens: int, running: bool
+    ) -> int:
+        """Speculative decoding, after the sampled token is paid for: the
+        drafts the user can pay for now; the chunk is cut to those."""
+        drafts = (
+            num_computed_tokens
+            + num_new_tokens
+            - request.num_tokens
+            - request.num_output_placeholders
+        )
+        if drafts <= 0 or not running:
+            # A waiting request reaching here with drafts is the engine
+            # padding a new decode to the uniform draft count: -1 sentinels,
+            # which the model never accepts, so they cost nothing.
+            return num_new_tokens
+        # Drafts past max_tokens can never be emitted: the engine stops the
+        # request there.  (Tokens still in flight under async scheduling are
+        # not subtracted: they may be rejected, so this never under-charges.)
+        wanted = max(0, min(drafts, request.max_tokens - request.num_output_tokens - 1))
+        policy = self.policy
+        assert policy.drafts is not None
+        paid = policy.drafts.pay(
+            request.request_id, policy.lanes.user_of[request], policy.ledger.now_ns, wanted
+        )
+        if paid == wanted:
+            return num_new_tokens  # any drafts left over lie past max_tokens
+        # The engine keeps the first drafts: cut every draft past those paid for.
+        return num_new_tokens - (drafts - paid)
 
     def victim_for(self, request: StepRequest, running: bool) -> Any | None:
         """Asked when the engine could not allocate KV for ``request``: the
