@@ -258,30 +258,10 @@ class EvictionHooks:
     """
 
     def _kv_victim_for(self, request: Request) -> Request | None:
-        """An allocation for ``request`` failed: the throttled request to
-        evict before trying again (None: vLLM's own preemption decides)."""
-        victim = self._throttled_victim_for(request)
-        if victim is not None:
-            self._step.evict(victim)
-        return victim
-
-    def kv_room_for(self, request: Request) -> bool:
-        """May a request evicted for quota come back now (see ``fits_in_free_kv``)?"""
-        return fits_in_free_kv(
-            request.num_tokens,
-            self.block_size,
-            len(self.running),
-            self.kv_cache_manager.block_pool.get_num_free_blocks(),
-        )
-
-    def _throttled_victim_for(self, request: Request) -> Request | None:
-        """The throttled request that gives way for ``request``, which needs KV."""
-        running = request.status == RequestStatus.RUNNING
-        least_important = None
-        if self._facts.priority_policy and running and self.running:
-            # vLLM's own victim would be the least important visible request.
-            least_important = max(r.priority for r in self.running)
-        return self._displacement.victim_for(request, not running, least_important)
+        """An allocation for ``request`` failed: the throttled request the
+        step policy evicted before vLLM tries again (None: vLLM's own
+        preemption decides)."""
+        return self._step.victim_for(request, request.status == _RUNNING)
 
     # -- the engine view the step policy reads (policy.step.EngineView) -------
 
@@ -303,6 +283,15 @@ class EvictionHooks:
     def admittable_waiting(self):
         waiting = self.waiting
         return (r for r in waiting if r.status in _ADMITTABLE) if waiting else ()
+
+    def kv_room_for(self, request: Request) -> bool:
+        """May a request evicted for quota come back now (see ``fits_in_free_kv``)?"""
+        return fits_in_free_kv(
+            request.num_tokens,
+            self.block_size,
+            len(self.running),
+            self.kv_cache_manager.block_pool.get_num_free_blocks(),
+        )
 
     def evict(self, victim: Request) -> None:
         self._preempt_request(victim, time.monotonic())

@@ -516,10 +516,24 @@ class StepDecision:
         return num_new_tokens - (drafts - paid)
 
     def victim_for(self, request: StepRequest, running: bool) -> Any | None:
-        """Asked when the engine could not allocate KV for ``request``: the
-        throttled request that gives way (the policy evicts it through
-        ``view.evict``), or None (the engine's own preemption decides)."""
-        raise NotImplementedError("the adapter still chooses in EvictionHooks (moves in step 4)")
+        """Asked when the engine could not allocate KV for ``request``
+        (``running``: from its running loop): the throttled request that
+        gives way, already evicted (through ``view.evict``), or None (the
+        engine's own preemption decides).  Under priority scheduling a
+        running request takes KV only from requests no more important than
+        the engine's own victim would be
+        (``Displacement.victim_for``)."""
+        policy = self.policy
+        least_important = None
+        if running and policy.facts.priority_policy:
+            offered = self.view.running
+            if offered:
+                # The engine's own victim would be the least important offered request.
+                least_important = max(r.priority for r in offered)
+        victim = policy.displacement.victim_for(request, not running, least_important)
+        if victim is not None:
+            self.evict(victim)
+        return victim
 
     def active_cap(self) -> int:
         """Asked by the engine's waiting loop before each admission: how long
