@@ -487,14 +487,13 @@ class OutputRateSchedulerMixin(
     # -- one step ------------------------------------------------------------
 
     def schedule(self, *args: Any, **kwargs: Any):
+        policy = self._policy
         resident = self.running
-        self._step = step = self._policy.begin(self, self.output_rate_clock())
-        if step.repeat:
-            return self._schedule_repeat(step, resident, args, kwargs)
-        plan = step.plan
+        self._step = step = policy.begin(self, self.output_rate_clock())
         visible = step.visible
+        # vLLM edits the list it is given; `resident` keeps the start.
         self.running = list(resident) if visible is None else visible
-        num_visible = len(plan.visible) + len(plan.borrowed)
+        plan = step.plan
         kv_cache_manager = self.kv_cache_manager
         if plan.throttled:
             # Hidden throttled requests exist: allocation failures evict them
@@ -505,98 +504,26 @@ class OutputRateSchedulerMixin(
         finally:
             self.kv_cache_manager = kv_cache_manager
             self._step = None
-            admitted = self._settle_membership(step, resident, num_visible)
-            for victim in step.evicted:
-                self.waiting.prepend_request(victim)
-
-        lanes = self._lanes
-        num_scheduled = output.num_scheduled_tokens
-        for request in plan.prefills:
-            if request.request_id in num_scheduled:
-                lanes.set_progressing(request, _can_progress_unpaid(request))
-        # Every prepaid stream sampled iff, with nothing preempted, every
-        # visible request was scheduled (all of them decoding streams, each
-        # at its sampling position): a count, not a look at each request.
-        undisturbed = (
-            not plan.prefills
-            and not plan.reserved
-            and not step.preempted
-            and len(num_scheduled) - len(admitted) == num_visible
-        )
-        sampled = _SampledView(num_scheduled)
-        self.output_rate_gate.settle(sampled, all_prepaid_sampled=undisturbed)
-        self._settle_step(step, output)
-        return output
-
-    def _schedule_repeat(self, step: StepDecision, resident: list, args: tuple, kwargs: dict):
-        """A step that repeats the last one (see ``StepGate.steady``).
-
-        Every resident request is decoding and already paid for, so vLLM
-        gets the whole resident list in its current order: no visible list
-        to build or merge back, and its running loop skips the charging
-        check.  Admissions from the waiting queue are charged as usual.
-        """
-        num_resident = len(resident)
-        self.running = list(resident)  # vLLM edits this copy; `resident` keeps the start
-        try:
-            output = super().schedule(*args, **kwargs)
-        finally:
-            self._step = None
-            # vLLM removed what it preempted from `running` (the whole
-            # resident list here), so only the admissions need settling.
-            admitted = self._admit_new(step, self.running, num_resident)
-        num_scheduled = output.num_scheduled_tokens
-        # The quick settlement counts every decoding stream in the lanes as
-        # sampled; an admission cut short of its sampling position (its user
-        # could not pay) is one of them now, so such a step settles key by
-        # key (issue 31: tokens counted that were neither taken nor given).
-        all_sampled = (
-            not step.preempted
-            and len(num_scheduled) - len(admitted) == num_resident
-            and not any(request.is_prefill_chunk for request in admitted)
-        )
-        self._ledger.settle_repeat(resident, _SampledView(num_scheduled), all_sampled)
-        self._settle_step(step, output)
-        return output
-
-    def _settle_step(self, step: StepDecision, output) -> None:
-        """What both kinds of step settle last (``StepPolicy.end``)."""
-        policy = self._policy
+            if step.repeat:
+                # vLLM removed what it preempted from `running` (the whole
+                # resident list here), so only the admissions need settling.
+                policy.record_admissions(step, self.running, len(resident))
+            else:
+                self._restore_resident(step, resident)
+                for victim in step.evicted:
+                    self.waiting.prepend_request(victim)
         policy.end(step, output)
         self.output_rate_idle_wait_s = policy.idle_wait_s
+        return output
 
-    def _admit_new(self, step: StepDecision, running_after: list[Request], num_before: int) -> list[Request]:
-        """Classify and return the requests vLLM admitted in this step.
-
-        vLLM only appends admitted requests to ``running`` and removes
-        preempted ones, so without preemption the admissions are its tail.
-        """
-        lanes = self._lanes
-        if step.preempted:
-            admitted = [r for r in running_after if r not in lanes.lane_of]
-        else:
-            admitted = running_after[num_before:]
-        evicted = self._evicted_for_quota
-        for request in admitted:
-            lanes.admit(request, _can_progress_unpaid(request))
-            if evicted:
-                evicted.discard(request)
-        return admitted
-
-    def _settle_membership(
-        self, step: StepDecision, resident: list[Request], num_visible: int
-    ) -> list[Request]:
-        """Make ``self.running`` the full resident list again, admissions included.
-
-        Runs after vLLM's schedule() advanced every request, so an admitted
-        request is classified (prefilling or decoding) once, here.
-        """
-        admitted = self._admit_new(step, self.running, num_visible)
+    def _restore_resident(self, step: StepDecision, resident: list[Request]) -> None:
+        """Make ``self.running`` the full resident list again, this step's
+        admissions appended and its preemptions removed."""
+        admitted = self._policy.record_admissions(step, self.running, step.num_offered)
         if step.preempted:
             resident = remove_all(resident, set(step.preempted))
         resident.extend(admitted)
         self.running = resident
-        return admitted
 
 
 class _EvictingKVCacheManager:
@@ -635,26 +562,6 @@ _RUNNING = RequestStatus.RUNNING
 # remote KV or a streaming-input chunk).
 _ADMITTABLE = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 _PREEMPTED = RequestStatus.PREEMPTED
-
-
-class _SampledView:
-    """``key in view``: the request was scheduled at a sampling position."""
-
-    __slots__ = ("_scheduled",)
-
-    def __init__(self, num_scheduled_tokens: dict[str, int]) -> None:
-        self._scheduled = num_scheduled_tokens
-
-    def __contains__(self, request: Request) -> bool:
-        return request.request_id in self._scheduled and not request.is_prefill_chunk
-
-
-def _can_progress_unpaid(request: Request) -> bool:
-    """At least two positions left: the next chunk need not sample."""
-    remaining = (
-        request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
-    )
-    return remaining >= 2
 
 
 def _generated(request: Request) -> int:

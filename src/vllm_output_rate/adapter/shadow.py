@@ -26,9 +26,9 @@ from vllm_output_rate.adapter.scheduler import (
     OutputRateAsyncScheduler,
     OutputRateScheduler,
     OutputRateSchedulerMixin,
-    _can_progress_unpaid,
 )
 from vllm_output_rate.policy.shadow import ShadowCounter
+from vllm_output_rate.policy.step import can_progress_unpaid
 from vllm_output_rate.settings import SHADOW, OutputRateSettings
 
 
@@ -88,7 +88,7 @@ class ShadowSchedulerMixin:
         evicted = getattr(self, "_evicted_for_quota", None)
         for request in self.running:
             if request not in lane_of and request in user_of:
-                lanes.admit(request, _can_progress_unpaid(request))
+                lanes.admit(request, can_progress_unpaid(request))
                 if evicted:
                     evicted.discard(request)
         sampled: dict[str, int] = {}
@@ -101,7 +101,7 @@ class ShadowSchedulerMixin:
             if user is None:
                 continue
             if request in lanes.order[user].progressing:
-                lanes.set_progressing(request, _can_progress_unpaid(request))
+                lanes.set_progressing(request, can_progress_unpaid(request))
             if not request.is_prefill_chunk:
                 sampled[user] = sampled.get(user, 0) + 1
         self.output_rate_shadow.observe(self.output_rate_clock(), sampled)

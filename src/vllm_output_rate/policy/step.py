@@ -201,7 +201,8 @@ class StepDecision:
     """
 
     __slots__ = (
-        "policy", "view", "plan", "visible", "resident", "configured_cap", "max_resident", "prepaid", "all_visible_paid", "running_at_start",
+        "policy", "view", "plan", "visible", "num_offered", "resident", "admitted",
+        "configured_cap", "max_resident", "prepaid", "all_visible_paid", "running_at_start",
         "refused_visible", "preempted", "evicted", "slot_donors", "held_for_other_reasons",
         "borrow_admits", "admitted_to_borrow", "adapters", "adapters_seen",
         "refused_for_prompts", "visible_now",
@@ -225,8 +226,13 @@ class StepDecision:
         #: The running list the engine's loop sees in this step, in its
         #: order (None: every resident request, as the engine holds them).
         self.visible: list[Any] | None = None
+        #: Requests the plan offered (guaranteed and borrowed), counted when
+        #: the step began (the engine appends its admissions to ``visible``).
+        self.num_offered = len(plan.visible) + len(plan.borrowed)
         #: The resident requests when the step began (the engine's list).
         self.resident: Sequence[Any] = ()
+        #: The requests the engine admitted in this step (:meth:`StepPolicy.record_admissions`).
+        self.admitted: Sequence[Any] = ()
         #: The engine's configured active cap and its most resident requests.
         self.configured_cap = configured_cap
         self.max_resident = max_resident
@@ -823,20 +829,75 @@ class StepPolicy:
             configured_cap, max_resident,
         )
 
+    def record_admissions(
+        self, decision: StepDecision, running_after: Sequence[Any], num_before: int
+    ) -> list[Any]:
+        """After the engine's loops, before :meth:`end`: the requests it
+        admitted in this step, now resident.  The engine only appends
+        admissions to its running list (``num_before`` long when its step
+        began) and removes what it preempted, so without a preemption they
+        are its tail; each is classified (prefilling or decoding) once, here."""
+        lanes = self.lanes
+        if decision.preempted:
+            lane_of = lanes.lane_of
+            admitted = [r for r in running_after if r not in lane_of]
+        else:
+            admitted = list(running_after[num_before:])
+        evicted = self.evicted_for_quota
+        for request in admitted:
+            lanes.admit(request, can_progress_unpaid(request))
+            if evicted:
+                evicted.discard(request)
+        decision.admitted = admitted
+        return admitted
+
     def end(self, decision: StepDecision, outcome: StepOutcome) -> None:
-        """Asked last in every step, with what the engine scheduled: keep
-        the prompt charges and drafts of what ran, refund the rest, earn the
-        recompute budget, and work out the idle wait (:attr:`idle_wait_s`).
-        The quota of the planned requests is settled before this
-        (``StepGate.settle`` / ``Ledger.settle_repeat``)."""
+        """Asked last in every step, with what the engine scheduled (after
+        :meth:`record_admissions`): the one settle.  Every charge whose
+        request did not end up scheduled at a sampling position is refunded
+        (``StepGate.settle``, or ``Ledger.settle_repeat`` for a repeated
+        step), prompt charges and drafts of what ran are kept and the rest
+        refunded, the recompute budget earns, and the idle wait is worked
+        out (:attr:`idle_wait_s`)."""
         self.current = None
+        num_scheduled = outcome.num_scheduled_tokens
+        sampled = SampledView(num_scheduled)
+        admitted = decision.admitted
+        if decision.repeat:
+            # The quick settlement counts every decoding stream in the lanes
+            # as sampled; an admission cut short of its sampling position (its
+            # user could not pay) is one of them now, so such a step settles
+            # key by key (issue 31: tokens counted that were neither taken
+            # nor given).
+            all_sampled = (
+                not decision.preempted
+                and len(num_scheduled) - len(admitted) == decision.running_at_start
+                and not any(request.is_prefill_chunk for request in admitted)
+            )
+            self.ledger.settle_repeat(cast("list[Key]", decision.resident), sampled, all_sampled)
+        else:
+            plan = decision.plan
+            lanes = self.lanes
+            for request in plan.prefills:
+                if cast(Any, request).request_id in num_scheduled:
+                    lanes.set_progressing(request, can_progress_unpaid(request))
+            # Every prepaid stream sampled iff, with nothing preempted, every
+            # visible request was scheduled (all of them decoding streams,
+            # each at its sampling position): a count, not a look at each.
+            undisturbed = (
+                not plan.prefills
+                and not plan.reserved
+                and not decision.preempted
+                and len(num_scheduled) - len(admitted) == decision.num_offered
+            )
+            self.gate.settle(sampled, all_prepaid_sampled=undisturbed)
         prompt_cost = self.prompt_cost
         if prompt_cost.weight:
             self._settle_prompt_cost(decision, outcome)
         drafts = self.drafts
         if drafts is not None:
             self._settle_drafts(outcome)
-        self.budget.earn(len(outcome.num_scheduled_tokens))
+        self.budget.earn(len(num_scheduled))
         if (
             outcome.total_num_scheduled_tokens == 0
             and not decision.held_for_other_reasons
@@ -891,3 +952,23 @@ def output_left(request: Any) -> int:
     """Tokens the request may still output (at most: it may stop sooner)."""
     left: int = max(request.max_tokens - request.num_output_tokens, 1)
     return left
+
+
+class SampledView:
+    """``key in view``: the request was scheduled at a sampling position."""
+
+    __slots__ = ("_scheduled",)
+
+    def __init__(self, num_scheduled_tokens: dict[str, int]) -> None:
+        self._scheduled = num_scheduled_tokens
+
+    def __contains__(self, request: Any) -> bool:
+        return request.request_id in self._scheduled and not request.is_prefill_chunk
+
+
+def can_progress_unpaid(request: Any) -> bool:
+    """At least two positions left: the next chunk need not sample."""
+    remaining: int = (
+        request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
+    )
+    return remaining >= 2
