@@ -3,69 +3,44 @@
 Selected by :mod:`vllm_output_rate.adapter.patches` only when the feature is
 configured; otherwise vLLM runs its stock classes untouched.
 
-How one ``schedule()`` call works (the decisions live in :mod:`..policy`:
-the gate, its lanes and ledger, and :class:`..policy.displacement.Displacement`):
+Every per-step decision is :class:`~vllm_output_rate.policy.step.StepPolicy`'s
+(plain Python, no vLLM; its module docstring gives the order in which an
+engine loop asks it).  This module translates: vLLM's state in (a request's
+status becomes a boolean, requests are the keys, the scheduler itself is the
+policy's :class:`~vllm_output_rate.policy.step.EngineView`), the decision's
+answers out.  One ``schedule()`` call:
 
-* **Plan.**  Before vLLM's own ``schedule()`` runs, ``self.running`` is
-  swapped for the requests the gate offers this step: per user, its prefills
-  and as many decoding streams as its quota can pay for now, users in
-  least-recently-served order, at most the active cap.  Resident requests
-  that are out of quota (throttled) or beyond the cap stay resident -- KV,
-  model-runner slot and output history kept -- but out of sight, so vLLM's
-  loop never visits them.  Afterwards ``self.running`` is the full resident
-  list again, so every other vLLM code path sees stock state.
-* **Charge at dispatch.**  vLLM's ``_reserve_prefill_lookahead`` is the
-  last hook it calls before allocating KV for a request; when the chunk
-  reaches the sampling position we take one unit of quota there
-  (:meth:`ChargingHooks._charge_at_sampling_position`).  A refused request is cut
-  back to the second-to-last prompt position (chunked prefill) or skipped --
-  unless it was admitted in this step into a slot set aside for its
-  borrowing user: then it borrows the token (``Borrowing.lend``), as a
-  resident borrowed stream would, and samples at once.
-* **Do not block the waiting queue.**  A waiting request whose user is out
-  of quota is skipped through vLLM's own skip path
-  (:meth:`_handle_blocked_waiting_request`, :meth:`_ec_transfer_pending`)
-  instead of stopping admission for everybody behind it.
-* **Throttled requests do not count as active.**  ``max_num_active_reqs`` is
-  a property that, during a step, admits waiting requests up to the active
-  cap counting only requests that can run, and never beyond ``max_num_seqs``
-  resident.
-* **vLLM's order.**  The visible requests are handed to vLLM in admission
-  order (its own order of ``running``), so with limits never hit every
-  decision -- token budget, preemption victims -- is stock vLLM's.
-* **KV pressure.**  When an allocation fails, hidden throttled requests are
-  preempted first (the user whose quota comes back last first; under the
-  PRIORITY policy only within the same or a less important priority),
-  before vLLM's own victim choice and also on behalf of waiting requests of
-  users with no resident request.  A request evicted this way comes back
-  only into free KV and never evicts others (:meth:`kv_room_for`).
-  Which request gives way, and for whom, is
-  :class:`~vllm_output_rate.policy.displacement.Displacement`'s choice.
-* **Refund once.**  After vLLM's ``schedule()`` returns, every charge whose
-  request did not end up scheduled at a sampling position is refunded.
+* **Begin.**  ``StepPolicy.begin`` plans the step (which resident requests
+  vLLM may look at, borrowing, slots freed for waiting requests);
+  ``self.running`` is swapped for the decision's ``visible`` list (vLLM's
+  own admission order), so vLLM's loop never visits a throttled request.
+  Afterwards ``self.running`` is the full resident list again, so every
+  other vLLM code path sees stock state.
+* **vLLM's loops ask the decision.**  ``_reserve_prefill_lookahead`` (the
+  last hook before KV is allocated) -> ``tokens_for``;
+  ``_handle_blocked_waiting_request`` -> ``may_admit`` (a refused request
+  is skipped through vLLM's own skip path and keeps its place);
+  ``_ec_transfer_pending`` -> ``may_start`` (after the prefix-cache
+  lookup); ``max_num_active_reqs`` -> ``active_cap``; a failed KV
+  allocation -> ``victim_for`` (through :class:`_EvictingKVCacheManager`,
+  only in steps with throttled requests).
+* **End.**  The admissions vLLM appended are recorded, the running list
+  restored, the requests evicted for quota go back to the waiting queue's
+  front, and ``StepPolicy.end`` settles the step once (refunds, prompt
+  cost, drafts, the recompute budget, the idle wait the engine loop reads
+  as ``output_rate_idle_wait_s``).
 
-``update_from_output`` never touches the limiter, so async scheduling (step
+``update_from_output`` never touches the quota, so async scheduling (step
 N+1 scheduled before step N's output arrives) works unchanged -- except with
 speculative decoding, where it refunds the drafts the model rejected
-(:class:`SpecDecodeHooks`); those refunds are matched to the step that paid
-for them, so they are exact under async scheduling too.
+(:class:`SpecDecodeHooks`), matched to the step that paid for them.
 
-The scheduler mixin is :class:`OutputRateSchedulerMixin` (the step) over
-seven hook classes, one concern each: :class:`MembershipHooks` (the lanes
-follow vLLM's request lifecycle), :class:`ChargingHooks` (per-request
-charges and waiting-queue skips), :class:`AdapterHooks` (hidden requests'
-LoRA adapters stay counted against ``max_loras``), :class:`ResidencyHooks`
-(a user's requests are admitted only as far as its quota keeps them moving
-at the minimum pace; the rest wait un-admitted), :class:`EvictionHooks`
-(slot and KV pressure), :class:`BorrowingHooks` (spare capacity for users
-with a ceiling above their rate, handed to vLLM after every guaranteed
-request; groups of users paying every token together) and
-:class:`~.prompt_cost.PromptCostHooks` (prompt tokens charged at
-``input_token_weight``; idle at weight 0), with :class:`SpecDecodeHooks`
-(drafts).  Each hook is a plain override: none replaces another at run
-time.  The features they ask are assembled by
-:meth:`OutputRateSchedulerMixin.configure` at start and on every reload, and
-what a step decided is one :class:`StepDecision`, dropped when the step is settled.
+The hooks are plain overrides grouped by what vLLM calls them for
+(:class:`MembershipHooks`, :class:`ChargingHooks`, :class:`AdapterHooks`,
+:class:`EvictionHooks` with the view's members, :class:`SpecDecodeHooks`,
+and :class:`~.prompt_cost.PromptCostHooks`); none replaces another at run
+time.  Every hook falls through to stock vLLM on a scheduler built without
+our ``__init__`` (vLLM's own tests build one with ``object.__new__``).
 """
 
 from __future__ import annotations
@@ -112,7 +87,7 @@ logger = logging.getLogger(__name__)
 
 
 class MembershipHooks:
-    """Keeps the gate's lanes in step with vLLM's request lifecycle.
+    """Tells the step policy of vLLM's request lifecycle.
 
     vLLM calls these as requests arrive, are preempted, finish or leave
     ``running`` between chunks of a streaming-input session; the lanes then
@@ -158,10 +133,10 @@ class MembershipHooks:
 
 
 class ChargingHooks:
-    """vLLM's per-request hooks inside ``schedule()``: the charge at the
-    sampling position, and skipping waiting requests whose user cannot pay
-    (through vLLM's own skip paths, so they never stop admission for the
-    requests behind them)."""
+    """vLLM's per-request hooks inside ``schedule()``, answered by the step's
+    decision: the charge at dispatch, and skipping waiting requests that may
+    not be admitted (through vLLM's own skip paths, so they never stop
+    admission for the requests behind them)."""
 
     def _reserve_prefill_lookahead(
         self, request: Request, num_computed_tokens: int, num_new_tokens: int
@@ -250,11 +225,12 @@ class AdapterHooks:
 
 
 class EvictionHooks:
-    """Slot and KV pressure: hidden throttled requests give way first.
+    """Slot and KV pressure, and what the step policy reads of the engine.
 
-    Who gives way, and for whom, is :class:`~vllm_output_rate.policy.displacement.Displacement`'s
-    decision (``self._displacement``); these hooks feed it vLLM's requests and
-    carry its choices out.
+    Who gives way, and for whom, is the step policy's decision
+    (``StepDecision.victim_for``, ``StepPolicy.begin``); vLLM's scheduler is
+    its :class:`~vllm_output_rate.policy.step.EngineView`: the members below
+    read vLLM's state and carry the policy's evictions out.
     """
 
     def _kv_victim_for(self, request: Request) -> Request | None:
@@ -346,11 +322,12 @@ class OutputRateSchedulerMixin(
 ):
     """Per-user output-rate limiting on top of vLLM's V1 ``Scheduler``.
 
-    This class runs the step (plan, hand vLLM the visible requests, settle);
-    its bases are the hooks vLLM calls along the way, one concern each.
-    Every attribute they share is set here: the features in ``__init__``
-    and :meth:`configure` (at start and on every reload), what one step
-    decided in ``self._step`` (a :class:`StepDecision`, None between steps).
+    This class runs the step (begin, hand vLLM the visible requests, end:
+    see the module docstring); its bases are the hooks vLLM calls along the
+    way.  Every attribute they share is set here: the parts of the step
+    policy in ``__init__`` and :meth:`configure` (at start and on every
+    reload), what one step decided in ``self._step`` (a
+    :class:`~vllm_output_rate.policy.step.StepDecision`, None between steps).
     """
 
     #: Clock for the limiter, in integer nanoseconds; tests replace it.
@@ -413,7 +390,7 @@ class OutputRateSchedulerMixin(
         # Resident requests per user: as many as its quota keeps moving at
         # the minimum pace (the planner and Displacement read it too).
         self.output_rate_residency = self._lanes.residency = make_residency(settings)
-        self._displacement = Displacement(
+        displacement = Displacement(
             self._lanes,
             self._ledger,
             self.output_rate_eviction_budget,
@@ -433,7 +410,7 @@ class OutputRateSchedulerMixin(
             self._facts,
             self.output_rate_eviction_budget,
             self.output_rate_residency,
-            self._displacement,
+            displacement,
             self.output_rate_prompt_cost,
             self._draft_account,
             self._evicted_for_quota,
