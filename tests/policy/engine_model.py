@@ -139,6 +139,7 @@ class StepRecord:
     idle_wait_ns: int | None = None
     active_cap: int = 0  # the cap on the running list the waiting loop last read
     running_len: int = 0  # the running list at the end of the waiting loop
+    running_after: list[Req] = field(default_factory=list)  # the running list after the loops
     #: Why vLLM's waiting loop stopped before the queue's end (None: it did not).
     waiting_stop: str | None = None
 
@@ -299,6 +300,21 @@ class Engine:
         if self._record is not None:
             self._record.evicted.append(victim)
 
+    def give_up(self, victim: Req) -> None:
+        """Before the step's loops, the policy preempts a resident request to
+        hand its slot to another (it waits at the front of the queue)."""
+        if victim in self.resident:
+            self.resident.remove(victim)
+        self._preempt(victim)
+        if self._record is not None:
+            self._record.evicted.append(victim)
+
+    def queue_order(self) -> list[Req]:
+        """The waiting queue in the order the waiting loop meets it."""
+        if self.config.priority:
+            return sorted(self.waiting, key=lambda r: (r.priority, r.arrival))
+        return list(self.waiting)
+
     def _finish(self, request: Req) -> None:
         self._release(request)
         request.status = FINISHED
@@ -406,10 +422,12 @@ class Engine:
                 budget -= new
             self.waiting[0:0] = skipped
         record.running_len = len(self.running)
+        record.running_after = list(self.running)
 
         # The resident list again: preempted ones out, admissions in.
         gone = set(map(id, record.preempted))
-        self.resident[:] = [r for r in resident_start if id(r) not in gone] + record.admitted
+        # A new list: the policy may hold the one the step began with.
+        self.resident = [r for r in resident_start if id(r) not in gone] + record.admitted
         self.running = self.resident
         self.waiting[0:0] = self._held_out
         self._held_out = []
