@@ -6,13 +6,19 @@ store layers so that neither has to import the other to choose.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from vllm_output_rate.policy.borrow import Borrowing, ShareTable
+from vllm_output_rate.policy.displacement import Displacement
+from vllm_output_rate.policy.drafts import DraftAccount
+from vllm_output_rate.policy.eviction import EvictionBudget
+from vllm_output_rate.policy.gate import StepGate
 from vllm_output_rate.policy.groups import GroupCaps, GroupQuotas, GroupShareTable
 from vllm_output_rate.policy.limiter import Limiter, OutputRateLimiter
+from vllm_output_rate.policy.prompt_cost import PromptCost
 from vllm_output_rate.policy.quota import ComposedLimiter, Level
 from vllm_output_rate.policy.residency import Residency
+from vllm_output_rate.policy.step import EngineFacts, StepPolicy
 from vllm_output_rate.settings import OutputRateSettings
 from vllm_output_rate.stores.backend import LeaseConfig
 from vllm_output_rate.stores.lease import LeasedOutputRateLimiter
@@ -169,3 +175,68 @@ def make_residency(settings: OutputRateSettings) -> Residency:
 def update_residency(residency: Residency, settings: OutputRateSettings) -> None:
     """The caps of ``settings`` (after a reload), in the same object."""
     residency.update(*_residency_args(settings))
+
+
+def make_step_policy(
+    settings: OutputRateSettings,
+    limiter: Limiter,
+    facts: EngineFacts,
+    *,
+    max_model_len: int,
+    spec_decode: bool,
+    can_release: Callable[[Any], bool],
+    tokens_held: Callable[[Any], int],
+    generated_of: Callable[[Any], int],
+    priority_of: Callable[[Any], int],
+) -> StepPolicy:
+    """One engine's step policy over ``limiter`` (the users' own rates), with
+    every part the settings ask for (:func:`configure_step_policy`).
+
+    ``max_model_len``: the recompute budget holds one longest request (none
+    at ratio 0); ``spec_decode``: drafts are paid; the callables read what
+    the policy needs of the engine's requests (``can_release``: may the
+    request's KV be freed now)."""
+    gate = StepGate(limiter)
+    ratio = settings.recompute_budget
+    budget = EvictionBudget(burst_tokens=max_model_len if ratio > 0 else 0, ratio=ratio)
+    # Resident requests per user: as many as its quota keeps moving at the
+    # minimum pace (the planner and Displacement read it too).
+    residency = gate.lanes.residency = make_residency(settings)
+    evicted: set[Any] = set()
+    displacement = Displacement(
+        gate.lanes,
+        gate.ledger,
+        budget,
+        evicted,
+        tokens_held=tokens_held,
+        priority_of=priority_of if facts.priority_policy else None,
+        can_release=can_release,
+        residency=residency,
+        generated_of=generated_of,
+    )
+    prompt_cost = gate.prompt_cost = PromptCost(gate.ledger, settings.input_token_weight)
+    drafts = DraftAccount(gate.ledger) if spec_decode else None
+    policy = StepPolicy(gate, facts, budget, residency, displacement, prompt_cost, drafts, evicted)
+    configure_step_policy(policy, settings, limiter)
+    return policy
+
+
+def configure_step_policy(
+    policy: StepPolicy, settings: OutputRateSettings, limiter: Limiter
+) -> None:
+    """Assemble the features ``settings`` ask for (at start, and on a reload
+    between steps, after the rates were updated): groups, the composed quota
+    every token is paid from (rate, ceiling, group: built here, once),
+    borrowing, the prompt cost's weight and the residency caps.  Existing
+    parts keep their state.  While nobody has a ceiling above its rate and no
+    group is configured, the quota is the rate limiter itself and no
+    borrowing runs: hard caps take their plain path."""
+    groups = make_group_quotas(settings, policy.groups)
+    borrowing, quota = make_borrowing(settings, limiter, policy.gate.borrowing, groups)
+    policy.groups = groups
+    policy.gate.borrowing = borrowing
+    policy.ledger.limiter = quota  # its one holder (the gate and drafts read it there)
+    prompt_cost = policy.prompt_cost
+    prompt_cost.set_weight(settings.input_token_weight)
+    prompt_cost.group_of = None if groups is None else groups.of
+    update_residency(policy.residency, settings)

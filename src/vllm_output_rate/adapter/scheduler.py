@@ -36,7 +36,7 @@ speculative decoding, where it refunds the drafts the model rejected
 (:class:`SpecDecodeHooks`), matched to the step that paid for them.
 
 The hooks are plain overrides grouped by what vLLM calls them for
-(:class:`MembershipHooks`, :class:`ChargingHooks`, :class:`AdapterHooks`,
+(:class:`MembershipHooks`, :class:`ChargingHooks`,
 :class:`EvictionHooks` with the view's members, :class:`SpecDecodeHooks`,
 and :class:`~.prompt_cost.PromptCostHooks`); none replaces another at run
 time.  Every hook falls through to stock vLLM on a scheduler built without
@@ -57,25 +57,10 @@ from vllm.v1.request import Request, RequestStatus
 
 from vllm_output_rate.adapter.operate import OperateSchedulerMixin
 from vllm_output_rate.adapter.prompt_cost import PromptCostHooks
-from vllm_output_rate.factory import (
-    make_borrowing,
-    make_group_quotas,
-    make_limiter,
-    make_residency,
-    update_residency,
-)
-from vllm_output_rate.policy.borrow import Borrowing
-from vllm_output_rate.policy.displacement import Displacement, fits_in_free_kv
+from vllm_output_rate.factory import configure_step_policy, make_limiter, make_step_policy
+from vllm_output_rate.policy.displacement import fits_in_free_kv
 from vllm_output_rate.policy.drafts import DraftAccount
-from vllm_output_rate.policy.eviction import EvictionBudget
-from vllm_output_rate.policy.gate import StepGate
-from vllm_output_rate.policy.groups import GroupQuotas
-from vllm_output_rate.policy.prompt_cost import PromptCost
-from vllm_output_rate.policy.step import (
-    EngineFacts,
-    StepDecision,
-    StepPolicy,
-)
+from vllm_output_rate.policy.step import EngineFacts, StepDecision, StepPolicy
 from vllm_output_rate.settings import (
     ANONYMOUS_USER,
     InvalidUserError,
@@ -177,7 +162,8 @@ class ChargingHooks:
             return False
         if step is None:
             return True
-        if request.lora_request is not None and not self._adapter_fits(step, request):
+        lora = request.lora_request
+        if lora is not None and not step.adapter_fits(lora.lora_int_id, self.lora_config.max_loras):
             return False
         return step.may_admit(request, request.status == _PREEMPTED)
 
@@ -188,40 +174,6 @@ class ChargingHooks:
         # After the prefix-cache lookup: if only the sampling position is
         # left and the user cannot pay, skip instead of stopping admission.
         return step is not None and not step.may_start(request, num_computed_tokens)
-
-
-class AdapterHooks:
-    """LoRA: a hidden request's adapter still counts against ``max_loras``.
-
-    vLLM admits a waiting request with a new adapter only while fewer than
-    ``max_loras`` adapters are in its count, and asserts that count after its
-    running loop.  It counts what it can see in ``running`` (0.32: the
-    requests scheduled in the step; 0.33: all of them), so a request hidden
-    for lack of quota -- or visible but refused its sampling position (0.32)
-    -- would not hold its adapter's place, and when it ran again beside a
-    newcomer with another adapter the batch would exceed ``max_loras``.
-
-    While some resident request is hidden or refused, a waiting request with
-    an adapter is therefore skipped (vLLM's own skip path) unless its adapter
-    is among those of every resident request and the step's admissions so
-    far, or there is room for one more.  Otherwise vLLM's own count already
-    covers every resident request that can run and nothing changes: with
-    limits never hit, LoRA admissions are stock vLLM's.
-    """
-
-    def _adapter_fits(self, step: StepDecision, request: Request) -> bool:
-        """May ``request`` (which has an adapter) be admitted in this step?"""
-        lora_id = request.lora_request.lora_int_id
-        if lora_id <= 0 or not (step.plan.hidden or step.refused_visible):
-            return True
-        known = step.adapters
-        if known is None:
-            known = step.adapters = _adapters_of(self._lanes.resident())
-        running = self.running  # the visible requests, then this step's admissions
-        if step.adapters_seen < len(running):
-            known |= _adapters_of(running[step.adapters_seen:])
-            step.adapters_seen = len(running)
-        return lora_id in known or len(known) < self.lora_config.max_loras
 
 
 class EvictionHooks:
@@ -259,6 +211,9 @@ class EvictionHooks:
     def admittable_waiting(self):
         waiting = self.waiting
         return (r for r in waiting if r.status in _ADMITTABLE) if waiting else ()
+
+    def adapters_of(self, requests) -> set[int]:
+        return _adapters_of(requests)
 
     def kv_room_for(self, request: Request) -> bool:
         """May a request evicted for quota come back now (see ``fits_in_free_kv``)?"""
@@ -316,7 +271,6 @@ class OutputRateSchedulerMixin(
     PromptCostHooks,
     MembershipHooks,
     ChargingHooks,
-    AdapterHooks,
     EvictionHooks,
     SpecDecodeHooks,
 ):
@@ -368,77 +322,42 @@ class OutputRateSchedulerMixin(
         self._step: StepDecision | None = None
         #: The users' own rates (the first level of every composed quota).
         self.output_rate_limiter = self.output_rate_limiter_factory(settings)
-        self.output_rate_gate = gate = StepGate(self.output_rate_limiter)
-        # The gate's parts, held directly: membership changes and per-request
-        # payments go to them without a call through the gate.
-        self._lanes = gate.lanes
-        self._ledger = gate.ledger
         #: Seconds the engine loop may wait on its input queue after a step
         #: that ran nothing because every runnable request was throttled;
         #: None means "poll as stock vLLM does".
         self.output_rate_idle_wait_s: float | None = None
-        # Requests we preempted because their user was out of quota, until
-        # they are resident again (see kv_room_for).
-        self._evicted_for_quota: set[Request] = set()
-        # What evictions on behalf of waiting requests may make the engine
-        # recompute; the budget holds one longest request (none at ratio 0).
-        ratio = settings.recompute_budget
-        self.output_rate_eviction_budget = EvictionBudget(
-            burst_tokens=self.vllm_config.model_config.max_model_len if ratio > 0 else 0,
-            ratio=ratio,
-        )
-        # Resident requests per user: as many as its quota keeps moving at
-        # the minimum pace (the planner and Displacement read it too).
-        self.output_rate_residency = self._lanes.residency = make_residency(settings)
-        displacement = Displacement(
-            self._lanes,
-            self._ledger,
-            self.output_rate_eviction_budget,
-            self._evicted_for_quota,
-            tokens_held=_tokens_held,
-            priority_of=_priority_of if priority_policy else None,
-            can_release=self._request_blocks_can_be_freed,
-            residency=self.output_rate_residency,
-            generated_of=_generated,
-        )
-        self.output_rate_prompt_cost = self.output_rate_gate.prompt_cost = PromptCost(
-            self._ledger, settings.input_token_weight
-        )
-        self._draft_account = DraftAccount(self._ledger) if self.num_spec_tokens else None
-        self._policy = StepPolicy(
-            gate,
+        self._policy = policy = make_step_policy(
+            settings,
+            self.output_rate_limiter,
             self._facts,
-            self.output_rate_eviction_budget,
-            self.output_rate_residency,
-            displacement,
-            self.output_rate_prompt_cost,
-            self._draft_account,
-            self._evicted_for_quota,
+            max_model_len=self.vllm_config.model_config.max_model_len,
+            spec_decode=bool(self.num_spec_tokens),
+            can_release=self._request_blocks_can_be_freed,
+            tokens_held=_tokens_held,
+            generated_of=_generated,
+            priority_of=_priority_of,
         )
-        self.output_rate_groups: GroupQuotas | None = None
-        self._borrowing: Borrowing | None = None
+        # The policy's parts, held directly: membership changes and
+        # per-request payments go to them without a call through the policy,
+        # and metrics and the admin route read them here.
+        self.output_rate_gate = policy.gate
+        self._lanes = policy.lanes
+        self._ledger = policy.ledger
+        self._evicted_for_quota = policy.evicted_for_quota
+        self.output_rate_eviction_budget = policy.budget
+        self.output_rate_residency = policy.residency
+        self.output_rate_prompt_cost = policy.prompt_cost
+        self._draft_account = policy.drafts
         self.configure(settings)
 
     def configure(self, settings: OutputRateSettings) -> None:
-        """Assemble the features ``settings`` ask for (at start, and on a
-        reload between steps, after the rates were updated): groups, the
-        composed quota every token is paid from (rate, ceiling, group),
-        borrowing, the prompt cost's weight and the residency caps.  Existing
-        parts keep their state.  While nobody has a ceiling above its rate
-        and no group is configured, the quota is the rate limiter itself and
-        no borrowing runs: hard caps take their plain path."""
+        """The features ``settings`` ask for, at start and on a reload
+        between steps (``factory.configure_step_policy``)."""
         self.output_rate_settings = settings
-        groups = make_group_quotas(settings, self.output_rate_groups)
-        borrowing, quota = make_borrowing(
-            settings, self.output_rate_limiter, self._borrowing, groups
-        )
-        self.output_rate_groups = groups
-        self._borrowing = self.output_rate_gate.borrowing = borrowing
-        self._ledger.limiter = quota  # its one holder (the gate and drafts read it there)
-        prompt_cost = self.output_rate_prompt_cost
-        prompt_cost.set_weight(settings.input_token_weight)
-        prompt_cost.group_of = None if groups is None else groups.of
-        update_residency(self.output_rate_residency, settings)
+        policy = self._policy
+        configure_step_policy(policy, settings, self.output_rate_limiter)
+        self.output_rate_groups = policy.groups
+        self._borrowing = policy.gate.borrowing
 
     # -- the active cap, seen through vLLM's own admission check -----------
 

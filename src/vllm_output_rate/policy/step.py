@@ -14,6 +14,7 @@ requests come and go: ``policy.on_add(request, user, resumable)`` on arrival,
             (a victim: it was evicted, retry; None: the engine's own preemption)
     for request in the waiting queue:             # 3. the waiting loop (none after a preemption)
         stop once len(running list) >= decision.active_cap()
+        with a LoRA adapter: if not decision.adapter_fits(adapter, max_adapters): skip it
         if not decision.may_admit(request, preempted):  skip it (it keeps its place)
         after the prefix-cache lookup:
         if not decision.may_start(request, computed):   skip it
@@ -48,6 +49,7 @@ from vllm_output_rate.policy.displacement import Displacement
 from vllm_output_rate.policy.drafts import DraftAccount
 from vllm_output_rate.policy.eviction import EvictionBudget
 from vllm_output_rate.policy.gate import StepGate
+from vllm_output_rate.policy.groups import GroupQuotas
 from vllm_output_rate.policy.handover import slot_handover
 from vllm_output_rate.policy.plan import StepPlan
 from vllm_output_rate.policy.prompt_cost import PromptCost
@@ -156,6 +158,9 @@ class EngineView(Protocol):
         """Where a chunk cut short for quota may end, at most ``allowed``
         tokens (vLLM: not inside a multimodal item under
         ``--disable-chunked-mm-input``)."""
+
+    def adapters_of(self, requests: Iterable[Any]) -> set[int]:
+        """The LoRA adapters ``requests`` use, as the engine counts them."""
 
 
 class StepOutcome(Protocol):
@@ -327,6 +332,35 @@ class StepDecision:
         if self.borrow_admits is not None:
             return self._admit_to_borrow(request)
         return True
+
+    def adapter_fits(self, adapter: int, max_adapters: int) -> bool:
+        """Asked in the engine's waiting loop, before :meth:`may_admit`, for a
+        request with a LoRA adapter (``adapter`` > 0): may it be admitted in
+        this step?
+
+        The engine admits a request with a new adapter only while fewer than
+        ``max_adapters`` are in its count, and counts what it sees in its
+        running list (vLLM 0.32: the requests scheduled in the step; 0.33:
+        all of them), so a request hidden for lack of quota -- or offered but
+        refused its sampling position -- would not hold its adapter's place,
+        and when it ran again beside a newcomer with another adapter the
+        batch would exceed the limit.  While some resident request is hidden
+        or refused, such a request is therefore admitted only if its adapter
+        is among those of every resident request and the step's admissions
+        so far, or there is room for one more.  Otherwise the engine's own
+        count covers every resident request that can run: with limits never
+        hit, admissions are the engine's."""
+        if adapter <= 0 or not (self.plan.hidden or self.refused_visible):
+            return True
+        view = self.view
+        known = self.adapters
+        if known is None:
+            known = self.adapters = view.adapters_of(self.policy.lanes.resident())
+        running = view.running  # the offered requests, then this step's admissions
+        if self.adapters_seen < len(running):
+            known |= view.adapters_of(running[self.adapters_seen:])
+            self.adapters_seen = len(running)
+        return adapter in known or len(known) < max_adapters
 
     def _admit_to_borrow(self, request: StepRequest) -> bool:
         """A waiting request that would only run by borrowing is admitted in
@@ -586,6 +620,9 @@ class StepPolicy:
         self.idle_wait_s: float | None = None
         #: The decision of the step in progress (from :meth:`begin`).
         self.current: StepDecision | None = None
+        #: The groups' quotas (None: no group configured); set with
+        #: borrowing and the composed quota by ``factory.configure_step_policy``.
+        self.groups: GroupQuotas | None = None
 
     @property
     def borrowing(self) -> Borrowing | None:
