@@ -99,22 +99,15 @@ class MembershipHooks:
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         facts = self._facts
         if facts is not None and facts.sessions:
-            self._release_idle_sessions(scheduler_output)
+            # A request of this step that is no longer RUNNING without being
+            # freed or preempted is a streaming-input session waiting for
+            # its next chunk.
+            requests = self.requests
+            for req_id in scheduler_output.num_scheduled_tokens:
+                request = requests.get(req_id)
+                if request is not None and request.status != RequestStatus.RUNNING:
+                    self._policy.on_pause(request)
         return outputs
-
-    def _release_idle_sessions(self, scheduler_output) -> None:
-        """Requests that left ``running`` without being freed or preempted (a
-        streaming-input session waiting for its next chunk) stop being
-        resident.  Only this step's requests can have changed."""
-        lanes = self._lanes
-        for req_id in scheduler_output.num_scheduled_tokens:
-            request = self.requests.get(req_id)
-            if (
-                request is not None
-                and request.status != RequestStatus.RUNNING
-                and request in lanes.lane_of
-            ):
-                lanes.release(request)
 
 
 class ChargingHooks:
@@ -171,8 +164,8 @@ class ChargingHooks:
         if super()._ec_transfer_pending(request, num_computed_tokens):
             return True
         step = self._step
-        # After the prefix-cache lookup: if only the sampling position is
-        # left and the user cannot pay, skip instead of stopping admission.
+        # After the prefix-cache lookup: skipped instead of stopping
+        # admission for everybody behind it.
         return step is not None and not step.may_start(request, num_computed_tokens)
 
 

@@ -14,6 +14,8 @@ requests come and go: ``policy.on_add(request, user, resumable)`` on arrival,
             (a victim: it was evicted, retry; None: the engine's own preemption)
     for request in the waiting queue:             # 3. the waiting loop (none after a preemption)
         stop once len(running list) >= decision.active_cap()
+        a new request (nothing computed): if not decision.may_consider(request): skip it
+        (then the engine's own checks; a request they hold is not asked below)
         with a LoRA adapter: if not decision.adapter_fits(adapter, max_adapters): skip it
         if not decision.may_admit(request, preempted):  skip it (it keeps its place)
         after the prefix-cache lookup:
@@ -431,17 +433,53 @@ class StepDecision:
         the sampling position is left and the user can pay neither from its
         quota nor by borrowing (the engine skips it instead of stopping
         admission for everybody behind it)."""
-        if request.num_tokens - num_computed_tokens > 1:
-            return True
         policy = self.policy
-        if policy.ledger.charge(request, take=False):
+        if request.num_tokens - num_computed_tokens <= 1 and not policy.ledger.charge(
+            request, take=False
+        ):
+            borrowing = policy.gate.borrowing
+            if not (
+                request in self.admitted_to_borrow
+                and borrowing is not None
+                and borrowing.can_lend(policy.lanes.user_of[request], policy.ledger.now_ns)
+            ):
+                return False
+        prompt_cost = policy.prompt_cost
+        if not prompt_cost.weight:
             return True
-        borrowing = policy.gate.borrowing
-        return (
-            request in self.admitted_to_borrow
-            and borrowing is not None
-            and borrowing.can_lend(policy.lanes.user_of[request], policy.ledger.now_ns)
-        )
+        # With prompt cost: a request that would compute prompt positions
+        # nobody paid for yet waits while its user cannot pay, and its user
+        # goes behind every other user next.
+        num_prompt = request.num_prompt_tokens
+        if num_computed_tokens >= num_prompt or not prompt_cost.uncharged(
+            request, num_computed_tokens, num_prompt, num_prompt
+        ):
+            return True
+        user = policy.lanes.user_of[request]
+        if prompt_cost.can_pay(request, user):
+            return True
+        self.refused_for_prompts.add(user)
+        return False
+
+    def may_consider(self, request: StepRequest) -> bool:
+        """Asked first in the engine's waiting loop, before its own checks
+        and its prefix-cache lookup, for a new request (nothing computed,
+        never preempted): False if its user is in prompt debt.  Whatever the
+        prefix cache holds, the request computes at least its last prompt
+        position, never charged, which a user in debt cannot pay; asked
+        after the lookup instead (:meth:`may_start`), a flood's queued
+        prompts would cost a lookup each in every step until the debt is
+        paid (same decision, same refusal recorded).  A preempted request's
+        recompute below the charged mark is free: it is not asked."""
+        prompt_cost = self.policy.prompt_cost
+        if not (prompt_cost.debt and prompt_cost.weight):
+            return True
+        user = self.policy.lanes.user_of[request]
+        if user in prompt_cost.debt and request not in prompt_cost.charged_upto:
+            prompt_cost.can_pay(request, user)  # records the refusal
+            self.refused_for_prompts.add(user)
+            return False
+        return True
 
     # -- every scheduled request --------------------------------------------
 
@@ -651,6 +689,12 @@ class StepPolicy:
         decision = self.current
         if decision is not None:
             decision.preempted.append(request)
+
+    def on_pause(self, request: Any) -> None:
+        """A request left the running list without being freed or preempted
+        (a streaming-input session waiting for its next chunk): no longer
+        resident."""
+        self.lanes.release(request)
 
     def on_free(self, request: Any) -> None:
         """A request finished or was aborted: forget it."""
