@@ -455,7 +455,7 @@ class Judge:
                 self.broken(
                     "idle",
                     f"the engine slept the {waited_for} ns it was told and the step it woke "
-                    f"into ran nothing, {self.early_wakes} times in a row (the wait was too short)",
+                    f"into ran nothing ({self.early_wakes} in a row): the wait was too short",
                 )
         elif record.scheduled:
             self.early_wakes = 0
@@ -768,7 +768,7 @@ class Judge:
             STATS["isolation: request-steps judged"] += 1
             if self.waited[request] > 1:
                 self.broken("isolation", f"{request}: its user holds nothing and can pay, yet it "
-                            f"was not admitted in {self.waited[request]} steps that reached it")
+                            f"was not admitted in {self.waited[request]} steps that left capacity")
 
     def check_not_later(self, record) -> None:
         """A copy stepped 1 ns before the wait ends must run nothing."""
