@@ -57,36 +57,15 @@ class _Decision:
         return self.step.active_cap()
 
     def may_admit(self, request: Req) -> bool:  # _handle_blocked_waiting_request
-        # adapter/prompt_cost.py asks first (still an adapter hook): a new
-        # request of a user in prompt debt is skipped before the cache lookup.
         step = self.step
-        prompt_cost = step.policy.prompt_cost
-        if (
-            prompt_cost.debt and prompt_cost.weight and request.status == WAITING
-            and request.num_computed_tokens == 0
-            and request.user in prompt_cost.debt and request not in prompt_cost.charged_upto
+        if request.status == WAITING and request.num_computed_tokens == 0 and not step.may_consider(
+            request
         ):
-            prompt_cost.can_pay(request, request.user)  # records the refusal
-            step.refused_for_prompts.add(request.user)
             return False
         return step.may_admit(request, request.status == PREEMPTED)
 
     def may_start(self, request: Req, computed: int) -> bool:  # _ec_transfer_pending
-        step = self.step
-        if not step.may_start(request, computed):
-            return False
-        # adapter/prompt_cost.py (still an adapter hook): uncharged prompt
-        # positions go only while the user can pay for them.
-        prompt_cost = step.policy.prompt_cost
-        num_prompt = request.num_prompt_tokens
-        if not prompt_cost.weight or computed >= num_prompt or not prompt_cost.uncharged(
-            request, computed, num_prompt, num_prompt
-        ):
-            return True
-        if prompt_cost.can_pay(request, request.user):
-            return True
-        step.refused_for_prompts.add(request.user)
-        return False
+        return self.step.may_start(request, computed)
 
     def tokens_for(self, request: Req, computed: int, new: int) -> int:  # _reserve_prefill_lookahead
         return self.step.tokens_for(request, computed, new, request.status == RUNNING)
