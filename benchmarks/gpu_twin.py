@@ -398,7 +398,8 @@ def render(doc: dict) -> str:
         tp = meas["ours"]["throughput_tok_s"] / meas["stock"]["throughput_tok_s"]
         target(f"throughput ≥ {t['throughput_ratio']} × stock (R={running}, {span})", tp >= t["throughput_ratio"],
                f"{tp:.3f} ×", f"ours {meas['ours']['throughput_tok_s']:.0f}, stock {meas['stock']['throughput_tok_s']:.0f} "
-               "tok/s; the two defects of tests/tools/test_gpu_twin.py (borrowers with prompt cost: see below)")
+               "tok/s; two defects where borrowing meets prompt cost (tests/tools/test_gpu_twin.py; gpu_twin.md, "
+               "Reading it)")
         if "ours_no_prompt_cost" in meas:
             tp0 = meas["ours_no_prompt_cost"]["throughput_tok_s"] / meas["stock"]["throughput_tok_s"]
             w0 = meas["ours_no_prompt_cost"].get("capped_worst_ratio")
