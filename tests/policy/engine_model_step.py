@@ -104,6 +104,7 @@ class ModelStepPolicy:
                                       None, self.evicted)
         self.groups = None
         self.last_borrow_admits: dict[str, int] = {}
+        self.last_counters: dict[str, float] = {}
         self.last_step: StepDecision | None = None
         self.configure(settings)
 
@@ -167,6 +168,10 @@ class ModelStepPolicy:
         self.engine = engine
         step = self.step_policy.begin(self, now_ns)
         self.last_borrow_admits = dict(step.borrow_admits or {})
+        # The virtual counters as the step's water-filling starts from them
+        # (a returning borrower lifted to the floor), before its grants.
+        borrowing = self.step_policy.borrowing
+        self.last_counters = {} if borrowing is None else dict(borrowing.counters)
         return _Decision(step)
 
     def end(self, decision: _Decision, record: StepRecord) -> None:
