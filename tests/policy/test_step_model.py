@@ -857,7 +857,7 @@ def _cap_room(borrowing, user: str, now: int) -> float:
 
 # -- the tests -----------------------------------------------------------------------------
 
-EXAMPLES = int(os.environ.get("STEP_MODEL_EXAMPLES", "800"))
+EXAMPLES = int(os.environ.get("STEP_MODEL_EXAMPLES", "600"))
 
 
 def model_settings(examples: int, shrink: bool = True):
@@ -990,13 +990,20 @@ def test_share_catches_weights_swapped(monkeypatch):
     assert first_failure("share", scenarios(profile="share")).check == "share"
 
 
-def test_isolation_catches_caps_and_slot_freeing_turned_off(monkeypatch):
-    from vllm_output_rate.policy.residency import Residency
+def test_isolation_catches_newcomers_kept_out_while_others_are_throttled(monkeypatch):
+    """SPEC section 9's failure: a user with nothing resident waits while
+    throttled users hold the engine."""
+    from vllm_output_rate.policy.step import StepDecision
 
-    from vllm_output_rate.policy.displacement import Displacement
+    original = StepDecision.may_admit
 
-    monkeypatch.setattr(Residency, "room", lambda self, user, resident: None)
-    monkeypatch.setattr(Displacement, "free_slots_for", lambda self, *args, **kwargs: set())
+    def keeps_newcomers_out(self, request, preempted):
+        lanes = self.policy.lanes
+        if self.plan.throttled and not lanes.resident_count(lanes.user_of[request]):
+            return False
+        return original(self, request, preempted)
+
+    monkeypatch.setattr(StepDecision, "may_admit", keeps_newcomers_out)
     assert first_failure("isolation", scenarios(profile="isolation")).check == "isolation"
 
 
