@@ -166,6 +166,24 @@ combination at the 115th example it generated (idle waits).  Defect 3's
 other half, a moved user's borrowing counter, is not found by these
 examples (``shares`` is not judged, see ``OPEN_CHECKS``).
 
+On 92d09f2 (the code issue 43 was filed against), with the suite's fixed
+examples, one check at a time (``CHARGE_MACHINE_CHECKS=work`` and
+``=isolation``, the two written for its defects), no shrinking, the six
+profiles run in one process (examples numbered across them, as
+``CHARGE_MACHINE_TRACE`` counts): none of the three defects is told apart
+from 94ea7e8, the code with their fixes.  ``work`` fails at the 28th
+example (GroupTurns': a grouped borrower with room for 16 tokens left a
+stream out beside 2 unused slots) on both commits alike and passes
+HandOver's, ResidencyRoom's and Urgent's examples on both; ``isolation``
+fails at the 138th (Urgent's) on both, on 92d09f2 for u0's urgent request
+(no token 1.0 s after it arrived), on 94ea7e8 for u3's (0.95 s): the bound
+of 0.6 s does not hold for the fixed code in the machine's conditions
+either.  So both checks stay in ``OPEN_CHECKS``, and the three defects are
+caught by ``tests/adapter/test_step_defects.py`` alone.  Earlier drafts
+of these checks fired on 92d09f2 too (``isolation`` on Urgent's examples,
+``work``'s slot-to-a-ceiling-bound-user rule on ResidencyRoom's fifth),
+and on 94ea7e8 in the same profiles: no teeth either.
+
 Defaults fit ``make test``; ``CHARGE_MACHINE_EXAMPLES=N`` (and
 ``CHARGE_MACHINE_STEPS=M``) run a longer profile by hand.  For measuring:
 ``CHARGE_MACHINE_CHECKS=turns,idle`` judges only those invariants,
