@@ -87,7 +87,9 @@ every combination is reachable.  After every engine step it checks:
    nothing: a step that runs something then is service the engine lost
    while it slept (1 ms of rounding allowed; with the store, whose next
    lease time is an estimate, or async, whose outputs in flight can free
-   a user, such a step is counted, not failed).
+   a user, such a step is counted, not failed; so is it with a tight KV
+   cache or prompt cost in a group, open cases: see ``OPEN_CHECKS``'
+   notes).  Waits shorter than the rule's step are not probed (counted).
 5. **Metrics**: the per-user charged counter the monitor reads never
    decreases between reports, and what the reports published (the sum of
    their increments) never exceeds the tokens emitted plus those in flight.
