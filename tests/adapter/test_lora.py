@@ -4,7 +4,7 @@ vLLM keeps at most ``max_loras`` adapters in a batch by counting the adapters
 of the requests it sees in ``running`` (0.32: those scheduled in the step;
 0.33: all of them) and asserts that count after its running loop.  The
 plugin hides throttled requests from ``running`` during a step, so without
-:class:`~vllm_output_rate.adapter.scheduler.AdapterHooks` a newcomer with
+:meth:`~vllm_output_rate.policy.step.StepDecision.adapter_fits` a newcomer with
 another adapter was admitted beside a hidden one and vLLM's assertion
 stopped the engine when both ran.  These tests drive the scheduler with
 adapters and binding limits (the bound holds, the adapter cap holds in every

@@ -508,7 +508,7 @@ def test_lora_is_left_alone_with_the_feature_off(plugin, tiny_model_dir):
 
 def test_lora_runs_with_the_feature_on(plugin, tiny_model_dir):
     """No longer refused: hidden requests' adapters count against max_loras
-    (adapter/scheduler.AdapterHooks, tests/adapter/test_lora.py)."""
+    (policy/step.StepDecision.adapter_fits, tests/adapter/test_lora.py)."""
     config = _engine_args(
         tiny_model_dir, enable_lora=True, max_loras=2, max_lora_rank=8, additional_config=_on(5)
     ).create_engine_config()
