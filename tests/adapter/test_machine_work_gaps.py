@@ -35,13 +35,7 @@ def _slots_full_of_throttled_and_borrowing():
     return h, newcomer
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 43 (found by the machine's work check, its example 103): the step keeps "
-    "borrowing room for an in-quota waiting request that finds no model-runner slot and "
-    "may evict nothing, so a borrower's resident stream sits out beside an unused active slot",
-)
-def test_room_kept_for_a_request_that_finds_no_slot_goes_to_borrowers():
+def test_room_not_kept_for_a_request_that_finds_no_slot_goes_to_borrowers():
     """While n's request cannot be admitted (no slot, no eviction), both
     active slots carry a stream in every step: v has two resident streams
     and no ceiling.  On 94ea7e8 only one stream runs per step (v's r2 or a

@@ -669,17 +669,15 @@ class Judge:
         """Did the step keep room from borrowers for a waiting request it did
         not admit: one of a user that could pay at its start, or one of the
         admissions set aside for borrowers (``policy/demand.py``)?"""
-        # Only where what kept them out is one of the causes not fixed: no
-        # model-runner slot for them, prompt cost refusing their prompts, or
-        # the quota counted for them spent by their user's own prefill that
-        # reached its sampling position in the step.  (A residency cap
+        # Only where what kept them out is one of the causes not fixed:
+        # prompt cost refusing their prompts, or the quota counted for them
+        # spent by their user's own prefill that reached its sampling
+        # position in the step.  (A residency cap or no model-runner slot
         # keeping them out is issue 43's second defect, fixed: judged.)
-        free = self.cfg.max_num_seqs - len(before["resident"])
         users = before["users"]
         paying = Counter(w.user for w in before["waiting"] if users[w.user]["raw_available"] > 0)
-        no_slot = sum(min(n, users[u]["raw_available"]) for u, n in paying.items()) > free
         spent = {r.user for r in record.sampled if r in record.visible and r.sample_steps[0] == record.number}
-        if not (no_slot or before["epoch"].weight or spent & set(paying)):
+        if not (before["epoch"].weight or spent & set(paying)):
             return False
         admits = self.policy.last_borrow_admits
         lent = self.policy.last_step.admitted_to_borrow
@@ -1056,12 +1054,11 @@ def test_work_a_prefill_prompt_cost_refuses_takes_a_visible_slot():
     )
 
 
-@pytest.mark.xfail(strict=True, raises=PropertyBroken, reason=(
-    "work: policy/demand.py keeps borrowing room for waiting requests of users that can pay "
-    "without asking whether a model-runner slot is free for them (or whether prompt cost lets "
-    "them in); with every slot held the room stays empty while borrowers' streams wait "
-    "(issue 43's second defect, for slots instead of residency)"))
-def test_work_borrowing_room_kept_for_waiting_requests_without_a_slot():
+def test_work_borrowing_room_not_kept_for_waiting_requests_without_a_slot():
+    """With every slot held, a paying user's waiting request cannot be
+    admitted: policy/demand.py keeps no borrowing room for it, so borrowers'
+    streams use the room (issue 43's second defect, for slots instead of
+    residency; a strict xfail until the demand counted only free slots)."""
     strict_run(
         EngineConfig(max_num_seqs=4, token_budget=32, chunked=True),
         {"default_user_output_tokens_per_second": 100, "input_token_weight": 0,

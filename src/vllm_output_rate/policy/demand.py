@@ -5,7 +5,10 @@ run are served first and borrowers' hidden streams get what remains
 (:meth:`~.borrow.Borrowing.offer`).  :func:`waiting_demand` counts, in queue
 order, the waiting requests that will take some of that room:
 
-* *guaranteed*: requests whose user has quota now;
+* *guaranteed*: requests whose user has quota now, as many as model-runner
+  slots are free (those freed for waiting requests in the step counted):
+  without a slot vLLM admits none of them, and room kept for them would
+  stay empty while borrowers' streams wait beside it;
 * *admissions*: while model-runner slots are free, requests of users that
   may borrow (admitted, they join the borrowing as resident streams).  A
   borrower's requests count only for the room its own hidden streams cannot
@@ -85,6 +88,7 @@ def waiting_demand(
     # lone borrower's backlog is then one set lookup per request and step.
     settled: set[str] = set()
     guaranteed = 0
+    paying = 0  # requests of users with quota now, with a slot or not
     for request in waiting:
         if request in in_turn:
             continue
@@ -105,8 +109,10 @@ def waiting_demand(
             left = quota_now(user)
         if left > 0:
             quota[user] = left - 1
-            guaranteed += 1
-            if guaranteed >= limit:
+            paying += 1
+            if guaranteed < free_slots:
+                guaranteed += 1  # beyond the free slots vLLM admits none of them
+            if paying >= limit:
                 break
             continue
         quota[user] = 0

@@ -730,9 +730,18 @@ class StepPolicy:
             self.current = decision
             return decision
         plan = gate.plan(now_ns, slots)
+        # Slots are freed for waiting requests before the offer to borrowers,
+        # so the offer keeps room only for requests a slot is there for.
+        free_slots = view.free_slots()
+        evicted: list[Any] = []
+        slot_donors: set[str] = set()
+        if plan.throttled and view.has_waiting():
+            slot_donors = self._free_slots_for_waiting(view, plan, free_slots, evicted)
         borrow_admits = None
         if gate.borrowing is not None and not plan.over_cap:
-            borrow_admits = self._offer_spare_to_borrowers(view, plan, slots)
+            borrow_admits = self._offer_spare_to_borrowers(
+                view, plan, slots, free_slots + len(evicted)
+            )
         # The gate decides which requests the engine sees; the engine's own
         # order among them (admission order) decides who gets the token
         # budget first and who is preempted first, exactly as in stock vLLM.
@@ -757,18 +766,21 @@ class StepPolicy:
         )
         decision.visible = visible
         decision.resident = resident
+        decision.slot_donors = slot_donors
+        decision.evicted = evicted
+        decision.preempted.extend(evicted)  # preempted before the decision existed
         self.current = decision
-        if plan.throttled and view.has_waiting():
-            self._free_slots_for_waiting(decision, len(resident))
         return decision
 
     # -- the step's offer to borrowers --------------------------------------
 
     def _offer_spare_to_borrowers(
-        self, view: EngineView, plan: StepPlan, slots: int
+        self, view: EngineView, plan: StepPlan, slots: int, free_slots: int
     ) -> dict[str, int] | None:
         """Room the plan left, less what waiting requests the active cap
-        would admit need, goes to borrowers.  Returns, per borrowing user,
+        would admit need, goes to borrowers; ``free_slots``: model-runner
+        slots free for admissions (those freed for waiting requests
+        counted).  Returns, per borrowing user,
         how many of its waiting requests may be admitted by borrowing (None:
         admission order is the engine's)."""
         borrowing = self.gate.borrowing
@@ -787,12 +799,12 @@ class StepPolicy:
                 borrowing.table.borrows,
                 self.residency,
                 limit=room,
-                free_slots=view.free_slots(),
+                free_slots=free_slots,
                 output_left=output_left,
                 queued=queued,
             )
             room -= guaranteed + admissions
-            if queued and not admissions and room > 0:
+            if queued and not admissions and room > 0 and free_slots <= 0:
                 receiver = self._hand_over_slot(view, plan, room, queued)
                 if receiver is not None:
                     room -= 1  # its request borrows its token at once (Borrowing.lend)
@@ -833,7 +845,6 @@ class StepPolicy:
             facts.priority_policy
             or not facts.chunked_prefill
             or self.prompt_cost.weight
-            or view.free_slots() > 0
         ):
             return None
         borrowing = self.gate.borrowing
@@ -870,18 +881,26 @@ class StepPolicy:
 
     # -- slots and KV: who gives way ----------------------------------------
 
-    def _free_slots_for_waiting(self, decision: StepDecision, num_resident: int) -> None:
+    def _free_slots_for_waiting(
+        self, view: EngineView, plan: StepPlan, free_slots: int, evicted: list[Any]
+    ) -> set[str]:
         """Throttled requests must not keep every resident slot from others
-        (see ``Displacement.free_slots_for``)."""
-        view = decision.view
-        decision.slot_donors = self.displacement.free_slots_for(
+        (see ``Displacement.free_slots_for``); the victims are appended to
+        ``evicted``.  Returns the users who gave up a slot."""
+
+        def evict(victim: Any) -> None:
+            # As StepDecision.evict: held out of the waiting queue until the
+            # step ends (re-admitted now, it would take back its slot).
+            self._pay_eviction(victim)
+            view.evict(victim)
+            evicted.append(victim)
+
+        return self.displacement.free_slots_for(
             list(view.admittable_waiting()),  # evictions change the queue
-            decision.plan,
-            free_slots=view.free_slots(),
-            active_cap=decision.configured_cap,
-            # Held out of the waiting queue until the step ends: re-admitted
-            # now, a victim would take back the slot it was freed from.
-            evict=decision.evict,
+            plan,
+            free_slots=free_slots,
+            active_cap=view.configured_active_cap(),
+            evict=evict,
         )
 
     def _pay_eviction(self, victim: Any) -> None:
