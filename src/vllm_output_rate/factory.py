@@ -18,7 +18,13 @@ from vllm_output_rate.policy.limiter import Limiter, OutputRateLimiter
 from vllm_output_rate.policy.prompt_cost import PromptCost
 from vllm_output_rate.policy.quota import ComposedLimiter, Level
 from vllm_output_rate.policy.residency import Residency
-from vllm_output_rate.policy.step import EngineFacts, StepPolicy
+from vllm_output_rate.policy.step import (
+    EngineFacts,
+    StepPolicy,
+    generated_of,
+    priority_of,
+    tokens_held,
+)
 from vllm_output_rate.settings import OutputRateSettings
 from vllm_output_rate.stores.backend import LeaseConfig
 from vllm_output_rate.stores.lease import LeasedOutputRateLimiter
@@ -185,9 +191,9 @@ def make_step_policy(
     max_model_len: int,
     spec_decode: bool,
     can_release: Callable[[Any], bool],
-    tokens_held: Callable[[Any], int],
-    generated_of: Callable[[Any], int],
-    priority_of: Callable[[Any], int],
+    tokens_held: Callable[[Any], int] = tokens_held,
+    generated_of: Callable[[Any], int] = generated_of,
+    priority_of: Callable[[Any], int] = priority_of,
 ) -> StepPolicy:
     """One engine's step policy over ``limiter`` (the users' own rates), with
     every part the settings ask for (:func:`configure_step_policy`).
@@ -195,7 +201,8 @@ def make_step_policy(
     ``max_model_len``: the recompute budget holds one longest request (none
     at ratio 0); ``spec_decode``: drafts are paid; the callables read what
     the policy needs of the engine's requests (``can_release``: may the
-    request's KV be freed now)."""
+    request's KV be freed now; the others default to reading a
+    :class:`~vllm_output_rate.policy.step.StepRequest`'s attributes)."""
     gate = StepGate(limiter)
     ratio = settings.recompute_budget
     budget = EvictionBudget(burst_tokens=max_model_len if ratio > 0 else 0, ratio=ratio)

@@ -326,9 +326,6 @@ class OutputRateSchedulerMixin(
             max_model_len=self.vllm_config.model_config.max_model_len,
             spec_decode=bool(self.num_spec_tokens),
             can_release=self._request_blocks_can_be_freed,
-            tokens_held=_tokens_held,
-            generated_of=_generated,
-            priority_of=_priority_of,
         )
         # The policy's parts, held directly: membership changes and
         # per-request payments go to them without a call through the policy,
@@ -367,11 +364,7 @@ class OutputRateSchedulerMixin(
 
     def shutdown(self) -> None:
         super().shutdown()
-        self.output_rate_limiter.close()  # a shared-store limiter stops its lease thread
-        if self._borrowing is not None and self._borrowing.ceiling is not None:
-            self._borrowing.ceiling.close()
-        if self.output_rate_groups is not None:
-            self.output_rate_groups.close()
+        self._policy.close()
 
     # -- one step ------------------------------------------------------------
 
@@ -453,16 +446,6 @@ _ADMITTABLE = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 _PREEMPTED = RequestStatus.PREEMPTED
 
 
-def _generated(request: Request) -> int:
-    """Output tokens a request has generated (released least-first)."""
-    return request.num_output_tokens
-
-
-def _tokens_held(request: Request) -> int:
-    """What recomputing an evicted request costs (as if no prefix were cached)."""
-    return request.num_computed_tokens
-
-
 def _end_before_split_item(request: Request, num_computed_tokens: int, allowed: int) -> int:
     """A chunk cut short for lack of quota, kept whole-item under ``--disable-chunked-mm-input``.
 
@@ -487,10 +470,6 @@ def _adapters_of(requests) -> set[int]:
         for r in requests
         if r.lora_request is not None and r.lora_request.lora_int_id > 0
     }
-
-
-def _priority_of(request: Request) -> int:
-    return request.priority
 
 
 def _user_of(request: Request) -> str:

@@ -139,7 +139,7 @@ TOUCHPOINTS: tuple[TouchPoint, ...] = (
         "overridden: skip after the prefix-cache lookup when only the sampled position is left",
         ["request", "num_computed_tokens"]),
     _tp(SCHED, "lora_config", "instance attribute",
-        "read: max_loras, for hidden requests' adapters (AdapterHooks)"),
+        "read: max_loras, for hidden requests' adapters (StepDecision.adapter_fits)"),
     _tp("vllm.config.lora:LoRAConfig", "max_loras", "field",
         "read: adapters a batch may hold"),
     _tp(REQUEST, "mm_features", "instance attribute",

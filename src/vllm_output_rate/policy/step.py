@@ -644,6 +644,9 @@ class StepPolicy:
         self.gate = gate
         self.lanes = gate.lanes
         self.ledger = gate.ledger
+        #: The users' own rates (the first level of every composed quota the
+        #: ledger is given later): what :meth:`close` stops.
+        self.rates = gate.ledger.limiter
         self.facts = facts
         self.budget = budget
         self.residency = residency
@@ -665,6 +668,16 @@ class StepPolicy:
     @property
     def borrowing(self) -> Borrowing | None:
         return self.gate.borrowing
+
+    def close(self) -> None:
+        """The engine shuts down: quotas kept in a shared store stop their
+        lease threads (the users' rates, the ceilings', the groups')."""
+        self.rates.close()
+        borrowing = self.gate.borrowing
+        if borrowing is not None and borrowing.ceiling is not None:
+            borrowing.ceiling.close()
+        if self.groups is not None:
+            self.groups.close()
 
     # -- membership, between steps ------------------------------------------
 
@@ -1046,6 +1059,24 @@ class StepPolicy:
 
         assert self.drafts is not None
         self.drafts.settle_step(outcome, self.ledger.now_ns, drafts_dispatched)
+
+
+def tokens_held(request: Any) -> int:
+    """What recomputing an evicted request costs (as if no prefix were cached)."""
+    held: int = request.num_computed_tokens
+    return held
+
+
+def generated_of(request: Any) -> int:
+    """Output tokens a request has generated (victims: least first)."""
+    generated: int = request.num_output_tokens
+    return generated
+
+
+def priority_of(request: Any) -> int:
+    """A request's priority value (smaller: more important)."""
+    priority: int = request.priority
+    return priority
 
 
 def output_left(request: Any) -> int:
