@@ -11,9 +11,10 @@ be caught within them:
   borrower u would get a token from u's cap in that step: u has no ceiling,
   or u's cap holds more tokens than u has resident streams at their sampling
   position (each of those takes one first).  A request is *given a slot by
-  borrowing* when it is admitted in a step that began with its user out of
-  guaranteed quota (the free-slot admissions of ``Borrowing.admissions`` and
-  the receiver of a hand-over, ``policy/handover.py``).  The property: in no
+  borrowing* when it is admitted in a step that began with its user's
+  guaranteed quota holding no more tokens than u's resident streams at their
+  sampling position (the free-slot admissions of ``Borrowing.admissions``
+  and the receiver of a hand-over, ``policy/handover.py``).  The property: in no
   step is a slot given by borrowing to a user u with ``feeds(u)`` false
   while another borrower v with ``feeds(v)`` true and room under its
   residency cap has a request left waiting at the step's end (one that was
@@ -85,7 +86,11 @@ class TeethJudge(Judge):
     def before_step(self) -> dict:
         before = super().before_step()
         if "slot" in self.checks:
-            before["feeds"] = self._feeds()
+            before["decoding"] = Counter(
+                r.user for r in self.engine.resident
+                if r.status == RUNNING and r.num_tokens - r.num_computed_tokens == 1
+            )
+            before["feeds"] = self._feeds(before["decoding"])
         if "urgent" in self.checks:
             self._start_urgent_clocks()
         return before
@@ -99,16 +104,12 @@ class TeethJudge(Judge):
 
     # -- slot ---------------------------------------------------------------------------
 
-    def _feeds(self) -> dict:
+    def _feeds(self, decoding: Counter) -> dict:
         """Per borrower: would one more resident stream get a token from its
         cap in this step (see the module docstring)?"""
         borrowing = self.policy.borrowing
         if borrowing is None:
             return {}
-        decoding = Counter(
-            r.user for r in self.engine.resident
-            if r.status == RUNNING and r.num_tokens - r.num_computed_tokens == 1
-        )
         feeds = {}
         for user in USERS:
             if not borrowing.table.borrows(user):
@@ -127,9 +128,10 @@ class TeethJudge(Judge):
             EXCEPTIONS["slot: vLLM preempted (KV bound)"] += 1
             return
         users = before["users"]
+        decoding = before["decoding"]
         given_to = [
             r for r in record.admitted
-            if r.user in feeds and users[r.user]["raw_available"] == 0
+            if r.user in feeds and users[r.user]["raw_available"] <= decoding[r.user]
         ]
         if not given_to:
             return
@@ -158,9 +160,11 @@ class TeethJudge(Judge):
                 room = residency.room(user, self.policy.lanes.resident_count(user))
                 if room is not None and room <= 0:
                     continue
+                how = (f"by a hand-over ({sorted(r.request_id for r in record.evicted)} gave way)"
+                       if record.evicted else "by a free-slot admission")
                 self.broken(
                     "slot",
-                    f"{receiver} was given a slot by borrowing though its user's ceiling binds "
+                    f"{receiver} was given a slot {how} though its user's ceiling binds "
                     f"(cap {borrowing_cap(self, receiver.user, before)}), while {request} of "
                     f"{user}, whose cap would feed another stream, was left waiting",
                 )
@@ -240,13 +244,22 @@ LONG = st.sampled_from([120, 400])
 
 @st.composite
 def slot_scenarios(draw) -> Scenario:
-    """Slots filled by long streams, then more borrowers arrive; slots free
-    up as short requests finish (admissions) or not at all (hand-overs)."""
+    """Two shapes.  Admissions: slots filled by long streams, short requests
+    queued behind them, then more borrowers arrive; slots free up as the
+    short ones finish.  Hand-over: one user fills every slot with long
+    streams, another arrives with long streams (a slot freed for it while it
+    can pay), and no slot frees up for a long while: the first borrows ahead
+    of the second until a hand-over is due."""
     config = dataclasses.replace(draw(configs(SLOT_FOCUS)), priority=False)
     section = draw(limit_sections(focus=SLOT_FOCUS))
-    events: list = []
     first = draw(st.sampled_from(USERS), label="first")
-    events.append(("arrive", first, config.max_num_seqs, 17, draw(LONG), 0))
+    events: list = [("arrive", first, config.max_num_seqs, 17, draw(LONG), 0)]
+    if draw(st.booleans(), label="hand-over shape"):
+        second = draw(st.sampled_from([u for u in USERS if u != first]), label="second")
+        events.append(("run", 3, 100))
+        events.append(("arrive", second, draw(st.integers(2, 8)), 17, 400, 0))
+        events.append(("run", draw(st.integers(60, 150), label="steps"), 100))
+        return Scenario(config, section, events)
     events.append(("arrive", draw(st.sampled_from(USERS), label="queued"), draw(st.integers(2, 8)),
                    17, draw(st.sampled_from([5, 30])), 0))
     events.append(("run", draw(st.integers(5, 40), label="warm-up"), 100))
@@ -299,7 +312,7 @@ def _report_counts():
             print(f"  not judged, {name}: {count}")
 
 
-SLOT_EXAMPLES = 60
+SLOT_EXAMPLES = 80
 URGENT_EXAMPLES = 40
 
 
@@ -339,8 +352,8 @@ def first_failure(check: str, strategy, examples: int, with_dt: bool = False) ->
 
 
 def test_slot_catches_issue_43s_first_defect_reintroduced(monkeypatch):
-    """The hand-over and the free-slot admissions without the cap check of
-    92d09f2 (``could_borrow_another`` always True, ``streams_it_could_add``
+    """The hand-over and the free-slot admissions without the cap check, as
+    on 92d09f2 (``could_borrow_another`` always True, ``streams_it_could_add``
     always "any number")."""
     from vllm_output_rate.policy.borrow import Borrowing
 
@@ -349,6 +362,27 @@ def test_slot_catches_issue_43s_first_defect_reintroduced(monkeypatch):
     caught = first_failure("slot", slot_scenarios(), SLOT_EXAMPLES)
     assert caught.check == "slot"
     print(f"\nslot caught defect 1: {caught}")
+
+
+def test_slot_catches_a_hand_over_to_a_ceiling_bound_receiver(monkeypatch):
+    """Only the hand-over's cap check taken away (policy/handover.py)."""
+    from vllm_output_rate.policy.borrow import Borrowing
+
+    monkeypatch.setattr(Borrowing, "could_borrow_another", lambda self, lanes, ledger, user: True)
+    caught = first_failure("slot", slot_scenarios(), SLOT_EXAMPLES)
+    assert "by a hand-over" in str(caught)
+    print(f"\nslot caught the hand-over half: {caught}")
+
+
+def test_slot_catches_admissions_to_a_ceiling_bound_borrower(monkeypatch):
+    """Only the free-slot admissions' cap check taken away
+    (``Borrowing.admissions`` without ``usable``)."""
+    from vllm_output_rate.policy.borrow import Borrowing
+
+    monkeypatch.setattr(Borrowing, "streams_it_could_add", lambda self, lanes, ledger, user: None)
+    caught = first_failure("slot", slot_scenarios(), SLOT_EXAMPLES)
+    assert "by a free-slot admission" in str(caught)
+    print(f"\nslot caught the admissions half: {caught}")
 
 
 def test_urgent_catches_issue_43s_third_defect_reintroduced(monkeypatch):
