@@ -764,7 +764,9 @@ class StepPolicy:
             # preemption (from the end of the running list) first.
             self.lanes.in_admission_order(plan.visible)
             visible = plan.visible + plan.borrowed
-        elif plan.hidden:
+        elif plan.hidden or evicted:
+            # (A victim evicted for a waiting request may still be in the
+            # engine's resident list until the step ends: never offered.)
             self.lanes.in_admission_order(plan.visible)
             visible = plan.visible  # the engine appends admissions to it
         else:
