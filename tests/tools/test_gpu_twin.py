@@ -32,8 +32,14 @@ def workload(limits_never_hit: bool = False, seed: int = 3) -> Workload:
                   "user_output_tokens_per_second": {u: 1e9 for u in entries}}
     arrivals = sorted((rng.random() * DURATION_S, f"light-{rng.randrange(6)}", rng.randint(16, 96),
                        rng.randint(4, 24)) for _ in range(40))
-    return Workload(limits, arrivals,
-                    streams={user: [jobs() for _ in range(4)] for user in entries},
+    streams = {user: [jobs() for _ in range(4)] for user in entries}
+    # The borrowers send each next request at once (the same draws, no think time): backlogged
+    # throughout by construction, so every fairness reading must count both.  With think times
+    # all four streams of one could pause together, and whether they did followed the policy's
+    # service (it did once borrowing demand changed, 06aedde).
+    for user in ("b1", "b2"):
+        streams[user] = [[Job(j.prompt_len, j.max_tokens) for j in stream] for stream in streams[user]]
+    return Workload(limits, arrivals, streams=streams,
                     capped=dict(CAPS), borrowers={"b1": 1, "b2": 1},
                     in_quota={u for _, u, _, _ in arrivals})
 
