@@ -21,7 +21,11 @@ be caught within them:
   waiting when the step began, or a stream of v's the step preempted to
   hand its slot over).  The slot then carries none of u's tokens (its cap
   is already spent by the streams it holds) and could have carried v's.
-  Steps in which vLLM preempted for KV are not judged (counted).
+  Not judged, counted: steps in which vLLM preempted for KV, steps that
+  left a model-runner slot free or spent the token budget (the slot was not
+  what kept v waiting), and a preempted stream of u coming back while u
+  was served in the step (``StepDecision.may_admit`` lets it take its turn
+  in its user's rotation, so that no stream of a user starves).
 * **urgent** (defect 3: under the priority policy a capped user's urgent
   request waits for its own low-priority streams).  For a request q of a
   hard-capped user u (rate R, residency cap K) waiting while u holds K
@@ -55,7 +59,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engine_model import FINISHED, RUNNING, EngineConfig
+from engine_model import FINISHED, PREEMPTED, RUNNING, EngineConfig
 from test_step_model import (
     BURST,
     EXCEPTIONS,
@@ -99,6 +103,7 @@ class TeethJudge(Judge):
                 if r.status == RUNNING and r.num_tokens - r.num_computed_tokens == 1
             )
             before["feeds"] = self._feeds(before["decoding"])
+            before["preempted"] = {r for r in self.engine.waiting if r.status == PREEMPTED}
         if "urgent" in self.checks:
             self._start_urgent_clocks()
         return before
@@ -145,6 +150,14 @@ class TeethJudge(Judge):
             return
         STATS["slot: slots given by borrowing"] += len(given_to)
         bound = [r for r in given_to if not feeds[r.user]]
+        served = {r.user for r in record.sampled}
+        for request in list(bound):
+            if request in before["preempted"] and request.user in served:
+                # A preempted stream of a user served in the step comes back
+                # to take its turn in its user's rotation (StepDecision.may_admit:
+                # no starving within a user), whatever its cap.
+                EXCEPTIONS["slot: a preempted stream back for its turn in its user's rotation"] += 1
+                bound.remove(request)
         if not bound:
             return
         held = len(before["resident"]) - len(record.evicted) + len(record.admitted)
