@@ -169,7 +169,7 @@ bench-gateway: setup model $(COMPARE_STAMP)
 # no GPU; 15-20 min on 2 cores; the committed record ran 45 s, see its JSON).
 # Writes docs/benchmarks/gpu_twin.json, docs/gpu_twin.md and docs/gpu_twin.png.
 bench-twin: setup
-	nice -n 10 $(BIN)/python benchmarks/gpu_twin.py --duration 60 --kv-duration 30 --sweep-duration 15
+	nice -n 10 $(BIN)/python benchmarks/gpu_twin.py --duration 60 --warmup 5 --kv-duration 30 --sweep-duration 10 --async-duration
 
 # The two demos, kept for the performance page.
 bench-demo: demo demo-cluster
