@@ -324,3 +324,17 @@ def test_a_waiting_request_whose_token_is_kept_pays_its_prompt_after_its_user_wa
     ledger.prepay("u", ["kept"])
     assert not prompt.can_pay("first", "u")  # nothing left for it
     assert prompt.can_pay("kept", "u")
+
+
+def test_a_group_members_decoding_streams_wake_when_its_own_quota_pays():
+    """A debt holds its group's prompts, not a member's decoding streams: a
+    member with streams is ready when its own quota pays, a member with only
+    prompts when the debtor can repay."""
+    _, _, _, prompt = parts()
+    prompt.group_of = lambda user: "g"
+    prompt.debt["d"] = 3
+    ready = {"d": 900 * MS, "m": 200 * MS}.__getitem__
+    assert prompt.ready_at_ns("m", 0, ready) == 900 * MS
+    assert prompt.ready_at_ns("m", 0, ready, decoding=True) == 200 * MS
+    later = {"d": 100 * MS, "m": 200 * MS}.__getitem__
+    assert prompt.ready_at_ns("m", 0, later, decoding=True) == 100 * MS  # the debtor's repayment step

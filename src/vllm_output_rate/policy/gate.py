@@ -290,7 +290,8 @@ class StepGate:
         if prompt_cost is None:
             ready = quota_ready(user)
         else:
-            ready = prompt_cost.ready_at_ns(user, now_ns, quota_ready)
+            decoding = _has_resident_stream(self.lanes.order.get(user))
+            ready = prompt_cost.ready_at_ns(user, now_ns, quota_ready, decoding)
         borrowing = self.borrowing
         if borrowing is None or borrowing.cap is None:
             return ready

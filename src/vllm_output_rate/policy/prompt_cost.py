@@ -302,7 +302,9 @@ class PromptCost:
         self._step_users.clear()
         return refunded
 
-    def ready_at_ns(self, user: str, now_ns: int, quota_ready: Callable[[str], int]) -> int:
+    def ready_at_ns(
+        self, user: str, now_ns: int, quota_ready: Callable[[str], int], decoding: bool = False
+    ) -> int:
         """When an engine that ran nothing must step again for ``user``,
         as far as prompt cost is concerned, given ``quota_ready(u)``: when
         ``u``'s quota next pays a token.
@@ -313,7 +315,9 @@ class PromptCost:
         can pay again (sleeping longer would lose what the quota cannot
         hold).  A member waiting for its turn in its group needs one when
         the member first in line can go (if it is still asking) or loses
-        its turn, and its own quota can pay.
+        its turn, and its own quota can pay.  ``decoding``: the user holds
+        resident decoding streams, which a debt of another member does not
+        hold (it holds the group's prompts): they run when its quota pays.
         """
         group_of = self.group_of
         if group_of is None:
@@ -323,7 +327,8 @@ class PromptCost:
             return quota_ready(user)
         debtors = [u for u in self.debt if group_of(u) == group]
         if debtors:
-            return min(map(quota_ready, debtors))
+            soonest = min(map(quota_ready, debtors))
+            return min(soonest, quota_ready(user)) if decoding else soonest
         ready = quota_ready(user)
         line = self._waiting.get(group)
         if line:
