@@ -90,7 +90,7 @@ class TeethJudge(Judge):
         #: urgent: the factor on design.md's (1 + K) / R and on the burst
         #: (None: 1 with chunked prefill, 2 without; see the module docstring)
         self.urgent_factor = urgent_factor
-        #: urgent: request -> (arrival time in ns, deadline in ns)
+        #: urgent: request -> (the step time its clock started at, its deadline), in ns
         self.urgent: dict = {}
         #: urgent: requests that met every model-runner slot held while waiting
         self.slots_full: set = set()
@@ -186,7 +186,7 @@ class TeethJudge(Judge):
                 self.broken(
                     "slot",
                     f"{receiver} was given a slot {how} though its user's ceiling binds "
-                    f"(cap {borrowing_cap(self, receiver.user, before)}), while {request} of "
+                    f"(cap {before['users'][receiver.user]['cap']}), while {request} of "
                     f"{user}, whose cap would feed another stream, was left waiting",
                 )
 
@@ -250,10 +250,6 @@ class TeethJudge(Judge):
                 f"from {started / S:.3f} s behind its user's less important streams at its cap, "
                 f"{when} (allowed until {deadline / S:.3f} s)",
             )
-
-
-def borrowing_cap(judge: Judge, user: str, before: dict) -> int:
-    return before["users"][user]["cap"]
 
 
 # -- profiles ----------------------------------------------------------------------------------
