@@ -194,6 +194,18 @@ def test_asking_whether_a_requester_could_pay_refuses_nobody():
     assert not gate.ledger.charge("o1")  # charged for real, it is refused
 
 
+def test_asked_as_if_paid_a_requester_out_of_quota_names_who_would_give_way():
+    """For the idle wait: who would give way once the requester's quota
+    returns (StepPolicy shortens the wait to then); asking evicts nothing."""
+    gate, part, evicted = displacement()
+    add(gate, "one", "o1")
+    start(gate)
+    assert gate.limiter.try_take("one", 0)  # its quota spent
+    assert part.victim_for("o1", waiting=True) is None
+    assert part.victim_for("o1", waiting=True, paid=True) == "s1"
+    assert not evicted and gate.lanes.resident_count("slow") == 3
+
+
 def test_an_evicted_request_and_a_served_users_waiting_request_take_free_room_only():
     gate, part, evicted = displacement()
     add(gate, "fast", "f1", resident=True)

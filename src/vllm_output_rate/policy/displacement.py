@@ -79,7 +79,9 @@ class Displacement:
         self.residency = residency
         self._generated_of = generated_of or tokens_held
 
-    def victim_for(self, key: Key, waiting: bool, least_important: int | None = None) -> Key | None:
+    def victim_for(
+        self, key: Key, waiting: bool, least_important: int | None = None, paid: bool = False
+    ) -> Key | None:
         """The throttled request that gives way for ``key``, or None.
 
         ``waiting``: ``key`` asks for admission, not for KV to keep running.
@@ -87,6 +89,8 @@ class Displacement:
         more important (a smaller priority value) than ``key``, nor, for a
         running ``key``, than ``least_important``: the least important
         visible request, which the scheduler's own preemption would pick.
+        ``paid``: answer as if ``key``'s user could pay now (who would give
+        way once its quota returns; nothing is evicted here either way).
         """
         if key in self._evicted:
             return None  # it comes back into free KV only (no eviction chains)
@@ -109,7 +113,7 @@ class Displacement:
             # Served through resident streams already: evicting others for
             # it would churn.
             return None
-        if not _could_pay(ledger, key, requester):
+        if not (paid or _could_pay(ledger, key, requester)):
             return None
         rate_of = ledger.limiter.rate_of
         requester_resident = resident_count(requester)

@@ -1019,9 +1019,36 @@ class StepPolicy:
             and not self.facts.data_parallel
         ):
             wait_ns = self.gate.idle_wait_ns()
+            if wait_ns is not None and wait_ns > 0:
+                wait_ns = self._unasked_wait_ns(decision.view, wait_ns)
             self.idle_wait_s = None if wait_ns is None else wait_ns / 1e9
         else:
             self.idle_wait_s = None
+
+    def _unasked_wait_ns(self, view: EngineView, wait_ns: int) -> int:
+        """``wait_ns`` (the refused users'), shortened to when a waiting user
+        the empty step never asked can run: with every model-runner slot
+        held, a user with nothing resident, whose request a throttled stream
+        would give way for once its quota returns (``begin`` frees the slot
+        then)."""
+        if view.free_slots() > 0 or not view.has_waiting():
+            return wait_ns
+        lanes, ledger, gate = self.lanes, self.ledger, self.gate
+        now = ledger.now_ns
+        seen: set[str] = set()
+        for request in view.admittable_waiting():
+            user = lanes.user_of.get(request)
+            if user is None or user in seen or request in self.evicted_for_quota:
+                continue
+            seen.add(user)
+            if user in ledger.blocked or lanes.resident_count(user):
+                continue
+            if self.displacement.victim_for(request, waiting=True, paid=True) is None:
+                continue
+            ready = gate.ready_at_ns(user, now) - now
+            if 0 < ready < wait_ns:
+                wait_ns = ready
+        return wait_ns
 
     def idle_wait_ns(self) -> int | None:
         """Asked after a step that ran nothing: how long the engine may wait
