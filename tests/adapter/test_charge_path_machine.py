@@ -116,11 +116,7 @@ every combination is reachable.  After every engine step it checks:
    vLLM may admit into it in the next; issue 43's first defect).
    Exceptions (steps not judged, each counted in ``EXCEPTIONS`` and, with
    ``CHARGE_MACHINE_TRACE``, written per example): a tight KV cache (KV, not slots, binds); a
-   preemption in the step (the KV manager decided); every model-runner slot
-   held while a user with quota or ceiling room has a waiting request the
-   step did not admit (the plan keeps room for it though vLLM cannot admit
-   it: a real gap, ``tests/adapter/test_machine_work_gaps.py``, xfail);
-   async steps (an open case, see ``OPEN_CHECKS``' notes).  The recompute
+   preemption in the step (the KV manager decided); async steps (an open case, see ``OPEN_CHECKS``' notes).  The recompute
    budget needs no exception here: a resident stream costs no recompute.
 8. **Isolation**: (a, ``isolation-wait``, not judged yet: see
    ``OPEN_CHECKS``) first come first served, no prompt
@@ -304,10 +300,11 @@ ALL_CHECKS = (
 #:   Reproduced in ``tests/adapter/test_machine_work_gaps.py``; fixed in
 #:   06aedde (the borrowing demand counts paying waiting requests only up
 #:   to the free slots, those freed for waiting requests included), which
-#:   that file now asserts.  The check still names the shape as an
-#:   exception and counts it; with ``CHARGE_MACHINE_CHECKS`` including
-#:   ``work`` the suite's fixed examples on 06aedde still fail at the
-#:   machine's 41st example (the case above), so ``work`` stays open.
+#:   that file now asserts, and the check no longer excuses the shape.
+#:   With ``CHARGE_MACHINE_CHECKS`` including ``work`` the suite's fixed
+#:   examples on 06aedde still fail at the machine's 41st example (2
+#:   active slots and 64 tokens unused while u0, room for 2, left 2
+#:   resident streams out), so ``work`` stays open.
 #:   Open: with async scheduling the suite's example 7 (6 slots, all
 #:   active, budget 64, groups, u3 borrowing without a ceiling in a group
 #:   without one) left 1 active slot and 45 tokens unused while u3 left a
@@ -1399,7 +1396,6 @@ class ChargePathMachine(RuleBasedStateMachine):
         for user, positions in self.step_prompt.items():
             paid[user] += weight * positions
         per_token = 1 + (SPEC_K if self.spec else 0)
-        slots_full = before["running"] >= self.max_num_seqs
         for user, info in users.items():
             idle = [rid for rid in info["decoding"] if rid not in scheduled
                     and rid in sched.requests and not sched.requests[rid].is_finished()]
@@ -1425,15 +1421,6 @@ class ChargePathMachine(RuleBasedStateMachine):
             if self.async_:
                 # Not settled (see OPEN_CHECKS' notes): async steps.
                 self.excepted("work: async step (not settled)")
-                continue
-            if slots_full and any(
-                (other["available"] > 0 or other["room"] >= 1) and other["free"]
-                and any(rid not in scheduled for rid in other["waiting"])
-                for other in users.values()
-            ):
-                # tests/adapter/test_machine_work_gaps.py (xfail): room kept
-                # for a waiting request that finds no model-runner slot.
-                self.excepted("work: room kept for a waiting request with no slot")
                 continue
             self.broken(
                 "work",
