@@ -1665,16 +1665,6 @@ class LoneBorrowerMachine(ChargePathMachine):
         ChargePathMachine.arrive(self, user, copies, prompt_len, max_tokens, shared, priority)
 
     arrive_group = None
-    arrive_urgent = None
-
-    @precondition(lambda self: self.h is not None and self.added + 3 <= MAX_ADDED)
-    @rule(user=st.sampled_from(USERS), dt_ms=st.sampled_from([10, 50]))
-    def urgent_at_cap(self, user, dt_ms):
-        """``user`` sends two long streams (its cap), they run for 20 steps,
-        then its urgent request arrives."""
-        self.arrive(user, 2, 17, 400, False)
-        self.run(20, dt_ms)
-        self.arrive(user, 1, 3, 4, False, priority=0)
     arrive_backlog = None
     arrive_urgent = None
 
