@@ -9,12 +9,12 @@ import contextlib
 import json
 import math
 import socket
-import threading
 from pathlib import Path
 from collections import Counter
 from dataclasses import dataclass, field
 
 import pytest
+from fake_http import serving_app
 
 from vllm_output_rate.settings import ANONYMOUS_USER, USER_ARG
 from vllm_output_rate.tools import analysis, bench, render, report
@@ -623,34 +623,8 @@ def fake_server():
 
 @contextlib.contextmanager
 def running_fake_server(state: FakeServerState):
-    from aiohttp import web
-
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    loop = asyncio.new_event_loop()
-    ready = threading.Event()
-    runner_box = {}
-
-    def serve():
-        asyncio.set_event_loop(loop)
-        runner = web.AppRunner(make_fake_app(state), access_log=None)
-        loop.run_until_complete(runner.setup())
-        loop.run_until_complete(web.SockSite(runner, sock).start())
-        runner_box["runner"] = runner
-        ready.set()
-        loop.run_forever()
-        loop.run_until_complete(runner.cleanup())
-        loop.close()
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    assert ready.wait(10), "fake server did not start"
-    try:
-        yield f"http://127.0.0.1:{port}", state
-    finally:
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
+    with serving_app(make_fake_app(state)) as url:
+        yield url, state
 
 
 def test_bench_counts_tokens_exactly_against_fake_server(fake_server, tmp_path, capsys):

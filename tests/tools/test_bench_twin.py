@@ -7,13 +7,11 @@ The real-server run is ``tests/server/test_bench_twin_server.py``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import socket
-import threading
 from collections import Counter
 
 import pytest
+from fake_http import serving_app
 
 from vllm_output_rate.settings import load_limits_file
 from vllm_output_rate.tools import bench
@@ -316,33 +314,8 @@ class FakeEngine:
         return app
 
 
-@contextlib.contextmanager
 def serving(fake: FakeEngine):
-    from aiohttp import web
-
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    loop = asyncio.new_event_loop()
-    ready = threading.Event()
-
-    def serve():
-        asyncio.set_event_loop(loop)
-        runner = web.AppRunner(fake.app(), access_log=None)
-        loop.run_until_complete(runner.setup())
-        loop.run_until_complete(web.SockSite(runner, sock).start())
-        ready.set()
-        loop.run_forever()
-        loop.run_until_complete(runner.cleanup())
-        loop.close()
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    assert ready.wait(10)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
+    return serving_app(fake.app())
 
 
 FAKE_SCENARIO = ["--scenario", "twin", "--concurrency", "2", "--users", "20", "--length-scale", "0.05",
