@@ -59,3 +59,60 @@ def test_the_scan_still_stops_after_as_many_paying_requests_as_the_room():
         limit=3, free_slots=0, output_left=output_left, queued={},
     )
     assert seen == waiting[:3]
+
+
+def _borrower_with_waiting_prompts(waiting_count: int):
+    """b {0.01 tok/s, burst spent, may borrow}: two resident streams and
+    ``waiting_count`` waiting requests; p {100 tok/s} one waiting request."""
+    gate, paying = _paying_and_borrowing(1)
+    waiting = [f"bw{i}" for i in range(waiting_count)]
+    for key in waiting:
+        gate.lanes.track(key, "b")
+    return gate, paying + waiting
+
+
+@pytest.mark.parametrize("blocked", [False, True])
+def test_a_borrowers_waiting_requests_prompt_cost_refuses_take_no_room(blocked):
+    """A user out of quota cannot pay a prompt, borrowing or not: room kept
+    for its waiting requests would stay empty beside its borrowed streams
+    (issue 44).  Those prompt cost lets through still count."""
+    gate, waiting = _borrower_with_waiting_prompts(3)
+    asked: list[str] = []
+
+    def prompt_blocked(key, has_quota):
+        asked.append(key)
+        assert has_quota == key.startswith("p")
+        return blocked and key.startswith("bw")
+
+    queued: dict = {}
+    demand = waiting_demand(
+        waiting, gate.lanes, gate.ledger, lambda user: user == "b", None,
+        limit=6, free_slots=4, output_left=lambda key: 100, queued=queued,
+        prompt_blocked=prompt_blocked,
+    )
+    if blocked:
+        # The first refusal settles the user: its backlog costs one question.
+        assert demand == (1, 0) and not queued.get("b") and asked == ["p0", "bw0"]
+    else:
+        assert demand == (1, 3) and queued["b"] == [100, 100, 100]
+
+
+def test_a_paying_users_requests_prompt_cost_holds_take_no_room():
+    """A user with quota but in prompt debt (or held by its group's) pays
+    no prompt: none of its fresh requests is admitted, so none is kept
+    room for; the borrower's requests then count."""
+    gate, waiting = _borrower_with_waiting_prompts(3)
+    demand = waiting_demand(
+        waiting, gate.lanes, gate.ledger, lambda user: user == "b", None,
+        limit=6, free_slots=4, output_left=lambda key: 100, queued={},
+        prompt_blocked=lambda key, has_quota: key.startswith("p"),
+    )
+    assert demand == (0, 3)
+
+
+def test_without_prompt_cost_a_borrowers_waiting_requests_count_as_before():
+    gate, waiting = _borrower_with_waiting_prompts(3)
+    assert waiting_demand(
+        waiting, gate.lanes, gate.ledger, lambda user: user == "b", None,
+        limit=6, free_slots=4, output_left=lambda key: 100, queued={},
+    ) == (1, 3)

@@ -669,15 +669,24 @@ class Judge:
         """Did the step keep room from borrowers for a waiting request it did
         not admit: one of a user that could pay at its start, or one of the
         admissions set aside for borrowers (``policy/demand.py``)?"""
-        # Only where what kept them out is one of the causes not fixed:
-        # prompt cost refusing their prompts, or the quota counted for them
-        # spent by their user's own prefill that reached its sampling
-        # position in the step.  (A residency cap or no model-runner slot
-        # keeping them out is issue 43's second defect, fixed: judged.)
+        # Only where what kept them out is the cause not fixed: the quota
+        # counted for them (a token a request) spent by their user's own
+        # prefill in the step, one that reached its sampling position, or,
+        # with prompt cost, a new one admitted in the step whose prompt took
+        # more than a token (its user then owes, and prompt cost refuses
+        # the rest).  (A residency cap or no model-runner slot keeping them
+        # out is issue 43's second defect; prompt cost refusing the prompts
+        # of a borrower or of a user in prompt debt at the step's start is
+        # issue 44's: both fixed, judged.)
         users = before["users"]
         paying = Counter(w.user for w in before["waiting"] if users[w.user]["raw_available"] > 0)
         spent = {r.user for r in record.sampled if r in record.visible and r.sample_steps[0] == record.number}
-        if not (before["epoch"].weight or spent & set(paying)):
+        if before["epoch"].weight:
+            spent.update(
+                r.user for r in record.admitted
+                if not r.sample_steps or r.sample_steps[0] == record.number
+            )
+        if not spent & set(paying):
             return False
         admits = self.policy.last_borrow_admits
         lent = self.policy.last_step.admitted_to_borrow

@@ -24,6 +24,13 @@ nor the borrowed streams it was taken from would run (issue 43: a borrower
 at its cap with 20 requests waiting cut another borrower's borrowed tokens
 by 62 %).
 
+Nor do they count requests prompt cost refuses (``prompt_blocked``): a
+user out of quota cannot pay a prompt position nobody has paid for,
+borrowing or not, and a user in prompt debt (or held by its group's) pays
+none with quota either (:meth:`.PromptCost.can_pay`); room kept for such a
+request would stay empty just the same (issue 44: two borrowers' queued
+prompts held their resident streams to their own rates).
+
 Plain Python: no vLLM import.  Requests are opaque keys.
 """
 
@@ -60,6 +67,7 @@ def waiting_demand(
     free_slots: int,
     output_left: Callable[[Key], int],
     queued: dict[str, list[int]],
+    prompt_blocked: Callable[[Key, bool], bool] | None = None,
 ) -> tuple[int, int]:
     """(guaranteed, admissions): waiting requests that get room before
     borrowed streams, up to ``limit`` (the step's active room).
@@ -69,7 +77,10 @@ def waiting_demand(
     borrowing user, what each of its waiting requests that would only run
     by borrowing may output (in queue order).  Requests already waiting
     their turn for quota (``lanes.in_turn``) are reserved for elsewhere and
-    not counted.  Nothing else is changed.
+    not counted.  ``prompt_blocked(request, has_quota)``: would prompt
+    cost refuse the request, its user's quota counted so far spent or not
+    (None: no prompt cost)?  The first such request of a user settles it,
+    as its cap does.  Nothing else is changed.
     """
     user_of, in_turn = lanes.user_of, lanes.in_turn
     quota_now = ledger.quota_now
@@ -108,6 +119,9 @@ def waiting_demand(
         if left is None:
             left = quota_now(user)
         if left > 0:
+            if prompt_blocked is not None and prompt_blocked(request, True):
+                settled.add(user)  # its prompts are held (a debt, its group's turn)
+                continue
             quota[user] = left - 1
             paying += 1
             if guaranteed < free_slots:
@@ -120,6 +134,11 @@ def waiting_demand(
         if may is None:
             may = borrowing[user] = borrows(user)
         if not may:
+            settled.add(user)
+            continue
+        if prompt_blocked is not None and prompt_blocked(request, False):
+            # Its prompt waits for its user's quota: the step admits none of
+            # its requests that need one, so none takes room from borrowers.
             settled.add(user)
             continue
         costs = queued.setdefault(user, [])

@@ -817,6 +817,7 @@ class StepPolicy:
                 free_slots=free_slots,
                 output_left=output_left,
                 queued=queued,
+                prompt_blocked=self._prompt_blocked if self.prompt_cost.weight else None,
             )
             room -= guaranteed + admissions
             if queued and not admissions and room > 0 and free_slots <= 0:
@@ -840,6 +841,22 @@ class StepPolicy:
         if receiver is not None:
             admits[receiver] = admits.get(receiver, 0) + 1
         return admits
+
+    def _prompt_blocked(self, request: Any, has_quota: bool) -> bool:
+        """Would prompt cost refuse ``request``, waiting, in this step, its
+        user's quota left for it or not (what earlier requests of the user
+        in the queue take counted)?  Only if some prompt position is not
+        paid for (whatever the prefix cache holds, the last one is
+        computed); then yes while its user's prompts are held (a debt, its
+        group's), and with no quota left unless its token was paid in this
+        step: :meth:`.PromptCost.can_pay`, asked by ``may_consider`` /
+        ``may_start``.  Asks nothing: nobody is refused here."""
+        prompt_cost = self.prompt_cost
+        if prompt_cost.charged_upto.get(request, 0) >= request.num_prompt_tokens:
+            return False  # recompute below the charged mark is free
+        if prompt_cost.holds_prompt(self.lanes.user_of[request]):
+            return True
+        return not has_quota and not self.ledger.is_charged(request)
 
     def _hand_over_slot(
         self, view: EngineView, plan: StepPlan, room: int, users: dict[str, list[int]]
