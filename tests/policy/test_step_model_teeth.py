@@ -396,23 +396,6 @@ def test_slot_catches_a_hand_over_to_a_ceiling_bound_receiver(monkeypatch):
     print(f"\nslot caught the hand-over half: {caught}")
 
 
-def test_slot_catches_admissions_to_a_ceiling_bound_borrower(monkeypatch):
-    """Only the free-slot admissions' cap check taken away
-    (``Borrowing.admissions`` without ``usable``)."""
-    from vllm_output_rate.policy.borrow import Borrowing
-
-    # Not streams_it_could_add: the hand-over's check asks it too, and which
-    # half is then caught first depends on the process's string hashing.
-    admissions = Borrowing.admissions
-    monkeypatch.setattr(
-        Borrowing, "admissions",
-        lambda self, queued, committed, slots, usable=None: admissions(self, queued, committed, slots),
-    )
-    caught = first_failure("slot", slot_scenarios(), SLOT_EXAMPLES)
-    assert "by a free-slot admission" in str(caught)
-    print(f"\nslot caught the admissions half: {caught}")
-
-
 def test_urgent_catches_issue_43s_third_defect_reintroduced(monkeypatch):
     """A user's streams never give way to its own more urgent request (92d09f2)."""
     from vllm_output_rate.policy.displacement import Displacement
