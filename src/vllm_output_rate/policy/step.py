@@ -407,9 +407,7 @@ class StepDecision:
         """Preempt ``victim`` for quota now, paid from the recompute budget,
         and hold it out of the waiting queue until the step ends (the engine's
         waiting loop may be about to pop the request it peeked)."""
-        self.policy._pay_eviction(victim)
-        self.view.evict(victim)
-        self.evicted.append(victim)
+        self.policy._evict_for_quota(self.view, victim, self.evicted)
 
     def _displace_own_stream(self, request: StepRequest) -> bool:
         """Priority scheduling: ``request``, kept out by its user's cap, may
@@ -919,21 +917,23 @@ class StepPolicy:
         """Throttled requests must not keep every resident slot from others
         (see ``Displacement.free_slots_for``); the victims are appended to
         ``evicted``.  Returns the users who gave up a slot."""
-
-        def evict(victim: Any) -> None:
-            # As StepDecision.evict: held out of the waiting queue until the
-            # step ends (re-admitted now, it would take back its slot).
-            self._pay_eviction(victim)
-            view.evict(victim)
-            evicted.append(victim)
-
         return self.displacement.free_slots_for(
             list(view.admittable_waiting()),  # evictions change the queue
             plan,
             free_slots=free_slots,
             active_cap=view.configured_active_cap(),
-            evict=evict,
+            # Held out of the waiting queue until the step ends (re-admitted
+            # now, a victim would take back its slot).
+            evict=lambda victim: self._evict_for_quota(view, victim, evicted),
         )
+
+    def _evict_for_quota(self, view: EngineView, victim: Any, evicted: list[Any]) -> None:
+        """Pay ``victim``'s eviction, have the engine preempt it and keep it
+        out of the waiting queue, and note it in ``evicted`` (re-queued at
+        the step's end)."""
+        self._pay_eviction(victim)
+        view.evict(victim)
+        evicted.append(victim)
 
     def _pay_eviction(self, victim: Any) -> None:
         """Every eviction for quota is paid from the recompute budget, also
