@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Hashable, Iterable, Iterator
+from typing import TYPE_CHECKING, Callable, Hashable, Iterable, Iterator
 
 if TYPE_CHECKING:
     from vllm_output_rate.policy.residency import Residency
@@ -104,13 +104,28 @@ class Lanes:
             self._tracked_per_user[user] = self._tracked_per_user.get(user, 0) + 1
         self.user_of[key] = user
 
-    def wait_in_turn(self, key: Key) -> None:
+    def wait_in_turn(self, key: Key, priority_of: Callable[[Key], int] | None = None) -> None:
         """Put a waiting request at the back of its user's rotation, to be
-        admitted when the rotation reaches it (no-op if resident or there)."""
+        admitted when the rotation reaches it (no-op if resident or there).
+
+        ``priority_of`` (priority scheduling: a smaller value is more
+        important): it goes ahead of its user's keys that are less important
+        instead, so its turn comes before theirs (a user's urgent request is
+        not queued behind its own long streams)."""
         if key in self.in_turn or key in self.lane_of:
             return
         lane = self._lane(self.user_of[key])
-        lane.decoding.append(key)
+        decoding = lane.decoding
+        if priority_of is None:
+            decoding.append(key)
+        else:
+            urgency = priority_of(key)
+            for index, other in enumerate(decoding):
+                if priority_of(other) > urgency:
+                    decoding.insert(index, key)
+                    break
+            else:
+                decoding.append(key)
         lane.waiting += 1
         self.in_turn.add(key)
         self.version += 1
