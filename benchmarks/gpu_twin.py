@@ -88,16 +88,20 @@ import json
 import subprocess
 import sys
 import time
+from fractions import Fraction
 from pathlib import Path
+from typing import Sequence
 
 from vllm_output_rate_harness import benchkit
 
 benchkit.use_cpu_testbed_env()
 
+from vllm_output_rate.policy.gcra import DEFAULT_BURST_NS, Gcra  # noqa: E402
 from vllm_output_rate.tools.workload import INPUT_TOKEN_WEIGHT, build_twin_workload  # noqa: E402
 
 from vllm_output_rate_harness.twin import (  # noqa: E402
     GpuCostModel,
+    S,
     TwinEngine,
     Workload,
     run_lockstep,
@@ -157,6 +161,70 @@ def build_workload(running: int, *, users: int = 10_000, idle_users: int = 0, du
                     in_quota=w.in_quota, input_token_weight=w.input_token_weight)
 
 
+class DispatchTimedEngine(TwinEngine):
+    """A twin engine that also keeps each step's dispatch instant (the clock when ``schedule()``
+    runs, where the plugin charges), for :func:`attainable_tokens`.  ``enforces_caps``: the
+    workload's capped users are held to their limits on it (ours with the workload's limits)."""
+
+    def __init__(self, *args, enforces_caps: bool = False, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.enforces_caps = enforces_caps
+        self.dispatch_ns: list[int] = []
+
+    def step(self, dt_ns: int | None = None):
+        self.dispatch_ns.append(self.clock.now_ns)
+        return super().step(dt_ns)
+
+
+def attainable_tokens(dispatch_ns: Sequence[int], rate: float, *, from_ns: int, to_ns: int,
+                      per_dispatch: int | None = None, burst_ns: int = DEFAULT_BURST_NS) -> int:
+    """The most tokens a user limited to ``rate`` could be charged in [``from_ns``, ``to_ns``)
+    if it always wanted more, given that tokens are only taken at ``dispatch_ns`` (an engine's
+    step starts): the plugin's own GCRA with its burst, so one dispatch takes at most
+    burst x rate + 1 tokens however long the step before it, and at most ``per_dispatch`` (the
+    user's streams: one sampled token each a step).  A step longer than the burst costs such a
+    user (step - burst) x rate of its limit; no policy can give it back without breaking the
+    bound (at most (W + burst) x rate + 1 tokens in any W seconds).  The user takes from the
+    first dispatch on, so it enters the window as a backlogged user does (no fresh burst there);
+    only takes inside the window count."""
+    quota = Gcra.of_rate(Fraction(rate).limit_denominator(10**6), burst_ns)
+    tats: dict[str, int] = {}
+    most = per_dispatch if per_dispatch is not None else 1 << 62
+    total = 0
+    for t in dispatch_ns:
+        if t >= to_ns:
+            break
+        taken = quota.take_up_to(tats, "u", t, most)
+        if t >= from_ns:
+            total += taken
+    return total
+
+
+def capped_attainability(e: DispatchTimedEngine, workload: Workload, from_s: float, to_s: float) -> dict:
+    """Each capped user's charged tokens over [from_s, to_s) against :func:`attainable_tokens` at
+    ``e``'s own dispatch instants (its streams as the per-step bound), and how much of the window
+    went to steps longer than the burst (their dispatch-to-dispatch time)."""
+    from_ns, to_ns = int(from_s * S), int(to_s * S)
+    times = e.dispatch_ns
+    weight = workload.input_token_weight if e.input_token_weight is None else e.input_token_weight
+    attainable, ratios = {}, {}
+    for user, limit in workload.capped.items():
+        most = attainable_tokens(times, limit, from_ns=from_ns, to_ns=to_ns,
+                                 per_dispatch=len(workload.streams.get(user, ())) or None)
+        charged = e.output_measured.get(user, 0) + weight * e.prompt_measured.get(user, 0)
+        attainable[user] = most
+        ratios[user] = charged / most if most else None
+    long_steps, long_ns = 0, 0
+    for start, nxt in zip(times, times[1:] + [max(e.clock.now_ns, times[-1] if times else 0)]):
+        if from_ns <= start < to_ns and nxt - start > DEFAULT_BURST_NS:
+            long_steps += 1
+            long_ns += min(nxt, to_ns) - start
+    known = [r for r in ratios.values() if r is not None]
+    return {"burst_s": DEFAULT_BURST_NS / S, "attainable_tokens": attainable, "capped_of_attainable": ratios,
+            "capped_worst_of_attainable": max(known, key=lambda r: abs(r - 1)) if known else None,
+            "steps_longer_than_burst": long_steps, "simulated_s_in_steps_longer_than_burst": long_ns / S}
+
+
 def engines_for(workload: Workload, running: int, sides: list[tuple[str, str, bool]], num_blocks: int = KV_BLOCKS,
                 never_hit_limits: dict | None = None, measure_from_s: float = 0.0) -> list[TwinEngine]:
     """``sides``: (name, "stock" | "ours" | "never_hit" | "no_prompt_cost", async).  "no_prompt_cost":
@@ -168,11 +236,11 @@ def engines_for(workload: Workload, running: int, sides: list[tuple[str, str, bo
                   "no_prompt_cost": {**workload.limits, "input_token_weight": 0}}[kind]
         # Ours as documented: resident slots beyond the active ones, so throttled requests
         # keep their KV without taking a running place; stock runs what it holds.
-        out.append(TwinEngine(name, limits, H100_LLAMA31_8B, async_=async_,
-                              max_num_seqs=running if limits is None else RESIDENT_FACTOR * running,
-                              max_num_active_seqs=None if limits is None else running,
-                              num_blocks=num_blocks, watch=workload.capped, borrowers=workload.borrowers,
-                              measure_from_s=measure_from_s))
+        out.append(DispatchTimedEngine(name, limits, H100_LLAMA31_8B, async_=async_,
+                                       max_num_seqs=running if limits is None else RESIDENT_FACTOR * running,
+                                       max_num_active_seqs=None if limits is None else running,
+                                       num_blocks=num_blocks, watch=workload.capped, borrowers=workload.borrowers,
+                                       measure_from_s=measure_from_s, enforces_caps=kind in ("ours", "no_prompt_cost")))
     return out
 
 
@@ -193,6 +261,9 @@ def run_main(running: int, measured_s: float, asynchronous: bool, seed: int, war
     t0 = time.monotonic()
     run_lockstep(engines, workload, duration_s, seed=seed, progress_every_s=10)
     rows = {e.name: summary(e, workload, duration_s, decode_step_ms(running)) for e in engines}
+    for e, row in zip(engines, rows.values()):
+        if e.enforces_caps and row.get("measured"):
+            row["measured"].update(capped_attainability(e, workload, warmup_s, duration_s))
     group_rate = workload.limits["groups"]["research"]["rate"]
     for e, row in zip(engines, rows.values()):
         members = ("grp-0", "grp-1")
@@ -202,7 +273,9 @@ def run_main(running: int, measured_s: float, asynchronous: bool, seed: int, war
     for name, row in rows.items():
         print(f"  {name:15s} cpu/step {row['scheduler_cpu_us_per_step']['mean']:9.0f} us  gpu/step "
               f"{row['gpu_ms_per_step_mean']:6.2f} ms  tok/s {row['throughput_tok_s']:8.0f}  "
-              f"worst capped {row.get('capped_worst_ratio')}", flush=True)
+              f"worst capped {row.get('capped_worst_ratio')}  measured: of limit "
+              f"{(row.get('measured') or {}).get('capped_worst_ratio')}, of attainable "
+              f"{(row.get('measured') or {}).get('capped_worst_of_attainable')}", flush=True)
     return {"running": running, "duration_s": duration_s, "warmup_s": warmup_s, "measured_s": measured_s,
             "decode_step_ms": decode_step_ms(running), "open_requests": len(workload.arrivals), "results": rows}
 
