@@ -12,7 +12,10 @@ from hypothesis import strategies as st
 
 from gate_harness import MS, S, GateWorld, bound, max_in_window
 from vllm_output_rate.policy.borrow import Borrowing, Share, ShareTable
+from vllm_output_rate.policy.demand import unpaid_decoding
 from vllm_output_rate.policy.gate import StepGate
+from vllm_output_rate.policy.lanes import Lanes
+from vllm_output_rate.policy.ledger import Ledger
 from vllm_output_rate.policy.limiter import OutputRateLimiter
 from vllm_output_rate.policy.quota import ComposedLimiter, Level
 
@@ -460,3 +463,72 @@ def test_service_spare_room_gave_everyone_is_not_counted_against_them_later():
     assert got["x"] + got["y"] == 40
     # By weight, 1:3 of the contended steps (10 and 30), within a token or two.
     assert abs(got["x"] - 10) <= 2, got
+
+
+# -- the offer's order, against one stream at a time -------------------------
+
+NOW_NS = 10 * S
+
+
+@settings(max_examples=60)
+@given(
+    users=st.lists(
+        st.tuples(
+            st.sampled_from([0.5, 1, 2, 3]),  # weight
+            st.integers(0, 6),  # resident streams
+            st.integers(0, 2),  # of them paid by the plan (not hidden)
+            st.integers(0, 2),  # requests waiting their turn in its lane
+            st.sampled_from([0.0, 0.5, 1.0, 1.5]),  # its counter (ties are common)
+        ),
+        min_size=1, max_size=4,
+    ),
+    room=st.integers(0, 20),
+)
+def test_an_offer_hands_out_the_streams_one_at_a_time_to_the_least_weighted_service(users, room):
+    """Water-filling without groups, by its definition: each stream goes to
+    the user whose counter (+ 1 / weight per stream taken) is smallest, ties
+    to the user listed first among the short ones; a user's streams are its
+    resident unpaid ones, oldest first.  (The offer hands a user a run of
+    streams at once while it stays ahead: the same streams in the same
+    order.)"""
+    names = [f"u{i}" for i in range(len(users))]
+    table = ShareTable(0.01, {n: 0.01 for n in names}, None, {
+        n: Share(None, u[0]) for n, u in zip(names, users)
+    })
+    b = Borrowing(table, OutputRateLimiter(*table.ceilings()))
+    lanes = Lanes()
+    ledger = Ledger(OutputRateLimiter(0.01, {}), lanes)
+    ledger.open(NOW_NS, all_resident_prepaid=False)
+    hidden: dict[str, list[str]] = {}
+    for name, (_, streams, paid, in_turn, counter) in zip(names, users):
+        keys = [f"{name}-{i}" for i in range(streams)]
+        for i, key in enumerate(keys):
+            lanes.track(key, name)
+            lanes.admit(key, progressing=False)
+            if i == streams // 2:  # in-turn requests sit among the streams
+                for j in range(in_turn):
+                    lanes.track(f"{name}-w{j}", name)
+                    lanes.wait_in_turn(f"{name}-w{j}")
+        ledger.prepaid.update(keys[:paid])
+        hidden[name] = keys[paid:]
+        ledger.short.append(name)
+        b.counters[name] = counter
+        b.active.add(name)
+        b.holding.add(name)
+    for lane in lanes.order.values():
+        lane.decoding.rotate(1)  # rotation order is not admission order
+    for name in names:  # what the waiting demand counts as the user's own room
+        assert unpaid_decoding(lanes, ledger.prepaid, name) == len(hidden[name])
+    counters = {n: b.counters[n] for n in names}
+    expected: list[str] = []
+    while len(expected) < room:
+        ready = [n for n in names if hidden[n]]
+        if not ready:
+            break
+        user = min(ready, key=lambda n: (counters[n], names.index(n)))
+        expected.append(hidden[user].pop(0))
+        counters[user] += 1 / dict(zip(names, users))[user][0]
+    assert b.offer(lanes, ledger, room) == expected
+    if room > 0:  # (no room: nothing is offered, and nothing counted)
+        # Rationed when the room left some borrower's stream out.
+        assert b.rationed == any(hidden[n] for n in names)

@@ -116,3 +116,54 @@ def test_without_prompt_cost_a_borrowers_waiting_requests_count_as_before():
         waiting, gate.lanes, gate.ledger, lambda user: user == "b", None,
         limit=6, free_slots=4, output_left=lambda key: 100, queued={},
     ) == (1, 3)
+
+
+def _lone_borrower_filling_the_room(waiting_count: int, paying: tuple[str, ...] = ()):
+    """b {0.01 tok/s, burst spent, may borrow}: two resident streams, which
+    fill a room of 2, and ``waiting_count`` waiting requests; p {100 tok/s}
+    the waiting requests ``paying``."""
+    gate = StepGate(OutputRateLimiter(0.01, {"p": 100.0}))
+    lanes = gate.lanes
+    for key in ("b0", "b1"):
+        lanes.track(key, "b")
+        lanes.admit(key, progressing=False)
+    waiting = [f"bw{i}" for i in range(waiting_count)]
+    for key in waiting:
+        lanes.track(key, "b")
+    for key in paying:
+        lanes.track(key, "p")
+    while gate.ledger.limiter.try_take("b", NOW):
+        pass
+    gate.plan(NOW, 8)
+    return gate, waiting
+
+
+def _scan(gate, waiting, seen):
+    def counted(keys):
+        for key in keys:
+            seen.append(key)
+            yield key
+
+    return waiting_demand(
+        counted(waiting), gate.lanes, gate.ledger, lambda user: user == "b", None,
+        limit=2, free_slots=4, output_left=lambda key: 100, queued={},
+    )
+
+
+def test_the_scan_stops_once_every_user_with_a_request_is_settled():
+    """A lone borrower whose own streams fill the room: its first waiting
+    request settles it, and no later request can change the demand, so its
+    backlog is not walked at every step."""
+    gate, waiting = _lone_borrower_filling_the_room(50)
+    seen: list[str] = []
+    assert _scan(gate, waiting, seen) == (0, 0)
+    assert seen == ["bw0"]
+
+
+def test_the_scan_goes_on_past_a_settled_user_while_another_may_still_count():
+    """The early stop waits for every user: a paying user's request behind
+    a settled borrower's backlog still takes its room."""
+    gate, waiting = _lone_borrower_filling_the_room(50, paying=("p0",))
+    seen: list[str] = []
+    assert _scan(gate, waiting + ["p0"], seen) == (1, 0)
+    assert seen == waiting + ["p0"]

@@ -60,7 +60,7 @@ import heapq
 from dataclasses import dataclass
 from typing import Collection, Container, Hashable, Mapping, Protocol, Sequence, cast
 
-from vllm_output_rate.policy.demand import unpaid_decoding
+from vllm_output_rate.policy.demand import unpaid_decoding, unpaid_streams
 from vllm_output_rate.policy.lanes import Lanes
 from vllm_output_rate.policy.ledger import Ledger
 from vllm_output_rate.policy.limiter import Limiter
@@ -247,7 +247,6 @@ class Borrowing:
         cap = self.cap
         now = self._now_ns = ledger.now_ns
         prepaid = ledger.prepaid
-        lane_of = lanes.lane_of
         counters = self.counters
         scopes = self.scopes
         group_counters = self.group_counters
@@ -259,10 +258,9 @@ class Borrowing:
         for index, user in enumerate(ledger.short):
             if user in streams or not table.borrows(user):
                 continue
-            lane = lanes.order.get(user)
-            if lane is None:
+            if user not in lanes.order:
                 continue
-            hidden = [k for k in lane.decoding if lane_of.get(k) == user and k not in prepaid]
+            hidden = unpaid_streams(lanes, prepaid, user)
             if len(hidden) > 1:
                 # Oldest first, as stock vLLM runs requests to completion:
                 # borrowed in rotation, a user's requests would progress in
@@ -311,25 +309,50 @@ class Borrowing:
         while heap and room > 0:
             primary, counter, index, user = heapq.heappop(heap)
             group = group_of(user) if group_left else None
-            if group is not None:
-                if primary != step_groups[group]:  # its group ran since: requeue
-                    heapq.heappush(heap, (step_groups[group], counter, index, user))
-                    continue
-                left = group_left[group]
-                if left is not None:
-                    if left <= 0:
-                        group_capped = True  # its members compete for the cap
-                        continue  # the group's cap is spent in this step
-                    group_left[group] = left - 1
+            if group is None:
+                # One stream at a time, the user would be pushed back and
+                # popped again for as long as it stays ahead of the heap's
+                # head: it takes those streams in one go (the same ones, in
+                # the same order; a lone borrower takes all it can at once).
+                stream = streams[user]
+                first = got = taken.get(user, 0)
+                most = min(len(stream), got + room)
+                per_token = 1 / table.weight(user)
+                if heap:
+                    head = heap[0][:3]
+                    got += 1
+                    counter += per_token
+                    while got < most and (counter, counter, index) < head:
+                        got += 1
+                        counter += per_token
+                else:
+                    # Nobody else to give way to: it takes all it can, and
+                    # the counter is compared with no other in this step.
+                    counter += (most - first) * per_token
+                    got = most
+                order.extend(stream[first:got])
+                taken[user] = got
+                room -= got - first
+                if got < len(stream):
+                    heapq.heappush(heap, (counter, counter, index, user))
+                continue
+            # A member of a group: one stream at a time (its group's counter
+            # and cap move with every stream any member takes).
+            if primary != step_groups[group]:  # its group ran since: requeue
+                heapq.heappush(heap, (step_groups[group], counter, index, user))
+                continue
+            left = group_left[group]
+            if left is not None:
+                if left <= 0:
+                    group_capped = True  # its members compete for the cap
+                    continue  # the group's cap is spent in this step
+                group_left[group] = left - 1
             got = taken.get(user, 0)
             order.append(streams[user][got])
             taken[user] = got + 1
             room -= 1
             counter += 1 / table.weight(user)
-            if group is None:
-                primary = counter
-            else:
-                primary = step_groups[group] = step_groups[group] + 1 / table.group_weight(group)
+            primary = step_groups[group] = step_groups[group] + 1 / table.group_weight(group)
             if got + 1 < len(streams[user]):
                 heapq.heappush(heap, (primary, counter, index, user))
         self.rationed = bool(heap or group_capped or waiting_borrowers)
@@ -539,7 +562,7 @@ class Borrowing:
         table = self.table
         kept: dict[str, int] = {}
         for user, keys in self.step:
-            served = {k for k in keys if k in sampled}
+            served = set(filter(sampled.__contains__, keys))  # the loop runs in C
             unserved = len(keys) - len(served)
             if unserved and table.ceiled(user) and self.cap is not None:
                 self.cap.refund(user, self._now_ns, unserved)

@@ -36,6 +36,7 @@ Plain Python: no vLLM import.  Requests are opaque keys.
 
 from __future__ import annotations
 
+from itertools import filterfalse
 from typing import Callable, Container, Hashable, Iterable
 
 from vllm_output_rate.policy.lanes import Lanes
@@ -46,14 +47,42 @@ Key = Hashable
 _UNASKED = -1  # never a room: Residency.room is None or >= 0
 
 
-def unpaid_decoding(lanes: Lanes, prepaid: Container[Key], user: str) -> int:
+def unpaid_streams(lanes: Lanes, prepaid: Container[Key], user: str) -> list[Key]:
     """Resident decoding streams of ``user`` the step's plan did not pay for
-    (those that would borrow)."""
+    (those that would borrow), in rotation order."""
+    lane = lanes.order.get(user)
+    if lane is None:
+        return []
+    decoding = lane.decoding
+    if lane.waiting:  # in-turn waiting keys sit among the streams: not resident
+        lane_of = lanes.lane_of
+        return [key for key in decoding if lane_of.get(key) == user and key not in prepaid]
+    # Without in-turn keys every key of the lane's ``decoding`` is a resident
+    # stream of the user (Lanes' invariants): only the plan's payments are
+    # left out, by a filter run in C (a borrower's lane is walked every step).
+    if not prepaid:
+        return list(decoding)
+    return list(filterfalse(prepaid.__contains__, decoding))
+
+
+def unpaid_decoding(lanes: Lanes, prepaid: Container[Key], user: str) -> int:
+    """How many :func:`unpaid_streams` ``user`` has."""
     lane = lanes.order.get(user)
     if lane is None:
         return 0
-    lane_of = lanes.lane_of
-    return sum(1 for key in lane.decoding if lane_of.get(key) == user and key not in prepaid)
+    if lane.waiting:
+        return len(unpaid_streams(lanes, prepaid, user))
+    decoding = lane.decoding
+    if not prepaid:
+        return len(decoding)
+    return len(decoding) - sum(map(prepaid.__contains__, decoding))
+
+
+def _tracked_users(lanes: Lanes) -> int:
+    """How many users have a request :class:`Lanes` tracks (every waiting
+    request's user among them).  Lanes keeps the count per user; it has no
+    public reader of it yet."""
+    return len(lanes._tracked_per_user)
 
 
 def waiting_demand(
@@ -95,9 +124,12 @@ def waiting_demand(
     #: user -> requests residency still admits in this step (None: no cap).
     cap_room: dict[str, int | None] = {}
     # Users whose later requests change nothing: those out of quota that may
-    # not borrow, borrowers whose list is full, and users at their cap.  A
-    # lone borrower's backlog is then one set lookup per request and step.
+    # not borrow, borrowers whose list is full, and users at their cap.
     settled: set[str] = set()
+    # Once every user with a tracked request is settled, no later request
+    # can change anything: the scan stops (a lone borrower's backlog then
+    # costs one request per step, not one lookup per request).
+    everyone = _tracked_users(lanes)
     guaranteed = 0
     paying = 0  # requests of users with quota now, with a slot or not
     for request in waiting:
@@ -113,6 +145,8 @@ def waiting_demand(
             if room is not None:
                 if room <= 0:
                     settled.add(user)  # its requests wait un-admitted this step
+                    if len(settled) == everyone:
+                        break
                     continue
                 cap_room[user] = room - 1
         left = quota.get(user)
@@ -121,6 +155,8 @@ def waiting_demand(
         if left > 0:
             if prompt_blocked is not None and prompt_blocked(request, True):
                 settled.add(user)  # its prompts are held (a debt, its group's turn)
+                if len(settled) == everyone:
+                    break
                 continue
             quota[user] = left - 1
             paying += 1
@@ -135,11 +171,15 @@ def waiting_demand(
             may = borrowing[user] = borrows(user)
         if not may:
             settled.add(user)
+            if len(settled) == everyone:
+                break
             continue
         if prompt_blocked is not None and prompt_blocked(request, False):
             # Its prompt waits for its user's quota: the step admits none of
             # its requests that need one, so none takes room from borrowers.
             settled.add(user)
+            if len(settled) == everyone:
+                break
             continue
         costs = queued.setdefault(user, [])
         most = admittable.get(user)
@@ -149,5 +189,7 @@ def waiting_demand(
             costs.append(output_left(request))
         if len(costs) >= most:
             settled.add(user)
+            if len(settled) == everyone:
+                break
     slots = min(free_slots, limit) - guaranteed
     return guaranteed, max(0, min(slots, sum(map(len, queued.values()))))
