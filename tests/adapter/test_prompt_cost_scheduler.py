@@ -326,16 +326,18 @@ def run_engine_loop(h: Harness, until, max_steps: int = 1000) -> list[float]:
 @pytest.mark.parametrize("chunked", [True, False], ids=["chunked", "whole-prefill"])
 @pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
 def test_a_borrower_whose_next_prompt_waits_on_prompt_debt_does_not_spin_the_engine(async_, chunked):
-    """Issue 31's server case on the real scheduler: one borrower without a
-    ceiling (``{rate: 10, ceil: null}``: a token per 100 ms, within the idle
-    wait's cap) at ``input_token_weight: 1``; its first prompt (60 tokens)
-    goes into debt, its second waits for the debt, which borrowing cannot
-    pay.  Every empty step used to be told to wait 0 (on a server: a core
-    spinning); now each waits for the next token of its rate, so the debt is
-    paid in about as many empty steps as it has tokens, and the second
-    prompt goes as soon as its user can pay."""
+    """Issue 31's server case on the real scheduler: one borrower
+    (``{rate: 10, ceil: 20}``: a token per 100 ms, within the idle wait's
+    cap) at ``input_token_weight: 1``; its first prompt (60 tokens) costs
+    more than its ceiling can lend (a burst of 3), so its quota pays it and
+    it goes into debt; its second waits for the debt, which borrowing
+    cannot pay.  Every empty step used to be told to wait 0 (on a server: a
+    core spinning); now each waits for the next token of its rate, so the
+    debt is paid in about as many empty steps as it has tokens, and the
+    second prompt goes as soon as its user can pay.  (Without a ceiling the
+    first prompt would be borrowed whole: no debt.)"""
     h = Harness(
-        limits(100, 1, b={"rate": 10, "ceil": None}), async_=async_, chunked=chunked,
+        limits(100, 1, b={"rate": 10, "ceil": 20}), async_=async_, chunked=chunked,
         max_num_batched_tokens=BUDGET,
     )
     h.add("b", max_tokens=1, prompt=distinct_prompt(1, 60), request_id="first")
@@ -387,3 +389,22 @@ def test_three_members_of_a_group_in_prompt_debt_take_turns(async_, long_context
     assert sorted(granted[:9]) == sorted("abc" * 3), granted
     for i in range(len(granted) - 2):
         assert len(set(granted[i:i + 3])) == 3, granted  # any three in a row: each member once
+
+
+def test_a_ceiled_borrowers_borrowed_prompts_stay_within_its_ceiling():
+    """A borrower {rate 5, ceil 200} alone on the engine with 24 requests of
+    40-token prompts and 2 output tokens at weight 0.1 (6 tokens a request),
+    8 slots: its rate would take 29 s; out of it, its new requests' prompts
+    are paid by borrowing (on its ceiling), so all of them finish within 2 s
+    of fake clock, and output + 0.1 x prompt stays within the ceiling's bound
+    in every window (a borrowed chunk is taken whole from the ceiling before
+    it runs: no debt beyond the one chunk the bound allows)."""
+    weight = Fraction(1, 10)
+    h = Harness(limits(1000, 0.1, b={"rate": 5, "ceil": 200}), max_num_seqs=8, max_num_batched_tokens=BUDGET)
+    requests = [h.add("b", max_tokens=2, prompt=distinct_prompt(i, 40)) for i in range(24)]
+    series = cost_series(h, "b", weight, 200)
+    h.drain()
+    pc = h.sched.output_rate_prompt_cost
+    assert all(r.num_output_tokens == 2 for r in requests)
+    assert pc.borrowed_tokens.get("b", 0) >= 40  # ten or more prompts borrowed
+    assert worst_excess(series, 200, math.ceil(weight * BUDGET)) <= 0

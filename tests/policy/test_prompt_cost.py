@@ -192,6 +192,140 @@ def test_weighted_prompt_charges_stay_within_the_bound_and_exact(weight, rate, s
             assert cost <= (window_s + Fraction(1, 10)) * rate + 1 + extra
 
 
+class CapLender:
+    """A prompt lender over a real limiter (a borrower's ceiling), counting
+    what it lent net of refunds and what it was ever refunded."""
+
+    def __init__(self, ceil):
+        self.cap = NetLimiter(ceil)
+        self.refunded = 0
+
+    def room(self, user, now_ns):
+        return self.cap.available(user, now_ns)
+
+    def take(self, user, now_ns, tokens):
+        return self.cap.take_up_to(user, now_ns, tokens)
+
+    def refund(self, user, now_ns, tokens):
+        self.refunded += tokens
+        self.cap.refund(user, now_ns, tokens)
+
+
+def borrowing_step(prompt, ledger, lender, now, chunks, scheduled=None):
+    """``step`` where a chunk whose user's quota is empty borrows, as the step
+    policy lends (``StepDecision._prompt_lender_for``): when the lender can pay
+    its whole cost and a sampled token.  Returns (keys dispatched, keys borrowed)."""
+    if prompt.debt:
+        prompt.repay(now)
+    ledger.open(now, False)
+    sent, borrowed = {}, set()
+    for key, start, count, num_prompt in chunks:
+        user = ledger._user_of[key]
+        if not prompt.uncharged(key, start, count, num_prompt):
+            continue
+        use = None
+        if ledger.quota_now(user) == 0 and prompt.cost_of(key, user, start, count, num_prompt) + 1 <= lender.room(user, now):
+            use = lender
+        if not prompt.can_pay(key, user, use):
+            continue
+        debt = prompt.debt.get(user, 0)
+        prompt.charge(key, user, start, count, num_prompt, use)
+        sent[key] = count
+        if use is not None:
+            borrowed.add(key)
+            assert prompt.debt.get(user, 0) == debt  # a borrowed chunk never owes
+    if scheduled is not None:
+        sent = {k: v for k, v in sent.items() if k in scheduled}
+    prompt.settle(lambda key: sent.get(key, 0), now)
+    ledger.settle(set())
+    return sent, borrowed
+
+
+def test_a_borrowed_chunk_is_paid_by_the_lender_whole_and_refunded_to_it():
+    limiter, lanes, ledger, prompt = parts(rate=10, weight=1)
+    lender = CapLender(1000)
+    track(lanes, "a")
+    track(lanes, "b")
+    now = 10 * S
+    # The quota's burst pays the first chunk (2 tokens of 2), the second borrows its 40.
+    sent, borrowed = borrowing_step(prompt, ledger, lender, now, [("a", 0, 2, 100), ("b", 0, 40, 100)])
+    assert sent == {"a": 2, "b": 40} and borrowed == {"b"}
+    assert limiter.net == 2 and lender.cap.net == 40 and not prompt.debt
+    assert prompt.borrowed_tokens == {"u": 40} and prompt.prompt_tokens == {"u": 42}
+    # Borrowed but not scheduled: all 30 go back to the lender, none to the quota.
+    sent, borrowed = borrowing_step(prompt, ledger, lender, now + MS, [("b", 40, 30, 100)], scheduled=set())
+    assert borrowed == {"b"} and sent == {}
+    assert lender.cap.net == 40 and lender.refunded == 30 and limiter.net == 2
+    assert prompt.borrowed_tokens == {"u": 40} and prompt.charged_upto["b"] == 40
+    # Too dear for the lender's room now (its burst is spent): nothing is lent, the chunk waits.
+    poor = CapLender(10)
+    poor.take("u", now, poor.room("u", now))
+    sent, borrowed = borrowing_step(prompt, ledger, poor, now + 2 * MS, [("b", 40, 30, 100)])
+    assert sent == {} and not borrowed and "u" in ledger.refused
+
+
+def test_a_debt_holds_a_borrowers_prompts_though_a_lender_would_pay():
+    limiter, lanes, ledger, prompt = parts(rate=10, weight=1)
+    track(lanes, "a")
+    step(prompt, ledger, 10 * S, [("a", 0, 100, 400)])  # into debt: the burst paid 2 of 100
+    assert prompt.debt["u"] == 98
+    lender = CapLender(10**6)
+    ledger.open(10 * S + MS, False)
+    assert not prompt.can_pay("a", "u", lender)
+    assert "u" in ledger.refused and not lender.cap.net
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(
+    weight=st.sampled_from([Fraction(1, 2), Fraction(1, 3), 1, Fraction(1, 16)]),
+    rate=st.sampled_from([1, 5, 20]),
+    ceil=st.sampled_from([100, 400, 1000]),
+    steps=st.lists(
+        st.tuples(
+            st.integers(1, 60),  # ms since the last step
+            st.lists(st.tuples(st.integers(0, 2), st.integers(1, 64), st.booleans()), max_size=3),
+        ),
+        min_size=1, max_size=60,
+    ),
+)
+def test_borrowed_and_quota_paid_chunks_stay_exact_and_borrowing_never_owes(weight, rate, ceil, steps):
+    """Whole tokens taken from the quota and the lender, plus debt, are the
+    exact cost of what ran plus a credit below one token; the lender is never
+    refunded more than it lent, a borrowed chunk never adds debt, and what
+    the lender kept obeys its own GCRA bound."""
+    limiter, lanes, ledger, prompt = parts(rate=rate, weight=weight)
+    lender = CapLender(ceil)
+    keys = ["k0", "k1", "k2"]
+    for key in keys:
+        track(lanes, key)
+    progress = dict.fromkeys(keys, 0)
+    now = 5 * S
+    lent_at: list[tuple[int, int]] = []  # (time, lender's net after the step)
+    for dt, chunks in steps:
+        now += dt * MS
+        wanted, seen = [], set()
+        for index, count, scheduled in chunks:
+            key = keys[index]
+            if key not in seen:
+                seen.add(key)
+                wanted.append((key, progress[key], count, 10**9, scheduled))
+        keep = {key for key, *_, scheduled in wanted if scheduled}
+        sent, _ = borrowing_step(prompt, ledger, lender, now, [w[:4] for w in wanted], scheduled=keep)
+        for key, count in sent.items():
+            progress[key] += count
+        credit = prompt.credit.get("u", Fraction(0))
+        total = sum(prompt.prompt_tokens.values())
+        assert 0 <= credit < 1
+        assert limiter.net + lender.cap.net + prompt.debt.get("u", 0) == weight * total + credit
+        assert lender.cap.net >= 0
+        assert prompt.borrowed_tokens.get("u", 0) <= lender.cap.net
+        lent_at.append((now, lender.cap.net))
+    for i, (t0, _) in enumerate(lent_at):
+        before = lent_at[i - 1][1] if i else 0
+        for t1, net in lent_at[i:]:
+            assert net - before <= (Fraction(t1 - t0, S) + Fraction(1, 10)) * ceil + 1
+
+
 def test_forget_user_drops_credit_but_never_debt():
     limiter, lanes, ledger, prompt = parts(rate=10, weight=Fraction(1, 3))
     track(lanes, "a")

@@ -122,6 +122,9 @@ class StepGate:
         #: The prompt cost paid through :attr:`ledger` (set by its owner);
         #: its debts and turns hold users back beyond their quota.
         self.prompt_cost: PromptCost | None = None
+        #: user -> tokens its cap must hold before its waiting prompt can be
+        #: borrowed (the step policy notes them in each planned step).
+        self.cap_wanted: dict[str, int] = {}
 
     @property
     def limiter(self) -> Limiter:
@@ -296,7 +299,14 @@ class StepGate:
         if borrowing is None or borrowing.cap is None:
             return ready
         if borrowing.table.borrows(user) and borrowing.table.ceiled(user):
-            cap_ready = borrowing.cap.ready_at_ns(user, now_ns)
+            wanted = self.cap_wanted.get(user, 1)
+            if wanted > 1 and not _has_resident_stream(self.lanes.order.get(user)):
+                # Nothing of it runs before its cap holds its prompt's cost.
+                cap_ready = _ready_for(
+                    borrowing.cap, user, now_ns, wanted, self._max_idle_wait_ns
+                )
+            else:
+                cap_ready = borrowing.cap.ready_at_ns(user, now_ns)
             if now_ns < cap_ready < ready:
                 ready = cap_ready
         return ready
@@ -317,6 +327,31 @@ class StepGate:
             if user not in result:
                 result[user] = (count, 0)
         return result
+
+
+def _ready_for(limiter: Limiter, user: str, now_ns: int, count: int, horizon_ns: int) -> int:
+    """Earliest time >= ``now_ns`` at which ``limiter`` holds ``count``
+    tokens for ``user`` (searched on whole nanoseconds; past ``horizon_ns``
+    from now, some time beyond it)."""
+    available = limiter.available
+    if available(user, now_ns) >= count:
+        return now_ns
+    low = now_ns  # holds fewer than count
+    high = max(limiter.ready_at_ns(user, now_ns), now_ns + 1)
+    stride = high - now_ns
+    while available(user, high) < count:
+        if high - now_ns > horizon_ns:
+            return high
+        low = high
+        high += stride
+        stride *= 2
+    while high - low > 1:
+        middle = (low + high) // 2
+        if available(user, middle) >= count:
+            high = middle
+        else:
+            low = middle
+    return high
 
 
 def _has_resident_stream(lane: Lane | None) -> bool:

@@ -26,6 +26,21 @@ quota allows: tiny chunks would cost the engine a step each, and without
 chunked prefill a prompt longer than the burst could never be dispatched at
 all.
 
+Borrowed chunks.  A user whose quota is empty but who may borrow (its
+ceiling above its rate, or none) may instead pay a chunk from a *lender*
+(:class:`PromptLender`, the step policy's view of borrowing), under the
+conditions in which its output tokens borrow: spare engine room (the step
+policy asks: a waiting request admitted into a slot set aside for borrowers,
+or a resident prefill in a step that hid nothing for lack of room), and its
+cap able to pay the chunk's whole cost and its sampled token now (no
+ceiling: always).  Nothing held changes: a user in debt, or held by its
+group, is refused whether it could borrow or not.  The whole cost is taken
+from the cap (its own ceiling and its group's, with groups), never from the
+guaranteed rate, and never becomes debt; refunded to the cap if the chunk
+does not run; kept, it counts in :attr:`PromptCost.borrowed_tokens`.  A
+hard-capped user (no borrowing) is never lent anything: its rule is the one
+above, unchanged.
+
 Bound.  Debt is only ever incurred by a chunk dispatched without debt, so
 it never exceeds one chunk's cost.  Let ``C`` be the most prompt tokens one
 chunk computes.  Tokens taken from the limiter obey GCRA's bound; what was
@@ -34,7 +49,16 @@ end, so over any window of ``W`` seconds::
 
     output tokens + weight x prompt tokens charged <= (W + burst) x N + 1 + ceil(weight x C)
 
-With groups the same holds for a group's users together, N the group's rate:
+``N`` is the rate of a hard-capped user, and the ceiling of a borrower with
+one: a borrower's guaranteed tokens are paid on its ceiling too (the
+composed quota), its borrowed output tokens and borrowed chunks on the
+ceiling alone, in whole tokens taken before the chunk runs (no debt), so the
+same bound holds with its ceiling for ``N``.  A borrower without a ceiling
+is bounded by room only, for prompts as for output.
+
+With groups the same holds for a group's users together, N the group's rate
+(its ceiling, for a group that borrows; a member's borrowed chunk is paid on
+it):
 a member's chunk also waits while any member of its group owes one, so a
 group too owes at most one chunk.  The members it held back queue and, once
 it is paid, go one chunk each in the order they started waiting, the member
@@ -53,13 +77,16 @@ Invariants (``tests/policy/test_prompt_cost.py``):
   request is tracked, however often it is computed;
 * after :meth:`PromptCost.settle`, for every user: whole tokens charged
   (cumulative) = weight x prompt tokens kept + credit, 0 <= credit < 1;
-* a user's debt never exceeds the cost of one chunk.
+* a user's debt never exceeds the cost of one chunk;
+* a borrowed chunk takes its whole cost from its lender and nothing from the
+  limiter; what is refunded to the lender in a step never exceeds what the
+  step took from it.
 """
 
 from __future__ import annotations
 
 from fractions import Fraction
-from typing import Callable, Hashable
+from typing import Callable, Hashable, Protocol
 
 from vllm_output_rate.policy.ledger import Ledger
 from vllm_output_rate.policy.rates import exact_rate
@@ -70,6 +97,20 @@ _ZERO = Fraction(0)
 #: asking again (ns): twice the longest idle wait, so a member whose chunk is
 #: still pending asks again well within it.
 GROUP_TURN_NS = 500_000_000
+
+
+class PromptLender(Protocol):
+    """Where a borrowed chunk is paid (the step policy's view of borrowing)."""
+
+    def room(self, user: str, now_ns: int) -> int | None:
+        """Tokens it could lend ``user`` now (None: any number; 0 for a user
+        that does not borrow)."""
+
+    def take(self, user: str, now_ns: int, tokens: int) -> int:
+        """Lend up to ``tokens``; returns how many were lent."""
+
+    def refund(self, user: str, now_ns: int, tokens: int) -> None:
+        """Give back ``tokens`` lent in this step."""
 
 
 def exact_weight(value: object) -> Fraction:
@@ -104,7 +145,8 @@ class PromptCost:
     charged again.  ``debt``: user -> whole tokens charged and not yet taken
     from the limiter.  ``credit``: user -> fraction of a token paid ahead.
     ``prompt_tokens``: user -> prompt tokens charged and kept, cumulative
-    (metrics read it).
+    (metrics read it).  ``borrowed_tokens``: user -> whole tokens of
+    borrowed chunks kept, cumulative.
     """
 
     def __init__(self, ledger: Ledger, weight: object = 0) -> None:
@@ -114,6 +156,11 @@ class PromptCost:
         self.debt: dict[str, int] = {}
         self.credit: dict[str, Fraction] = {}
         self.prompt_tokens: dict[str, int] = {}
+        self.borrowed_tokens: dict[str, int] = {}
+        #: This step's borrowed charges: key -> whole tokens lent for it.
+        self.step_borrowed: dict[Key, int] = {}
+        #: user -> the lender of its borrowed charges in this step.
+        self._lenders: dict[str, PromptLender] = {}
         #: This step's charges: key -> (user, first charged position, chunk start, end).
         self.step_charges: dict[Key, tuple[str, int, int, int]] = {}
         #: user -> (credit before its first charge of the step, whole tokens charged).
@@ -138,11 +185,15 @@ class PromptCost:
             end = num_prompt
         return end - first if end > first else 0
 
-    def can_pay(self, key: Key, user: str) -> bool:
+    def can_pay(self, key: Key, user: str, lender: PromptLender | None = None) -> bool:
         """May a chunk of ``key`` that computes uncharged prompt positions go now?
 
-        A no is remembered for the step (the user is refused and blocked,
-        as the ledger does for output tokens).
+        ``lender``: the user's quota is empty and the caller found that
+        borrowing may pay this chunk (spare room, the cap's room for its
+        whole cost): then it goes on what is borrowed, unless something
+        holds the user's prompts (a debt, its group's turn).  A no is
+        remembered for the step (the user is refused and blocked, as the
+        ledger does for output tokens).
         """
         ledger = self._ledger
         # A user in debt waits for its own debt, not for a turn: it queues in
@@ -158,8 +209,20 @@ class PromptCost:
                 if ledger.limiter.available(user, ledger.now_ns) > 0:
                     return True
                 ledger.limiter.want(user, ledger.now_ns)
+            if lender is not None:
+                return True
         ledger.refuse(user)
         return False
+
+    def cost_of(self, key: Key, user: str, start: int, count: int, num_prompt: int) -> int:
+        """Whole tokens :meth:`charge` would take for the chunk now (its
+        user's credit counted); nothing is changed."""
+        first = max(start, self.charged_upto.get(key, 0))
+        end = min(start + count, num_prompt)
+        if end <= first:
+            return 0
+        owed = self.weight * (end - first) - self.credit.get(user, _ZERO)
+        return -((-owed.numerator) // owed.denominator) if owed > 0 else 0
 
     def _held_by_group(self, user: str) -> bool:
         """Must ``user``'s chunk wait for its group?
@@ -217,11 +280,16 @@ class PromptCost:
         waiting = _still_waiting(line, user, group, group_of, self._ledger.now_ns)
         return bool(waiting) and _first_in_line(waiting) != user
 
-    def charge(self, key: Key, user: str, start: int, count: int, num_prompt: int) -> int:
+    def charge(
+        self, key: Key, user: str, start: int, count: int, num_prompt: int,
+        lender: PromptLender | None = None,
+    ) -> int:
         """Charge the chunk ``[start, start + count)`` of ``key`` (after
         :meth:`can_pay` said yes); return the whole tokens it cost.
 
-        Takes what the quota holds; the rest becomes debt.
+        Takes what the quota holds; the rest becomes debt.  With ``lender``
+        (the one :meth:`can_pay` was given) the chunk is borrowed: its
+        whole cost is lent, nothing is taken from the quota.
         """
         first = max(start, self.charged_upto.get(key, 0))
         end = min(start + count, num_prompt)
@@ -235,7 +303,14 @@ class PromptCost:
         self.credit[user] = whole - owed
         if whole:
             ledger = self._ledger
-            got = ledger.limiter.take_up_to(user, ledger.now_ns, whole)
+            got = 0
+            if lender is not None:
+                got = lender.take(user, ledger.now_ns, whole)
+                if got:
+                    self.step_borrowed[key] = self.step_borrowed.get(key, 0) + got
+                    self._lenders[user] = lender
+            if got < whole:  # not lent (the caller checked the room: never, borrowing)
+                got += ledger.limiter.take_up_to(user, ledger.now_ns, whole - got)
             if got < whole:
                 self.debt[user] = self.debt.get(user, 0) + whole - got
         before, charged = self._step_users[user]
@@ -265,16 +340,27 @@ class PromptCost:
 
         ``scheduled(key)`` is how many positions vLLM scheduled for the key
         in the step (0: not scheduled).  Returns whole tokens refunded.
+        What borrowed chunks that did not run were lent goes back to their
+        lender first, then any debt is cancelled, then the quota refunded.
         """
         if not self.step_charges:
             return 0
         kept_by_user: dict[str, int] = {}
+        #: user -> tokens lent for chunks that did not run in full.
+        unrun_lent: dict[str, int] = {}
+        step_borrowed = self.step_borrowed
         for key, (user, first, start, end) in self.step_charges.items():
             kept_end = min(end, start + scheduled(key))
             kept = kept_end - first if kept_end > first else 0
             kept_by_user[user] = kept_by_user.get(user, 0) + kept
             if kept:
                 self.charged_upto[key] = kept_end
+            if step_borrowed and kept_end < end and key in step_borrowed:
+                unrun_lent[user] = unrun_lent.get(user, 0) + step_borrowed[key]
+        lent_by_user: dict[str, int] = {}
+        for key, lent in step_borrowed.items():
+            user = self.step_charges[key][0]
+            lent_by_user[user] = lent_by_user.get(user, 0) + lent
         refunded = 0
         refund = self._ledger.limiter.refund
         for user, (before, charged) in self._step_users.items():
@@ -285,9 +371,18 @@ class PromptCost:
             if kept:
                 self.prompt_tokens[user] = self.prompt_tokens.get(user, 0) + kept
             back = charged - whole
+            lent = lent_by_user.get(user, 0)
+            if back > 0:
+                refunded += back
+                to_lender = min(back, unrun_lent.get(user, 0))
+                if to_lender:
+                    self._lenders[user].refund(user, now_ns, to_lender)
+                    back -= to_lender
+                    lent -= to_lender
+            if lent > 0:
+                self.borrowed_tokens[user] = self.borrowed_tokens.get(user, 0) + lent
             if back <= 0:
                 continue
-            refunded += back
             debt = self.debt.get(user, 0)
             if debt:  # what was never taken is given back first
                 cancel = min(debt, back)
@@ -300,6 +395,9 @@ class PromptCost:
                 refund(user, now_ns, back)
         self.step_charges.clear()
         self._step_users.clear()
+        if step_borrowed:
+            step_borrowed.clear()
+            self._lenders.clear()
         return refunded
 
     def ready_at_ns(

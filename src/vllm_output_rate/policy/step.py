@@ -212,7 +212,7 @@ class StepDecision:
         "configured_cap", "max_resident", "prepaid", "all_visible_paid", "running_at_start",
         "refused_visible", "preempted", "evicted", "slot_donors", "held_for_other_reasons",
         "borrow_admits", "admitted_to_borrow", "adapters", "adapters_seen",
-        "refused_for_prompts", "visible_now",
+        "refused_for_prompts", "visible_now", "prompt_lender",
     )
 
     def __init__(
@@ -276,6 +276,10 @@ class StepDecision:
         #: The requests offered in this step, as a set, built on the first
         #: displacement within a user (priority scheduling).
         self.visible_now: set[Any] | None = None
+        #: With prompt cost and borrowing, in a step that left room for
+        #: borrowers (nothing runnable hidden for lack of room): what pays
+        #: the prompt chunks of borrowers out of quota (None: nothing does).
+        self.prompt_lender: _BorrowedPrompts | None = None
 
     @property
     def repeat(self) -> bool:
@@ -454,10 +458,45 @@ class StepDecision:
         ):
             return True
         user = policy.lanes.user_of[request]
-        if prompt_cost.can_pay(request, user):
+        # Its next chunk is not known yet: borrowing must be able to pay the
+        # rest of its prompt (the chunk is at most that) and its sampled token.
+        lender = self._prompt_lender_for(
+            request, user, False, num_computed_tokens, num_prompt - num_computed_tokens, num_prompt
+        )
+        if prompt_cost.can_pay(request, user, lender):
             return True
         self.refused_for_prompts.add(user)
         return False
+
+    def _prompt_lender_for(
+        self, request: StepRequest, user: str, running: bool, start: int, count: int, num_prompt: int
+    ) -> _BorrowedPrompts | None:
+        """What may pay the chunk ``[start, start + count)`` of ``request`` by
+        borrowing, or None (then its user's quota must).
+
+        Only where its output tokens could borrow: a borrower whose quota
+        cannot pay the chunk's whole cost and whose cap can pay it and a
+        sampled token now (no ceiling: always), in a step that hid nothing
+        for lack of room: a resident prefill, or a waiting request admitted
+        into a slot set aside for borrowers (``_admit_to_borrow``) or on its
+        user's quota.  Paid from the quota instead, the part the quota cannot
+        pay would become debt, which holds every prompt of the user,
+        borrowed or not, until its rate has paid it off."""
+        lender = self.prompt_lender
+        if lender is None:
+            return None
+        policy = self.policy
+        now = policy.ledger.now_ns
+        room = lender.room(user, now)
+        if room is not None and room <= 0:
+            return None
+        quota = policy.ledger.quota_now(user)
+        if not (running or quota or request in self.admitted_to_borrow):
+            return None  # not admitted by borrowing: no spare slot was its
+        cost = policy.prompt_cost.cost_of(request, user, start, count, num_prompt)
+        if quota >= max(cost, 1):
+            return None  # its quota pays it whole
+        return lender if room is None or cost + 1 <= room else None
 
     def may_consider(self, request: StepRequest) -> bool:
         """Asked first in the engine's waiting loop, before its own checks
@@ -546,7 +585,10 @@ class StepDecision:
             request, num_computed_tokens, num_new_tokens, num_prompt
         ):
             user = self.policy.lanes.user_of[request]
-            if not prompt_cost.can_pay(request, user):
+            lender = self._prompt_lender_for(
+                request, user, running, num_computed_tokens, num_new_tokens, num_prompt
+            )
+            if not prompt_cost.can_pay(request, user, lender):
                 if running:
                     self.refused_visible += 1
                 self.refused_for_prompts.add(user)
@@ -555,7 +597,9 @@ class StepDecision:
                 request, num_computed_tokens, num_new_tokens, running
             )
             if num_new_tokens > 0:
-                prompt_cost.charge(request, user, num_computed_tokens, num_new_tokens, num_prompt)
+                prompt_cost.charge(
+                    request, user, num_computed_tokens, num_new_tokens, num_prompt, lender
+                )
             return num_new_tokens
         return self._charge_at_sampling_position(
             request, num_computed_tokens, num_new_tokens, running
@@ -662,6 +706,12 @@ class StepPolicy:
         #: The groups' quotas (None: no group configured); set with
         #: borrowing and the composed quota by ``factory.configure_step_policy``.
         self.groups: GroupQuotas | None = None
+        #: The last step refused a borrower's prompt, or found one its cap
+        #: could not pay yet: the next one is planned.
+        self._borrowers_refused_for_prompts = False
+        #: user -> cap room the borrowing demand counted for the prompts of
+        #: its waiting requests so far (``_prompt_blocked``), in one step.
+        self._lent_in_demand: dict[str, int] = {}
 
     @property
     def borrowing(self) -> Borrowing | None:
@@ -729,7 +779,12 @@ class StepPolicy:
         if prompt_cost.debt:
             prompt_cost.repay(now_ns)
         resident = view.running
-        if gate.steady(now_ns, slots):
+        # A step that repeats the last one offers borrowers nothing: after a
+        # step that refused a borrower's prompt, plan, so that the prompt
+        # may be borrowed (a repeat would refuse it again, step after step).
+        lend_prompts = self._borrowers_refused_for_prompts
+        self._borrowers_refused_for_prompts = False
+        if not lend_prompts and gate.steady(now_ns, slots):
             decision = StepDecision(
                 self, view, REPEAT_PLAN, NOTHING_PREPAID,
                 all_visible_paid=self.drafts is None,
@@ -741,6 +796,8 @@ class StepPolicy:
             self.current = decision
             return decision
         plan = gate.plan(now_ns, slots)
+        if gate.cap_wanted:
+            gate.cap_wanted.clear()
         # Slots are freed for waiting requests before the offer to borrowers,
         # so the offer keeps room only for requests a slot is there for.
         free_slots = view.free_slots()
@@ -749,10 +806,13 @@ class StepPolicy:
         if plan.throttled and view.has_waiting():
             slot_donors = self._free_slots_for_waiting(view, plan, free_slots, evicted)
         borrow_admits = None
+        lender = None
         if gate.borrowing is not None and not plan.over_cap:
             borrow_admits = self._offer_spare_to_borrowers(
                 view, plan, slots, free_slots + len(evicted)
             )
+            if prompt_cost.weight:
+                lender = _BorrowedPrompts(gate.borrowing)
         # The gate decides which requests the engine sees; the engine's own
         # order among them (admission order) decides who gets the token
         # budget first and who is preempted first, exactly as in stock vLLM.
@@ -779,6 +839,7 @@ class StepPolicy:
         )
         decision.visible = visible
         decision.resident = resident
+        decision.prompt_lender = lender
         decision.slot_donors = slot_donors
         decision.evicted = evicted
         decision.preempted.extend(evicted)  # preempted before the decision existed
@@ -805,6 +866,7 @@ class StepPolicy:
         admissions = 0
         if room > 0 and (ledger.short or view.has_waiting()):
             queued = {}
+            self._lent_in_demand = {}
             guaranteed, admissions = waiting_demand(
                 view.admittable_waiting(),
                 lanes,
@@ -847,14 +909,46 @@ class StepPolicy:
         paid for (whatever the prefix cache holds, the last one is
         computed); then yes while its user's prompts are held (a debt, its
         group's), and with no quota left unless its token was paid in this
-        step: :meth:`.PromptCost.can_pay`, asked by ``may_consider`` /
-        ``may_start``.  Asks nothing: nobody is refused here."""
+        step or borrowing can pay its prompt and its sampled token (its cap,
+        less what its earlier requests would borrow; no ceiling: always):
+        :meth:`.PromptCost.can_pay`, asked by ``may_consider`` /
+        ``may_start``.  A borrower kept out for want of cap room whose quota
+        is empty is refused in the ledger (nothing else of it is charged)."""
         prompt_cost = self.prompt_cost
-        if prompt_cost.charged_upto.get(request, 0) >= request.num_prompt_tokens:
+        num_prompt = request.num_prompt_tokens
+        charged_upto = prompt_cost.charged_upto.get(request, 0)
+        if charged_upto >= num_prompt:
             return False  # recompute below the charged mark is free
-        if prompt_cost.holds_prompt(self.lanes.user_of[request]):
+        user = self.lanes.user_of[request]
+        if prompt_cost.holds_prompt(user):
             return True
-        return not has_quota and not self.ledger.is_charged(request)
+        if has_quota or self.ledger.is_charged(request):
+            return False
+        # Admitted by borrowing, its prompt is borrowed too while the cap can
+        # pay it (and its sampled token), after the user's earlier requests.
+        borrowing = self.gate.borrowing
+        assert borrowing is not None  # asked only for the borrowing demand
+        room = _BorrowedPrompts(borrowing).room(user, self.ledger.now_ns)
+        if room is None:
+            return False
+        lent = self._lent_in_demand
+        need = lent.get(user, 0) + 1 + prompt_cost.cost_of(
+            request, user, charged_upto, num_prompt - charged_upto, num_prompt
+        )
+        if need > room:
+            # Its cap refills step by step: the next step is planned, so
+            # that its prompt is borrowed once the cap can pay it.  With its
+            # quota empty (not only spent on its earlier requests in this
+            # count) it is refused, so blocked: a step that runs nothing
+            # waits for its quota or its cap (not asked in the waiting loop,
+            # it would not be).
+            self._borrowers_refused_for_prompts = True
+            if not self.ledger.quota_now(user):
+                self.ledger.refuse(user)
+                self.gate.cap_wanted[user] = need
+            return True
+        lent[user] = need
+        return False
 
     def _hand_over_slot(
         self, view: EngineView, plan: StepPlan, room: int, users: dict[str, list[int]]
@@ -1094,6 +1188,10 @@ class StepPolicy:
             for user in refused:
                 if user in order:
                     order.move_to_end(user)
+            borrowing = self.gate.borrowing
+            if borrowing is not None and not self._borrowers_refused_for_prompts:
+                borrows = borrowing.table.borrows
+                self._borrowers_refused_for_prompts = any(borrows(u) for u in refused)
 
     def _settle_drafts(self, outcome: StepOutcome) -> None:
         """The single refund point for drafts paid in this step."""
@@ -1105,6 +1203,43 @@ class StepPolicy:
 
         assert self.drafts is not None
         self.drafts.settle_step(outcome, self.ledger.now_ns, drafts_dispatched)
+
+
+class _BorrowedPrompts:
+    """Borrowing seen as the lender of prompt chunks (``PromptCost``'s
+    ``PromptLender``): paid on the cap a borrowed output token is paid on
+    (a ceiled borrower's ceiling, and its group's cap), free of any cap for a
+    borrower without a ceiling, nothing for a user that does not borrow."""
+
+    __slots__ = ("borrowing",)
+
+    def __init__(self, borrowing: Borrowing) -> None:
+        self.borrowing = borrowing
+
+    def room(self, user: str, now_ns: int) -> int | None:
+        borrowing = self.borrowing
+        table = borrowing.table
+        if not table.borrows(user):
+            return 0
+        if not table.ceiled(user):
+            return None
+        cap = borrowing.cap
+        return 0 if cap is None else cap.available(user, now_ns)
+
+    def take(self, user: str, now_ns: int, tokens: int) -> int:
+        borrowing = self.borrowing
+        if not borrowing.table.borrows(user):
+            return 0
+        if not borrowing.table.ceiled(user):
+            return tokens
+        cap = borrowing.cap
+        return 0 if cap is None else cap.take_up_to(user, now_ns, tokens)
+
+    def refund(self, user: str, now_ns: int, tokens: int) -> None:
+        borrowing = self.borrowing
+        cap = borrowing.cap
+        if cap is not None and borrowing.table.ceiled(user):
+            cap.refund(user, now_ns, tokens)
 
 
 def tokens_held(request: Any) -> int:
