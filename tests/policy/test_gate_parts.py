@@ -469,6 +469,32 @@ def test_plan_step_over_cap_only_when_room_hid_something_runnable():
     assert plan.visible == ["l1"] and plan.over_cap and not plan.throttled
 
 
+def test_plan_step_keeps_out_of_sight_a_prefill_prompt_cost_will_refuse():
+    lanes, ledger, _ = parts()
+    admit(lanes, "one", "p1", "p2", progressing=True)  # two prefills of a user with one token
+    admit(lanes, "lots", "l1", "l2")
+    ledger.open(0, False)
+    asked = []
+
+    def refused(user, key, decoding):
+        asked.append((user, key, decoding))
+        return key == "p1"
+
+    plan = plan_step(lanes, ledger, 3, prefill_refused=refused)
+    # p1 gives its visible slot to a stream that can run; its user is blocked, not refused.
+    assert plan.visible == ["p2", "l1", "l2"] and plan.prefills == ["p2"]
+    assert plan.hidden == 1 and not plan.over_cap
+    assert ledger.blocked == {"one"} and not ledger.refused
+    assert asked == [("one", "p1", 0), ("one", "p2", 0)]
+    # Without the question every prefill is shown, and room hides l2.
+    lanes2, ledger2, _ = parts()
+    admit(lanes2, "one", "p1", "p2", progressing=True)
+    admit(lanes2, "lots", "l1", "l2")
+    ledger2.open(0, False)
+    plan = plan_step(lanes2, ledger2, 3)
+    assert plan.visible == ["p1", "p2", "l1"] and plan.over_cap
+
+
 def test_plan_step_reserves_quota_for_an_in_turn_request_that_can_get_in():
     lanes, ledger, lim = parts()
     admit(lanes, "three", "r1")

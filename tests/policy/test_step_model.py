@@ -1026,11 +1026,12 @@ def strict_run(config: EngineConfig, section: dict, events: list) -> None:
     Judge(Scenario(config, section, events), strict=True).run()
 
 
-@pytest.mark.xfail(strict=True, raises=PropertyBroken, reason=(
-    "work: the plan shows a resident prefill whose next chunk prompt cost refuses (its user in "
-    "debt or out of quota); it takes a visible slot, so a paying user's stream stays hidden and "
-    "the slot unused (policy/plan.py shows prefills without asking prompt cost)"))
-def test_work_a_prefill_prompt_cost_refuses_takes_a_visible_slot():
+def test_work_a_prefill_prompt_cost_refuses_takes_no_visible_slot():
+    """The plan keeps out of sight a resident prefill whose next chunk
+    prompt cost will refuse (its user in debt, or out of quota once its
+    decoding streams are paid, with no borrowing to pay it): shown, it took
+    a visible slot, so a paying user's stream stayed hidden and the slot
+    unused (a strict xfail until plan_step asked ``prefill_refused``)."""
     strict_run(
         EngineConfig(max_num_seqs=4, max_num_active_seqs=2, token_budget=32, chunked=True),
         {"default_user_output_tokens_per_second": 100, "input_token_weight": 0.5,

@@ -68,7 +68,7 @@ Invariants (checked by the tests):
 
 from __future__ import annotations
 
-from typing import Collection, Container, Hashable
+from typing import Callable, Collection, Container, Hashable
 
 from vllm_output_rate.policy.borrow import Borrowing
 from vllm_output_rate.policy.lanes import Lane, Lanes
@@ -133,14 +133,20 @@ class StepGate:
 
     # -- one step ----------------------------------------------------------
 
-    def plan(self, now_ns: int, slots: int) -> StepPlan:
-        """Start a step at ``now_ns`` and choose at most ``slots`` requests."""
+    def plan(
+        self, now_ns: int, slots: int,
+        prefill_refused: Callable[[str, Key, int], bool] | None = None,
+    ) -> StepPlan:
+        """Start a step at ``now_ns`` and choose at most ``slots`` requests
+        (``prefill_refused``: see :func:`~.plan.plan_step`)."""
         self._start_step(now_ns, repeat=False)
         prompt_cost = self.prompt_cost
-        plan = plan_step(
-            self.lanes, self.ledger, slots,
-            None if prompt_cost is None or not prompt_cost.weight else prompt_cost.holds_prompt,
-        )
+        if prompt_cost is None or not prompt_cost.weight:
+            plan = plan_step(self.lanes, self.ledger, slots)
+        else:
+            plan = plan_step(
+                self.lanes, self.ledger, slots, prompt_cost.holds_prompt, prefill_refused
+            )
         self._plan_was_full = not (
             plan.prefills or plan.hidden or plan.over_cap or plan.throttled or self.lanes.in_turn
         )

@@ -107,6 +107,15 @@ class Ledger:
             self.short.append(user)
             self.blocked.add(user)
 
+    def hold(self, user: str) -> None:
+        """A request of ``user`` was kept out of sight for what its user
+        cannot pay now (the plan's prefills prompt cost would refuse):
+        blocked until the next step opens, its next token declared wanted.
+        Not refused: what it can pay is still charged."""
+        if user not in self.blocked:
+            self.limiter.want(user, self.now_ns)
+            self.blocked.add(user)
+
     def pay_borrowed(self, keys: Iterable[Key]) -> None:
         """Record ``keys`` as paid by borrowing in this step (on the ceiling;
         :class:`~vllm_output_rate.policy.borrow.Borrowing` keeps or refunds

@@ -32,7 +32,8 @@ class StepPlan:
 
 
 def plan_step(
-    lanes: Lanes, ledger: Ledger, slots: int, prompt_held: Callable[[str], bool] | None = None
+    lanes: Lanes, ledger: Ledger, slots: int, prompt_held: Callable[[str], bool] | None = None,
+    prefill_refused: Callable[[str, Key, int], bool] | None = None,
 ) -> StepPlan:
     """Choose at most ``slots`` resident requests for the step the ledger opened.
 
@@ -41,6 +42,14 @@ def plan_step(
     in its rotation, as those the active cap keeps out are: admitted, they
     would be refused for their prompt, with the token kept for them taken
     from the quota (a group's) that the member whose turn it is needs.
+
+    ``prefill_refused(user, key, decoding)``: prompt cost will refuse the
+    next chunk of the resident prefill ``key`` in this step, its user's
+    ``decoding`` streams paid first (its debt; outside groups, a quota they
+    leave empty with no borrowing to pay it instead).  Such a prefill is
+    kept out of sight, as a stream its user cannot pay is: shown, it would
+    take a visible slot from a stream that can run, and run nothing.  Its
+    user is blocked (the step's idle wait counts it).
 
     Users are visited in service order; each shows its prefills (free) and
     then as many decoding streams, in rotation order, as it can pay for now,
@@ -77,11 +86,17 @@ def plan_step(
             break
         reached += len(lane)
         if lane.progressing:
-            batch = list(islice(lane.progressing, room))
+            if prefill_refused is None:
+                batch = list(islice(lane.progressing, room))
+                left_out = len(batch) < len(lane.progressing)
+            else:
+                batch, left_out = _prefills_that_can_run(
+                    ledger, user, lane, room, prefill_refused
+                )
             prefills.extend(batch)
             visible.extend(batch)
             room -= len(batch)
-            if len(batch) < len(lane.progressing):
+            if left_out:
                 over_cap = True  # a prefill that could run was left out
         decoding = lane.decoding
         if not decoding:
@@ -117,6 +132,25 @@ def plan_step(
     prepaid = ledger.prepaid
     assert isinstance(prepaid, set), "a planned step's ledger collects what it prepays"
     return StepPlan(visible, hidden, over_cap, prepaid, prefills, bool(ledger.short), reserved)
+
+
+def _prefills_that_can_run(
+    ledger: Ledger, user: str, lane: Lane, room: int,
+    prefill_refused: Callable[[str, Key, int], bool],
+) -> tuple[list[Key], bool]:
+    """The lane's prefills to show, at most ``room``, those prompt cost will
+    refuse passed over (their user blocked); and whether one that could run
+    was left out for room."""
+    batch: list[Key] = []
+    decoding = len(lane.decoding)
+    for key in lane.progressing:
+        if prefill_refused(user, key, decoding):
+            ledger.hold(user)
+            continue
+        if len(batch) >= room:
+            return batch, True
+        batch.append(key)
+    return batch, False
 
 
 def _offer_in_turn(

@@ -795,7 +795,7 @@ class StepPolicy:
             decision.resident = resident
             self.current = decision
             return decision
-        plan = gate.plan(now_ns, slots)
+        plan = gate.plan(now_ns, slots, self._prefill_refused)
         if gate.cap_wanted:
             gate.cap_wanted.clear()
         # Slots are freed for waiting requests before the offer to borrowers,
@@ -901,6 +901,34 @@ class StepPolicy:
         if receiver is not None:
             admits[receiver] = admits.get(receiver, 0) + 1
         return admits
+
+    def _prefill_refused(self, user: str, request: Any, decoding: int) -> bool:
+        """Will prompt cost refuse the next chunk of the resident prefill
+        ``request`` in this step (asked by the plan, its user's ``decoding``
+        streams paid first)?  Only if the chunk's first position is not paid
+        for; then yes while its user is in prompt debt, or, outside groups,
+        when those streams leave its quota empty and borrowing cannot pay
+        instead (its cap empty; a borrower without a ceiling always can).  A
+        group member is always shown unless it owes: asking keeps its place
+        in its group's line (``PromptCost.can_pay``), hidden it would lose
+        its turn.  Asks nothing."""
+        prompt_cost = self.prompt_cost
+        computed = request.num_computed_tokens
+        if computed >= request.num_prompt_tokens or prompt_cost.charged_upto.get(request, 0) > computed:
+            return False
+        if prompt_cost.debt.get(user):
+            return True
+        group_of = prompt_cost.group_of
+        if group_of is not None and group_of(user) is not None:
+            return False
+        ledger = self.ledger
+        if ledger.limiter.available(user, ledger.now_ns) > decoding:
+            return False
+        borrowing = self.gate.borrowing
+        if borrowing is None:
+            return True
+        room = _BorrowedPrompts(borrowing).room(user, ledger.now_ns)
+        return room is not None and room <= 0
 
     def _prompt_blocked(self, request: Any, has_quota: bool) -> bool:
         """Would prompt cost refuse ``request``, waiting, in this step, its
