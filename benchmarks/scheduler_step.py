@@ -37,7 +37,9 @@ user with 3 R streams at active cap R (``--max-num-seqs`` 4 R), so R run and
 2 R wait, as in the fair-share benchmark's lone-borrower comparison (R = 4
 there); that user ``{rate: 10, ceil: null}`` (always over its rate: every
 token borrowed) against the same user with a limit never hit, and stock vLLM
-at ``--max-num-seqs`` R.  Writes ``PREFIX_borrowing.json``.
+at ``--max-num-seqs`` R; ``--instructions`` adds each side's callgrind count
+per step (the borrower's ratio to never hit, free of the machine's load).
+Writes ``PREFIX_borrowing.json``.
 
 ``--store`` measures only ours with the shared store against ours with the
 in-memory limiter (limits never hit; ``--instructions`` adds the callgrind
@@ -242,7 +244,10 @@ def count_child(scenario: str, resident: int, who: str, steps: int, helper: str)
     if who == "ours-plain":
         disable_fast_paths()
     store_url = os.environ[STORE_ENV] if who == "ours-store" else None
-    h = build(scenario, resident, who != "stock", store_url)
+    if scenario == "borrowing":
+        h = build_lone_user(who, resident)
+    else:
+        h = build(scenario, resident, who != "stock", store_url)
     cg = ctypes.CDLL(helper)
     toggle = cg.cg_toggle
     sched = h.sched
@@ -432,6 +437,29 @@ def measure_borrowing(sizes: list[int], steps: int, reps: int) -> dict:
     return results
 
 
+def measure_borrowing_instructions(sizes: list[int]) -> dict:
+    """Instructions per step of each side of the lone-borrower scenario
+    (callgrind, as ``--instructions``): unlike its wall clock, a figure a
+    loaded machine does not move."""
+    cells = [("borrowing", r, who) for r in sizes for who in BORROWING_SIDES]
+    counts = count_cells(cells)
+    results: dict = {}
+    for r in sizes:
+        row: dict = {who: {"instructions_per_step": counts[("borrowing", r, who)]} for who in BORROWING_SIDES}
+        row["steps"] = instruction_steps("borrowing", r, "ours")
+        row["borrower_over_unlimited"] = (
+            row["ours-borrower"]["instructions_per_step"] / row["ours"]["instructions_per_step"])
+        results[r] = row
+        print(
+            f"borrowing R={r:4d}  instructions/step: stock {row['stock']['instructions_per_step'] / 1e6:8.3f} M  "
+            f"ours (never hit) {row['ours']['instructions_per_step'] / 1e6:8.3f} M  ours (borrower) "
+            f"{row['ours-borrower']['instructions_per_step'] / 1e6:8.3f} M  "
+            f"borrower / unlimited {row['borrower_over_unlimited']:.3f}",
+            flush=True,
+        )
+    return results
+
+
 def count_instructions(scenario: str, resident: int, who: str, steps: int, helper: Path) -> float:
     """Instructions per step, from one child process under callgrind."""
     with tempfile.TemporaryDirectory(prefix="cg-") as tmp:
@@ -512,6 +540,8 @@ def main() -> None:
         doc = benchkit.start_report(SCHEMA + "-borrowing", args)
         doc.update({"steps": args.steps, "reps": args.reps, "borrower_rate": BORROWER_RATE,
                     "results": measure_borrowing(sizes, args.steps, args.reps)})
+        if args.instructions:
+            doc["instructions"] = measure_borrowing_instructions(sizes)
         benchkit.write_outputs(benchkit.finish_report(doc), args.out, suffix="_borrowing")
         return
     if args.store:
