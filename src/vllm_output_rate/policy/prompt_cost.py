@@ -26,20 +26,22 @@ quota allows: tiny chunks would cost the engine a step each, and without
 chunked prefill a prompt longer than the burst could never be dispatched at
 all.
 
-Borrowed chunks.  A user whose quota is empty but who may borrow (its
-ceiling above its rate, or none) may instead pay a chunk from a *lender*
-(:class:`PromptLender`, the step policy's view of borrowing), under the
-conditions in which its output tokens borrow: spare engine room (the step
-policy asks: a waiting request admitted into a slot set aside for borrowers,
-or a resident prefill in a step that hid nothing for lack of room), and its
-cap able to pay the chunk's whole cost and its sampled token now (no
-ceiling: always).  Nothing held changes: a user in debt, or held by its
-group, is refused whether it could borrow or not.  The whole cost is taken
-from the cap (its own ceiling and its group's, with groups), never from the
-guaranteed rate, and never becomes debt; refunded to the cap if the chunk
-does not run; kept, it counts in :attr:`PromptCost.borrowed_tokens`.  A
-hard-capped user (no borrowing) is never lent anything: its rule is the one
-above, unchanged.
+Borrowed chunks.  A user that may borrow (its ceiling above its rate, or
+none) and whose quota cannot pay a chunk's whole cost may instead pay it
+from a *lender* (:class:`PromptLender`, the step policy's view of
+borrowing), under the conditions in which its output tokens borrow: spare
+engine room (the step policy decides: a step that hid nothing runnable for
+lack of room; a resident prefill, or a waiting request admitted on its
+user's quota or into a slot set aside for borrowers), and its cap able to
+pay the chunk's whole cost and its sampled token now (no ceiling: always).
+Nothing that holds prompts changes: a user in debt, or held by its group,
+is refused whether it could borrow or not.  The whole cost is taken from
+the cap (its own ceiling and its group's, with groups), never from the
+guaranteed rate, and never becomes debt; it is refunded to the cap if the
+chunk does not run, and kept it counts in :attr:`PromptCost.borrowed_tokens`.
+Paid from the quota instead, the part the quota lacks would become debt,
+holding every prompt of the user until its rate paid it off.  A user that
+does not borrow is never lent anything: the rule above, unchanged.
 
 Bound.  Debt is only ever incurred by a chunk dispatched without debt, so
 it never exceeds one chunk's cost.  Let ``C`` be the most prompt tokens one
