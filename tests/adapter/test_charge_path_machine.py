@@ -140,11 +140,8 @@ every combination is reachable.  After every engine step it checks:
    (async: second) after that instant: docs/design.md's "Priority within a
    user" (admitted at the latest when its user's streams are out of quota,
    within 1/R, then one of K streams sharing R).  Not judged: a reload
-   before its first token, every model-runner slot held while its user
-   holds fewer than K (it waits for another user's slot: 8a's rule), or a
-   user without a residency cap (pace 0: it shares R with as many streams
-   as it holds, no K bounds them; until 8f8b157 the check took K = 1 there
-   and found 0.3 s against 0.1 s at 20 tok/s).
+   before its first token, or every model-runner slot held while its user
+   holds fewer than K (it waits for another user's slot: 8a's rule).
 
 Besides the machine over every combination (100 examples), ``make test``
 runs three profiles of it (30 examples each) whose draws are narrowed to a
@@ -1556,14 +1553,7 @@ class ChargePathMachine(RuleBasedStateMachine):
                 self.excepted("isolation: urgent request outside the rule's premises")
                 del self.urgent[rid]
                 continue
-            cap = residency_cap_of(sched, user)
-            if cap is None:
-                # No residency cap (pace 0): the urgent request shares its
-                # user's rate with as many streams as the user holds, so
-                # (1 + K) / R has no K to bound it.
-                self.excepted("isolation: urgent request of a user without a residency cap")
-                del self.urgent[rid]
-                continue
+            cap = residency_cap_of(sched, user) or 1
             if full and users[user]["resident"] < cap:
                 # Its own streams do not fill its cap: its admission waits for
                 # a slot of other users' (8a's rule), not for its own.
