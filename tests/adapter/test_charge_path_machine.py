@@ -256,27 +256,40 @@ ALL_CHECKS = (
 #:   and 30 unused tokens; not settled (the user's streams take turns
 #:   under pacing, ``policy/lanes.py``, which this test does not model), so
 #:   ``work`` judges borrowers only.
-#: * ``isolation`` (8b): on 94ea7e8 UrgentMachine's fixed examples find a
-#:   capped user's urgent request without a token 0.95 s after it arrived
-#:   against the bound of 0.6 s (sync; async: 1.25 s), where
-#:   tests/adapter/test_step_defects.py measures 0.40 s with 10 ms steps;
-#:   the machine's steps after the arrival are 10 to 250 ms, and its own
-#:   streams may be admitted in the same rule.  Not settled (the bound may
-#:   need the step length, or the rule a premise this test misses), so it
-#:   is not judged; on 92d09f2 it fires earlier in the same profile.
-#:
-#: * ``work`` (7.): with every exception above, the suite's fixed examples
-#:   on 94ea7e8 still find borrowers with ceiling room leaving a resident
-#:   stream out beside unused active slots and the whole token budget: the
-#:   machine's 41st generated example (u0 with room for 2 tokens, 2 slots
-#:   and 64 tokens unused) and GroupTurns' (u2 in a group, room for 16
-#:   tokens).  Not settled in time (the room read at the step's start may
-#:   not be what the step's plan could lend: the group's, the ceiling's
-#:   lease), so it is not judged; its example 103 of before is settled
-#:   (below).
+#: * ``isolation`` (8b): UrgentMachine's fifth fixed example on 3340e35
+#:   (sync, chunked, 8 slots all held, every user 5 tok/s, cap 2): u3's
+#:   urgent request had no token 0.95 s after it arrived (bound 0.6 s):
+#:   with every model-runner slot held vLLM's waiting loop stops before it
+#:   asks any waiting request, so the own-stream rule never ran.  Fixed
+#:   (``StepPolicy._own_stream_for_first_waiting``; without chunked prefill
+#:   an urgent request also waits ahead of its user's less important keys,
+#:   ``Lanes.wait_in_turn``), and Urgent's examples pass.  Still open: the
+#:   machine's 41st example then finds an urgent request of a user without
+#:   a residency cap (pace 0, 20 tok/s) with no token 0.3 s after it
+#:   arrived, against (1 + K) / R with K taken as 1: design.md's bound is
+#:   for a capped user, so the check, not the policy, is wrong there.  Not
+#:   judging such requests changes this class's source, so its examples
+#:   (see the note on ``work`` below), and the new sample's 22nd example
+#:   fails ``idle`` on the policy of 34bf0d3 with or without these fixes
+#:   (sync, no chunked prefill, a tight KV cache: an idle wait of 0, then
+#:   a same-instant step that runs nothing, all four users blocked).
 #:
 #: Settled, and judged:
 #:
+#: * ``work`` (7.): the suite's fixed examples on 3340e35 found GroupTurns'
+#:   31st (sync, chunked, 4 slots, 2 active, budget 64, all four users in
+#:   g0, prompt cost 1): u1 (no ceiling, room for 11 tokens) left its
+#:   stream out beside 1 unused active slot and 61 unused tokens.  A real
+#:   gap: when a member's prompt debt was paid, the borrowing demand
+#:   counted both waiting prompts of u0, first in the group's line, but a
+#:   member goes one chunk per turn and u2 and u3 asked between them, so
+#:   the second waited and the room kept for it stayed empty.  Reproduced
+#:   in ``tests/adapter/test_machine_work_gaps.py``; fixed in
+#:   ``StepPolicy._prompt_blocked`` (``_turn_taken``, ``PromptCost.line_of``).
+#:   The machine's 41st example of before (u0, room for 2 tokens) no longer
+#:   fails on 3340e35.  Note: the fixed examples of each machine class
+#:   follow its class's source text (hypothesis digests it to derandomize),
+#:   so an edit of a class's body draws a new sample of its examples.
 #: * ``isolation-wait`` (8a): the waits its first statement found (HandOver's
 #:   and ResidencyRoom's fixed examples, 6 to 9 steps against limits of 5
 #:   to 8, on 94ea7e8 and 92d09f2 alike) were all of users that held
@@ -363,7 +376,7 @@ ALL_CHECKS = (
 #: case here (chunked prefill, prompt cost, a tight KV cache: the eviction
 #: search's question refused a user whose prompt chunk had just taken its
 #: last token), since fixed.  Set ``PYTHONHASHSEED`` to try other orders.
-OPEN_CHECKS = ("work", "isolation")
+OPEN_CHECKS = ("isolation",)
 #: For measuring one invariant at a time (default: all but OPEN_CHECKS).
 CHECKS = frozenset(os.environ.get(
     "CHARGE_MACHINE_CHECKS", ",".join(c for c in ALL_CHECKS if c not in OPEN_CHECKS)

@@ -70,17 +70,14 @@ def _group_line_beside_a_borrower():
     return h, stream
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the borrowing demand counts both of b's prompts when a's debt is paid (b first in the "
-    "group's line), but b goes one chunk per turn: its second waits behind a, which asks first "
-    "(its resident prefill); the room kept for it stays empty.  Fix: /tmp/M_step.patch "
-    "(StepPolicy._prompt_blocked, PromptCost.line_of), which removes this mark"))
 def test_room_not_kept_for_a_group_members_second_prompt_in_one_turn():
     """In every step while a's debt is paid off and the members take turns,
     v's borrowed stream runs whenever an active slot and a token of the budget
-    are left unused.  On 3340e35 the step that pays a's debt admits b's first
+    are left unused.  On 34bf0d3 the step that pays a's debt admits b's first
     request only and v's stream sits out beside an unused active slot (the
-    charge-path machine's GroupTurns example: u1 beside 1 slot and 61 tokens)."""
+    charge-path machine's GroupTurns example: u1 beside 1 slot and 61 tokens):
+    the borrowing demand counted both of b's prompts, but b goes one chunk
+    per turn and a (its resident prefill) asks before b's second."""
     h, stream = _group_line_beside_a_borrower()
     gaps = []
     for index in range(150):

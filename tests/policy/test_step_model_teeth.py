@@ -36,13 +36,13 @@ be caught within them:
   user") promises ``1/R + K/R``: admitted by displacing u's least important
   stream at the latest once u is out of quota (within 1/R), then sharing R
   with u's other K - 1 streams.  0.1 s is GCRA's burst of rate, the steps
-  of prefill plus two are step granularity.  f = 1 with chunked prefill
-  (design.md's bound); f = 2 without it, where the current policy takes up
-  to 0.11 s longer than f = 1 allows (a less important request of the same
-  user takes the displaced place: the strict xfail at the end).  The
+  of prefill plus two are step granularity.  f = 1 (design.md's bound),
+  with chunked prefill or without, and also for a request that met every
+  model-runner slot held while it waited (counted in the stats): the two
+  tests at the end were strict xfails up to 34bf0d3 (a less important
+  request of the same user took the displaced place without chunked
+  prefill; with every slot held the request was never asked).  The
   defect's wait is a whole low-priority stream (hundreds of tokens at R).
-  Not judged, counted: a request that met every model-runner slot held
-  while it waited (a gap of the current policy, strict xfail at the end).
 
 Defect 2 (the demand estimate that ignores residency) is caught by ``work``
 in ``test_step_model.py`` (``test_work_catches_issue_43s_second_defect_reintroduced``).
@@ -84,12 +84,9 @@ class TeethJudge(Judge):
     """:class:`test_step_model.Judge` plus ``slot`` and ``urgent``."""
 
     def __init__(self, scenario: Scenario, checks=TEETH_CHECKS, dt_ns: int | None = None,
-                 strict: bool = False, urgent_factor: int | None = None) -> None:
+                 strict: bool = False) -> None:
         super().__init__(scenario, checks=checks, strict=strict)
         self.dt_ns = dt_ns
-        #: urgent: the factor on design.md's (1 + K) / R and on the burst
-        #: (None: 1 with chunked prefill, 2 without; see the module docstring)
-        self.urgent_factor = urgent_factor
         #: urgent: request -> (the step time its clock started at, its deadline), in ns
         self.urgent: dict = {}
         #: urgent: requests that met every model-runner slot held while waiting
@@ -208,8 +205,7 @@ class TeethJudge(Judge):
             if len(mine) < cap or not any(r.priority > request.priority for r in mine):
                 continue
             prefill_steps = ceil(request.num_prompt_tokens / self.cfg.token_budget)
-            factor = self.urgent_factor or (1 if self.cfg.chunked else 2)
-            allowed = factor * Fraction(1 + cap) / rate + factor * BURST + Fraction(
+            allowed = Fraction(1 + cap) / rate + BURST + Fraction(
                 (prefill_steps + 2) * self.dt_ns, S)
             self.urgent[request] = (self.now, self.now + int(allowed * S))
             STATS["urgent: requests judged"] += 1
@@ -220,8 +216,9 @@ class TeethJudge(Judge):
             if request.status == FINISHED and not request.sample_steps:  # aborted
                 del self.urgent[request]
                 continue
-            if full and request not in self.engine.resident:
+            if full and request not in self.engine.resident and request not in self.slots_full:
                 self.slots_full.add(request)
+                STATS["urgent: met every model-runner slot held"] += 1
             late = self.now > deadline
             if request.sample_steps and not late:
                 del self.urgent[request]
@@ -232,18 +229,6 @@ class TeethJudge(Judge):
             del self.urgent[request]
             when = (f"sampled its first token at {self.now / S:.3f} s" if request.sample_steps
                     else f"had no token by {self.now / S:.3f} s")
-            if request in self.slots_full:
-                # vLLM's waiting loop stops at the full running list before
-                # the policy is asked, and the user's own hidden streams hold
-                # slots no other rule frees for it (it cannot pay): a gap of
-                # the current policy, tested strictly below.
-                self.known_defect(
-                    "urgent: every model-runner slot held",
-                    f"{request} of capped user {request.user}, waiting from {started / S:.3f} s, "
-                    f"{when} (allowed until {deadline / S:.3f} s): every model-runner slot was "
-                    "held, its user's own less important streams among them, and none gave way",
-                )
-                continue
             self.broken(
                 "urgent",
                 f"{request} (priority {request.priority}) of capped user {request.user}, waiting "
@@ -406,17 +391,17 @@ def test_urgent_catches_issue_43s_third_defect_reintroduced(monkeypatch):
     print(f"\nurgent caught defect 3: {caught}")
 
 
-# -- a gap the urgent property found in the current policy (E owns the policy) ----------------
+# -- two gaps the urgent property found in the policy of 34bf0d3 (fixed since) --------------
 
 
-@pytest.mark.xfail(strict=True, raises=PropertyBroken, reason=(
-    "urgent: with every model-runner slot held (max_num_seqs 4: two streams of u1, two of u0 "
-    "at its cap K = 2), u0's priority-0 request is never asked: vLLM's waiting loop stops at "
-    "the running list's cap (StepDecision.active_cap, max_resident - hidden) before may_admit, "
-    "so Displacement.own_stream_victim never runs, and free_slots_for frees no slot for a user "
-    "out of quota nor from its own streams; it waits until u1's streams end: arrived at 0.50 s "
-    "of fake clock, first token at 12.15 s, 1.73 s allowed"))
 def test_urgent_a_capped_users_urgent_request_when_every_slot_is_held():
+    """max_num_seqs 4: two streams of u1, two of u0 at its cap K = 2.  On
+    34bf0d3 u0's priority-0 request was never asked (vLLM's waiting loop
+    stops at the running list's cap before may_admit, so the own-stream
+    rule never ran) and waited until u1's streams ended: arrived at 0.50 s,
+    first token at 12.15 s, 1.73 s allowed.  Now the step displaces one of
+    u0's hidden streams for it before vLLM's loop
+    (``StepPolicy._own_stream_for_first_waiting``)."""
     scenario = Scenario(
         EngineConfig(max_num_seqs=4, token_budget=256, chunked=False, priority=True),
         {"default_user_output_tokens_per_second": 100, "input_token_weight": 0,
@@ -427,16 +412,16 @@ def test_urgent_a_capped_users_urgent_request_when_every_slot_is_held():
     TeethJudge(scenario, checks={"urgent"}, dt_ns=10 * MS, strict=True).run()
 
 
-@pytest.mark.xfail(strict=True, raises=PropertyBroken, reason=(
-    "urgent, at design.md's own bound (1 + K) / R (+ 0.1 s burst, + prefill and 2 steps of "
-    "10 ms: 0.88 s): without chunked prefill u0's urgent request (priority 0) waits 0.99 s.  "
-    "Each time u0 is out of quota its priority-10 stream r1 is displaced for it "
-    "(own_stream_victim), but the urgent request samples at once and u0 cannot pay, so it is "
-    "skipped, and when u0's next token comes the user's rotation in the ledger hands it to "
-    "another priority-10 request (r3, then r4), which takes the freed place and is displaced "
-    "again in the next step: three displacements (three recomputes) before the urgent request "
-    "is admitted"))
 def test_urgent_without_chunked_prefill_a_less_important_request_takes_the_displaced_place():
+    """At design.md's own bound (1 + K) / R (+ 0.1 s burst, + prefill and 2
+    steps of 10 ms: 0.88 s).  On 34bf0d3, without chunked prefill, u0's
+    urgent request waited 0.99 s: each time u0 was out of quota its
+    priority-10 stream r1 was displaced for it, but the urgent request
+    samples at once and u0 could not pay, so it was skipped, and u0's next
+    token went by its rotation to another priority-10 request (r3, then r4),
+    which took the freed place: three displacements before the urgent
+    request was admitted.  Now an urgent request waits for its turn ahead of
+    its user's less important keys (``Lanes.wait_in_turn``'s ``priority_of``)."""
     scenario = Scenario(
         EngineConfig(max_num_seqs=8, token_budget=256, chunked=False, priority=True),
         {"default_user_output_tokens_per_second": 100, "input_token_weight": 0,
@@ -446,4 +431,4 @@ def test_urgent_without_chunked_prefill_a_less_important_request_takes_the_displ
         [("arrive", "u0", 4, 17, 400, 10), ("arrive", "u3", 2, 3, 30, 0), ("run", 38, 10),
          ("arrive", "u0", 1, 17, 2, 0), ("run", 332, 10)],
     )
-    TeethJudge(scenario, checks={"urgent"}, dt_ns=10 * MS, strict=True, urgent_factor=1).run()
+    TeethJudge(scenario, checks={"urgent"}, dt_ns=10 * MS, strict=True).run()

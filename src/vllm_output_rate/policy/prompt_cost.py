@@ -282,6 +282,21 @@ class PromptCost:
         waiting = _still_waiting(line, user, group, group_of, self._ledger.now_ns)
         return bool(waiting) and _first_in_line(waiting) != user
 
+    def line_of(self, user: str) -> frozenset[str]:
+        """The members of ``user``'s group waiting in its line for a prompt
+        turn now (empty: no line, no member's chunk waits for a turn).
+        While it is not empty every member that asks joins it, and a member
+        whose chunk goes leaves it (:meth:`charge`), so its next chunk waits
+        behind any member that asked meanwhile.  Asks nothing."""
+        group_of = self.group_of
+        group = None if group_of is None else group_of(user)
+        if group_of is None or group is None:
+            return frozenset()
+        line = self._waiting.get(group)
+        if not line:
+            return frozenset()
+        return frozenset(_still_waiting(line, user, group, group_of, self._ledger.now_ns))
+
     def charge(
         self, key: Key, user: str, start: int, count: int, num_prompt: int,
         lender: PromptLender | None = None,

@@ -712,6 +712,11 @@ class StepPolicy:
         #: user -> cap room the borrowing demand counted for the prompts of
         #: its waiting requests so far (``_prompt_blocked``), in one step.
         self._lent_in_demand: dict[str, int] = {}
+        #: Users one of whose waiting prompts the borrowing demand counted
+        #: while their group's line was not empty, in one step
+        #: (``_turn_taken``), and the view that demand was asked of.
+        self._turn_counted: set[str] = set()
+        self._demand_view: EngineView | None = None
 
     @property
     def borrowing(self) -> Borrowing | None:
@@ -735,8 +740,9 @@ class StepPolicy:
         lanes.track(request, user)
         if not self.facts.chunked_prefill and not resumable:
             # Its first token comes with its whole prefill: it needs quota
-            # to be admitted, so it takes turns with its user's resident streams.
-            lanes.wait_in_turn(request)
+            # to be admitted, so it takes turns with its user's resident
+            # streams (under priority scheduling ahead of less important ones).
+            lanes.wait_in_turn(request, priority_of if self.facts.priority_policy else None)
         if resumable:
             # Streaming-input sessions need bookkeeping after each step;
             # engines that never see one skip it.
@@ -805,6 +811,8 @@ class StepPolicy:
         slot_donors: set[str] = set()
         if plan.throttled and view.has_waiting():
             slot_donors = self._free_slots_for_waiting(view, plan, free_slots, evicted)
+            if self.facts.priority_policy and free_slots <= 0 and not evicted:
+                self._own_stream_for_first_waiting(view, plan, evicted)
         borrow_admits = None
         lender = None
         if gate.borrowing is not None and not plan.over_cap:
@@ -867,6 +875,8 @@ class StepPolicy:
         if room > 0 and (ledger.short or view.has_waiting()):
             queued = {}
             self._lent_in_demand = {}
+            self._turn_counted.clear()
+            self._demand_view = view
             guaranteed, admissions = waiting_demand(
                 view.admittable_waiting(),
                 lanes,
@@ -879,6 +889,7 @@ class StepPolicy:
                 queued=queued,
                 prompt_blocked=self._prompt_blocked if self.prompt_cost.weight else None,
             )
+            self._demand_view = None
             room -= guaranteed + admissions
             if queued and not admissions and room > 0 and free_slots <= 0:
                 receiver = self._hand_over_slot(view, plan, room, queued)
@@ -941,7 +952,9 @@ class StepPolicy:
         less what its earlier requests would borrow; no ceiling: always):
         :meth:`.PromptCost.can_pay`, asked by ``may_consider`` /
         ``may_start``.  A borrower kept out for want of cap room whose quota
-        is empty is refused in the ledger (nothing else of it is charged)."""
+        is empty is refused in the ledger (nothing else of it is charged).
+        While its group's line is not empty a member goes one chunk per
+        turn (:meth:`_turn_taken`)."""
         prompt_cost = self.prompt_cost
         num_prompt = request.num_prompt_tokens
         charged_upto = prompt_cost.charged_upto.get(request, 0)
@@ -950,6 +963,8 @@ class StepPolicy:
         user = self.lanes.user_of[request]
         if prompt_cost.holds_prompt(user):
             return True
+        if self._turn_taken(request, user):
+            return True  # its group's turn went to its prompt counted before
         if has_quota or self.ledger.is_charged(request):
             return False
         # Admitted by borrowing, its prompt is borrowed too while the cap can
@@ -976,6 +991,54 @@ class StepPolicy:
                 self.gate.cap_wanted[user] = need
             return True
         lent[user] = need
+        return False
+
+    def _turn_taken(self, request: Any, user: str) -> bool:
+        """Has the borrowing demand counted a prompt of ``user`` in this step
+        already, while its group's line is not empty, and does another
+        member of the line, or one that asks before ``request``
+        (:meth:`_member_asks_first`), come before ``user``'s next chunk?
+        A member goes one chunk per turn (``PromptCost._held_by_group``), so
+        the room kept for ``request`` would stay empty.  Counts ``request``
+        as its user's turn otherwise."""
+        line = self.prompt_cost.line_of(user)
+        if not line:
+            return False
+        if user in self._turn_counted and (
+            line - {user} or self._member_asks_first(request, user)
+        ):
+            return True
+        self._turn_counted.add(user)
+        return False
+
+    def _member_asks_first(self, request: Any, user: str) -> bool:
+        """Does another member of ``user``'s group ask for a prompt chunk
+        before ``request`` in this step: a resident request with prompt
+        positions left (the engine serves its running list first), or a
+        waiting request ahead of it in the queue?"""
+        view = self._demand_view
+        group_of = self.prompt_cost.group_of
+        if view is None or group_of is None:
+            return False
+        group = group_of(user)
+        user_of = self.lanes.user_of
+        charged_upto = self.prompt_cost.charged_upto
+
+        def other_member_prompt(other: Any) -> bool:
+            owner = user_of.get(other)
+            return (
+                owner is not None and owner != user and group_of(owner) == group
+                and other.num_computed_tokens < other.num_prompt_tokens
+                and charged_upto.get(other, 0) < other.num_prompt_tokens
+            )
+
+        if any(map(other_member_prompt, view.running)):
+            return True
+        for other in view.admittable_waiting():
+            if other is request:
+                return False
+            if other_member_prompt(other):
+                return True
         return False
 
     def _hand_over_slot(
@@ -1032,6 +1095,34 @@ class StepPolicy:
         return committed
 
     # -- slots and KV: who gives way ----------------------------------------
+
+    def _own_stream_for_first_waiting(
+        self, view: EngineView, plan: StepPlan, evicted: list[Any]
+    ) -> None:
+        """Priority scheduling with every model-runner slot held: the
+        engine's waiting loop stops at the running list's cap before it asks
+        any waiting request, so ``may_admit``'s own-stream rule is never
+        reached.  The first waiting request in the engine's order (the one
+        it would admit into a freed slot), kept out by its user's residency
+        cap, takes the place of a less important hidden stream of its own
+        user now (``Displacement.own_stream_victim``); the victim is appended
+        to ``evicted``."""
+        first = next(iter(view.admittable_waiting()), None)
+        if first is None:
+            return
+        lanes = self.lanes
+        user = lanes.user_of.get(first)
+        if user is None:
+            return
+        room = self.residency.room(user, lanes.resident_count(user))
+        if room is None or room > 0:
+            return  # its cap does not keep it out: a slot of another's (free_slots_for)
+        offered = set(plan.visible)
+        victim = self.displacement.own_stream_victim(first, lambda r: r not in offered)
+        if victim is None:
+            return
+        self._evict_for_quota(view, victim, evicted)
+        plan.hidden -= 1  # its slot is the waiting request's now
 
     def _free_slots_for_waiting(
         self, view: EngineView, plan: StepPlan, free_slots: int, evicted: list[Any]
