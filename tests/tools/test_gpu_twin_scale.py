@@ -8,7 +8,8 @@ Two findings of the twin at 1,024 running (benchmarks/gpu_twin.py; its page's "R
   it back without breaking the bound.  The twin's prefill-heavy steps (8,192 tokens: ~270 ms)
   do that; ``attainable_tokens`` is what the bound allows at an engine's own step times, so
   the figure can tell a policy shortfall from the engine's step lengths.
-* **Room kept for admissions a full KV cache refuses** (a policy defect, strict xfail below).
+* **Room kept for admissions a full KV cache refuses** (a policy defect, fixed: the waiting
+  demand counts only requests the free KV cache can take).
 """
 
 from __future__ import annotations
@@ -93,11 +94,6 @@ def test_on_long_steps_the_plugin_gives_a_capped_user_all_the_bound_allows(twin_
 # blocks without running.  Stock, on the same arrivals, runs every request it holds.
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "issue 44: StepPolicy._offer_spare_to_borrowers keeps room for waiting requests "
-    "(policy/demand.waiting_demand: 'guaranteed' and borrowers' 'admissions') that the full KV "
-    "cache cannot take, so borrowers' resident streams stay hidden beside the empty room "
-    "(proposed patch: count only requests EngineView.kv_room_for admits)"))
 def test_borrowers_resident_streams_run_while_a_full_kv_cache_refuses_the_waiting_requests():
     borrowers = {u: {"rate": 5, "ceil": None, "weight": 1} for u in ("b1", "b2")}
     limits = {"default_user_output_tokens_per_second": 1000, "user_output_tokens_per_second": borrowers,
@@ -117,7 +113,7 @@ def test_borrowers_resident_streams_run_while_a_full_kv_cache_refuses_the_waitin
             short.append((i, sampled, len(h.sched.running), h.free_blocks(), len(h.sched.waiting)))
     h.drain()
     # Every resident request decodes (the waiting ones are preempted for KV): as stock, each
-    # step without a preemption samples min(active places, resident).  Today from the step the
+    # step without a preemption samples min(active places, resident).  Before the fix, from the step the
     # cache fills (~66): 2-6 of 10-14 resident.
     assert not short, short[:5]
 

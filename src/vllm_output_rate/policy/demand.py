@@ -31,6 +31,13 @@ none with quota either (:meth:`.PromptCost.can_pay`); room kept for such a
 request would stay empty just the same (issue 44: two borrowers' queued
 prompts held their resident streams to their own rates).
 
+Nor, when the engine says so (``kv_room``), requests the free KV cache
+cannot take: vLLM admits none of them, and stops its waiting loop at the
+first (issue 44, the GPU twin at 1,024 running with prompt cost off: with
+the KV cache full, room kept for 400-650 such requests a step left 590-770
+borrowers' resident streams hidden each step, holding about half the cache
+without running).
+
 Plain Python: no vLLM import.  Requests are opaque keys.
 """
 
@@ -97,6 +104,7 @@ def waiting_demand(
     output_left: Callable[[Key], int],
     queued: dict[str, list[int]],
     prompt_blocked: Callable[[Key, bool], bool] | None = None,
+    kv_room: Callable[[Key], bool] | None = None,
 ) -> tuple[int, int]:
     """(guaranteed, admissions): waiting requests that get room before
     borrowed streams, up to ``limit`` (the step's active room).
@@ -109,7 +117,10 @@ def waiting_demand(
     not counted.  ``prompt_blocked(request, has_quota)``: would prompt
     cost refuse the request, its user's quota counted so far spent or not
     (None: no prompt cost)?  The first such request of a user settles it,
-    as its cap does.  Nothing else is changed.
+    as its cap does.  ``kv_room(request)``: would its KV fit now (None:
+    not asked)?  The first request counted that would not ends the count,
+    as an allocation failure ends the engine's waiting loop.  Nothing else
+    is changed.
     """
     user_of, in_turn = lanes.user_of, lanes.in_turn
     quota_now = ledger.quota_now
@@ -158,6 +169,8 @@ def waiting_demand(
                 if len(settled) == everyone:
                     break
                 continue
+            if kv_room is not None and not kv_room(request):
+                break
             quota[user] = left - 1
             paying += 1
             if guaranteed < free_slots:
@@ -181,6 +194,8 @@ def waiting_demand(
             if len(settled) == everyone:
                 break
             continue
+        if kv_room is not None and not kv_room(request):
+            break
         costs = queued.setdefault(user, [])
         most = admittable.get(user)
         if most is None:

@@ -888,6 +888,7 @@ class StepPolicy:
                 output_left=output_left,
                 queued=queued,
                 prompt_blocked=self._prompt_blocked if self.prompt_cost.weight else None,
+                kv_room=view.kv_room_for,
             )
             self._demand_view = None
             room -= guaranteed + admissions
