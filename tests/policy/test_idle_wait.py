@@ -277,3 +277,32 @@ def test_a_user_with_nothing_resident_waits_for_room_while_admissions_wait_for_i
     gate.settle(set())
     wait = gate.idle_wait_ns()
     assert wait == gate.ready_at_ns("a", now) - now > 0
+
+
+def test_a_waiting_request_the_free_kv_cannot_take_leaves_its_groups_token_to_a_resident_stream():
+    # Found by the charge-path machine (``idle``, the sample redrawn by the
+    # isolation check's fix, 22nd example: sync, no chunked prefill, a tight
+    # KV cache, all four users in one group at 10 tok/s): the group's one
+    # token went to a member's in-turn waiting request (preempted for KV) that
+    # vLLM could not admit, the members' resident streams were left short,
+    # the token came back at settle, and the step ran nothing with every user
+    # ready again at once: the engine was told to wait 0 and stepped empty at
+    # the same instant.  A waiting request the free KV cannot take is passed
+    # over in its rotation (``kv_room``), as one the active cap keeps out.
+    engine = Engine(limits({"a": {"rate": 1000, "group": "g0"}, "b": {"rate": 1000, "group": "g0"}},
+                           weight=0, groups={"g0": 10}))
+    gate, limiter, now = engine.gate, engine.gate.ledger.limiter, engine.now
+    lanes = gate.lanes
+    lanes.track("b-waiting", "b")  # b first in the service order
+    lanes.wait_in_turn("b-waiting")
+    lanes.track("a-0", "a")
+    lanes.admit("a-0", progressing=False)
+    while limiter.available("a", now) > 1:  # the group holds one token
+        assert limiter.try_take("a", now)
+    assert limiter.available("b", now) == 1
+
+    plan = gate.plan(now, 4, kv_room=lambda key: key != "b-waiting")
+
+    assert plan.visible == ["a-0"] and plan.reserved == 0
+    gate.settle(set(plan.visible))
+    assert limiter.available("b", now) == 0  # a's stream kept the group's token

@@ -136,16 +136,17 @@ class StepGate:
     def plan(
         self, now_ns: int, slots: int,
         prefill_refused: Callable[[str, Key, int], bool] | None = None,
+        kv_room: Callable[[Key], bool] | None = None,
     ) -> StepPlan:
         """Start a step at ``now_ns`` and choose at most ``slots`` requests
-        (``prefill_refused``: see :func:`~.plan.plan_step`)."""
+        (``prefill_refused``, ``kv_room``: see :func:`~.plan.plan_step`)."""
         self._start_step(now_ns, repeat=False)
         prompt_cost = self.prompt_cost
         if prompt_cost is None or not prompt_cost.weight:
-            plan = plan_step(self.lanes, self.ledger, slots)
+            plan = plan_step(self.lanes, self.ledger, slots, kv_room=kv_room)
         else:
             plan = plan_step(
-                self.lanes, self.ledger, slots, prompt_cost.holds_prompt, prefill_refused
+                self.lanes, self.ledger, slots, prompt_cost.holds_prompt, prefill_refused, kv_room
             )
         self._plan_was_full = not (
             plan.prefills or plan.hidden or plan.over_cap or plan.throttled or self.lanes.in_turn

@@ -34,6 +34,7 @@ class StepPlan:
 def plan_step(
     lanes: Lanes, ledger: Ledger, slots: int, prompt_held: Callable[[str], bool] | None = None,
     prefill_refused: Callable[[str, Key, int], bool] | None = None,
+    kv_room: Callable[[Key], bool] | None = None,
 ) -> StepPlan:
     """Choose at most ``slots`` resident requests for the step the ledger opened.
 
@@ -50,6 +51,14 @@ def plan_step(
     kept out of sight, as a stream its user cannot pay is: shown, it would
     take a visible slot from a stream that can run, and run nothing.  Its
     user is blocked (the step's idle wait counts it).
+
+    ``kv_room(key)``: would the waiting request ``key`` fit into the free
+    KV cache now (None: not asked)?  One that would not is passed over in
+    its user's rotation, as one the active cap keeps out: vLLM cannot admit
+    it, so a token kept for it would be refunded at the end of the step,
+    after it took the quota (a group's) its user's or a group member's
+    resident streams needed; the step would run nothing, and with that
+    quota back at once, the engine would be told to wait 0 and spin.
 
     Users are visited in service order; each shows its prefills (free) and
     then as many decoding streams, in rotation order, as it can pay for now,
@@ -105,6 +114,7 @@ def plan_step(
             used, admitted, lane_over_cap = _offer_in_turn(
                 lanes, ledger, user, lane, room,
                 0 if prompt_held is not None and prompt_held(user) else admit_room, visible,
+                kv_room,
             )
             room -= used
             admit_room -= admitted
@@ -154,14 +164,16 @@ def _prefills_that_can_run(
 
 
 def _offer_in_turn(
-    lanes: Lanes, ledger: Ledger, user: str, lane: Lane, room: int, admit_room: int, visible: list[Key]
+    lanes: Lanes, ledger: Ledger, user: str, lane: Lane, room: int, admit_room: int,
+    visible: list[Key], kv_room: Callable[[Key], bool] | None = None,
 ) -> tuple[int, int, bool]:
     """Plan a lane whose rotation holds waiting requests (see Lanes.wait_in_turn).
 
     In rotation order, resident streams take visible room and waiting
     requests take room for admission; the user pays for as many as it can,
     in that order.  A waiting request that could not be admitted this step
-    anyway is passed over, so it never holds up the streams behind it.
+    anyway (no admission room, its residency cap, no free KV for it:
+    ``kv_room``) is passed over, so it never holds up the streams behind it.
     Returns (room used, admissions reserved, over cap).
     """
     in_turn = lanes.in_turn
@@ -179,7 +191,7 @@ def _offer_in_turn(
     resident_left = 0
     for key in lane.decoding:
         if key in in_turn:
-            if admit_room > 0:
+            if admit_room > 0 and (kv_room is None or kv_room(key)):
                 candidates.append(key)
                 admit_room -= 1
         elif room > 0:

@@ -801,7 +801,7 @@ class StepPolicy:
             decision.resident = resident
             self.current = decision
             return decision
-        plan = gate.plan(now_ns, slots, self._prefill_refused)
+        plan = gate.plan(now_ns, slots, self._prefill_refused, view.kv_room_for)
         if gate.cap_wanted:
             gate.cap_wanted.clear()
         # Slots are freed for waiting requests before the offer to borrowers,
