@@ -85,13 +85,6 @@ def unpaid_decoding(lanes: Lanes, prepaid: Container[Key], user: str) -> int:
     return len(decoding) - sum(map(prepaid.__contains__, decoding))
 
 
-def _tracked_users(lanes: Lanes) -> int:
-    """How many users have a request :class:`Lanes` tracks (every waiting
-    request's user among them).  Lanes keeps the count per user; it has no
-    public reader of it yet."""
-    return len(lanes._tracked_per_user)
-
-
 def waiting_demand(
     waiting: Iterable[Key],
     lanes: Lanes,
@@ -140,7 +133,7 @@ def waiting_demand(
     # Once every user with a tracked request is settled, no later request
     # can change anything: the scan stops (a lone borrower's backlog then
     # costs one request per step, not one lookup per request).
-    everyone = _tracked_users(lanes)
+    everyone = lanes.tracked_users()
     guaranteed = 0
     paying = 0  # requests of users with quota now, with a slot or not
     for request in waiting:

@@ -216,6 +216,10 @@ class Lanes:
         lane = self.order.get(user)
         return 0 if lane is None else len(lane)
 
+    def tracked_users(self) -> int:
+        """How many users have a tracked request (resident or waiting)."""
+        return len(self._tracked_per_user)
+
     def in_admission_order(self, keys: list[Key]) -> None:
         """Sort resident ``keys`` in place into the order they became resident."""
         keys.sort(key=self._admitted_at.__getitem__)
