@@ -71,9 +71,8 @@ Every stream's first request is sent at t = 0, so the first seconds are prefill-
 steps (about 3 s of ~270 ms steps at R = 1,024) in which a stream gets at most one token a
 step: the main runs simulate ``--warmup`` seconds (5) first and read the capped users' ratios
 and the throughput target over the ``--duration`` seconds after it (``measured``); everything
-else covers the whole run.  ``ours_no_prompt_cost`` is ours with ``input_token_weight`` 0:
-with prompt cost, borrowers cannot use the spare capacity (two defects, reproduced in
-``tests/tools/test_gpu_twin.py``).
+else covers the whole run.  ``ours_no_prompt_cost`` is ours with ``input_token_weight`` 0,
+the same limits and arrivals.
 
 Usage: ``python benchmarks/gpu_twin.py`` (writes ``docs/benchmarks/gpu_twin.json``,
 ``docs/gpu_twin.png`` and ``docs/gpu_twin.md``); ``--render`` only rewrites
@@ -132,6 +131,9 @@ KV_BYTES = int((0.9 * 80 - 8.03e9 * 2 / 2**30 - 3.0) * 2**30)
 KV_BLOCKS = KV_BYTES // BYTES_PER_KV_TOKEN // 16
 #: Ours: --max-num-seqs = this x R resident, --max-num-active-seqs = R running.
 RESIDENT_FACTOR = 2
+#: The KV-pressure target holds only if ours gave at least this share of the first tokens the
+#: same users got alone (a p99 over the few requests served says nothing of the rest).
+KV_TIMED_SHARE = 0.9
 TARGETS = {
     "added_fraction_of_decode_step": 0.05,
     "binding_ratio": 1.10,
@@ -483,8 +485,7 @@ def render(doc: dict) -> str:
         tp = meas["ours"]["throughput_tok_s"] / meas["stock"]["throughput_tok_s"]
         target(f"throughput ≥ {t['throughput_ratio']} × stock (R={running}, {span})", tp >= t["throughput_ratio"],
                f"{tp:.3f} ×", f"ours {meas['ours']['throughput_tok_s']:.0f}, stock {meas['stock']['throughput_tok_s']:.0f} "
-               "tok/s; two defects where borrowing meets prompt cost (tests/tools/test_gpu_twin.py; gpu_twin.md, "
-               "Reading it)")
+               "tok/s" + ("" if tp >= t["throughput_ratio"] else "; why: gpu_twin.md, Reading it"))
         if "ours_no_prompt_cost" in meas:
             tp0 = meas["ours_no_prompt_cost"]["throughput_tok_s"] / meas["stock"]["throughput_tok_s"]
             w0 = meas["ours_no_prompt_cost"].get("capped_worst_ratio")
@@ -513,10 +514,17 @@ def render(doc: dict) -> str:
         r = kv["results"]
         p99 = r["ours"]["in_quota_first_token_ms"]["p99"]
         alone = r["ours_alone"]["in_quota_first_token_ms"]["p99"]
-        ok = p99 is not None and alone and p99 <= t["first_token_p99_ratio"] * alone
+        timed = r["ours"]["in_quota_first_token_ms"]["requests"]
+        timed_alone = r["ours_alone"]["in_quota_first_token_ms"]["requests"]
+        # A p99 over the few requests that got a first token says nothing of those that did not:
+        # the target holds only if (nearly) as many got one as alone.
+        enough = timed >= KV_TIMED_SHARE * timed_alone
+        ok = p99 is not None and alone and enough and p99 <= t["first_token_p99_ratio"] * alone
         target(f"KV pressure: in-quota first-token p99 ≤ {t['first_token_p99_ratio']} × alone (R={kv['running']})",
                ok, f"{_fmt(p99, 1)} ms vs {_fmt(alone, 1)} ms alone = {p99 / alone:.2f} ×" if p99 and alone else "–",
-               f"alone = the same open-loop users on ours without the heavy users; on stock alone their p99 is "
+               f"first tokens in the run: {timed} requests, alone {timed_alone}"
+               + ("" if enough else f" (fewer than {KV_TIMED_SHARE:.0%} of alone's: the p99 covers only those served)")
+               + f"; alone = the same open-loop users on ours without the heavy users; on stock alone their p99 is "
                f"{_fmt(r['stock_alone']['in_quota_first_token_ms']['p99'], 1)} ms, so against stock alone the figure "
                f"is {p99 / r['stock_alone']['in_quota_first_token_ms']['p99']:.0f} ×; stock under the pressure: "
                f"{r['stock']['in_quota_first_token_ms']['requests']} first tokens in the run. 'In quota' counts every "
@@ -586,77 +594,37 @@ def render(doc: dict) -> str:
     lines += ["## Reading it", "",
               "The CPU figures are this shared 2-core machine's; a server CPU is faster, so the fractions are "
               "upper bounds for the same code. The GPU side is a model: the fractions scale with 1 / step time.", "",
-              "**Why ours made a fraction of stock's tokens (issue 44, diagnosed on short probes).** Per step at "
-              "256 running (3 simulated s, 456 steps): ours held 99-111 resident requests of its 512 resident "
-              "slots and scheduled 3-37 requests a step of its 256 active ones, while 389 requests waited, 62 of "
-              "each weight-1 borrower. The borrowers' two resident streams each ran at their guaranteed 0.05 R "
-              "(12.8 tok/s) and never borrowed. Two rules where borrowing meets prompt cost did it, each "
-              "reproduced on the real scheduler in tests/tools/test_gpu_twin.py (strict xfail):", "",
-              "1. *Room set aside for admissions prompt cost refuses.* `policy/demand.waiting_demand` counts a "
-              "borrower's waiting requests as admissions, which take the step's room before borrowed streams "
-              "(245 of 245 in the probed steps), but a borrower out of quota cannot pay a prompt "
-              "(`PromptCost.can_pay`), so none is admitted and the room stays empty. Leaving those requests "
-              "uncounted (the residency rule of issue 43, applied to prompt cost) took each borrower from 46 to "
-              "620-810 tokens in 4 simulated s and ours from 0.20 × to 0.32 × stock's tokens (R = 256, 4 s).", "",
-              "2. *A borrower's new request waits for its rate, and its rate goes to its decodes first.* With "
-              "prompt cost, a borrower's request is admitted only when its guaranteed quota has a token left at "
-              "admission (design.md: no hand-over with prompt cost, 'it waits for its rate'); the plan spends "
-              "that quota on the user's decoding streams first, so while one of its streams decodes none of its "
-              "waiting requests gets in. A lone borrower with 8 requests and 8 slots runs 1 of them (test). So "
-              "the spare capacity of this workload is not borrowable as configured: the 0.98 × target cannot be "
-              "met with prompt cost on until a borrower's prompt can be paid by borrowing (on its ceiling, as "
-              "its borrowed output tokens are).", "",
-              "With prompt cost off (`ours_no_prompt_cost`, same limits and arrivals) borrowers fill the slots: "
-              "at 256 running that row is the throughput the policy gives where borrowing can use the spare "
-              "capacity. At 1,024 it is not, for three reasons found by per-step probes (commit 3340e35, sync, "
-              "seed 0, 65 simulated s; the row's 0.755 × reproduced, 581,071 of stock's 769,278 measured tokens):", "",
-              "1. *A longer warm-up.* All 1,920 closed-loop streams send at t = 0 and ours admits up to 2 R = "
-              "2,048 of their prompts (stock 1,024), so its steps stay 8,192-token prefill steps of ~270 ms until "
-              "14.4 s (stock: 7.1 s). Those steps also kept room for ~260-570 admissions a step (`waiting_demand` "
-              "counts them up to the free slots) of which the token budget began ~40, so borrowers' resident "
-              "streams stayed hidden. Ours made 1,428 tok/s in 5-10 s (stock 12,967) and 5,028 in 10-15 s (stock "
-              "16,384): about 114,000 of the window's 188,000-token gap. Reproduced on the real scheduler as a "
-              "strict xfail (tests/tools/test_gpu_twin_scale.py: a wave of prompts waiting for the token budget). "
-              "Counting only the admissions the token budget can begin (a proposed patch) raised 5-10 s to 3,233 "
-              "tok/s: most of the gap is the prefill of 2 R prompts itself.", "",
-              "2. *KV fills.* About 1,960 resident requests (2 R slots) outgrow the 27,669 blocks: from ~14 s "
-              "11-139 blocks are free (10th-90th percentile) and vLLM preempts 587 requests over the run (stock: "
-              "4, at most 1,024 resident). The capped users' throttled streams hold 7,070-8,505 blocks: at 2-16 "
-              "tok/s a stream their requests stay resident for 18-144 s.", "",
-              "3. *Room kept for admissions the full cache refuses.* Once it is full, each step kept room for "
-              "104-199 waiting requests of users with quota and 291-456 borrowers' (mostly preempted) requests of "
-              "the 636-810 active places the plan left, while vLLM admitted 1.8 a step; 593-774 of the borrowers' "
-              "822-963 resident streams stayed hidden each step, and those streams held 12,786-16,037 blocks. "
-              "Reproduced as a strict xfail (tests/tools/test_gpu_twin_scale.py: borrowers' resident streams "
-              "beside a full KV cache).", "",
-              "Stock has the same arrivals, job sequences and KV blocks; it runs at most R resident, all of them "
-              "decoding. In probes, counting only the waiting requests the free KV can take "
-              "(`EngineView.kv_room_for`, a proposed patch to `policy/demand.py`) moved the row from 0.755 × to "
-              "0.812 × stock's measured tokens (0.815 × with the token-budget patch too), and 2 R → R resident "
-              "(no patch) to 0.860 × (587 → 258 preemptions).", "",
-              "**The capped users' shortfall: steps longer than the burst.** The plugin charges at dispatch, and "
-              "its GCRA lets one dispatch take at most 0.1 s × the limit + 1 tokens (the burst, which "
-              "`policy/gcra.py` says must cover at least one engine step). In a step of d > 0.1 s a capped user "
-              "that always wants more therefore loses (d − 0.1 s) × its limit, and no policy can give it back "
-              "without breaking the bound. The figure itself measures what it says: the simulated clock, the "
-              "window from the warm-up's end to the run's, charged tokens (output + 0.01 × computed prompt "
-              "tokens) over limit × window, and every capped user has a backlog throughout (closed-loop streams "
-              "of 32 jobs, none used up). The 'of attainable' figure divides by what the quota allows at that "
-              "engine's own dispatch instants instead (`capped_attainability`: the plugin's GCRA, one token a "
-              "stream a step). Probe (commit 3340e35, ours with prompt cost, 65 simulated s, each capped user's "
-              "quota read after every dispatch): in [5, 65) s, 47 steps were longer than 0.1 s, 8.8 s of the 60; "
-              "cap-0, cap-1 and cap-2 left 4.05-4.10 s of their quota unused, all of it in those steps after "
-              "taking all the burst allowed, so all three got the same 0.925 of their limits in output tokens (a "
-              "loss proportional to the limit); cap-3 (128 streams for 2,048 tok/s, so any step over 62.5 ms caps "
-              "it at one token a stream) left 5.63 s: 0.69 s burst-bound, 4.94 s with quota left while each of "
-              "its streams had its token or its new requests waited. The long steps are bunched admissions: "
-              "cap-3's resident streams dwindle while its new requests wait for quota its decodes took, then "
-              "come back together (74 resident and 54 waiting at 23.3 s, 119 and 9 at 23.7 s); the 47 long steps "
-              "held 2,437-7,876 prefill tokens each. With prompt cost off: 13.4 s in 70 long steps, most of them "
-              "the 14 s warm-up; cap-0 to cap-2 lost 6.2-6.3 s, all burst-bound, and cap-3 13.4 s, 6.2 of them in "
-              "265 steps while its new requests waited for the full KV cache. A burst shorter than the engine's "
-              "longest step is a configuration the bound cannot serve at the limit: either the steps stay under "
-              "0.1 s (a smaller `--max-num-batched-tokens`) or the burst covers the longest step.", "",
+              "**256 running.** Ours makes stock's tokens (1.008 ×, prompt cost on or off) and holds every "
+              "capped user to its limit (sync 0.9931; async 0.9898, 0.02 points short of 0.99: 1.5 s of the "
+              "window fell in 13 steps longer than the burst, and of what the quota allows at those step times "
+              "it got 1.0022). The record before this one made 0.265 × with prompt cost: a borrower could not "
+              "pay a prompt from spare capacity (now it may, on its ceiling; tests/tools/test_gpu_twin.py), and "
+              "room was kept for admissions prompt cost refused.", "",
+              "**1,024 running: throughput.** 0.846 × stock (0.812 × with prompt cost off). Ours holds up to "
+              "2 R resident requests (stock R): its first seconds are a longer wave of prefill steps, and 2 R "
+              "resident requests outgrow the 27,669 KV blocks, so vLLM preempts and recomputes (in probes of "
+              "the previous code with prompt cost off: 587 preemptions against stock's 4; R resident instead "
+              "of 2 R made 0.860 ×). Room kept for waiting requests the full cache refused hid borrowers' "
+              "streams (fixed since: the waiting demand counts only requests the free KV takes; "
+              "tests/tools/test_gpu_twin_scale.py). Still open there: room kept for more admissions than the "
+              "step's token budget can begin (a strict xfail in the same file).", "",
+              "**1,024 running: capped users.** Worst 0.53 of its limit, 0.81 of what its quota allows at the "
+              "engine's own step times. The plugin charges at dispatch and its GCRA lets one dispatch take at "
+              "most 0.1 s × the limit + 1 tokens, so in a step of d > 0.1 s a capped user that always wants more "
+              "loses (d − 0.1 s) × its limit; no policy can give it back without breaking the bound. Here 30.5 s "
+              "of the 60 s window fell in 174 such steps: ours's modelled step averages 91.6 ms (stock's 84.3 ms; "
+              "a decode-only step at 1,024 is 49.5 ms), because borrowers now fill the engine with prefills as "
+              "stock's users do. At those step lengths a stream makes at most about 11 tokens a second, and "
+              "cap-3 asks 16 a stream (128 streams for 2,048 tok/s): 'of attainable' counts one token a stream a "
+              "step. The previous record (0.9156) ran decode-only 10 ms steps because borrowers could not "
+              "admit, at 0.49 × stock's tokens. Steps under the burst need a smaller `--max-num-batched-tokens`; "
+              "or the burst must cover the longest step.", "",
+              "**KV pressure: in-quota users starved (a regression, not diagnosed).** In 30 s under the heavy "
+              "users' pressure the light in-quota users got 5 first tokens on ours (395 alone; 391 in the "
+              "previous record; stock 0), so the p99 covers 5 requests and the target is not met. What changed "
+              "between the records is that borrowers may pay prompts by borrowing: likely their admitted "
+              "requests now hold the KV, and a newcomer in quota may evict only hidden streams of out-of-quota "
+              "users, not streams running on borrowed room.", "",
               "Per-step CPU ratios compare steps of different content (ours: 2 R resident, fewer decodes a step "
               "with prompt cost on). The CPU figures are this shared 2-core machine's; the GPU side is a model.", ""]
     cfg = doc.get("config", {})
