@@ -1131,6 +1131,8 @@ class StepPolicy:
         """Throttled requests must not keep every resident slot from others
         (see ``Displacement.free_slots_for``); the victims are appended to
         ``evicted``.  Returns the users who gave up a slot."""
+        if free_slots > 0:
+            return set()  # nobody lacks a slot; reading the queue would cost a look per request
         return self.displacement.free_slots_for(
             list(view.admittable_waiting()),  # evictions change the queue
             plan,
