@@ -150,3 +150,33 @@ def test_borrowers_resident_streams_decode_while_a_wave_of_prompts_waits_for_the
     # Stock decodes the 8 resident streams every step and prefills with the rest of the budget.
     # Today: 0-2 a step until the admitted prompts start sampling.
     assert min(counts) >= 8, counts
+
+
+# -- the twin's KV-pressure run: in-quota newcomers behind borrowers' prompts -------------------
+# With prompt cost on, borrowers' backlogged requests are admitted by borrowing their prompts
+# (each fills much of the 8,192-token step), and they sit in front of the light users' requests
+# in the arrival-ordered queue: the engine's waiting loop spent its token budget on them and
+# never reached a light user's request (seed 0, 30 s of the twin's KV-pressure run: 5 first
+# tokens of 421 light requests, none in the first 10 s; 349 with the fix).
+
+
+def test_a_request_its_user_can_pay_is_admitted_ahead_of_borrowers_prompts_that_fill_the_budget():
+    borrowers = {u: {"rate": 5, "ceil": None, "weight": 1} for u in ("b1", "b2")}
+    limits = {"default_user_output_tokens_per_second": 1000, "user_output_tokens_per_second": borrowers,
+              "input_token_weight": 0.01}
+    # Room for all (64 resident, 16 active, 2,000 blocks); 128 tokens a step: one prompt a step.
+    h = Harness(limits, num_blocks=2000, max_num_batched_tokens=128, max_num_seqs=64, max_num_active_seqs=16)
+    rng = random.Random(3)
+    for _ in range(20):  # distinct prompts: no prefix-cache hits
+        h.add("b1", prompt=[rng.randrange(3, 600) for _ in range(120)], max_tokens=400)
+        h.add("b2", prompt=[rng.randrange(3, 600) for _ in range(120)], max_tokens=400)
+    h.step(10 * MS)
+    light = h.add("light", prompt=[rng.randrange(3, 600) for _ in range(120)], max_tokens=20)
+    arrived = len(h.sampled_log)
+    for _ in range(6):
+        h.step(10 * MS)
+    h.drain()
+    first = [i - arrived for i in range(arrived, len(h.sampled_log)) if light.request_id in h.sampled_log[i]]
+    # Its prompt fits one step's budget: first token in the next step or the one after (the
+    # step in flight). Before: behind the borrowers' 40 prompts, one admitted a step.
+    assert first and first[0] < 3, first

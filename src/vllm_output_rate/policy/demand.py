@@ -98,6 +98,7 @@ def waiting_demand(
     queued: dict[str, list[int]],
     prompt_blocked: Callable[[Key, bool], bool] | None = None,
     kv_room: Callable[[Key], bool] | None = None,
+    guaranteed_keys: set[Key] | None = None,
 ) -> tuple[int, int]:
     """(guaranteed, admissions): waiting requests that get room before
     borrowed streams, up to ``limit`` (the step's active room).
@@ -112,8 +113,9 @@ def waiting_demand(
     (None: no prompt cost)?  The first such request of a user settles it,
     as its cap does.  ``kv_room(request)``: would its KV fit now (None:
     not asked)?  The first request counted that would not ends the count,
-    as an allocation failure ends the engine's waiting loop.  Nothing else
-    is changed.
+    as an allocation failure ends the engine's waiting loop.
+    ``guaranteed_keys`` (if given) receives the requests counted in
+    ``guaranteed``.  Nothing else is changed.
     """
     user_of, in_turn = lanes.user_of, lanes.in_turn
     quota_now = ledger.quota_now
@@ -168,6 +170,8 @@ def waiting_demand(
             paying += 1
             if guaranteed < free_slots:
                 guaranteed += 1  # beyond the free slots vLLM admits none of them
+                if guaranteed_keys is not None:
+                    guaranteed_keys.add(request)
             if paying >= limit:
                 break
             continue

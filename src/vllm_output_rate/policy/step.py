@@ -212,7 +212,7 @@ class StepDecision:
         "configured_cap", "max_resident", "prepaid", "all_visible_paid", "running_at_start",
         "refused_visible", "preempted", "evicted", "slot_donors", "held_for_other_reasons",
         "borrow_admits", "admitted_to_borrow", "adapters", "adapters_seen",
-        "refused_for_prompts", "visible_now", "prompt_lender",
+        "refused_for_prompts", "visible_now", "prompt_lender", "guaranteed_waiting",
     )
 
     def __init__(
@@ -280,6 +280,11 @@ class StepDecision:
         #: borrowers (nothing runnable hidden for lack of room): what pays
         #: the prompt chunks of borrowers out of quota (None: nothing does).
         self.prompt_lender: _BorrowedPrompts | None = None
+        #: Waiting requests whose users pay now, counted for a free slot by
+        #: the offer to borrowers, that the engine's waiting loop has not
+        #: asked about yet: while any is left, no request is admitted by
+        #: borrowing (borrowed service yields the step's token budget).
+        self.guaranteed_waiting: set[Any] = set()
 
     @property
     def repeat(self) -> bool:
@@ -299,6 +304,8 @@ class StepDecision:
         stream's return, and a borrower's turn for a slot set aside for
         borrowing."""
         policy = self.policy
+        if self.guaranteed_waiting:
+            self.guaranteed_waiting.discard(request)
         if not self._residency_admits(request):
             return False  # waits un-admitted: its user's quota moves no more streams
         ledger = policy.ledger
@@ -382,6 +389,17 @@ class StepDecision:
         if policy.ledger.quota_now(user) == 0 and borrowing.table.borrows(user):
             left = admits.get(user, 0)
             if left <= 0:
+                return False
+            if (
+                self.guaranteed_waiting
+                and policy.prompt_cost.weight
+                and request.num_tokens - request.num_computed_tokens > 1
+            ):
+                # A request of a user in quota waits later in the queue: a
+                # borrowed prompt admitted first would spend the step's token
+                # budget before the engine's loop reaches it (queue order is
+                # arrival order, and borrowers' backlogs sit in front).  One
+                # that samples at once costs a token: it passes.
                 return False
             admits[user] = left - 1
             self.admitted_to_borrow.add(request)
@@ -717,6 +735,7 @@ class StepPolicy:
         #: (``_turn_taken``), and the view that demand was asked of.
         self._turn_counted: set[str] = set()
         self._demand_view: EngineView | None = None
+        self._guaranteed_waiting: set[Any] = set()  # of the last offer to borrowers
 
     @property
     def borrowing(self) -> Borrowing | None:
@@ -815,6 +834,7 @@ class StepPolicy:
                 self._own_stream_for_first_waiting(view, plan, evicted)
         borrow_admits = None
         lender = None
+        self._guaranteed_waiting = set()
         if gate.borrowing is not None and not plan.over_cap:
             borrow_admits = self._offer_spare_to_borrowers(
                 view, plan, slots, free_slots + len(evicted)
@@ -848,6 +868,7 @@ class StepPolicy:
         decision.visible = visible
         decision.resident = resident
         decision.prompt_lender = lender
+        decision.guaranteed_waiting = self._guaranteed_waiting
         decision.slot_donors = slot_donors
         decision.evicted = evicted
         decision.preempted.extend(evicted)  # preempted before the decision existed
@@ -889,6 +910,7 @@ class StepPolicy:
                 queued=queued,
                 prompt_blocked=self._prompt_blocked if self.prompt_cost.weight else None,
                 kv_room=view.kv_room_for,
+                guaranteed_keys=self._guaranteed_waiting,
             )
             self._demand_view = None
             room -= guaranteed + admissions
