@@ -594,37 +594,39 @@ def render(doc: dict) -> str:
     lines += ["## Reading it", "",
               "The CPU figures are this shared 2-core machine's; a server CPU is faster, so the fractions are "
               "upper bounds for the same code. The GPU side is a model: the fractions scale with 1 / step time.", "",
-              "**256 running.** Ours makes stock's tokens (1.008 ×, prompt cost on or off) and holds every "
-              "capped user to its limit (sync 0.9931; async 0.9898, 0.02 points short of 0.99: 1.5 s of the "
-              "window fell in 13 steps longer than the burst, and of what the quota allows at those step times "
-              "it got 1.0022). The record before this one made 0.265 × with prompt cost: a borrower could not "
-              "pay a prompt from spare capacity (now it may, on its ceiling; tests/tools/test_gpu_twin.py), and "
-              "room was kept for admissions prompt cost refused.", "",
-              "**1,024 running: throughput.** 0.846 × stock (0.812 × with prompt cost off). Ours holds up to "
+              "**256 running.** Ours makes stock's tokens (1.007 ×; 1.008 × with prompt cost off) and holds "
+              "every capped user to its limit (sync 0.9949, async 0.9944). The record before these fixes made "
+              "0.265 × with prompt cost: a borrower could not pay a prompt from spare capacity (now it may, on "
+              "its ceiling; tests/tools/test_gpu_twin.py), and room was kept for admissions prompt cost "
+              "refused.", "",
+              "**1,024 running: throughput.** 0.850 × stock (0.812 × with prompt cost off). Ours holds up to "
               "2 R resident requests (stock R): its first seconds are a longer wave of prefill steps, and 2 R "
               "resident requests outgrow the 27,669 KV blocks, so vLLM preempts and recomputes (in probes of "
-              "the previous code with prompt cost off: 587 preemptions against stock's 4; R resident instead "
-              "of 2 R made 0.860 ×). Room kept for waiting requests the full cache refused hid borrowers' "
-              "streams (fixed since: the waiting demand counts only requests the free KV takes; "
-              "tests/tools/test_gpu_twin_scale.py). Still open there: room kept for more admissions than the "
-              "step's token budget can begin (a strict xfail in the same file).", "",
-              "**1,024 running: capped users.** Worst 0.53 of its limit, 0.81 of what its quota allows at the "
+              "earlier code with prompt cost off: 587 preemptions against stock's 4; R resident instead of "
+              "2 R made 0.860 ×). Room kept for waiting requests the full cache refused hid borrowers' streams "
+              "(fixed: the waiting demand counts only requests the free KV takes; "
+              "tests/tools/test_gpu_twin_scale.py). Still open: room kept for more admissions than the step's "
+              "token budget can begin (a strict xfail in the same file).", "",
+              "**1,024 running: capped users.** Worst 0.65 of its limit, 0.92 of what its quota allows at the "
               "engine's own step times. The plugin charges at dispatch and its GCRA lets one dispatch take at "
               "most 0.1 s × the limit + 1 tokens, so in a step of d > 0.1 s a capped user that always wants more "
-              "loses (d − 0.1 s) × its limit; no policy can give it back without breaking the bound. Here 30.5 s "
-              "of the 60 s window fell in 174 such steps: ours's modelled step averages 91.6 ms (stock's 84.3 ms; "
-              "a decode-only step at 1,024 is 49.5 ms), because borrowers now fill the engine with prefills as "
-              "stock's users do. At those step lengths a stream makes at most about 11 tokens a second, and "
-              "cap-3 asks 16 a stream (128 streams for 2,048 tok/s): 'of attainable' counts one token a stream a "
-              "step. The previous record (0.9156) ran decode-only 10 ms steps because borrowers could not "
-              "admit, at 0.49 × stock's tokens. Steps under the burst need a smaller `--max-num-batched-tokens`; "
-              "or the burst must cover the longest step.", "",
-              "**KV pressure: in-quota users starved (a regression, not diagnosed).** In 30 s under the heavy "
-              "users' pressure the light in-quota users got 5 first tokens on ours (395 alone; 391 in the "
-              "previous record; stock 0), so the p99 covers 5 requests and the target is not met. What changed "
-              "between the records is that borrowers may pay prompts by borrowing: likely their admitted "
-              "requests now hold the KV, and a newcomer in quota may evict only hidden streams of out-of-quota "
-              "users, not streams running on borrowed room.", "",
+              "loses (d − 0.1 s) × its limit; no policy can give it back without breaking the bound. Here 27.7 s "
+              "of the 60 s window fell in 155 such steps: ours's modelled step averages 84.8 ms, as stock's "
+              "(84.3 ms; a decode-only step at 1,024 is 49.5 ms), because borrowers fill the engine with "
+              "prefills as stock's users do. At those lengths a stream makes at most about 12 tokens a second "
+              "and cap-3 asks 16 a stream (128 streams for 2,048 tok/s); 'of attainable' counts one token a "
+              "stream a step. An earlier record (0.9156) ran decode-only 10 ms steps because borrowers could "
+              "not admit, at 0.49 × stock's tokens. Steps under the burst need a smaller "
+              "`--max-num-batched-tokens`, or a burst that covers the longest step.", "",
+              "**KV pressure.** The light in-quota users got 355 first tokens in 30 s beside the heavy users "
+              "(395 alone, stock 0), p99 0.79 × alone's: just under the 90 % of alone's first tokens the "
+              "target asks. Two rules got them there. Borrowed admissions with a prompt wait while a request "
+              "whose user pays now is still ahead in the step (the queue is in arrival order with the "
+              "borrowers' backlogs in front, whose prompts spent each step's token budget first: 5 first "
+              "tokens without the rule, at 1.19 × the throughput: 10,583 against 8,862 tok/s now). Once the "
+              "cache is full, a light request evicted for quota waits for free KV that borrowers' running "
+              "streams hold: they are not victims (only hidden streams of users out of quota are), an open "
+              "case.", "",
               "Per-step CPU ratios compare steps of different content (ours: 2 R resident, fewer decodes a step "
               "with prompt cost on). The CPU figures are this shared 2-core machine's; the GPU side is a model.", ""]
     cfg = doc.get("config", {})
