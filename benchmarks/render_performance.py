@@ -48,7 +48,7 @@ MAKES = {
     "scheduler_step": "python benchmarks/scheduler_step.py --instructions",
     "scheduler_step_fast_paths": "python benchmarks/scheduler_step.py --fast-paths",
     "scheduler_step_store": "python benchmarks/scheduler_step.py --store --instructions",
-    "scheduler_step_borrowing": "python benchmarks/scheduler_step.py --borrowing",
+    "scheduler_step_borrowing": "python benchmarks/scheduler_step.py --borrowing --instructions",
     "throughput_ratio": "make bench-model && python benchmarks/throughput_ratio.py",
     "offline_throughput": "python benchmarks/offline_throughput.py",
     "idle_cpu": "python benchmarks/idle_cpu.py",
@@ -333,6 +333,16 @@ def borrowing_step_lines(doc: Doc) -> list[str]:
         lines.append(
             f"| {r} | {borrower['waiting']} | {row['stock']['us_per_step']:.0f} | {row['ours']['us_per_step']:.0f} | "
             f"{borrower['us_per_step']:.0f} | {row['borrower_over_unlimited']:.2f} | {row['borrower_extra_us']:.0f} |")
+    counted = doc.get("instructions")
+    if counted:
+        lines += ["", "The same three sides by instructions per step (`--instructions`: callgrind, a figure the "
+                  "machine's load does not move):", "",
+                  "| R running | stock M | ours, never hit M | ours, borrower M | borrower / never hit |",
+                  "| ---: | ---: | ---: | ---: | ---: |"]
+        for r, row in _rows(counted):
+            per = {who: row[who]["instructions_per_step"] / 1e6 for who in ("stock", "ours", "ours-borrower")}
+            lines.append(f"| {r} | {per['stock']:.3f} | {per['ours']:.3f} | {per['ours-borrower']:.3f} | "
+                         f"{per['ours-borrower'] / per['ours']:.3f} |")
     lines += ["", "- What a lone borrower's tok/s can lose to this is its extra µs over the engine's whole step "
               "(the model's time included): see the fair-share section's lone borrower."]
     return lines
