@@ -208,6 +208,9 @@ class ModelStepPolicy:
     def admittable_waiting(self):
         return self.engine.queue_order()
 
+    def token_budget(self) -> tuple[int, int, int]:
+        return self.config.token_budget, 1, 0
+
     def kv_room_for(self, request: Req) -> bool:
         engine = self.engine
         return fits_in_free_kv(request.num_tokens, engine.config.block_size, len(engine.running),

@@ -167,3 +167,69 @@ def test_the_scan_goes_on_past_a_settled_user_while_another_may_still_count():
     seen: list[str] = []
     assert _scan(gate, waiting + ["p0"], seen) == (1, 0)
     assert seen == waiting + ["p0"]
+
+
+def _budget(tokens: int, chunked: bool = True, longest: int = 0, prompt: int = 120):
+    from vllm_output_rate.policy.demand import PrefillBudget
+
+    return PrefillBudget(tokens, chunked, longest, lambda key: prompt)
+
+
+@pytest.mark.parametrize(("chunked", "longest", "counted"), [
+    (True, 0, 2),  # 120 tokens, then the 8 left begin a second prompt's first chunk
+    (False, 0, 1),  # a whole prompt over the 8 left does not begin: vLLM's loop ends there
+    (True, 64, 2),  # chunks of 64: two fill the budget
+    (True, 32, 4),
+])
+def test_the_count_ends_once_the_token_budget_can_begin_no_more_prompts(chunked, longest, counted):
+    """A wave of 120-token prompts and a 128-token step: room is kept only
+    for the admissions the step's token budget can begin (issue 44: room
+    kept for a dozen a step hid the borrowers' resident streams), and the
+    first that cannot begin ends the scan, as it ends the engine's loop."""
+    gate, waiting = _paying_and_borrowing(10)
+    seen: list[str] = []
+
+    def counted_keys(keys):
+        for key in keys:
+            seen.append(key)
+            yield key
+
+    demand = waiting_demand(
+        counted_keys(waiting), gate.lanes, gate.ledger, lambda user: user == "b", None,
+        limit=8, free_slots=8, output_left=lambda key: 100, queued={},
+        prefill=_budget(128, chunked, longest),
+    )
+    assert demand == (counted, 0)
+    assert seen == waiting[: counted + 1]
+
+
+def test_a_budget_the_visible_requests_spent_keeps_no_room_for_admissions():
+    gate, waiting = _borrower_with_waiting_prompts(3)
+    queued: dict = {}
+    assert waiting_demand(
+        waiting, gate.lanes, gate.ledger, lambda user: user == "b", None,
+        limit=6, free_slots=4, output_left=lambda key: 100, queued=queued,
+        prefill=_budget(0),
+    ) == (0, 0)
+
+
+def test_borrowers_admissions_begin_in_what_the_guaranteed_requests_leave():
+    """Borrowers' prompts ahead in the queue are admitted after a request
+    its user can pay (``borrow_admits`` holds them to the count; with prompt
+    cost they wait for it): they count only for the budget it leaves."""
+    gate, waiting = _borrower_with_waiting_prompts(3)
+    ahead = waiting[1:] + waiting[:1]  # bw0, bw1, bw2, p0
+    queued: dict = {}
+    demand = waiting_demand(
+        ahead, gate.lanes, gate.ledger, lambda user: user == "b", None,
+        limit=6, free_slots=4, output_left=lambda key: 100, queued=queued,
+        prefill=_budget(250, chunked=False),
+    )
+    # In queue order two borrowed prompts would fit and the paying one not;
+    # the paying one goes first, and one borrowed prompt fits after it.
+    assert demand == (1, 1)
+    # Without the budget: (1, 3).
+    assert waiting_demand(
+        ahead, gate.lanes, gate.ledger, lambda user: user == "b", None,
+        limit=6, free_slots=4, output_left=lambda key: 100, queued={},
+    ) == (1, 3)

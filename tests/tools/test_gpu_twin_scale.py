@@ -125,11 +125,6 @@ def test_borrowers_resident_streams_run_while_a_full_kv_cache_refuses_the_waitin
 # and 5,028 in 10-15 s (stock 16,384): about 60 % of the row's gap to stock over the window.
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "issue 44: waiting_demand counts admissions up to the free slots, not up to what the step's "
-    "token budget can begin to prefill, so a wave of long prompts keeps room that stays empty "
-    "while borrowers' resident streams wait hidden (proposed patch: a prefill budget, the "
-    "engine's token budget less the visible requests)"))
 def test_borrowers_resident_streams_decode_while_a_wave_of_prompts_waits_for_the_token_budget():
     borrowers = {u: {"rate": 5, "ceil": None, "weight": 1} for u in ("b1", "b2")}
     limits = {"default_user_output_tokens_per_second": 1000, "user_output_tokens_per_second": borrowers,
@@ -148,7 +143,7 @@ def test_borrowers_resident_streams_decode_while_a_wave_of_prompts_waits_for_the
     counts = [len(h._sampling_ids(h.step(10 * MS))) for _ in range(12)]
     h.drain()
     # Stock decodes the 8 resident streams every step and prefills with the rest of the budget.
-    # Today: 0-2 a step until the admitted prompts start sampling.
+    # Before the demand's prefill budget: 0-2 a step until the admitted prompts started sampling.
     assert min(counts) >= 8, counts
 
 

@@ -208,6 +208,14 @@ class EvictionHooks:
     def adapters_of(self, requests) -> set[int]:
         return _adapters_of(requests)
 
+    def token_budget(self) -> tuple[int, int, int]:
+        config = self.scheduler_config
+        # An adaptive threshold is set inside vLLM's step from its request
+        # counts: no cap is assumed then (chunks counted larger, admissions fewer).
+        adaptive = config.long_prefill_token_threshold_adaptive
+        longest = 0 if adaptive else config.long_prefill_token_threshold
+        return self.max_num_scheduled_tokens, 1 + self.num_spec_tokens, longest
+
     def kv_room_for(self, request: Request) -> bool:
         """May a request evicted for quota come back now (see ``fits_in_free_kv``)?"""
         return fits_in_free_kv(

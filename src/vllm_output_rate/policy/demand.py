@@ -38,6 +38,13 @@ the KV cache full, room kept for 400-650 such requests a step left 590-770
 borrowers' resident streams hidden each step, holding about half the cache
 without running).
 
+Nor, when the engine says so (``prefill``), more requests than the step's
+token budget can begin to prefill (:class:`PrefillBudget`): vLLM's waiting
+loop goes on only while the budget has tokens left, and a prompt it cannot
+begin ends it (issue 44: a wave of 120-token prompts against a 128-token
+budget kept room for a dozen admissions a step while one could begin, and
+borrowers' 8 resident streams decoded 0-2 a step).
+
 Plain Python: no vLLM import.  Requests are opaque keys.
 """
 
@@ -52,6 +59,43 @@ from vllm_output_rate.policy.residency import Residency
 
 Key = Hashable
 _UNASKED = -1  # never a room: Residency.room is None or >= 0
+
+
+class PrefillBudget:
+    """The tokens a step's token budget leaves for its admissions, spent as
+    the engine's waiting loop spends them.
+
+    ``tokens``: what is left once the requests running before the waiting
+    loop took theirs; ``wants(request)``: the tokens a waiting request's
+    admission would schedule (its uncomputed prompt); ``longest``: the
+    engine's cap on one prefill chunk (0: none); ``chunked``: with chunked
+    prefill an admission begins with whatever is left, without it one whose
+    chunk does not fit does not begin (and vLLM's loop stops there).
+    """
+
+    __slots__ = ("tokens", "chunked", "longest", "_wants")
+
+    def __init__(
+        self, tokens: int, chunked: bool, longest: int, wants: Callable[[Key], int]
+    ) -> None:
+        self.tokens = tokens
+        self.chunked = chunked
+        self.longest = longest
+        self._wants = wants
+
+    def chunk(self, request: Key) -> int:
+        """The tokens ``request``'s admission would take with the budget unspent."""
+        wants = self._wants(request)
+        longest = self.longest
+        return longest if 0 < longest < wants else wants
+
+    def spend(self, spent: int, chunk: int) -> int:
+        """Tokens spent once an admission taking ``chunk`` began after
+        ``spent`` were; -1 if it cannot begin."""
+        left = self.tokens - spent
+        if left <= 0 or (chunk > left and not self.chunked):
+            return -1
+        return spent + min(chunk, left)
 
 
 def unpaid_streams(lanes: Lanes, prepaid: Container[Key], user: str) -> list[Key]:
@@ -99,6 +143,7 @@ def waiting_demand(
     prompt_blocked: Callable[[Key, bool], bool] | None = None,
     kv_room: Callable[[Key], bool] | None = None,
     guaranteed_keys: set[Key] | None = None,
+    prefill: PrefillBudget | None = None,
 ) -> tuple[int, int]:
     """(guaranteed, admissions): waiting requests that get room before
     borrowed streams, up to ``limit`` (the step's active room).
@@ -114,6 +159,11 @@ def waiting_demand(
     as its cap does.  ``kv_room(request)``: would its KV fit now (None:
     not asked)?  The first request counted that would not ends the count,
     as an allocation failure ends the engine's waiting loop.
+    ``prefill`` (None: not asked): the token budget the step's admissions
+    share; guaranteed requests spend it first, in queue order, and the first
+    that could not begin ends the count; admissions count only as many as
+    begin in what they leave (a borrower whose request would not begin
+    even in queue order is settled).
     ``guaranteed_keys`` (if given) receives the requests counted in
     ``guaranteed``.  Nothing else is changed.
     """
@@ -138,6 +188,12 @@ def waiting_demand(
     everyone = lanes.tracked_users()
     guaranteed = 0
     paying = 0  # requests of users with quota now, with a slot or not
+    # The prefill budget: what guaranteed requests take (they go first: a
+    # borrower's admissions are capped to what they leave, see below), what
+    # every request counted takes in queue order (a bound that settles
+    # borrowers early), and the chunks of the admissions counted, in order.
+    spent_guaranteed = spent_in_order = 0
+    borrowed_chunks: list[int] = []
     for request in waiting:
         if request in in_turn:
             continue
@@ -166,6 +222,13 @@ def waiting_demand(
                 continue
             if kv_room is not None and not kv_room(request):
                 break
+            if guaranteed < free_slots and prefill is not None:
+                chunk = prefill.chunk(request)
+                spent = prefill.spend(spent_guaranteed, chunk)
+                if spent < 0:
+                    break  # nor would any request after it begin
+                spent_in_order += spent - spent_guaranteed
+                spent_guaranteed = spent
             quota[user] = left - 1
             paying += 1
             if guaranteed < free_slots:
@@ -198,10 +261,34 @@ def waiting_demand(
         if most is None:
             most = admittable[user] = min(wanted, limit - unpaid_decoding(lanes, prepaid, user))
         if len(costs) < most:
+            if prefill is not None:
+                chunk = prefill.chunk(request)
+                spent = prefill.spend(spent_in_order, chunk)
+                if spent < 0:
+                    settled.add(user)  # guaranteed requests later only spend more
+                    if len(settled) == everyone:
+                        break
+                    continue
+                spent_in_order = spent
+                borrowed_chunks.append(chunk)
             costs.append(output_left(request))
         if len(costs) >= most:
             settled.add(user)
             if len(settled) == everyone:
                 break
     slots = min(free_slots, limit) - guaranteed
-    return guaranteed, max(0, min(slots, sum(map(len, queued.values()))))
+    admissions = sum(map(len, queued.values()))
+    if prefill is not None and admissions:
+        # Counted in queue order, but admitted after the guaranteed requests
+        # (with prompt cost a borrower's prompt waits for them; otherwise
+        # ``borrow_admits`` holds borrowers to this count, and the engine's
+        # loop passes over the rest): they begin in what the guaranteed
+        # requests leave.
+        admissions = 0
+        spent = spent_guaranteed
+        for chunk in borrowed_chunks:
+            spent = prefill.spend(spent, chunk)
+            if spent < 0:
+                break
+            admissions += 1
+    return guaranteed, max(0, min(slots, admissions))

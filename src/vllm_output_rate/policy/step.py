@@ -46,7 +46,7 @@ from __future__ import annotations
 from typing import Any, Container, Hashable, Iterable, Protocol, Sequence, cast
 
 from vllm_output_rate.policy.borrow import Borrowing
-from vllm_output_rate.policy.demand import waiting_demand
+from vllm_output_rate.policy.demand import PrefillBudget, waiting_demand
 from vllm_output_rate.policy.displacement import Displacement
 from vllm_output_rate.policy.drafts import DraftAccount
 from vllm_output_rate.policy.eviction import EvictionBudget
@@ -163,6 +163,12 @@ class EngineView(Protocol):
 
     def adapters_of(self, requests: Iterable[Any]) -> set[int]:
         """The LoRA adapters ``requests`` use, as the engine counts them."""
+
+    def token_budget(self) -> tuple[int, int, int]:
+        """(tokens, per_stream, longest): the tokens one step may schedule
+        (vLLM: ``max_num_scheduled_tokens``), the most a decoding stream
+        takes of them (1 plus its drafts), and the engine's cap on one
+        prefill chunk (vLLM: ``long_prefill_token_threshold``; 0: none)."""
 
 
 class StepOutcome(Protocol):
@@ -911,6 +917,7 @@ class StepPolicy:
                 prompt_blocked=self._prompt_blocked if self.prompt_cost.weight else None,
                 kv_room=view.kv_room_for,
                 guaranteed_keys=self._guaranteed_waiting,
+                prefill=self._prefill_budget(view, plan, room),
             )
             self._demand_view = None
             room -= guaranteed + admissions
@@ -935,6 +942,28 @@ class StepPolicy:
         if receiver is not None:
             admits[receiver] = admits.get(receiver, 0) + 1
         return admits
+
+    def _prefill_budget(self, view: EngineView, plan: StepPlan, room: int) -> PrefillBudget:
+        """What the step's token budget leaves for admissions: the engine's
+        running loop first gives the visible requests theirs (a decoding
+        stream 1 token and its drafts, a prefill its next chunk), and the
+        streams borrowed in the ``room`` left after the plan."""
+        tokens, per_stream, longest = view.token_budget()
+        prefills = plan.prefills
+        tokens -= (len(plan.visible) - len(prefills)) * per_stream
+        for request in cast("list[StepRequest]", prefills):
+            chunk = request.num_tokens - request.num_computed_tokens
+            tokens -= longest if 0 < longest < chunk else chunk
+        # The borrowed streams are chosen after the demand, from the room it
+        # leaves, yet run before the engine's waiting loop: counted as if all
+        # of the room went to them (as many as are hidden at most), which
+        # errs low (a token per admission counted; more where hidden streams
+        # cannot borrow).  An admission not counted leaves its slot to a
+        # borrowed stream, which runs, or to the engine's own admissions (the
+        # active cap is not lowered for it); one counted that cannot begin
+        # leaves its slot empty, and a borrower's stream hidden beside it.
+        tokens -= min(room, plan.hidden) * per_stream
+        return PrefillBudget(tokens, self.facts.chunked_prefill, longest, uncomputed)
 
     def _prefill_refused(self, user: str, request: Any, decoding: int) -> bool:
         """Will prompt cost refuse the next chunk of the resident prefill
@@ -1402,6 +1431,13 @@ def priority_of(request: Any) -> int:
     """A request's priority value (smaller: more important)."""
     priority: int = request.priority
     return priority
+
+
+def uncomputed(request: Any) -> int:
+    """Positions of ``request`` whose KV is not computed: what its admission
+    would prefill (without what the prefix cache holds, not known yet)."""
+    left: int = request.num_tokens - request.num_computed_tokens
+    return left
 
 
 def output_left(request: Any) -> int:
