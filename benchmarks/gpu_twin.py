@@ -605,8 +605,9 @@ def render(doc: dict) -> str:
               "earlier code with prompt cost off: 587 preemptions against stock's 4; R resident instead of "
               "2 R made 0.860 ×). Room kept for waiting requests the full cache refused hid borrowers' streams "
               "(fixed: the waiting demand counts only requests the free KV takes; "
-              "tests/tools/test_gpu_twin_scale.py). Still open: room kept for more admissions than the step's "
-              "token budget can begin (a strict xfail in the same file).", "",
+              "tests/tools/test_gpu_twin_scale.py). Room kept for more admissions than the step's token "
+              "budget can begin is fixed after this record's commit (a test in the same file), not yet "
+              "measured here.", "",
               "**1,024 running: capped users.** Worst 0.65 of its limit, 0.92 of what its quota allows at the "
               "engine's own step times. The plugin charges at dispatch and its GCRA lets one dispatch take at "
               "most 0.1 s × the limit + 1 tokens, so in a step of d > 0.1 s a capped user that always wants more "
