@@ -11,21 +11,27 @@ from vllm_output_rate.policy.limiter import OutputRateLimiter
 NOW = 10**12
 
 
-def _paying_and_borrowing(paying_waiting: int):
-    """p {100 tok/s, quota now} has ``paying_waiting`` waiting requests;
-    b {0.01 tok/s, burst spent} has two resident streams that could borrow."""
+def _gate_with_waiting(waiting: list[tuple[str, str]]) -> StepGate:
+    """b {0.01 tok/s, burst spent, may borrow} has two resident streams that
+    could borrow; p {100 tok/s} has quota now; ``waiting``: (request, user)
+    in queue order; the step planned."""
     gate = StepGate(OutputRateLimiter(0.01, {"p": 100.0}))
     lanes = gate.lanes
     for key in ("b0", "b1"):
         lanes.track(key, "b")
         lanes.admit(key, progressing=False)
-    waiting = [f"p{i}" for i in range(paying_waiting)]
-    for key in waiting:
-        lanes.track(key, "p")
+    for key, user in waiting:
+        lanes.track(key, user)
     while gate.ledger.limiter.try_take("b", NOW):
         pass
     gate.plan(NOW, 8)
-    return gate, waiting
+    return gate
+
+
+def _paying_and_borrowing(paying_waiting: int):
+    """p has ``paying_waiting`` waiting requests beside b's two streams."""
+    waiting = [f"p{i}" for i in range(paying_waiting)]
+    return _gate_with_waiting([(key, "p") for key in waiting]), waiting
 
 
 @pytest.mark.parametrize("free_slots", [0, 1, 2, 5])
@@ -119,22 +125,10 @@ def test_without_prompt_cost_a_borrowers_waiting_requests_count_as_before():
 
 
 def _lone_borrower_filling_the_room(waiting_count: int, paying: tuple[str, ...] = ()):
-    """b {0.01 tok/s, burst spent, may borrow}: two resident streams, which
-    fill a room of 2, and ``waiting_count`` waiting requests; p {100 tok/s}
-    the waiting requests ``paying``."""
-    gate = StepGate(OutputRateLimiter(0.01, {"p": 100.0}))
-    lanes = gate.lanes
-    for key in ("b0", "b1"):
-        lanes.track(key, "b")
-        lanes.admit(key, progressing=False)
+    """b's two streams fill a room of 2 and ``waiting_count`` of its requests
+    wait; then p's waiting requests ``paying``."""
     waiting = [f"bw{i}" for i in range(waiting_count)]
-    for key in waiting:
-        lanes.track(key, "b")
-    for key in paying:
-        lanes.track(key, "p")
-    while gate.ledger.limiter.try_take("b", NOW):
-        pass
-    gate.plan(NOW, 8)
+    gate = _gate_with_waiting([(key, "b") for key in waiting] + [(key, "p") for key in paying])
     return gate, waiting
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from benchmark_scripts import load_benchmark
 from vllm_output_rate.tools.analysis import counter_windows, covers, service_difference, spread_service
 
 
@@ -97,22 +98,8 @@ def test_spread_service_spreads_each_request_over_its_span():
     assert spread_service([], 10.0, 2) == {}
 
 
-def _fair_share_script():
-    """benchmarks/fair_share.py as a module (the benchmarks are scripts, not a package)."""
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "fair_share.py"
-    spec = importlib.util.spec_from_file_location("fair_share_script", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_lone_borrower_rounds_alternate_their_order_and_pool_their_counts():
-    fs = _fair_share_script()
+    fs = load_benchmark("fair_share")
 
     def phase(tokens, steps):
         return fs.solo_figures({

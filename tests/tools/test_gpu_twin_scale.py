@@ -14,26 +14,25 @@ Two findings of the twin at 1,024 running (benchmarks/gpu_twin.py; its page's "R
 
 from __future__ import annotations
 
-import importlib.util
 import random
-import sys
-from pathlib import Path
 
 import pytest
 
+from benchmark_scripts import load_benchmark
 from vllm_output_rate_harness.scheduler_sim import MS, Harness
 from vllm_output_rate_harness.twin import S, GpuCostModel, Job, Workload, run_lockstep
 
 
+
+def two_borrowers(input_token_weight: float) -> dict:
+    """b1 and b2 at 5 tok/s, borrowing without a ceiling; everyone else 1,000 tok/s."""
+    borrowers = {u: {"rate": 5, "ceil": None, "weight": 1} for u in ("b1", "b2")}
+    return {"default_user_output_tokens_per_second": 1000, "user_output_tokens_per_second": borrowers,
+            "input_token_weight": input_token_weight}
+
 @pytest.fixture(scope="module")
 def twin_script():
-    """benchmarks/gpu_twin.py as a module (the benchmarks are scripts, not a package)."""
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_twin.py"
-    spec = importlib.util.spec_from_file_location("gpu_twin_script", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("gpu_twin")
 
 
 def every(step_ms: float, span_s: float) -> list[int]:
@@ -95,9 +94,7 @@ def test_on_long_steps_the_plugin_gives_a_capped_user_all_the_bound_allows(twin_
 
 
 def test_borrowers_resident_streams_run_while_a_full_kv_cache_refuses_the_waiting_requests():
-    borrowers = {u: {"rate": 5, "ceil": None, "weight": 1} for u in ("b1", "b2")}
-    limits = {"default_user_output_tokens_per_second": 1000, "user_output_tokens_per_second": borrowers,
-              "input_token_weight": 0}
+    limits = two_borrowers(input_token_weight=0)
     # 60 blocks of 16: 16 resident 32-token prompts fit, their growth does not; 8 active places.
     h = Harness(limits, num_blocks=60, max_num_batched_tokens=256, max_num_seqs=16, max_num_active_seqs=8)
     for _ in range(12):
@@ -126,9 +123,7 @@ def test_borrowers_resident_streams_run_while_a_full_kv_cache_refuses_the_waitin
 
 
 def test_borrowers_resident_streams_decode_while_a_wave_of_prompts_waits_for_the_token_budget():
-    borrowers = {u: {"rate": 5, "ceil": None, "weight": 1} for u in ("b1", "b2")}
-    limits = {"default_user_output_tokens_per_second": 1000, "user_output_tokens_per_second": borrowers,
-              "input_token_weight": 0}
+    limits = two_borrowers(input_token_weight=0)
     # Room for all (64 resident, 16 active, 2,000 blocks); 128 tokens a step: one new prompt a step.
     h = Harness(limits, num_blocks=2000, max_num_batched_tokens=128, max_num_seqs=64, max_num_active_seqs=16)
     for _ in range(4):
@@ -156,9 +151,7 @@ def test_borrowers_resident_streams_decode_while_a_wave_of_prompts_waits_for_the
 
 
 def test_a_request_its_user_can_pay_is_admitted_ahead_of_borrowers_prompts_that_fill_the_budget():
-    borrowers = {u: {"rate": 5, "ceil": None, "weight": 1} for u in ("b1", "b2")}
-    limits = {"default_user_output_tokens_per_second": 1000, "user_output_tokens_per_second": borrowers,
-              "input_token_weight": 0.01}
+    limits = two_borrowers(input_token_weight=0.01)
     # Room for all (64 resident, 16 active, 2,000 blocks); 128 tokens a step: one prompt a step.
     h = Harness(limits, num_blocks=2000, max_num_batched_tokens=128, max_num_seqs=64, max_num_active_seqs=16)
     rng = random.Random(3)

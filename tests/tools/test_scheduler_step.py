@@ -3,22 +3,14 @@ sides it times really have the shape it reports, and the borrower's side borrows
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
+
+from benchmark_scripts import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def step_script():
-    """benchmarks/scheduler_step.py as a module (the benchmarks are scripts, not a package)."""
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "scheduler_step.py"
-    spec = importlib.util.spec_from_file_location("scheduler_step_script", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("scheduler_step")
 
 
 def test_each_side_runs_the_active_cap_and_queues_the_rest(step_script):
