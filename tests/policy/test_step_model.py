@@ -1080,3 +1080,27 @@ def test_idle_a_waiting_user_never_asked_is_in_the_wait():
                         "user_output_tokens_per_second": {"u0": 20, "u1": 5, "u2": 5, "u3": 5}}),
          ("run", 12, 100)],
     )
+
+
+def test_work_no_room_kept_for_a_borrowed_prompt_the_streams_on_its_cap_leave_unpaid():
+    """Four borrowers without a ceiling in one group (100 tok/s: 11 tokens
+    after 100 ms); u0 holds two streams and u1 one, all borrowing, when prompt
+    cost comes on and u1 sends a request with a 17-token prompt (9 tokens and
+    its sampled one).  The borrowing demand kept the free slot for it on the
+    group's room, but the streams borrowed beside it ran first in the engine's
+    loop and left too little: the prompt was refused in every step, the slot
+    stayed empty and a stream sat out (the charge-path machine's GroupTurns
+    example under the suite's memory layout).  The streams on the same cap
+    now count first; the prompt waits for room either way."""
+    members = {u: {"rate": 5, "ceil": None, "weight": 1, "group": "g0"} for u in USERS}
+
+    def section(weight: float) -> dict:
+        return {"default_user_output_tokens_per_second": 100, "input_token_weight": weight,
+                "user_output_tokens_per_second": members, "groups": {"g0": 100}}
+
+    strict_run(
+        EngineConfig(max_num_seqs=4, max_num_active_seqs=3, token_budget=32, chunked=True),
+        section(0),
+        [("arrive", "u0", 2, 17, 400, 0), ("arrive", "u1", 1, 17, 400, 0), ("run", 8, 100),
+         ("reload to", section(0.5)), ("arrive", "u1", 1, 17, 400, 0), ("run", 12, 100)],
+    )

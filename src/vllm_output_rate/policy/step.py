@@ -46,7 +46,7 @@ from __future__ import annotations
 from typing import Any, Container, Hashable, Iterable, Protocol, Sequence, cast
 
 from vllm_output_rate.policy.borrow import Borrowing
-from vllm_output_rate.policy.demand import PrefillBudget, waiting_demand
+from vllm_output_rate.policy.demand import PrefillBudget, unpaid_decoding, waiting_demand
 from vllm_output_rate.policy.displacement import Displacement
 from vllm_output_rate.policy.drafts import DraftAccount
 from vllm_output_rate.policy.eviction import EvictionBudget
@@ -733,9 +733,12 @@ class StepPolicy:
         #: The last step refused a borrower's prompt, or found one its cap
         #: could not pay yet: the next one is planned.
         self._borrowers_refused_for_prompts = False
-        #: user -> cap room the borrowing demand counted for the prompts of
-        #: its waiting requests so far (``_prompt_blocked``), in one step.
-        self._lent_in_demand: dict[str, int] = {}
+        #: The cap a borrowed prompt is paid on (its user's, or its group's:
+        #: ``_cap_scope``) -> room the borrowing demand counted on it so far
+        #: for prompts and the hidden streams borrowing ahead of them
+        #: (``_prompt_blocked``), in one step; and the room that demand shares.
+        self._lent_in_demand: dict[tuple[str, str], int] = {}
+        self._demand_room = 0
         #: Users one of whose waiting prompts the borrowing demand counted
         #: while their group's line was not empty, in one step
         #: (``_turn_taken``), and the view that demand was asked of.
@@ -902,6 +905,7 @@ class StepPolicy:
         if room > 0 and (ledger.short or view.has_waiting()):
             queued = {}
             self._lent_in_demand = {}
+            self._demand_room = room
             self._turn_counted.clear()
             self._demand_view = view
             guaranteed, admissions = waiting_demand(
@@ -1027,7 +1031,15 @@ class StepPolicy:
         if room is None:
             return False
         lent = self._lent_in_demand
-        need = lent.get(user, 0) + 1 + prompt_cost.cost_of(
+        scope = _cap_scope(borrowing, user)
+        before = lent.get(scope)
+        if before is None:
+            # The hidden streams paid on the same cap borrow in vLLM's running
+            # loop, before its waiting loop asks for this prompt: the prompt
+            # gets what they leave.  Counted as it was not, the room kept for
+            # it stayed empty while one of those streams sat out.
+            before = min(self._streams_on_cap(scope), max(self._demand_room - 1, 0))
+        need = before + 1 + prompt_cost.cost_of(
             request, user, charged_upto, num_prompt - charged_upto, num_prompt
         )
         if need > room:
@@ -1042,8 +1054,20 @@ class StepPolicy:
                 self.ledger.refuse(user)
                 self.gate.cap_wanted[user] = need
             return True
-        lent[user] = need
+        lent[scope] = need
         return False
+
+    def _streams_on_cap(self, scope: tuple[str, str]) -> int:
+        """Resident streams the step's plan did not pay for (those that
+        would borrow) of the users whose borrowed tokens ``scope``'s cap pays."""
+        lanes, prepaid = self.lanes, self.ledger.prepaid
+        kind, name = scope
+        if kind == "user":
+            return unpaid_decoding(lanes, prepaid, name)
+        group_of = self.gate.borrowing.table.group_of  # type: ignore[union-attr]
+        return sum(
+            unpaid_decoding(lanes, prepaid, user) for user in lanes.order if group_of(user) == name
+        )
 
     def _turn_taken(self, request: Any, user: str) -> bool:
         """Has the borrowing demand counted a prompt of ``user`` in this step
@@ -1413,6 +1437,13 @@ class _BorrowedPrompts:
         cap = borrowing.cap
         if cap is not None and borrowing.table.ceiled(user):
             cap.refund(user, now_ns, tokens)
+
+
+def _cap_scope(borrowing: Borrowing, user: str) -> tuple[str, str]:
+    """Whose borrowed tokens share the cap ``user``'s are paid on: its
+    group's members (a group's cap counts them all), or the user alone."""
+    group = borrowing.table.group_of(user)
+    return ("user", user) if group is None else ("group", group)
 
 
 def tokens_held(request: Any) -> int:
