@@ -68,6 +68,8 @@ DEFAULT_MIN_STREAM_TOKENS_PER_SECOND = 2.0
 
 #: What :meth:`Residency.cap` returns for a user without a residency cap.
 NO_CAP = None
+#: Most users whose cap :class:`Residency` keeps (then it forgets them all).
+_USERS_KEPT = 1 << 16
 
 
 def _decimal(value: float) -> Fraction:
@@ -88,8 +90,9 @@ class Residency:
     ``limit_of(user)`` returns the user's (rate, ceil) -- ceil None: no
     ceiling -- as configured; ``paces`` holds the users with a minimum pace
     of their own, ``default_pace`` is everybody else's.  Caps are computed
-    once per distinct (rate or ceiling, pace), not per user, and forgotten
-    by :meth:`update` (a reload).
+    once per distinct (rate or ceiling, pace), and each user's is kept (every
+    step asks for the same users' again, once per waiting request), until
+    :meth:`update` (a reload) forgets them all.
 
     Invariants (``tests/policy/test_residency.py``):
 
@@ -99,7 +102,7 @@ class Residency:
     * ``surplus(u, n) = max(0, n - cap(u))`` (0 without a cap).
     """
 
-    __slots__ = ("_default_pace", "_paces", "_limit_of", "_caps")
+    __slots__ = ("_default_pace", "_paces", "_limit_of", "_caps", "_cap_of")
 
     def __init__(
         self,
@@ -108,6 +111,7 @@ class Residency:
         limit_of: Callable[[str], tuple[float, float | None]],
     ) -> None:
         self._caps: dict[tuple[float | None, float], int | None] = {}
+        self._cap_of: dict[str, int | None] = {}  # user -> cap, at most _USERS_KEPT
         self.update(default_pace, paces, limit_of)
 
     def update(
@@ -123,15 +127,23 @@ class Residency:
         self._paces = dict(paces)
         self._limit_of = limit_of
         self._caps.clear()
+        self._cap_of.clear()
 
     def cap(self, user: str) -> int | None:
         """Resident requests ``user`` may be admitted up to (None: no cap)."""
+        cap_of = self._cap_of
+        if user in cap_of:
+            return cap_of[user]
         rate, ceil = self._limit_of(user)
         key = (None if ceil is None else max(rate, ceil), self._paces.get(user, self._default_pace))
         caps = self._caps  # per distinct (top rate, pace): as many as configured limits
         if key in caps:
-            return caps[key]
-        cap = caps[key] = residency_cap(*key)
+            cap = caps[key]
+        else:
+            cap = caps[key] = residency_cap(*key)
+        if len(cap_of) >= _USERS_KEPT:
+            cap_of.clear()  # bounded whatever user names requests bring
+        cap_of[user] = cap
         return cap
 
     def admits(self, user: str, resident: int) -> bool:
