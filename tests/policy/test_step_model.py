@@ -1010,7 +1010,7 @@ def test_idle_catches_a_wait_of_zero(monkeypatch):
 def test_equivalence_catches_a_residency_cap_of_one(monkeypatch):
     from vllm_output_rate.policy.residency import Residency
 
-    monkeypatch.setattr(Residency, "room", lambda self, user, resident: max(0, 1 - resident))
+    monkeypatch.setattr(Residency, "cap", lambda self, user: 1)
     with pytest.raises(AssertionError, match=r"step \d+: stock"):
         model_settings(TEETH_EXAMPLES, shrink=False)(
             given(scenarios(never_hit=True))(test_limits_never_hit_decide_as_stock_step_for_step.hypothesis.inner_test)

@@ -416,9 +416,10 @@ class StepDecision:
         lanes = self.policy.lanes
         user_of = lanes.user_of
         user = user_of[request]
-        room = self.policy.residency.room(user, lanes.resident_count(user))
-        if room is None:
-            return True
+        cap = self.policy.residency.cap(user)
+        if cap is None:
+            return True  # (most waiting requests of a borrower without a ceiling)
+        room = cap - lanes.resident_count(user)
         if room <= 0:
             return self._displace_own_stream(request)
         # This step's admissions are not in the lanes yet.
