@@ -146,6 +146,28 @@ def test_waiting_prompts_of_a_user_in_debt_cost_no_per_step_lookups():
     assert not light.is_finished()
 
 
+def test_queued_prompts_of_a_user_refused_for_one_cost_one_lookup_a_step():
+    """A capped user's decoding stream spends its quota (10 tok/s) whenever
+    there is some, so its four queued prompts are refused in every step (at
+    weight 0.01 its own prompt left no debt).  Once the first of them is
+    refused after its prefix-cache lookup, the others are refused before
+    theirs (StepDecision._prompt_refused_again): one lookup a step, not four."""
+    h = Harness(limits(1000, 0.01, capped=10), max_num_batched_tokens=2048, max_model_len=2048,
+                scheduler_cls=LookupCountingScheduler)
+    pc = h.sched.output_rate_prompt_cost
+    h.add("capped", prompt_len=16, max_tokens=1000, request_id="stream")
+    h.step(10 * MS)
+    for i in range(4):
+        h.add("capped", max_tokens=4, prompt=distinct_prompt(i, 64))
+    h.sched.lookups_in_step()
+    per_step = []
+    for _ in range(50):
+        h.step(10 * MS)
+        per_step.append(h.sched.lookups_in_step())
+    assert pc.prompt_tokens["capped"] == 16  # the stream's own prompt: none of the queued went
+    assert max(per_step) == 1 and sum(per_step) == 50
+
+
 def test_a_prompt_flood_at_weight_0_is_free_and_at_0_5_stops_blocking_admissions(
     long_context_model_dir,
 ):

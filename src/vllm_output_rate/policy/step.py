@@ -348,9 +348,35 @@ class StepDecision:
                     return False
                 return self._admit_to_borrow(request)
             return request not in evicted or self.view.kv_room_for(request)
-        if self.borrow_admits is not None:
-            return self._admit_to_borrow(request)
-        return True
+        if self.borrow_admits is not None and not self._admit_to_borrow(request):
+            return False
+        return not self._prompt_refused_again(request)
+
+    def _prompt_refused_again(self, request: StepRequest) -> bool:
+        """Would :meth:`may_start` refuse this new request whatever the
+        prefix cache holds, and record nothing new?  So when its user was
+        refused for a prompt in this step already and nothing may pay its
+        prompt instead: no debt-free lender (it was not admitted to borrow),
+        no group line to keep its place in, nothing of it paid.  Refused
+        here, before the engine's prefix-cache lookup, the user's queued
+        prompts cost no lookup each in every step (as :meth:`may_consider`
+        does for a user in debt); same decision, same refusals recorded."""
+        policy = self.policy
+        prompt_cost = policy.prompt_cost
+        if not prompt_cost.weight or not self.refused_for_prompts:
+            return False
+        user = policy.lanes.user_of[request]
+        if user not in self.refused_for_prompts or user not in policy.ledger.refused:
+            return False
+        group_of = prompt_cost.group_of
+        if group_of is not None and group_of(user) is not None:
+            return False  # asking keeps (or takes) its place in the group's line
+        return not (
+            request.num_computed_tokens
+            or request in prompt_cost.charged_upto
+            or request in self.admitted_to_borrow
+            or policy.ledger.is_charged(request)
+        )
 
     def adapter_fits(self, adapter: int, max_adapters: int) -> bool:
         """Asked in the engine's waiting loop, before :meth:`may_admit`, for a
