@@ -42,8 +42,6 @@ from vllm_output_rate.policy.rates import Rate
 UNBOUNDED = 1 << 62
 #: The quotas one take was paid on: (limiter, key) per level, in level order.
 Payers = tuple[tuple[Limiter, str], ...]
-#: Most users whose payers a composition keeps (:meth:`ComposedLimiter.payers_of`).
-_PAYERS_KEPT = 1 << 16
 
 
 def _same(user: str) -> str:
@@ -73,7 +71,12 @@ def payers(limiter: Limiter, user: str) -> Payers:
     applicable levels of a composition, else ``limiter`` itself."""
     if not isinstance(limiter, ComposedLimiter):
         return ((limiter, user),)
-    return limiter.payers_of(user)
+    out = []
+    for level in limiter.levels:
+        key = level.key(user)
+        if key is not None:
+            out.append((level.limiter, key))
+    return tuple(out)
 
 
 def refund_payers(paid_by: Payers, now_ns: int, count: int) -> None:
@@ -106,25 +109,6 @@ class ComposedLimiter:
     def __init__(self, levels: Sequence[Level]) -> None:
         assert levels, "a composition needs a level"
         self.levels = tuple(levels)
-        #: user -> its payers, kept: every step asks for the same users' again, and
-        #: the levels and what they read do not change while a composition lives (a
-        #: reload builds a new one).  Forgotten with the idle users, or all at once
-        #: at _PAYERS_KEPT users (a composition nobody cleans up).
-        self._payers: dict[str, Payers] = {}
-
-    def payers_of(self, user: str) -> Payers:
-        """The applicable levels of ``user`` with its key at each (see :func:`payers`)."""
-        paid_by = self._payers.get(user)
-        if paid_by is None:
-            out = []
-            for level in self.levels:
-                key = level.key(user)
-                if key is not None:
-                    out.append((level.limiter, key))
-            if len(self._payers) >= _PAYERS_KEPT:
-                self._payers.clear()
-            paid_by = self._payers[user] = tuple(out)
-        return paid_by
 
     def rate_of(self, user: str) -> float:
         return self.levels[0].limiter.rate_of(user)
@@ -171,7 +155,6 @@ class ComposedLimiter:
 
     def cleanup_idle_users(self, now_ns: int) -> int:
         """Forget idle keys at every level; return how many of the first level's."""
-        self._payers.clear()
         first, *rest = {id(level.limiter): level.limiter for level in self.levels}.values()
         for limiter in rest:
             limiter.cleanup_idle_users(now_ns)
