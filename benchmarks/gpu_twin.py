@@ -413,6 +413,61 @@ def _attainable_note(measured: dict) -> str:
             f"in {measured['steps_longer_than_burst']} steps longer than the burst")
 
 
+def _reading(doc: dict) -> list[str]:
+    """The "Reading it" paragraphs, their figures drawn from the record."""
+    main, kv = doc.get("main", {}), doc.get("kv_pressure")
+    out: list[str] = []
+
+    def measured(running: str) -> dict:
+        return {name: row.get("measured") or row for name, row in main[running]["results"].items()}
+
+    def ratio(meas: dict, name: str) -> str:
+        return f"{meas[name]['throughput_tok_s'] / meas['stock']['throughput_tok_s']:.3f} ×"
+
+    if "256" in main:
+        m = measured("256")
+        out += [f"**256 running.** Ours makes {ratio(m, 'ours')} stock's tokens ({ratio(m, 'ours_no_prompt_cost')} "
+                f"with prompt cost off); its worst capped user gets {_fmt(m['ours'].get('capped_worst_ratio'), 4)} of "
+                f"its limit (async {_fmt(m.get('ours_async', {}).get('capped_worst_ratio'), 4)}). A borrower pays "
+                "its prompts from spare capacity, on its ceiling (tests/tools/test_gpu_twin.py), and no room is "
+                "kept for admissions prompt cost refuses.", ""]
+    if "1024" in main:
+        m = measured("1024")
+        o = m["ours"]
+        out += [f"**1,024 running: throughput.** {ratio(m, 'ours')} stock ({ratio(m, 'ours_no_prompt_cost')} with "
+                "prompt cost off). Ours holds up to 2 R resident requests (stock R): its first seconds are a longer "
+                "wave of prefill steps, and 2 R resident requests outgrow the 27,669 KV blocks, so vLLM preempts "
+                "and recomputes. The borrowing demand keeps no room for waiting requests the full cache refuses, "
+                "nor for more admissions than the step's token budget can begin "
+                "(tests/tools/test_gpu_twin_scale.py).", ""]
+        if o.get("capped_worst_of_attainable") is not None:
+            out += [f"**1,024 running: capped users.** Worst {o['capped_worst_ratio']:.2f} of its limit, "
+                    f"{o['capped_worst_of_attainable']:.2f} of what its quota allows at the engine's own step "
+                    "times. The plugin charges at dispatch and its GCRA lets one dispatch take at most 0.1 s × the "
+                    "limit + 1 tokens, so in a step of d > 0.1 s a capped user that always wants more loses "
+                    "(d − 0.1 s) × its limit; no policy can give it back without breaking the bound. Here "
+                    f"{o['simulated_s_in_steps_longer_than_burst']:.1f} s of the {main['1024']['measured_s']:.0f} s "
+                    f"window fell in {o['steps_longer_than_burst']} such steps (ours's modelled step averages "
+                    f"{main['1024']['results']['ours']['gpu_ms_per_step_mean']:.1f} ms, stock's "
+                    f"{main['1024']['results']['stock']['gpu_ms_per_step_mean']:.1f} ms, a decode-only step "
+                    f"{decode_step_ms(1024):.1f} ms), because borrowers fill the engine with prefills as stock's "
+                    "users do; 'of attainable' counts one token a stream a step. Steps under the burst need a "
+                    "smaller `--max-num-batched-tokens`, or a burst that covers the longest step.", ""]
+    if kv:
+        r = kv["results"]
+        got, alone = r["ours"]["in_quota_first_token_ms"], r["ours_alone"]["in_quota_first_token_ms"]
+        p99 = f"{got['p99'] / alone['p99']:.2f} ×" if got.get("p99") and alone.get("p99") else "–"
+        out += [f"**KV pressure.** The light in-quota users got {got['requests']} first tokens in "
+                f"{kv['duration_s']:.0f} s beside the heavy users ({alone['requests']} alone, stock "
+                f"{r['stock']['in_quota_first_token_ms']['requests']}), p99 {p99} alone's. Borrowed admissions with "
+                "a prompt wait while a request whose user pays now is still ahead in the step: the queue is in "
+                "arrival order with the borrowers' backlogs in front, whose prompts would spend each step's token "
+                "budget first. Once the cache is full, a light request evicted for quota waits for free KV that "
+                "borrowers' running streams hold: they are not victims (only hidden streams of users out of "
+                "quota are), an open case.", ""]
+    return out
+
+
 def render(doc: dict) -> str:
     t = doc["targets"]
     lines = ["# GPU twin: the real scheduler on an H100's clock", "",
@@ -594,40 +649,7 @@ def render(doc: dict) -> str:
     lines += ["## Reading it", "",
               "The CPU figures are this shared 2-core machine's; a server CPU is faster, so the fractions are "
               "upper bounds for the same code. The GPU side is a model: the fractions scale with 1 / step time.", "",
-              "**256 running.** Ours makes stock's tokens (1.007 ×; 1.008 × with prompt cost off) and holds "
-              "every capped user to its limit (sync 0.9949, async 0.9944). The record before these fixes made "
-              "0.265 × with prompt cost: a borrower could not pay a prompt from spare capacity (now it may, on "
-              "its ceiling; tests/tools/test_gpu_twin.py), and room was kept for admissions prompt cost "
-              "refused.", "",
-              "**1,024 running: throughput.** 0.850 × stock (0.812 × with prompt cost off). Ours holds up to "
-              "2 R resident requests (stock R): its first seconds are a longer wave of prefill steps, and 2 R "
-              "resident requests outgrow the 27,669 KV blocks, so vLLM preempts and recomputes (in probes of "
-              "earlier code with prompt cost off: 587 preemptions against stock's 4; R resident instead of "
-              "2 R made 0.860 ×). Room kept for waiting requests the full cache refused hid borrowers' streams "
-              "(fixed: the waiting demand counts only requests the free KV takes; "
-              "tests/tools/test_gpu_twin_scale.py). Room kept for more admissions than the step's token "
-              "budget can begin is fixed after this record's commit (a test in the same file), not yet "
-              "measured here.", "",
-              "**1,024 running: capped users.** Worst 0.65 of its limit, 0.92 of what its quota allows at the "
-              "engine's own step times. The plugin charges at dispatch and its GCRA lets one dispatch take at "
-              "most 0.1 s × the limit + 1 tokens, so in a step of d > 0.1 s a capped user that always wants more "
-              "loses (d − 0.1 s) × its limit; no policy can give it back without breaking the bound. Here 27.7 s "
-              "of the 60 s window fell in 155 such steps: ours's modelled step averages 84.8 ms, as stock's "
-              "(84.3 ms; a decode-only step at 1,024 is 49.5 ms), because borrowers fill the engine with "
-              "prefills as stock's users do. At those lengths a stream makes at most about 12 tokens a second "
-              "and cap-3 asks 16 a stream (128 streams for 2,048 tok/s); 'of attainable' counts one token a "
-              "stream a step. An earlier record (0.9156) ran decode-only 10 ms steps because borrowers could "
-              "not admit, at 0.49 × stock's tokens. Steps under the burst need a smaller "
-              "`--max-num-batched-tokens`, or a burst that covers the longest step.", "",
-              "**KV pressure.** The light in-quota users got 355 first tokens in 30 s beside the heavy users "
-              "(395 alone, stock 0), p99 0.79 × alone's: just under the 90 % of alone's first tokens the "
-              "target asks. Two rules got them there. Borrowed admissions with a prompt wait while a request "
-              "whose user pays now is still ahead in the step (the queue is in arrival order with the "
-              "borrowers' backlogs in front, whose prompts spent each step's token budget first: 5 first "
-              "tokens without the rule, at 1.19 × the throughput: 10,583 against 8,862 tok/s now). Once the "
-              "cache is full, a light request evicted for quota waits for free KV that borrowers' running "
-              "streams hold: they are not victims (only hidden streams of users out of quota are), an open "
-              "case.", "",
+              *_reading(doc),
               "Per-step CPU ratios compare steps of different content (ours: 2 R resident, fewer decodes a step "
               "with prompt cost on). The CPU figures are this shared 2-core machine's; the GPU side is a model.", ""]
     cfg = doc.get("config", {})
