@@ -162,8 +162,7 @@ def waiting_demand(
     ``prefill`` (None: not asked): the token budget the step's admissions
     share; guaranteed requests spend it first, in queue order, and the first
     that could not begin ends the count; admissions count only as many as
-    begin in what they leave (a borrower whose request would not begin
-    even in queue order is settled).
+    begin in what they leave.
     ``guaranteed_keys`` (if given) receives the requests counted in
     ``guaranteed``.  Nothing else is changed.
     """
@@ -189,10 +188,9 @@ def waiting_demand(
     guaranteed = 0
     paying = 0  # requests of users with quota now, with a slot or not
     # The prefill budget: what guaranteed requests take (they go first: a
-    # borrower's admissions are capped to what they leave, see below), what
-    # every request counted takes in queue order (a bound that settles
-    # borrowers early), and the chunks of the admissions counted, in order.
-    spent_guaranteed = spent_in_order = 0
+    # borrower's admissions are capped to what they leave, see below), and
+    # the chunks of the admissions counted, in queue order.
+    spent_guaranteed = 0
     borrowed_chunks: list[int] = []
     for request in waiting:
         if request in in_turn:
@@ -227,7 +225,6 @@ def waiting_demand(
                 spent = prefill.spend(spent_guaranteed, chunk)
                 if spent < 0:
                     break  # nor would any request after it begin
-                spent_in_order += spent - spent_guaranteed
                 spent_guaranteed = spent
             quota[user] = left - 1
             paying += 1
@@ -262,15 +259,10 @@ def waiting_demand(
             most = admittable[user] = min(wanted, limit - unpaid_decoding(lanes, prepaid, user))
         if len(costs) < most:
             if prefill is not None:
-                chunk = prefill.chunk(request)
-                spent = prefill.spend(spent_in_order, chunk)
-                if spent < 0:
-                    settled.add(user)  # guaranteed requests later only spend more
-                    if len(settled) == everyone:
-                        break
-                    continue
-                spent_in_order = spent
-                borrowed_chunks.append(chunk)
+                # Every borrower stays a candidate whatever its place in the
+                # queue: which of them is admitted is the borrowing's choice
+                # (least weighted service first); the budget bounds how many.
+                borrowed_chunks.append(prefill.chunk(request))
             costs.append(output_left(request))
         if len(costs) >= most:
             settled.add(user)
