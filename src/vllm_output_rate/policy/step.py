@@ -425,7 +425,7 @@ class StepDecision:
             if (
                 self.guaranteed_waiting
                 and policy.prompt_cost.weight
-                and request.num_tokens - request.num_computed_tokens > 1
+                and uncomputed(request) > 1
             ):
                 # A request of a user in quota waits later in the queue: a
                 # borrowed prompt admitted first would spend the step's token
@@ -980,11 +980,9 @@ class StepPolicy:
         stream 1 token and its drafts, a prefill its next chunk), and the
         streams borrowed in the ``room`` left after the plan."""
         tokens, per_stream, longest = view.token_budget()
+        budget = PrefillBudget(tokens, self.facts.chunked_prefill, longest, uncomputed)
         prefills = plan.prefills
-        tokens -= (len(plan.visible) - len(prefills)) * per_stream
-        for request in cast("list[StepRequest]", prefills):
-            chunk = request.num_tokens - request.num_computed_tokens
-            tokens -= longest if 0 < longest < chunk else chunk
+        decoding = len(plan.visible) - len(prefills)
         # The borrowed streams are chosen after the demand, from the room it
         # leaves, yet run before the engine's waiting loop: counted as if all
         # of the room went to them (as many as are hidden at most), which
@@ -993,8 +991,9 @@ class StepPolicy:
         # borrowed stream, which runs, or to the engine's own admissions (the
         # active cap is not lowered for it); one counted that cannot begin
         # leaves its slot empty, and a borrower's stream hidden beside it.
-        tokens -= min(room, plan.hidden) * per_stream
-        return PrefillBudget(tokens, self.facts.chunked_prefill, longest, uncomputed)
+        borrowed = min(room, plan.hidden)
+        budget.tokens -= (decoding + borrowed) * per_stream + sum(map(budget.chunk, prefills))
+        return budget
 
     def _prefill_refused(self, user: str, request: Any, decoding: int) -> bool:
         """Will prompt cost refuse the next chunk of the resident prefill
