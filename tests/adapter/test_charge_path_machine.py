@@ -152,11 +152,13 @@ region that is rare among all combinations (``FOCUS``): three or four
 members of one group paying prompt cost with chunked prefill
 (``GroupTurnsMachine``), one ceiling-less borrower whose prompts cost its
 own rate, alone on the engine (``LoneBorrowerMachine``), and speculative
-decoding in every example (``DraftsMachine``); and two of issue 43
-(``PROFILE_EXAMPLES`` each): a batch tier without a ceiling beside a
-weighted tier with one on four slots (``HandOverMachine``), and the
-priority policy with hard caps of 5 tok/s and urgent requests
-(``UrgentMachine``).
+decoding in every example (``DraftsMachine``); and three of issue 43
+(``PROFILE_EXAMPLES`` each), one per defect it was filed for: a batch tier
+without a ceiling beside a weighted tier with one on four slots
+(``HandOverMachine``), a borrower at its residency cap beside one whose
+ceiling is far away, where the active cap binds and slots do not
+(``ResidencyRoomMachine``), and the priority policy with hard caps of
+5 tok/s and urgent requests (``UrgentMachine``).
 
 On e17ecef (the code issue 31 was filed against), with the suite's fixed
 examples, one invariant judged at a time and no shrinking: group turns
@@ -170,23 +172,21 @@ combination at the 115th example it generated (idle waits).  Defect 3's
 other half, a moved user's borrowing counter, is not found by these
 examples (``shares`` is not judged, see ``OPEN_CHECKS``).
 
-On 92d09f2 (the code issue 43 was filed against), with the suite's fixed
-examples, one check at a time (``CHARGE_MACHINE_CHECKS=work`` and
-``=isolation``, the two written for its defects), no shrinking, the six
-profiles run in one process (examples numbered across them, as
-``CHARGE_MACHINE_TRACE`` counts): none of the three defects is told apart
-from 94ea7e8, the code with their fixes.  ``work`` fails at the 28th
-example (GroupTurns': a grouped borrower with room for 16 tokens left a
-stream out beside 2 unused slots) on both commits alike and passes
-HandOver's, ResidencyRoom's and Urgent's examples on both; ``isolation``
-fails at the 138th (Urgent's) on both, on 92d09f2 for u0's urgent request
-(no token 1.0 s after it arrived), on 94ea7e8 for u3's (0.95 s): the bound
-of 0.6 s does not hold for the fixed code in the machine's conditions
-either.  So both checks stay in ``OPEN_CHECKS``, and the three defects are
-caught by ``tests/adapter/test_step_defects.py`` alone.  Earlier drafts
-of these checks fired on 92d09f2 too (``isolation`` on Urgent's examples,
-``work``'s slot-to-a-ceiling-bound-user rule on ResidencyRoom's fifth),
-and on 94ea7e8 in the same profiles: no teeth either.
+On 92d09f2 (the code issue 43 was filed against), with this file's fixed
+examples, one check at a time, no shrinking, each profile run alone
+(this file copied into a checkout of 92d09f2; ``CHARGE_MACHINE_TRACE``
+numbers the examples): ``work`` fails HandOver's 26th example with the
+hand-over rule (u1, whose ceiling left a stream of its own out, was given
+a slot while u0 with room waited: defect 1) and ResidencyRoom's 5th (u0,
+room for one token, left its four resident streams out beside an unused
+active slot: the room went to its waiting requests, which residency then
+refused: defect 2; with 92d09f2's demand made to skip users at their
+residency cap, its 30 pass); ``isolation`` fails Urgent's
+6th (u0's urgent request had no token 1.0 s after it arrived, bound
+0.6 s: defect 3).  The code at the commit that added this paragraph passes
+all three profiles with every check.  ``shares``, ``isolation-wait`` and
+``idle`` pass the three profiles on 92d09f2.  HandOver's first 10
+examples (this profile's count before) do not reach defect 1.
 
 Defaults fit ``make test``; ``CHARGE_MACHINE_EXAMPLES=N`` (and
 ``CHARGE_MACHINE_STEPS=M``) run a longer profile by hand.  For measuring:
@@ -232,8 +232,8 @@ ISOLATION_STEPS = 4
 DEFAULT_RATE = 100
 
 STEPS = int(os.environ.get("CHARGE_MACHINE_STEPS", "40"))
-#: Examples of each issue-43 profile (HandOver, Urgent) in ``make test``.
-PROFILE_EXAMPLES = int(os.environ.get("CHARGE_MACHINE_PROFILE_EXAMPLES", "10"))
+#: Examples of each issue-43 profile (HandOver, ResidencyRoom, Urgent) in ``make test``.
+PROFILE_EXAMPLES = int(os.environ.get("CHARGE_MACHINE_PROFILE_EXAMPLES", "30"))
 ALL_CHECKS = (
     "bounds", "borrower", "liveness", "turns", "shares", "idle", "metrics", "refunds", "work",
     "isolation", "isolation-wait",
@@ -1775,10 +1775,10 @@ class HandOverMachine(ChargePathMachine):
 
 class ResidencyRoomMachine(HandOverMachine):
     """u0 a borrower with a ceiling whose residency cap binds (rate 1, ceil
-    8: cap 4 at the default pace) sends streams eight at a time, u1 a
-    borrower with a ceiling far away (1000) two at a time, on 8 slots with
-    6 active (issue 43's second defect: borrowing room kept for requests
-    residency will not admit)."""
+    8: cap 4 at the default pace) sends eight streams, u1 a borrower with a
+    ceiling far away (1000) four, on 16 slots with 6 active: slots never
+    bind, so only the active cap decides what u1 runs (issue 43's second
+    defect: borrowing room kept for requests residency will not admit)."""
 
     FOCUS = dict(
         HandOverMachine.FOCUS,
@@ -1792,17 +1792,18 @@ class ResidencyRoomMachine(HandOverMachine):
             "input_token_weight": 0,
         }],
     )
-    FOCUS["max_num_seqs"] = [8]
+    FOCUS["max_num_seqs"] = [16]
     FOCUS["max_num_active_seqs"] = [6]
     arrive_tier = None
 
     @precondition(lambda self: self.h is not None and self.added == 0)
     @rule()
     def capped_beside_borrower(self):
-        """u0 sends six streams (four resident under its cap, two waiting),
-        u1 two: six of the eight slots held, so no slot-full exception."""
-        self.arrive("u0", 6, 17, 400, False)
-        self.arrive("u1", 2, 17, 400, False)
+        """u0 sends eight streams (four resident under its cap, four
+        waiting), u1 four: more than the active cap leaves u1 once room is
+        kept for u0's waiting ones."""
+        self.arrive("u0", 8, 17, 400, False)
+        self.arrive("u1", 4, 17, 400, False)
 
 
 class UrgentMachine(ChargePathMachine):
