@@ -435,11 +435,7 @@ def _reading(doc: dict) -> list[str]:
         m = measured("1024")
         o = m["ours"]
         out += [f"**1,024 running: throughput.** {ratio(m, 'ours')} stock ({ratio(m, 'ours_no_prompt_cost')} with "
-                "prompt cost off). Ours holds up to 2 R resident requests (stock R): its first seconds are a longer "
-                "wave of prefill steps, and 2 R resident requests outgrow the 27,669 KV blocks, so vLLM preempts "
-                "and recomputes. The borrowing demand keeps no room for waiting requests the full cache refuses, "
-                "nor for more admissions than the step's token budget can begin "
-                "(tests/tools/test_gpu_twin_scale.py).", ""]
+                f"prompt cost off). {_throughput_reading(main, '1024')}", ""]
         if o.get("capped_worst_of_attainable") is not None:
             out += [f"**1,024 running: capped users.** Worst {o['capped_worst_ratio']:.2f} of its limit, "
                     f"{o['capped_worst_of_attainable']:.2f} of what its quota allows at the engine's own step "
@@ -466,6 +462,56 @@ def _reading(doc: dict) -> list[str]:
                 "borrowers' running streams hold: they are not victims (only hidden streams of users out of "
                 "quota are), an open case.", ""]
     return out
+
+
+def _step_use_table(res: dict) -> list[str]:
+    """Stock's and ours's steps per 5 s of the measured window: what they ran and held."""
+    segments = {name: (res[name].get("measured") or {}).get("segments") for name in ("stock", "ours")}
+    if not all(segments.values()):
+        return []
+    out = ["Where the steps went (measured window, 5 s segments; means per step that ran a model; "
+           "'full' = steps that ran every active slot):", "",
+           "| from s | stock: ran / held / full / KV used / prefill tok / GPU ms / preempted | "
+           "ours: ran / held / full / KV used / prefill tok / GPU ms / preempted |", "|---|---|---|"]
+
+    def cell(seg: dict) -> str:
+        if not seg.get("steps"):
+            return "–"
+        return (f"{seg['mean_scheduled_requests']:.0f} / {seg['mean_held_requests']:.0f} / "
+                f"{seg['share_with_every_active_slot_used']:.0%} / {seg['mean_kv_usage']:.0%} / "
+                f"{seg['mean_prefill_tokens']:.0f} / {seg['mean_gpu_ms']:.1f} / {seg['preemptions']}")
+
+    for a, b in zip(segments["stock"], segments["ours"]):
+        out.append(f"| {a['from_s']:.0f} | {cell(a)} | {cell(b)} |")
+    return out + [""]
+
+
+def _throughput_reading(main: dict, running: str) -> str:
+    """Why ours's output tokens differ from stock's at ``running``, from the step records."""
+    res = main[running]["results"]
+    m = {name: res[name].get("measured") or {} for name in ("stock", "ours")}
+    st, ou = m["stock"].get("steps"), m["ours"].get("steps")
+    if not st or not ou or "mean_decodes" not in st:
+        return ("The record predates the step records (`measured.steps`): rerun `make bench-twin` to see where "
+                "the steps went.")
+    decodes = ou["mean_decodes"] / st["mean_decodes"]
+    step = ou["mean_gpu_ms"] / st["mean_gpu_ms"]
+    q_s, q_o = m["stock"]["in_quota_prompt_tokens"], m["ours"]["in_quota_prompt_tokens"]
+    span = main[running]["measured_s"]
+    return (f"Output tokens per second are decodes per step over the step's time: ours decodes "
+            f"{ou['mean_decodes']:.0f} requests a step against stock's {st['mean_decodes']:.0f} ({decodes:.3f} ×) "
+            f"in steps {step:.3f} × as long ({ou['mean_gpu_ms']:.1f} against {st['mean_gpu_ms']:.1f} ms), "
+            f"{decodes / step:.3f} × in all. The steps are longer for prefill: {ou['mean_prefill_tokens']:.0f} prompt "
+            f"tokens a step against {st['mean_prefill_tokens']:.0f}; the in-quota light users' prompts were "
+            f"{q_o / span:.0f} tokens a second of it on ours, {q_s / span:.0f} on stock, which leaves them queued "
+            f"(their first tokens below): work stock defers, not work ours wastes. Fewer decodes: "
+            f"{ou['share_with_every_active_slot_used']:.0%} of ours's steps ran every active slot "
+            f"({st['share_with_every_active_slot_used']:.0%} of stock's); ours held {ou['mean_held_requests']:.0f} "
+            f"requests a step with the KV cache {ou['mean_kv_usage']:.0%} used (stock {st['mean_held_requests']:.0f}, "
+            f"{st['mean_kv_usage']:.0%}) and preempted {ou['preemptions']} (stock {st['preemptions']}). The table "
+            "after the fairness windows gives the same per 5 s: a slower first fill while the borrowers' first "
+            "prompts are admitted, then, once the cache is full, resident requests that sit out (throttled "
+            "streams keep their KV) beside active slots no waiting request can take.")
 
 
 def render(doc: dict) -> str:
@@ -618,6 +664,7 @@ def render(doc: dict) -> str:
                          f"{_fmt(w['gap_equal_weight_tokens'], 0)} | {_fmt(w['jain_weighted_all'], 4)} | "
                          f"{_fmt(w['gap_weighted_all_tokens'], 0)} | {_fmt(s.get('jain_equal_weight'), 4)} |")
         lines.append("")
+        lines += _step_use_table(res)
     if kv:
         lines += [f"## KV pressure ({kv['running']} running, {kv['duration_s']:.0f} simulated s)", "",
                   "Heavy users' requests hold 384–512 prompt and 1,000–1,500 output tokens: at "

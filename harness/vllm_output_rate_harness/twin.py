@@ -150,6 +150,14 @@ class TwinEngine(Harness):
         self.gpu_ms: list[float] = []
         self.decodes: list[int] = []
         self.prefill: list[int] = []
+        # per step, to say where an engine's tokens go: its start instant, the requests it ran and
+        # preempted, the requests it held (running) and the KV cache's usage after scheduling
+        self.active_cap = max_num_active_seqs or max_num_seqs
+        self.started_ns: list[int] = []
+        self.scheduled: list[int] = []
+        self.preempted: list[int] = []
+        self.held: list[int] = []
+        self.kv_usage: list[float] = []
         self.idle_steps = 0
         self._update_cpu = 0
         self._update_wall = 0
@@ -222,6 +230,11 @@ class TwinEngine(Harness):
         self.gpu_ms.append(dt / MS if output.total_num_scheduled_tokens else 0.0)
         self.decodes.append(decodes)
         self.prefill.append(prefill)
+        self.started_ns.append(now)
+        self.scheduled.append(len(output.num_scheduled_tokens))
+        self.preempted.append(len(output.preempted_req_ids or ()))
+        self.held.append(len(sched.running))
+        self.kv_usage.append(sched.kv_cache_manager.usage)
         self.clock.advance(dt)
         if self.borrowers and self.clock.now_ns >= self._next_reading_ns:
             self.fairness_readings.append((self._next_reading_ns / S, self.fairness.reading(self.clock.now_ns)))
@@ -355,6 +368,33 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
 
 
+#: The span of each of ``step_use``'s segments in a run's summary.
+SEGMENT_NS = 5 * S
+
+
+def step_use(e: TwinEngine, from_ns: int, to_ns: int) -> dict:
+    """How the engine's steps that started in [``from_ns``, ``to_ns``) used it: means per step
+    that ran a model, the share of those that ran ``active_cap`` requests, preemptions in all."""
+    busy = [i for i, t in enumerate(e.started_ns) if from_ns <= t < to_ns and e.gpu_ms[i] > 0]
+    if not busy:
+        return {"steps": 0}
+
+    def mean(values: Sequence[float]) -> float:
+        return sum(values[i] for i in busy) / len(busy)
+
+    return {
+        "steps": len(busy),
+        "mean_scheduled_requests": mean(e.scheduled),
+        "share_with_every_active_slot_used": sum(1 for i in busy if e.scheduled[i] >= e.active_cap) / len(busy),
+        "mean_held_requests": mean(e.held),
+        "mean_kv_usage": mean(e.kv_usage),
+        "mean_decodes": mean(e.decodes),
+        "mean_prefill_tokens": mean(e.prefill),
+        "mean_gpu_ms": mean(e.gpu_ms),
+        "preemptions": sum(e.preempted[i] for i in busy),
+    }
+
+
 def summary(e: TwinEngine, workload: Workload, duration_s: float, decode_step_ms: float) -> dict:
     """Figures of one engine's run (JSON-ready).  ``measured``: throughput and the capped
     users' charged tokens from the engine's ``measure_from_s`` to ``duration_s`` only."""
@@ -411,6 +451,12 @@ def summary(e: TwinEngine, workload: Workload, duration_s: float, decode_step_ms
             measured["capped"][user] = charged / (limit * span)
         if measured["capped"]:
             measured["capped_worst_ratio"] = max(measured["capped"].values(), key=lambda r: abs(r - 1))
+        measured["steps"] = step_use(e, e.measure_from_ns, int(duration_s * S))
+        measured["in_quota_prompt_tokens"] = sum(e.prompt_measured.get(u, 0) for u in workload.in_quota)
+        measured["segments"] = [
+            {"from_s": a / S, **step_use(e, a, min(a + SEGMENT_NS, int(duration_s * S)))}
+            for a in range(e.measure_from_ns, int(duration_s * S), SEGMENT_NS)
+        ]
         row["measured"] = measured
     windows = []
     equal = sorted(u for u, w in workload.borrowers.items() if w == 1)

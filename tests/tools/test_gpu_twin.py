@@ -12,7 +12,16 @@ import random
 import pytest
 
 from vllm_output_rate_harness.scheduler_sim import MS, Harness
-from vllm_output_rate_harness.twin import S, GpuCostModel, Job, TwinEngine, Workload, max_in_window, run_lockstep
+from vllm_output_rate_harness.twin import (
+    S,
+    GpuCostModel,
+    Job,
+    TwinEngine,
+    Workload,
+    max_in_window,
+    run_lockstep,
+    summary,
+)
 
 COST = GpuCostModel("test GPU", "test model", 4.0, 0.05, 0.03)
 CAPS = {"cap-a": 60.0, "cap-b": 150.0}
@@ -89,6 +98,27 @@ def test_the_clock_is_the_cost_models():
     # fairness readings exist once per simulated second and see the two backlogged borrowers
     assert len(ours.fairness_readings) >= DURATION_S - 1
     assert all(r.backlogged_users == 2 for _, r in ours.fairness_readings[1:])
+
+
+def test_the_step_records_add_up_to_the_run():
+    """The summary's "where the steps went" (the GPU twin page's table) is the run's own steps:
+    segments partition the measured window, and each mean matches the per-step lists."""
+    w = workload()
+    ours = TwinEngine("ours", w.limits, COST, max_num_seqs=16, max_num_active_seqs=8, num_blocks=400,
+                      max_num_batched_tokens=256, watch=w.capped, borrowers=w.borrowers, measure_from_s=1.0)
+    run_lockstep([ours], w, DURATION_S)
+    measured = summary(ours, w, DURATION_S, decode_step_ms=5.0)["measured"]
+    steps = measured["steps"]
+    busy = [i for i, t in enumerate(ours.started_ns) if t >= S and ours.gpu_ms[i] > 0]
+    assert steps["steps"] == len(busy) > 0
+    assert steps["mean_scheduled_requests"] == pytest.approx(sum(ours.scheduled[i] for i in busy) / len(busy))
+    assert max(ours.scheduled) <= 8  # the active cap, not the resident one
+    assert steps["share_with_every_active_slot_used"] == pytest.approx(
+        sum(1 for i in busy if ours.scheduled[i] == 8) / len(busy))
+    assert 0 <= steps["mean_kv_usage"] <= 1
+    assert sum(seg["steps"] for seg in measured["segments"]) == steps["steps"]
+    assert sum(seg.get("preemptions", 0) for seg in measured["segments"]) == steps["preemptions"]
+    assert measured["in_quota_prompt_tokens"] == sum(ours.prompt_measured.get(u, 0) for u in w.in_quota) > 0
 
 
 # -- issue 44: why the twin's plugin made a fraction of stock's tokens --------------------------
