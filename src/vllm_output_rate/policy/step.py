@@ -277,8 +277,10 @@ class StepDecision:
         #: built on first need (the adapter's); entries of running counted.
         self.adapters: set[int] | None = None
         self.adapters_seen = 0
-        #: Users refused for their prompt cost: behind every other user next.
-        self.refused_for_prompts: set[str] = set()
+        #: Users refused for their prompt cost: behind every other user next,
+        #: in refusal order (a set would order them by string hashes, and the
+        #: decisions of later steps changed with PYTHONHASHSEED).
+        self.refused_for_prompts: dict[str, None] = {}
         #: The requests offered in this step, as a set, built on the first
         #: displacement within a user (priority scheduling).
         self.visible_now: set[Any] | None = None
@@ -516,7 +518,7 @@ class StepDecision:
         )
         if prompt_cost.can_pay(request, user, lender):
             return True
-        self.refused_for_prompts.add(user)
+        self.refused_for_prompts[user] = None
         return False
 
     def _prompt_lender_for(
@@ -565,7 +567,7 @@ class StepDecision:
         user = self.policy.lanes.user_of[request]
         if user in prompt_cost.debt and request not in prompt_cost.charged_upto:
             prompt_cost.can_pay(request, user)  # records the refusal
-            self.refused_for_prompts.add(user)
+            self.refused_for_prompts[user] = None
             return False
         return True
 
@@ -642,7 +644,7 @@ class StepDecision:
             if not prompt_cost.can_pay(request, user, lender):
                 if running:
                     self.refused_visible += 1
-                self.refused_for_prompts.add(user)
+                self.refused_for_prompts[user] = None
                 return 0
             num_new_tokens = self._charge_at_sampling_position(
                 request, num_computed_tokens, num_new_tokens, running
