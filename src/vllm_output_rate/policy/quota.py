@@ -71,12 +71,7 @@ def payers(limiter: Limiter, user: str) -> Payers:
     applicable levels of a composition, else ``limiter`` itself."""
     if not isinstance(limiter, ComposedLimiter):
         return ((limiter, user),)
-    out = []
-    for level in limiter.levels:
-        key = level.key(user)
-        if key is not None:
-            out.append((level.limiter, key))
-    return tuple(out)
+    return limiter.payers_of(user)
 
 
 def refund_payers(paid_by: Payers, now_ns: int, count: int) -> None:
@@ -109,20 +104,37 @@ class ComposedLimiter:
     def __init__(self, levels: Sequence[Level]) -> None:
         assert levels, "a composition needs a level"
         self.levels = tuple(levels)
+        # What payers_of reads of each level, unpacked once: the waiting loop
+        # asks a user's quota once per waiting request, and every ask works out
+        # the user's levels afresh (they read membership live, never kept).
+        # None for a level paid under the user's own name (no call for it).
+        self._asks = tuple(
+            (level.limiter, None if level.key_of is _same else level.key_of, level.applies)
+            for level in self.levels
+        )
+
+    def payers_of(self, user: str) -> Payers:
+        """The applicable levels of ``user`` with its key at each, now (see :func:`payers`)."""
+        out = []
+        for limiter, key_of, applies in self._asks:
+            key = user if key_of is None else key_of(user)
+            if key is not None and (applies is None or applies(key)):
+                out.append((limiter, key))
+        return tuple(out)
 
     def rate_of(self, user: str) -> float:
         return self.levels[0].limiter.rate_of(user)
 
     def available(self, user: str, now_ns: int) -> int:
-        return _available(payers(self, user), now_ns)
+        return _available(self.payers_of(user), now_ns)
 
     def want(self, user: str, now_ns: int, count: int = 1) -> None:
-        _want(payers(self, user), now_ns, count)
+        _want(self.payers_of(user), now_ns, count)
 
     def try_take(self, user: str, now_ns: int, count: int = 1) -> bool:
         if count <= 0:
             return True
-        paid_by = payers(self, user)
+        paid_by = self.payers_of(user)
         if _available(paid_by, now_ns) >= count:
             taken = _take(paid_by, now_ns, count)
             if taken == count:
@@ -134,7 +146,7 @@ class ComposedLimiter:
     def take_up_to(self, user: str, now_ns: int, count: int) -> int:
         if count <= 0:
             return 0
-        paid_by = payers(self, user)
+        paid_by = self.payers_of(user)
         taken = _take(paid_by, now_ns, min(count, _available(paid_by, now_ns)))
         if taken < count:
             _want(paid_by, now_ns, count - taken)
@@ -143,11 +155,11 @@ class ComposedLimiter:
     def refund(self, user: str, now_ns: int, count: int = 1) -> None:
         """Give back to the user's levels now (a refund in the step of its
         take; one that may cross a reload goes through :func:`refund_payers`)."""
-        refund_payers(payers(self, user), now_ns, count)
+        refund_payers(self.payers_of(user), now_ns, count)
 
     def ready_at_ns(self, user: str, now_ns: int) -> int:
         ready = now_ns
-        for limiter, key in payers(self, user):
+        for limiter, key in self.payers_of(user):
             at = limiter.ready_at_ns(key, now_ns)
             if at > ready:
                 ready = at
