@@ -81,7 +81,7 @@ def refund_payers(paid_by: Payers, now_ns: int, count: int) -> None:
             limiter.refund(key, now_ns, count)
 
 
-def _available(paid_by: Payers, now_ns: int) -> int:
+def available_on(paid_by: Payers, now_ns: int) -> int:
     """The least any of ``paid_by`` could pay now (stops at 0; asks have no effect)."""
     least = UNBOUNDED
     for limiter, key in paid_by:
@@ -126,30 +126,30 @@ class ComposedLimiter:
         return self.levels[0].limiter.rate_of(user)
 
     def available(self, user: str, now_ns: int) -> int:
-        return _available(self.payers_of(user), now_ns)
+        return available_on(self.payers_of(user), now_ns)
 
     def want(self, user: str, now_ns: int, count: int = 1) -> None:
-        _want(self.payers_of(user), now_ns, count)
+        want_on(self.payers_of(user), now_ns, count)
 
     def try_take(self, user: str, now_ns: int, count: int = 1) -> bool:
         if count <= 0:
             return True
         paid_by = self.payers_of(user)
-        if _available(paid_by, now_ns) >= count:
+        if available_on(paid_by, now_ns) >= count:
             taken = _take(paid_by, now_ns, count)
             if taken == count:
                 return True
             refund_payers(paid_by, now_ns, taken)  # a level shrank since it was asked: none
-        _want(paid_by, now_ns, count)
+        want_on(paid_by, now_ns, count)
         return False
 
     def take_up_to(self, user: str, now_ns: int, count: int) -> int:
         if count <= 0:
             return 0
         paid_by = self.payers_of(user)
-        taken = _take(paid_by, now_ns, min(count, _available(paid_by, now_ns)))
+        taken = _take(paid_by, now_ns, min(count, available_on(paid_by, now_ns)))
         if taken < count:
-            _want(paid_by, now_ns, count - taken)
+            want_on(paid_by, now_ns, count - taken)
         return taken
 
     def refund(self, user: str, now_ns: int, count: int = 1) -> None:
@@ -184,7 +184,7 @@ class ComposedLimiter:
         """Nothing of its own: the owners of the levels close them."""
 
 
-def _want(paid_by: Payers, now_ns: int, count: int) -> None:
+def want_on(paid_by: Payers, now_ns: int, count: int) -> None:
     """Declare ``count`` tokens wanted on every quota of ``paid_by``."""
     for limiter, key in paid_by:
         limiter.want(key, now_ns, count)
