@@ -189,9 +189,11 @@ def waiting_demand(
     paying = 0  # requests of users with quota now, with a slot or not
     # The prefill budget: what guaranteed requests take (they go first: a
     # borrower's admissions are capped to what they leave, see below), and
-    # the chunks of the admissions counted, in queue order.
+    # the admissions counted, in queue order (their chunks are worked out
+    # below, only as far as the budget reaches: a borrower's whole backlog
+    # may be counted, a few dozen of it begin).
     spent_guaranteed = 0
-    borrowed_chunks: list[int] = []
+    borrowed: list[Key] = []
     for request in waiting:
         if request in in_turn:
             continue
@@ -262,7 +264,7 @@ def waiting_demand(
                 # Every borrower stays a candidate whatever its place in the
                 # queue: which of them is admitted is the borrowing's choice
                 # (least weighted service first); the budget bounds how many.
-                borrowed_chunks.append(prefill.chunk(request))
+                borrowed.append(request)
             costs.append(output_left(request))
         if len(costs) >= most:
             settled.add(user)
@@ -278,8 +280,11 @@ def waiting_demand(
         # requests leave.
         admissions = 0
         spent = spent_guaranteed
-        for chunk in borrowed_chunks:
-            spent = prefill.spend(spent, chunk)
+        chunk = prefill.chunk
+        for request in borrowed:
+            if admissions >= slots:
+                break  # no more than the slots are admitted (below)
+            spent = prefill.spend(spent, chunk(request))
             if spent < 0:
                 break
             admissions += 1
