@@ -385,9 +385,13 @@ class OutputRateSchedulerMixin(
         self.running = list(resident) if visible is None else visible
         plan = step.plan
         kv_cache_manager = self.kv_cache_manager
-        if plan.throttled:
+        if plan.throttled and plan.hidden:
             # Hidden throttled requests exist: allocation failures evict them
-            # first.  Otherwise vLLM talks to its own KV cache manager.
+            # first.  Otherwise vLLM talks to its own KV cache manager: a
+            # victim is a hidden stream (``throttled_victims``), so a step
+            # that offers every resident request (a lone borrower's, all of
+            # its streams borrowed) has none to find, and the stand-in would
+            # only cost a call per allocation.
             self.kv_cache_manager = _EvictingKVCacheManager(kv_cache_manager, self._kv_victim_for)
         try:
             output = super().schedule(*args, **kwargs)
