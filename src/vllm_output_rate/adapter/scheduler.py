@@ -23,7 +23,7 @@ answers out.  One ``schedule()`` call:
   ``_ec_transfer_pending`` -> ``may_start`` (after the prefix-cache
   lookup); ``max_num_active_reqs`` -> ``active_cap``; a failed KV
   allocation -> ``victim_for`` (through :class:`_EvictingKVCacheManager`,
-  only in steps with throttled requests).
+  only in steps that hide throttled requests).
 * **End.**  The admissions vLLM appended are recorded, the running list
   restored, the requests evicted for quota go back to the waiting queue's
   front, and ``StepPolicy.end`` settles the step once (refunds, prompt
