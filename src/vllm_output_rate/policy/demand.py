@@ -285,11 +285,11 @@ def waiting_demand(
         # requests leave.
         admissions = 0
         spent = spent_guaranteed
-        chunk = prefill.chunk
+        chunk_of = prefill.chunk
         for request in borrowed:
             if admissions >= slots:
                 break  # no more than the slots are admitted (below)
-            spent = prefill.spend(spent, chunk(request))
+            spent = prefill.spend(spent, chunk_of(request))
             if spent < 0:
                 break
             admissions += 1
