@@ -171,6 +171,20 @@ def test_a_running_request_takes_kv_from_the_least_recently_served_throttled_str
     assert part.victim_for("f1", waiting=False) == "s2"
 
 
+def test_a_step_that_hides_nothing_has_no_victim():
+    """Every resident request offered (the throttled user's streams all
+    borrowed): no victim for any requester.  The scheduler adapter relies on
+    it to talk to vLLM's own KV cache manager in such a step."""
+    gate, part, _ = displacement()
+    add(gate, "fast", "f1", resident=True)
+    add(gate, "other", "o1")  # waiting, nothing of its user resident
+    plan = start(gate)
+    assert plan.hidden == 3 and part.victim_for("f1", waiting=False) == "s1"
+    gate.ledger.pay_borrowed(["s1", "s2", "s3"])  # what StepGate.borrow records
+    assert part.victim_for("f1", waiting=False) is None
+    assert part.victim_for("o1", waiting=True) is None
+
+
 def test_no_victim_for_a_requester_who_cannot_pay_or_of_its_own_user():
     gate, part, _ = displacement()
     add(gate, "slow", "s4")

@@ -23,7 +23,7 @@ answers out.  One ``schedule()`` call:
   ``_ec_transfer_pending`` -> ``may_start`` (after the prefix-cache
   lookup); ``max_num_active_reqs`` -> ``active_cap``; a failed KV
   allocation -> ``victim_for`` (through :class:`_EvictingKVCacheManager`,
-  only in steps with throttled requests).
+  only in steps that hide throttled requests).
 * **End.**  The admissions vLLM appended are recorded, the running list
   restored, the requests evicted for quota go back to the waiting queue's
   front, and ``StepPolicy.end`` settles the step once (refunds, prompt
@@ -385,9 +385,13 @@ class OutputRateSchedulerMixin(
         self.running = list(resident) if visible is None else visible
         plan = step.plan
         kv_cache_manager = self.kv_cache_manager
-        if plan.throttled:
+        if plan.throttled and plan.hidden:
             # Hidden throttled requests exist: allocation failures evict them
-            # first.  Otherwise vLLM talks to its own KV cache manager.
+            # first.  Otherwise vLLM talks to its own KV cache manager: a
+            # victim is a hidden stream (``throttled_victims``), so a step
+            # that offers every resident request (a lone borrower's, all of
+            # its streams borrowed) has none to find, and the stand-in would
+            # only cost a call per allocation.
             self.kv_cache_manager = _EvictingKVCacheManager(kv_cache_manager, self._kv_victim_for)
         try:
             output = super().schedule(*args, **kwargs)

@@ -100,12 +100,14 @@ class ShareTable:
         return self._users.get(user, self._default)
 
     def borrows(self, user: str) -> bool:
-        rate, share = self._of(user)
+        # (``_of`` written out here and in ``ceiled``: both are asked for every
+        # waiting request a step looks at, through the composed quota's levels.)
+        rate, share = self._users.get(user, self._default)
         return share is not None and (share.ceil is None or share.ceil > rate)
 
     def ceiled(self, user: str) -> bool:
         """Borrows and has a ceiling: its tokens are paid on the ceiling too."""
-        rate, share = self._of(user)
+        rate, share = self._users.get(user, self._default)
         return share is not None and share.ceil is not None and share.ceil > rate
 
     def weight(self, user: str) -> float:

@@ -151,7 +151,9 @@ def waiting_demand(
     ``waiting``: the requests vLLM could admit now, in queue order;
     ``free_slots``: model-runner slots free; ``queued`` receives, per
     borrowing user, what each of its waiting requests that would only run
-    by borrowing may output (in queue order).  Requests already waiting
+    by borrowing may output (in queue order), as many of them as the
+    admissions returned (no user is given more; every such user is a key,
+    possibly with an empty list).  Requests already waiting
     their turn for quota (``lanes.in_turn``) are reserved for elsewhere and
     not counted.  ``prompt_blocked(request, has_quota)``: would prompt
     cost refuse the request, its user's quota counted so far spent or not
@@ -189,9 +191,14 @@ def waiting_demand(
     paying = 0  # requests of users with quota now, with a slot or not
     # The prefill budget: what guaranteed requests take (they go first: a
     # borrower's admissions are capped to what they leave, see below), and
-    # the chunks of the admissions counted, in queue order.
+    # the admissions counted, in queue order (their chunks are worked out
+    # below, only as far as the budget reaches: a borrower's whole backlog
+    # may be counted, a few dozen of it begin).
     spent_guaranteed = 0
-    borrowed_chunks: list[int] = []
+    borrowed: list[Key] = []
+    # user -> its requests counted for admission by borrowing, in queue order
+    # (what they may output is read below, only for as many as are admitted).
+    counted: dict[str, list[Key]] = {}
     for request in waiting:
         if request in in_turn:
             continue
@@ -253,7 +260,7 @@ def waiting_demand(
             continue
         if kv_room is not None and not kv_room(request):
             break
-        costs = queued.setdefault(user, [])
+        costs = counted.setdefault(user, [])
         most = admittable.get(user)
         if most is None:
             most = admittable[user] = min(wanted, limit - unpaid_decoding(lanes, prepaid, user))
@@ -262,14 +269,14 @@ def waiting_demand(
                 # Every borrower stays a candidate whatever its place in the
                 # queue: which of them is admitted is the borrowing's choice
                 # (least weighted service first); the budget bounds how many.
-                borrowed_chunks.append(prefill.chunk(request))
-            costs.append(output_left(request))
+                borrowed.append(request)
+            costs.append(request)
         if len(costs) >= most:
             settled.add(user)
             if len(settled) == everyone:
                 break
     slots = min(free_slots, limit) - guaranteed
-    admissions = sum(map(len, queued.values()))
+    admissions = sum(map(len, counted.values()))
     if prefill is not None and admissions:
         # Counted in queue order, but admitted after the guaranteed requests
         # (with prompt cost a borrower's prompt waits for them; otherwise
@@ -278,9 +285,15 @@ def waiting_demand(
         # requests leave.
         admissions = 0
         spent = spent_guaranteed
-        for chunk in borrowed_chunks:
-            spent = prefill.spend(spent, chunk)
+        chunk_of = prefill.chunk
+        for request in borrowed:
+            if admissions >= slots:
+                break  # no more than the slots are admitted (below)
+            spent = prefill.spend(spent, chunk_of(request))
             if spent < 0:
                 break
             admissions += 1
-    return guaranteed, max(0, min(slots, admissions))
+    admissions = max(0, min(slots, admissions))
+    for user, requests in counted.items():
+        queued[user] = [output_left(request) for request in requests[:admissions]]
+    return guaranteed, admissions

@@ -16,6 +16,7 @@ from typing import Any, Callable, Container, Hashable, Iterable, Mapping
 
 from vllm_output_rate.policy.lanes import Lanes
 from vllm_output_rate.policy.limiter import Limiter
+from vllm_output_rate.policy.quota import available_on, payers, want_on
 
 Key = Hashable
 _NOTHING: frozenset[Key] = frozenset()
@@ -168,9 +169,13 @@ class Ledger:
         refused; none left declares the next token wanted)."""
         if user in self.refused:
             return 0
-        left = self.limiter.available(user, self.now_ns)
+        # The user's levels looked up once for the ask and the want (the
+        # limiter's available + want, at one instant): the borrowing demand
+        # and the waiting loop ask this once per waiting request.
+        paid_by = payers(self.limiter, user)
+        left = available_on(paid_by, self.now_ns)
         if not left:
-            self.limiter.want(user, self.now_ns)
+            want_on(paid_by, self.now_ns, 1)
         return left
 
     def is_served_now(self, key: Key) -> bool:

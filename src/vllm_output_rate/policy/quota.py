@@ -71,12 +71,7 @@ def payers(limiter: Limiter, user: str) -> Payers:
     applicable levels of a composition, else ``limiter`` itself."""
     if not isinstance(limiter, ComposedLimiter):
         return ((limiter, user),)
-    out = []
-    for level in limiter.levels:
-        key = level.key(user)
-        if key is not None:
-            out.append((level.limiter, key))
-    return tuple(out)
+    return limiter.payers_of(user)
 
 
 def refund_payers(paid_by: Payers, now_ns: int, count: int) -> None:
@@ -86,7 +81,7 @@ def refund_payers(paid_by: Payers, now_ns: int, count: int) -> None:
             limiter.refund(key, now_ns, count)
 
 
-def _available(paid_by: Payers, now_ns: int) -> int:
+def available_on(paid_by: Payers, now_ns: int) -> int:
     """The least any of ``paid_by`` could pay now (stops at 0; asks have no effect)."""
     least = UNBOUNDED
     for limiter, key in paid_by:
@@ -109,45 +104,62 @@ class ComposedLimiter:
     def __init__(self, levels: Sequence[Level]) -> None:
         assert levels, "a composition needs a level"
         self.levels = tuple(levels)
+        # What payers_of reads of each level, unpacked once: the waiting loop
+        # asks a user's quota once per waiting request, and every ask works out
+        # the user's levels afresh (they read membership live, never kept).
+        # None for a level paid under the user's own name (no call for it).
+        self._asks = tuple(
+            (level.limiter, None if level.key_of is _same else level.key_of, level.applies)
+            for level in self.levels
+        )
+
+    def payers_of(self, user: str) -> Payers:
+        """The applicable levels of ``user`` with its key at each, now (see :func:`payers`)."""
+        out = []
+        for limiter, key_of, applies in self._asks:
+            key = user if key_of is None else key_of(user)
+            if key is not None and (applies is None or applies(key)):
+                out.append((limiter, key))
+        return tuple(out)
 
     def rate_of(self, user: str) -> float:
         return self.levels[0].limiter.rate_of(user)
 
     def available(self, user: str, now_ns: int) -> int:
-        return _available(payers(self, user), now_ns)
+        return available_on(self.payers_of(user), now_ns)
 
     def want(self, user: str, now_ns: int, count: int = 1) -> None:
-        _want(payers(self, user), now_ns, count)
+        want_on(self.payers_of(user), now_ns, count)
 
     def try_take(self, user: str, now_ns: int, count: int = 1) -> bool:
         if count <= 0:
             return True
-        paid_by = payers(self, user)
-        if _available(paid_by, now_ns) >= count:
+        paid_by = self.payers_of(user)
+        if available_on(paid_by, now_ns) >= count:
             taken = _take(paid_by, now_ns, count)
             if taken == count:
                 return True
             refund_payers(paid_by, now_ns, taken)  # a level shrank since it was asked: none
-        _want(paid_by, now_ns, count)
+        want_on(paid_by, now_ns, count)
         return False
 
     def take_up_to(self, user: str, now_ns: int, count: int) -> int:
         if count <= 0:
             return 0
-        paid_by = payers(self, user)
-        taken = _take(paid_by, now_ns, min(count, _available(paid_by, now_ns)))
+        paid_by = self.payers_of(user)
+        taken = _take(paid_by, now_ns, min(count, available_on(paid_by, now_ns)))
         if taken < count:
-            _want(paid_by, now_ns, count - taken)
+            want_on(paid_by, now_ns, count - taken)
         return taken
 
     def refund(self, user: str, now_ns: int, count: int = 1) -> None:
         """Give back to the user's levels now (a refund in the step of its
         take; one that may cross a reload goes through :func:`refund_payers`)."""
-        refund_payers(payers(self, user), now_ns, count)
+        refund_payers(self.payers_of(user), now_ns, count)
 
     def ready_at_ns(self, user: str, now_ns: int) -> int:
         ready = now_ns
-        for limiter, key in payers(self, user):
+        for limiter, key in self.payers_of(user):
             at = limiter.ready_at_ns(key, now_ns)
             if at > ready:
                 ready = at
@@ -172,7 +184,7 @@ class ComposedLimiter:
         """Nothing of its own: the owners of the levels close them."""
 
 
-def _want(paid_by: Payers, now_ns: int, count: int) -> None:
+def want_on(paid_by: Payers, now_ns: int, count: int) -> None:
     """Declare ``count`` tokens wanted on every quota of ``paid_by``."""
     for limiter, key in paid_by:
         limiter.want(key, now_ns, count)

@@ -773,6 +773,8 @@ class StepPolicy:
         #: (``_turn_taken``), and the view that demand was asked of.
         self._turn_counted: set[str] = set()
         self._demand_view: EngineView | None = None
+        #: user -> :meth:`_prompts_of` it, in one count of the borrowing demand.
+        self._demand_prompts: dict[str, tuple[bool, frozenset[str], bool]] = {}
         self._guaranteed_waiting: set[Any] = set()  # of the last offer to borrowers
 
     @property
@@ -936,6 +938,7 @@ class StepPolicy:
             self._lent_in_demand = {}
             self._demand_room = room
             self._turn_counted.clear()
+            self._demand_prompts.clear()
             self._demand_view = view
             guaranteed, admissions = waiting_demand(
                 view.admittable_waiting(),
@@ -1045,11 +1048,15 @@ class StepPolicy:
         if charged_upto >= num_prompt:
             return False  # recompute below the charged mark is free
         user = self.lanes.user_of[request]
-        if prompt_cost.holds_prompt(user):
+        prompts = self._demand_prompts.get(user)
+        if prompts is None:
+            prompts = self._demand_prompts[user] = self._prompts_of(user)
+        held, line, uncapped = prompts
+        if held:
             return True
-        if self._turn_taken(request, user):
+        if line and self._turn_taken(request, user, line):
             return True  # its group's turn went to its prompt counted before
-        if has_quota or self.ledger.is_charged(request):
+        if has_quota or uncapped or self.ledger.is_charged(request):
             return False
         # Admitted by borrowing, its prompt is borrowed too while the cap can
         # pay it (and its sampled token), after the user's earlier requests.
@@ -1097,17 +1104,29 @@ class StepPolicy:
             unpaid_decoding(lanes, prepaid, user) for user in lanes.order if group_of(user) == name
         )
 
-    def _turn_taken(self, request: Any, user: str) -> bool:
+    def _prompts_of(self, user: str) -> tuple[bool, frozenset[str], bool]:
+        """What the borrowing demand reads of ``user``'s prompts, the same
+        for each of its waiting requests while the demand is counted (nothing
+        it reads changes before the engine's loops ask): whether they are
+        held (``PromptCost.holds_prompt``), its group's line
+        (``PromptCost.line_of``), and whether borrowing pays them free of any
+        cap (a borrower without a ceiling).  Kept per user for one count
+        (``_demand_prompts``): a borrower's backlog is counted request by
+        request in every step, and each asked all three afresh."""
+        prompt_cost = self.prompt_cost
+        borrowing = self.gate.borrowing
+        table = None if borrowing is None else borrowing.table
+        uncapped = table is not None and table.borrows(user) and not table.ceiled(user)
+        return prompt_cost.holds_prompt(user), prompt_cost.line_of(user), uncapped
+
+    def _turn_taken(self, request: Any, user: str, line: frozenset[str]) -> bool:
         """Has the borrowing demand counted a prompt of ``user`` in this step
-        already, while its group's line is not empty, and does another
-        member of the line, or one that asks before ``request``
-        (:meth:`_member_asks_first`), come before ``user``'s next chunk?
-        A member goes one chunk per turn (``PromptCost._held_by_group``), so
-        the room kept for ``request`` would stay empty.  Counts ``request``
-        as its user's turn otherwise."""
-        line = self.prompt_cost.line_of(user)
-        if not line:
-            return False
+        already, while its group's line (``line``) is not empty, and does
+        another member of the line, or one that asks before
+        ``request`` (:meth:`_member_asks_first`), come before ``user``'s next
+        chunk?  A member goes one chunk per turn
+        (``PromptCost._held_by_group``), so the room kept for ``request``
+        would stay empty.  Counts ``request`` as its user's turn otherwise."""
         if user in self._turn_counted and (
             line - {user} or self._member_asks_first(request, user)
         ):
