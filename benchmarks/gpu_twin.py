@@ -509,9 +509,10 @@ def _throughput_reading(main: dict, running: str) -> str:
             f"({st['share_with_every_active_slot_used']:.0%} of stock's); ours held {ou['mean_held_requests']:.0f} "
             f"requests a step with the KV cache {ou['mean_kv_usage']:.0%} used (stock {st['mean_held_requests']:.0f}, "
             f"{st['mean_kv_usage']:.0%}) and preempted {ou['preemptions']} (stock {st['preemptions']}). The table "
-            "after the fairness windows gives the same per 5 s: a slower first fill while the borrowers' first "
-            "prompts are admitted, then, once the cache is full, resident requests that sit out (throttled "
-            "streams keep their KV) beside active slots no waiting request can take.")
+            "after the fairness windows gives the same per 5 s: a slower first fill (a borrower's prompt waits "
+            "while a request whose user pays now is behind it in the queue), then, once the cache is full, "
+            "resident requests that sit out (throttled streams keep their KV) beside active slots no waiting "
+            "request can take.")
 
 
 def render(doc: dict) -> str:
