@@ -1,7 +1,6 @@
 """vLLM scheduler subclasses that enforce per-user output rates.
 
-Selected by :mod:`vllm_output_rate.adapter.patches` only when the feature is
-configured; otherwise vLLM runs its stock classes untouched.
+Selected by :mod:`vllm_output_rate.adapter.patches` only when configured.
 
 Every per-step decision is :class:`~vllm_output_rate.policy.step.StepPolicy`'s
 (plain Python, no vLLM; its module docstring gives the order in which an
@@ -387,11 +386,8 @@ class OutputRateSchedulerMixin(
         kv_cache_manager = self.kv_cache_manager
         if plan.throttled and plan.hidden:
             # Hidden throttled requests exist: allocation failures evict them
-            # first.  Otherwise vLLM talks to its own KV cache manager: a
-            # victim is a hidden stream (``throttled_victims``), so a step
-            # that offers every resident request (a lone borrower's, all of
-            # its streams borrowed) has none to find, and the stand-in would
-            # only cost a call per allocation.
+            # first.  Otherwise no victim exists (a victim is a hidden stream)
+            # and vLLM talks to its own KV cache manager.
             self.kv_cache_manager = _EvictingKVCacheManager(kv_cache_manager, self._kv_victim_for)
         try:
             output = super().schedule(*args, **kwargs)
