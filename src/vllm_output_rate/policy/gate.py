@@ -297,17 +297,21 @@ class StepGate:
             return limiter.ready_at_ns(who, now_ns)
 
         prompt_cost = self.prompt_cost
+        decoding = _has_resident_stream(self.lanes.order.get(user))
         if prompt_cost is None:
             ready = quota_ready(user)
         else:
-            decoding = _has_resident_stream(self.lanes.order.get(user))
             ready = prompt_cost.ready_at_ns(user, now_ns, quota_ready, decoding)
         borrowing = self.borrowing
         if borrowing is None or borrowing.cap is None:
             return ready
+        if prompt_cost is not None and not decoding and prompt_cost.held_by_debt(user):
+            # Its prompts wait for a debt, repaid from the guaranteed quota
+            # alone: no refill of its cap lets it run sooner.
+            return ready
         if borrowing.table.borrows(user) and borrowing.table.ceiled(user):
             wanted = self.cap_wanted.get(user, 1)
-            if wanted > 1 and not _has_resident_stream(self.lanes.order.get(user)):
+            if wanted > 1 and not decoding:
                 # Nothing of it runs before its cap holds its prompt's cost.
                 cap_ready = _ready_for(
                     borrowing.cap, user, now_ns, wanted, self._max_idle_wait_ns

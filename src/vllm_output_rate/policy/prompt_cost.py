@@ -262,6 +262,18 @@ class PromptCost:
         line[user] = (now if place is None else place[0], now)
         return True
 
+    def held_by_debt(self, user: str) -> bool:
+        """Does a debt (``user``'s own, or a member of its group's) hold
+        ``user``?  Debts are repaid only from the guaranteed quota, so no
+        refill of a borrowing cap lets such a user run sooner."""
+        if self.debt.get(user):
+            return True
+        group_of = self.group_of
+        if group_of is None or not self.debt:
+            return False
+        group = group_of(user)
+        return group is not None and any(group_of(debtor) == group for debtor in self.debt)
+
     def holds_prompt(self, user: str) -> bool:
         """Would a chunk of ``user`` that computes uncharged prompt positions
         wait now (its debt, its group's, another member's turn)?  Asks
