@@ -36,11 +36,12 @@ def make_limiter(settings: OutputRateSettings, **kwargs: Any) -> Limiter:
     spending the quota shared through it (``kwargs`` go to its constructor)."""
     store = settings.store
     if store is None:
-        return OutputRateLimiter(settings.default_rate, settings.user_rates)
+        return OutputRateLimiter(settings.default_rate, settings.user_rates, settings.burst_ns)
     backend = RedisLeaseBackend(store.url, prefix=store.prefix)
     config = LeaseConfig(fallback=store.fallback, expected_engines=store.expected_engines)
     return LeasedOutputRateLimiter(
-        settings.default_rate, settings.user_rates, backend, config=config, **kwargs
+        settings.default_rate, settings.user_rates, backend, config=config,
+        burst_ns=settings.burst_ns, **kwargs
     )
 
 
@@ -60,10 +61,12 @@ def _quota(
     through it under ``{prefix}{suffix}``."""
     store = settings.store
     if store is None:
-        return OutputRateLimiter(default, rates)
+        return OutputRateLimiter(default, rates, settings.burst_ns)
     backend = RedisLeaseBackend(store.url, prefix=store.prefix + suffix)
     config = LeaseConfig(fallback=store.fallback, expected_engines=store.expected_engines)
-    return LeasedOutputRateLimiter(default, rates, backend, config=config, **kwargs)
+    return LeasedOutputRateLimiter(
+        default, rates, backend, config=config, burst_ns=settings.burst_ns, **kwargs
+    )
 
 
 def make_ceiling_limiter(settings: OutputRateSettings, **kwargs: Any) -> Limiter:

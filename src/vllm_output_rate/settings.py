@@ -52,6 +52,7 @@ from typing import Any, Mapping
 
 from vllm_output_rate.policy.borrow import Share, ShareTable
 from vllm_output_rate.policy.eviction import DEFAULT_RECOMPUTE_RATIO
+from vllm_output_rate.policy.gcra import DEFAULT_BURST_NS, NS_PER_S
 from vllm_output_rate.policy.monitor import OTHER_USERS
 from vllm_output_rate.policy.residency import DEFAULT_MIN_STREAM_TOKENS_PER_SECOND
 from vllm_output_rate.stores.config import StoreSettings, parse_store_section
@@ -101,6 +102,18 @@ MIN_PACE_FLAG = "--output-rate-min-stream-tokens-per-second"
 #: switches between them.
 MODE_KEY = "mode"
 MODE_FLAG = "--output-rate-mode"
+#: How far a quota may run ahead of its rate, in seconds: in any W seconds a user
+#: gets at most (W + burst) x N + 1 tokens, and one step takes at most burst x N + 1
+#: of them, so a step longer than the burst costs a backlogged capped user
+#: (step - burst) x N of its limit.  Set at least the engine's longest step.
+#: Startup only (not a limits-file key): every quota's bound is stated on it.
+BURST_KEY = "burst_seconds"
+BURST_FLAG = "--output-rate-burst-seconds"
+DEFAULT_BURST_SECONDS = DEFAULT_BURST_NS / NS_PER_S
+#: Burst range (s): below a millisecond no step fits; above a minute the
+#: "paced evenly" promise means little.
+MIN_BURST_SECONDS = 0.001
+MAX_BURST_SECONDS = 60.0
 ENFORCE = "enforce"
 SHADOW = "shadow"
 MODES = (ENFORCE, SHADOW)
@@ -113,7 +126,7 @@ MAX_RATIO = 1e6
 RESERVED_NAMES = frozenset({OTHER_USERS})
 _SECTION_KEYS = {
     DEFAULT_KEY, OVERRIDES_KEY, LIMITS_FILE_KEY, METRICS_MAX_USERS_KEY, STORE_KEY,
-    RECOMPUTE_BUDGET_KEY, INPUT_TOKEN_WEIGHT_KEY, GROUPS_KEY, MIN_PACE_KEY, MODE_KEY,
+    RECOMPUTE_BUDGET_KEY, INPUT_TOKEN_WEIGHT_KEY, GROUPS_KEY, MIN_PACE_KEY, MODE_KEY, BURST_KEY,
 }
 #: The keys a limits file may hold.
 LIMITS_FILE_KEYS = (
@@ -151,6 +164,8 @@ class OutputRateSettings:
     residency cap; see ``policy/residency.py``).
     ``mode``: ``enforce`` (the policy decides) or ``shadow`` (stock vLLM
     decides; the policy only counts what it would have done).
+    ``burst_seconds``: how far every quota (rates, ceilings, groups) may run
+    ahead of its rate; the bound is (W + burst) x N + 1 tokens in W seconds.
     """
 
     default_rate: float
@@ -169,6 +184,7 @@ class OutputRateSettings:
     min_stream_tokens_per_second: float = DEFAULT_MIN_STREAM_TOKENS_PER_SECOND
     user_min_stream_tokens_per_second: Mapping[str, float] = field(default_factory=dict)
     mode: str = ENFORCE
+    burst_seconds: float = DEFAULT_BURST_SECONDS
     #: Hex SHA-256 of the limits file version these settings were read from.
     limits_digest: str | None = None
 
@@ -200,7 +216,14 @@ class OutputRateSettings:
             config[MIN_PACE_KEY] = self.min_stream_tokens_per_second
         if self.mode != ENFORCE:
             config[MODE_KEY] = self.mode
+        if self.burst_seconds != DEFAULT_BURST_SECONDS:
+            config[BURST_KEY] = self.burst_seconds
         return config
+
+    @property
+    def burst_ns(self) -> int:
+        """``burst_seconds`` in whole nanoseconds, as the quotas take it."""
+        return round(self.burst_seconds * NS_PER_S)
 
     def _user_value(self, user: str) -> Any:
         """``user``'s entry as written: the key ``group`` only where its group
@@ -256,6 +279,7 @@ class OutputRateSettings:
             f"{where}[{MIN_PACE_KEY!r}]",
         )
         mode = validate_mode(section.get(MODE_KEY, ENFORCE), f"{where}[{MODE_KEY!r}]")
+        burst = validate_burst(section.get(BURST_KEY, DEFAULT_BURST_SECONDS), f"{where}[{BURST_KEY!r}]")
         try:
             store = parse_store_section(section.get(STORE_KEY))
         except ValueError as exc:
@@ -274,6 +298,7 @@ class OutputRateSettings:
                 metrics_max_users=max_users,
                 store=store,
                 recompute_budget=recompute_budget,
+                burst_seconds=burst,
             )
         default = section.get(DEFAULT_KEY)
         overrides = _null_is_empty(section.get(OVERRIDES_KEY))
@@ -297,6 +322,7 @@ class OutputRateSettings:
             input_token_weight=input_token_weight,
             min_stream_tokens_per_second=min_pace,
             mode=mode,
+            burst_seconds=burst,
         )
 
     def rate_of(self, user: str) -> float:
@@ -715,6 +741,23 @@ def validate_input_token_weight(value: Any, what: str) -> float:
 def validate_recompute_budget(value: Any, what: str) -> float:
     """Recomputed tokens per request scheduled, in [0, MAX_RATIO]."""
     return _ratio(value, what, "must be a non-negative number")
+
+
+def validate_burst(value: Any, what: str) -> float:
+    """A burst in seconds, in [MIN_BURST_SECONDS, MAX_BURST_SECONDS]."""
+    if isinstance(value, str):  # a flag's text; JSON gives numbers
+        try:
+            value = float(value.strip())
+        except ValueError:
+            raise OutputRateConfigError(f"{what}: must be a number of seconds, got {value!r}") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+        MIN_BURST_SECONDS <= value <= MAX_BURST_SECONDS
+    ):
+        raise OutputRateConfigError(
+            f"{what}: must be a number of seconds between {MIN_BURST_SECONDS:g} and "
+            f"{MAX_BURST_SECONDS:g}, got {_shown(value)}"
+        )
+    return float(value)
 
 
 def validate_mode(value: Any, what: str) -> str:

@@ -14,6 +14,8 @@ streaming-input sessions, data parallelism and stores.
 
 from __future__ import annotations
 
+import dataclasses
+
 from engine_model import PREEMPTED, RUNNING, WAITING, Engine, EngineConfig, Req, StepRecord
 
 from vllm_output_rate.factory import (
@@ -81,6 +83,7 @@ class ModelStepPolicy:
 
     def __init__(self, section: dict, config: EngineConfig) -> None:
         settings = settings_of(section)
+        self.burst_seconds = settings.burst_seconds
         self.config = config
         self.engine: Engine | None = None
         self.limiter = make_limiter(settings)
@@ -142,8 +145,9 @@ class ModelStepPolicy:
         update_residency(sp.residency, settings)
 
     def reload(self, section: dict) -> None:
-        """``apply_output_rate_limits``: the rates first, then the features."""
-        new = settings_of(section)
+        """``apply_output_rate_limits``: the rates first, then the features;
+        the burst is the startup one (a limits file cannot change it)."""
+        new = dataclasses.replace(settings_of(section), burst_seconds=self.burst_seconds)
         self.limiter.update_rates(new.default_rate, new.user_rates)
         self.configure(new)
 

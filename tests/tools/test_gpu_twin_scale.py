@@ -7,7 +7,8 @@ Two findings of the twin at 1,024 running (benchmarks/gpu_twin.py; its page's "R
   a capped user always wanting more loses (d - 0.1) x rate of its limit, and no policy can give
   it back without breaking the bound.  The twin's prefill-heavy steps (8,192 tokens: ~270 ms)
   do that; ``attainable_tokens`` is what the bound allows at an engine's own step times, so
-  the figure can tell a policy shortfall from the engine's step lengths.
+  the figure can tell a policy shortfall from the engine's step lengths.  A burst that covers
+  the longest step (``burst_seconds``; the twin runs at 0.3 s) gives such a user its limit.
 * **Room kept for admissions a full KV cache refuses** (a policy defect, fixed: the waiting
   demand counts only requests the free KV cache can take).
 """
@@ -85,6 +86,28 @@ def test_on_long_steps_the_plugin_gives_a_capped_user_all_the_bound_allows(twin_
     assert got["capped_of_attainable"]["cap"] == pytest.approx(1.0)
     assert got["steps_longer_than_burst"] == 12
     assert got["simulated_s_in_steps_longer_than_burst"] == pytest.approx(3.0)
+
+
+def test_a_burst_that_covers_the_step_gives_a_capped_user_its_limit_on_long_steps(twin_script):
+    # The same 250 ms steps with `burst_seconds: 0.3` and 30 streams: each dispatch takes the 25
+    # tokens its step lasted, so over [1 s, 4 s) the user gets its limit (100 tok/s x 3 s).
+    cost = GpuCostModel("test GPU", "test model", 250.0, 0.0, 0.0)
+    w = Workload({"default_user_output_tokens_per_second": 100, "user_output_tokens_per_second": {"cap": 100},
+                  "input_token_weight": 0, "burst_seconds": 0.3},
+                 streams={"cap": [[Job(16, 400)] for _ in range(30)]}, capped={"cap": 100.0})
+    e = twin_script.DispatchTimedEngine("ours", w.limits, cost, max_num_seqs=32, num_blocks=800,
+                                        max_num_batched_tokens=1024, watch=w.capped, measure_from_s=1.0,
+                                        enforces_caps=True)
+    run_lockstep([e], w, 4.0)
+    got = twin_script.capped_attainability(e, w, 1.0, 4.0)
+    assert got["burst_s"] == 0.3 and got["steps_longer_than_burst"] == 0
+    assert e.output_measured["cap"] == got["attainable_tokens"]["cap"] == 12 * 25
+
+
+def test_the_twins_burst_covers_its_longest_step(twin_script):
+    longest_ms = twin_script.H100_LLAMA31_8B.step_ms(1024, twin_script.TOKEN_BUDGET - 1024)
+    assert twin_script.TWIN_BURST_S * 1000 >= longest_ms
+    assert twin_script.build_workload(256, users=50, duration_s=1.0).limits["burst_seconds"] == twin_script.TWIN_BURST_S
 
 
 # -- the KV fill at 1,024 running, prompt cost off -------------------------------------------

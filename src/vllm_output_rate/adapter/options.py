@@ -14,6 +14,9 @@ import os
 from typing import Any, Callable
 
 from vllm_output_rate.settings import (
+    BURST_FLAG,
+    BURST_KEY,
+    DEFAULT_BURST_SECONDS,
     DEFAULT_FLAG,
     DEFAULT_METRICS_MAX_USERS,
     INPUT_TOKEN_WEIGHT_FLAG,
@@ -28,6 +31,7 @@ from vllm_output_rate.settings import (
     RECOMPUTE_BUDGET_KEY,
     OutputRateConfigError,
     load_limits_file,
+    validate_burst,
     validate_input_token_weight,
     validate_min_pace,
     validate_recompute_budget,
@@ -164,6 +168,18 @@ def add_operate_args(parser: argparse.ArgumentParser) -> None:
         "Per user: the key min_stream_tokens_per_second of its {rate, ...}.",
     )
     group.add_argument(
+        BURST_FLAG,
+        dest="output_rate_burst_seconds",
+        type=_validated_number(validate_burst),
+        default=None,
+        metavar="SECONDS",
+        help="How far every quota may run ahead of its rate: in any W seconds a user gets at "
+        f"most (W + burst) x its rate + 1 tokens (default {DEFAULT_BURST_SECONDS:g}). One step "
+        "takes at most burst x rate + 1 of them, so set it at least the engine's longest "
+        "step (a GPU at hundreds of running requests: 0.2-0.3 s), or capped users get less "
+        "than their limit.",
+    )
+    group.add_argument(
         INPUT_TOKEN_WEIGHT_FLAG,
         dest="output_rate_input_token_weight",
         type=_input_token_weight_arg,
@@ -215,6 +231,7 @@ def merge_operate_args(args: argparse.Namespace, section: dict | None) -> dict |
     recompute_budget = getattr(args, "output_rate_recompute_budget", None)
     input_token_weight = getattr(args, "output_rate_input_token_weight", None)
     min_pace = getattr(args, "output_rate_min_stream_tokens_per_second", None)
+    burst = getattr(args, "output_rate_burst_seconds", None)
     identity = getattr(args, "output_rate_identity", None) or "body"
     AdminAccess.from_args(args)  # a bad key file or a contradiction stops startup
     if section is None:
@@ -226,7 +243,9 @@ def merge_operate_args(args: argparse.Namespace, section: dict | None) -> dict |
                 f"{IDENTITY_FLAG} / {METRICS_MAX_USERS_FLAG} / {RECOMPUTE_BUDGET_FLAG} need "
                 f"the feature on ({DEFAULT_FLAG} or {LIMITS_FILE_FLAG})"
             )
-        for value, flag in ((input_token_weight, INPUT_TOKEN_WEIGHT_FLAG), (min_pace, MIN_PACE_FLAG)):
+        for value, flag in (
+            (input_token_weight, INPUT_TOKEN_WEIGHT_FLAG), (min_pace, MIN_PACE_FLAG), (burst, BURST_FLAG)
+        ):
             if value is not None:
                 raise OutputRateConfigError(
                     f"{flag} needs the feature on ({DEFAULT_FLAG} or {LIMITS_FILE_FLAG})"
@@ -234,6 +253,8 @@ def merge_operate_args(args: argparse.Namespace, section: dict | None) -> dict |
         return None
     if min_pace is not None:
         section[MIN_PACE_KEY] = min_pace
+    if burst is not None:
+        section[BURST_KEY] = burst
     if input_token_weight is not None:
         section[INPUT_TOKEN_WEIGHT_KEY] = input_token_weight
     if max_users is not None:

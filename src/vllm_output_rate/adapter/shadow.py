@@ -51,7 +51,9 @@ class ShadowSchedulerMixin:
         shadowing = settings.mode == SHADOW
         counter = getattr(self, "output_rate_shadow", None)
         if shadowing and counter is None:
-            counter = self.output_rate_shadow = ShadowCounter(*_shadow_limits(settings))
+            counter = self.output_rate_shadow = ShadowCounter(
+                *_shadow_limits(settings), burst_ns=settings.burst_ns
+            )
         elif counter is not None:
             counter.configure(*_shadow_limits(settings))
         elif not hasattr(self, "output_rate_shadow"):

@@ -128,14 +128,16 @@ def _lengths(rng: random.Random, bounds: tuple[int, int], scale: float) -> int:
 def build_twin_workload(concurrency: int, *, users: int = 10_000, idle_users: int = 0, duration_s: float = 60.0,
                         seed: int = 0, capacity_tok_s: float | None = None, light_share: float = 0.10,
                         length_scale: float = 1.0, kv_pressure: bool = False,
-                        never_hit: bool = False) -> TwinWorkload:
+                        never_hit: bool = False, burst_s: float | None = None) -> TwinWorkload:
     """The twin's workload for an engine of ``concurrency`` running requests.
 
     ``users``: configured users in all (the twelve named ones and the long
     tail); ``idle_users``: more configured users who send nothing;
     ``capacity_tok_s``: the engine's decode capacity, which sets the
     long tail's arrival rate (default: ``concurrency`` requests every 20 ms);
-    ``never_hit``: the same users and load with every limit at 1e9.
+    ``never_hit``: the same users and load with every limit at 1e9;
+    ``burst_s``: the quotas' ``burst_seconds`` (None: the default), which
+    should cover the engine's longest step.
     """
     if concurrency < 1:
         raise ValueError(f"concurrency must be at least 1, got {concurrency}")
@@ -176,6 +178,8 @@ def build_twin_workload(concurrency: int, *, users: int = 10_000, idle_users: in
             "groups": {GROUP: {"rate": 1e9}},
             "input_token_weight": INPUT_TOKEN_WEIGHT,
         }
+    if burst_s is not None:
+        limits["burst_seconds"] = burst_s
 
     def heavy_job() -> Job:
         if kv_pressure:
