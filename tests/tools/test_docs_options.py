@@ -53,6 +53,7 @@ OFF = {"off", "–", "-", "none"}
 EFFECTIVE_DEFAULTS = {
     "output_rate_metrics_max_users": settings.DEFAULT_METRICS_MAX_USERS,
     "output_rate_recompute_budget": DEFAULT_RECOMPUTE_RATIO,
+    "output_rate_burst_seconds": settings.DEFAULT_BURST_SECONDS,
     "output_rate_min_stream_tokens_per_second": DEFAULT_MIN_STREAM_TOKENS_PER_SECOND,
     "output_rate_input_token_weight": settings.OutputRateSettings.__dataclass_fields__[
         "input_token_weight"].default,
