@@ -319,3 +319,21 @@ def test_ceiling_weight_and_residency_in_the_report_and_the_admin_route(tmp_path
     assert users["capped"]["waiting"] == 3
     assert users["b"]["ceil"] == 50 and users["b"]["weight"] == 3
     assert users["open"]["residency_cap"] is None
+
+
+def test_the_startup_burst_stays_through_a_reload_and_the_admin_answer_names_it(tmp_path):
+    path = tmp_path / "limits.json"
+    write_limits(path, 1000, {"u": 20})
+    h = Harness({"limits_file": str(path), "default_user_output_tokens_per_second": 7,
+                 "burst_seconds": 0.25}, max_num_seqs=16)
+    watcher = h.sched._operate.watcher
+    watcher.stop()
+    assert h.sched.output_rate_users()["burst_seconds"] == 0.25
+    write_limits(path, 1000, {"u": 10})
+    bump_mtime(path, 1)
+    assert watcher.check()
+    h.step()
+    assert audit_of(h)[-1]["outcome"] == "applied"
+    assert h.sched.output_rate_settings.user_rates["u"] == 10
+    assert h.sched.output_rate_users()["burst_seconds"] == 0.25
+    assert h.sched.output_rate_limiter.burst_ns == 250_000_000

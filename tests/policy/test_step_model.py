@@ -1133,9 +1133,11 @@ def test_idle_a_borrowed_admission_waits_for_its_cap_to_hold_the_prompts_cost():
     group's quota holds one token, and a borrowed admission needs its
     prompt's cost and its sampled token (two).  Once its debt is repaid
     the engine is told to wake when the cap holds one token, and the step
-    it wakes into runs nothing.  The step only records the cost it wants
-    of the cap (``StepGate.cap_wanted``) where the borrowing demand asked
-    for the prompt, and here it did not."""
+    it wakes into runs nothing.  The waiting request holds its turn for
+    u0's guaranteed quota (``Lanes.in_turn``), so the borrowing demand does
+    not count it and records no cost it wants of the cap
+    (``StepGate.cap_wanted``); the idle wait counts the cap's refill all
+    the same.  One empty step; no token is late."""
     strict_run(
         EngineConfig(max_num_seqs=8, token_budget=256, chunked=False),
         {"default_user_output_tokens_per_second": 100, "input_token_weight": 0.5,

@@ -1,11 +1,12 @@
 """Prompt cost on a real ``vllm-output-rate serve`` (tiny model).
 
-One server with ``--output-rate-input-token-weight 0.5``, started in the
-background when the session begins (``conftest.PRESTARTED``).  A user floods
-it with distinct long prompts and ``max_tokens`` 1 beside a light user; the
-flood is judged on the engine's own counters against the bound
-``(W + 0.1) x N + 1 + ceil(w x C)`` (W: from the first request to the drained
-engine, a window that holds every charge), not on any rate or latency.
+One server with ``--output-rate-input-token-weight 0.5`` and a burst of
+0.25 s (``--output-rate-burst-seconds``), started in the background when the
+session begins (``conftest.PRESTARTED``).  A user floods it with distinct
+long prompts and ``max_tokens`` 1 beside a light user; the flood is judged on
+the engine's own counters against the bound ``(W + B) x N + 1 + ceil(w x C)``
+(W: from the first request to the drained engine, a window that holds every
+charge), not on any rate or latency.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ import random
 import time
 from fractions import Fraction
 
+import httpx
 import pytest
 
-from server_harness import ConnectionBackoff, running_server
+from server_harness import ADMIN_ROUTE_ENV, ConnectionBackoff, running_server
 from vllm_output_rate.tools import measure
 from vllm_output_rate.tools.measure import ERROR_STATUSES, FINISHED, RequestRecord, run_request
 from vllm_output_rate_harness import benchkit
@@ -29,18 +31,22 @@ FLOOD_RATE = 100
 WEIGHT = Fraction(1, 2)
 CHUNK = 512  # --max-num-batched-tokens: the most prompt tokens one chunk computes
 PROMPT_TOKENS = 500
+BURST = Fraction(1, 4)  # s
 SERVER_ARGS = [
     "--enforce-eager", "--max-model-len", "2048", "--max-num-seqs", "16",
     "--max-num-batched-tokens", str(CHUNK), "--enable-chunked-prefill",
     "--default-user-output-tokens-per-second", str(FLOOD_RATE),
     "--user-output-tokens-per-second", '{"light": 100000}',
     "--output-rate-input-token-weight", "0.5",
+    "--output-rate-burst-seconds", str(float(BURST)),
+    "--output-rate-admin-open",
 ]
 
 
 def server_context(tmp_path_factory, model_dir):
     """The module's server; conftest starts it when the session begins."""
-    return running_server(SERVER_ARGS, tmp_path_factory.mktemp("server-logs"), "prompt-cost", model=model_dir)
+    return running_server(SERVER_ARGS, tmp_path_factory.mktemp("server-logs"), "prompt-cost", model=model_dir,
+                          env=ADMIN_ROUTE_ENV)
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +115,7 @@ def test_prompt_flood_is_held_to_its_bound_beside_a_light_user(server):
     out1, prompt1 = charged(after, "flood")
     output, prompt = out1 - out0, prompt1 - prompt0
     cost = Fraction(output) + WEIGHT * Fraction(prompt)
-    bound = (window_s + Fraction(1, 10)) * FLOOD_RATE + 1 + math.ceil(WEIGHT * CHUNK)
+    bound = (window_s + BURST) * FLOOD_RATE + 1 + math.ceil(WEIGHT * CHUNK)
     assert cost <= bound, (output, prompt, float(window_s))
     finished = [r for r in flood if r.status == FINISHED]
     # Every finished flood request paid for its whole prompt (no cache hits:
@@ -120,3 +126,9 @@ def test_prompt_flood_is_held_to_its_bound_beside_a_light_user(server):
     # The light user was served whole: no error, no truncation.
     assert light and all(r.status == FINISHED and r.completion_tokens == 32 == len(r.token_times) for r in light)
     assert charged(after, "light")[1] - charged(before, "light")[1] == 16 * len(light)
+
+
+def test_the_burst_flag_reaches_the_engines_settings(server):
+    answer = httpx.get(f"{server.base_url}/v1/output_rate/users", timeout=30)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["burst_seconds"] == float(BURST)

@@ -67,6 +67,16 @@ def test_heavy_users_caps_borrowers_and_group_scale_with_concurrency(r):
                                                                   "--max-num-active-seqs", str(r)]
 
 
+def test_a_burst_goes_on_the_serve_command_and_never_into_the_limits_file(tmp_path):
+    w = build_twin_workload(32, users=50, burst_s=0.3)
+    path = tmp_path / "limits.json"
+    path.write_text(w.limits_text())
+    assert load_limits_file(str(path)).default_rate == LIGHT_RATE  # a burst key would be refused
+    args = w.serve_args(str(path))
+    assert args[args.index("--output-rate-burst-seconds") + 1] == "0.3"
+    assert "--output-rate-burst-seconds" not in build_twin_workload(32, users=50).serve_args(str(path))
+
+
 def test_the_limits_file_is_one_the_server_accepts(tmp_path):
     w = build_twin_workload(32, users=50, idle_users=3, seed=1)
     path = tmp_path / "limits.json"
@@ -104,6 +114,10 @@ def test_dry_run_writes_the_limits_and_prints_how_to_serve_them(tmp_path, capsys
     out = capsys.readouterr().out
     assert path.exists() and "--max-num-seqs 32 --max-num-active-seqs 16" in out and str(path) in out
     assert "30 configured users" in out
+    bench.main(["--scenario", "twin", "--concurrency", "16", "--users", "30", "--burst-seconds", "0.3",
+                "--limits-out", str(path), "--dry-run"])
+    assert "--output-rate-burst-seconds 0.3 --max-num-seqs 32" in capsys.readouterr().out
+    assert "burst" not in path.read_text()
 
 
 def test_the_limits_can_be_printed_and_the_tail_sent_alone(capsys):

@@ -400,6 +400,7 @@ class OperateSchedulerMixin:
             "groups": self._operate.group_reports.admin_rows(self, rows, recent, limiter_now, surplus),
             "default_rate": settings.default_rate,
             "input_token_weight": settings.input_token_weight,
+            "burst_seconds": settings.burst_seconds,
             "default_ceil": settings.default_limit()[1],
             "default_weight": settings.default_limit()[2],
             "limits_file": settings.limits_file,

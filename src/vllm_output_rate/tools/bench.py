@@ -721,6 +721,10 @@ def add_twin_arguments(parser: argparse.ArgumentParser) -> None:
                        help="multiply every prompt and output length (default 1; 0.1 fits a 512-token model)")
     group.add_argument("--kv-pressure", action="store_true",
                        help="heavy users send 384-512 prompt and 1,000-1,500 output tokens (times --length-scale)")
+    group.add_argument("--burst-seconds", type=_positive_float, metavar="SECONDS",
+                       help="the serve command's --output-rate-burst-seconds: at least the engine's longest "
+                       "step (default: the plugin's, 0.1 s; a GPU at hundreds of running requests wants "
+                       "about 0.3 s)")
     group.add_argument("--tail-only", action="store_true",
                        help="send only the long tail's requests (the same ones): the baseline its "
                        "first-token times are compared with")
@@ -741,7 +745,7 @@ def twin_workload(args: argparse.Namespace, duration_s: float):
         workload = build_twin_workload(
             args.concurrency, users=args.users, duration_s=duration_s, seed=args.seed,
             capacity_tok_s=args.capacity, light_share=args.light_share, length_scale=args.length_scale,
-            kv_pressure=args.kv_pressure)
+            kv_pressure=args.kv_pressure, burst_s=args.burst_seconds)
     except ValueError as exc:
         raise BenchError(str(exc)) from None
     if args.tail_only:  # the twin's "alone": the same long-tail requests, nobody else sending

@@ -106,15 +106,20 @@ class TwinWorkload:
         return sum(len(s) for s in self.streams.values())
 
     def limits_text(self) -> str:
-        """The limits file, as JSON (YAML readers take it too)."""
-        return json.dumps(self.limits, indent=1) + "\n"
+        """The limits file, as JSON (YAML readers take it too); the burst is
+        not a limits-file key (startup only): :meth:`serve_args` carries it."""
+        limits = {k: v for k, v in self.limits.items() if k != "burst_seconds"}
+        return json.dumps(limits, indent=1) + "\n"
 
     def serve_args(self, limits_path: str) -> list[str]:
-        """How the engine is started for this workload: the limits file, and
-        resident slots beyond the active ones (throttled streams keep their KV
-        without taking a running place), as the README sizes it."""
+        """How the engine is started for this workload: the limits file, the
+        burst when the workload sets one, and resident slots beyond the active
+        ones (throttled streams keep their KV without taking a running place),
+        as the README sizes it."""
         r = self.concurrency
-        return ["--output-rate-limits-file", limits_path, "--max-num-seqs", str(2 * r),
+        burst = self.limits.get("burst_seconds")
+        flags = [] if burst is None else ["--output-rate-burst-seconds", f"{burst:g}"]
+        return ["--output-rate-limits-file", limits_path, *flags, "--max-num-seqs", str(2 * r),
                 "--max-num-active-seqs", str(r)]
 
 
