@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from vllm_output_rate.adapter.options import add_operate_args, merge_operate_args
+from vllm_output_rate.adapter.options import merge_operate_args
 from vllm_output_rate.factory import make_borrowing, make_group_quotas, make_limiter
 from vllm_output_rate.policy.gcra import DEFAULT_BURST_NS, NS_PER_S
 from vllm_output_rate.settings import (
@@ -97,20 +97,14 @@ def test_a_limits_file_keeps_the_startup_burst_and_may_not_set_one(tmp_path):
     assert dataclasses.replace(s, default_rate=4).burst_seconds == 0.25
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(exit_on_error=False)
-    add_operate_args(parser)
-    return parser
-
-
-def test_the_flag_goes_into_the_section_and_needs_the_feature_on():
-    args = _parser().parse_args([BURST_FLAG, "0.3"])
+def test_the_flag_goes_into_the_section_and_needs_the_feature_on(operate_parser):
+    args = operate_parser().parse_args([BURST_FLAG, "0.3"])
     assert args.output_rate_burst_seconds == 0.3
     section = merge_operate_args(args, {"default_user_output_tokens_per_second": 10})
     assert section[BURST_KEY] == 0.3
     assert OutputRateSettings.from_additional_config({"output_rate": section}).burst_ns == 300_000_000
     for bad in ("0", "-1", "lots", "nan", "inf", "120"):
         with pytest.raises((SystemExit, argparse.ArgumentError, argparse.ArgumentTypeError)):
-            _parser().parse_args([BURST_FLAG, bad])
+            operate_parser().parse_args([BURST_FLAG, bad])
     with pytest.raises(OutputRateConfigError, match="needs the feature on"):
         merge_operate_args(args, None)

@@ -113,25 +113,15 @@ def test_limits_file_pace_is_reloaded_and_a_file_without_it_keeps_the_flags(tmp_
         load_limits_file(str(path))
 
 
-def _parser():
-    import argparse
-
-    from vllm_output_rate.adapter.options import add_operate_args
-
-    parser = argparse.ArgumentParser(exit_on_error=False)
-    add_operate_args(parser)
-    return parser
-
-
-def test_the_flag_sets_everybodys_default_pace():
+def test_the_flag_sets_everybodys_default_pace(operate_parser):
     from vllm_output_rate.adapter.options import merge_operate_args
     from vllm_output_rate.settings import MIN_PACE_FLAG
 
-    args = _parser().parse_args([MIN_PACE_FLAG, "0.5"])
+    args = operate_parser().parse_args([MIN_PACE_FLAG, "0.5"])
     assert args.output_rate_min_stream_tokens_per_second == 0.5
-    assert _parser().parse_args([f"{MIN_PACE_FLAG}=0"]).output_rate_min_stream_tokens_per_second == 0
+    assert operate_parser().parse_args([f"{MIN_PACE_FLAG}=0"]).output_rate_min_stream_tokens_per_second == 0
     for bad in ("-1", "lots", "nan", "inf"):
         with pytest.raises((SystemExit, Exception)):
-            _parser().parse_args([MIN_PACE_FLAG, bad])
+            operate_parser().parse_args([MIN_PACE_FLAG, bad])
     with pytest.raises(OutputRateConfigError, match="needs the feature on"):
         merge_operate_args(args, None)
