@@ -200,7 +200,7 @@ class Harness:
             # (with borrowing, users may go beyond their rates; with drafts a
             # charge settles only when the output arrives, and the spec-decode
             # tests check the bound on emitted tokens: no shadow).
-            self.shadow = OutputRateLimiter(settings.default_rate, settings.user_rates)
+            self.shadow = OutputRateLimiter(settings.default_rate, settings.user_rates, settings.burst_ns)
 
     # -- requests ------------------------------------------------------------
 

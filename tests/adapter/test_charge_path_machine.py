@@ -31,13 +31,14 @@ every combination is reachable.  After every engine step it checks:
 1. **Bounds on the fake clock**, per user and per group, over every window
    inside one configuration epoch (a reload starts a new one: GCRA's bound
    holds from the change on, ``OutputRateLimiter.update_rates``):
-   ``emitted + w x prompt tokens computed <= (W + 0.1) x N + 1 + ceil(w_max x C)
-   + K x D x (requests of the scope alive at the window's start)``, N the
+   ``emitted + w x prompt tokens computed <= (W + B) x N + 1 + ceil(w_max x C)
+   + K x D x (requests of the scope alive at the window's start)``, B the
+   burst (``burst_seconds``: 0.1 s, or 0.05 s or 0.3 s as drawn), N the
    rate of a hard cap or the ceiling of a borrower (no ceiling: no bound),
    C one chunk (the token budget; without chunked prefill the longest prompt),
    K drafts, D = 1 step in flight (sync) or 2 (async).  With the store the
-   user's rate level is the store's bound, ``(W + 0.6) x N + 1 + L``, plus the
-   local fallback's ``(W + 0.1) x N + 1`` once an outage happened
+   user's rate level is the store's bound, ``(W + max(B, 0.3) + 0.3) x N + 1
+   + L``, plus the local fallback's ``(W + B) x N + 1`` once an outage happened
    (docs/design.md, "Leases", "Prompt cost", "Groups", "Speculative decoding").
 2. **No in-quota request waits behind a borrower**: in a step in which some
    user borrowed, every resident decoding stream of a user whose guaranteed
@@ -418,6 +419,7 @@ UNDRAWN_WHEN_PINNED = frozenset({"store levels", "priority policy"})
 #: What a profile's FOCUS adds to keep issue 43's dimensions at their defaults.
 ISSUE_31_DIMENSIONS = {
     "pace": [None], "user pace": [None], "priority policy": [False], "store levels": [False],
+    "burst": [None],
     "reload": ["fresh", "move", "move", "rate"],
 }
 #: Steps (or requests) each check did not judge, per stated exception.
@@ -560,6 +562,11 @@ def limit_sections(draw, borrow: bool, groups: bool, focus: dict | None = None) 
                 entry["weight"] = draw(st.sampled_from([1, 2]))
             group_limits[group] = entry if len(entry) > 1 else rate
         section["groups"] = group_limits
+    # The quotas' burst (startup only: a reload keeps the first one); pinned to
+    # the default by issue 43's profiles, which replay their examples.
+    burst = draw(_pinned(focus, "burst", [None, None, None, 0.05, 0.3]))
+    if burst is not None:
+        section["burst_seconds"] = burst
     return section
 
 
@@ -799,6 +806,7 @@ class ChargePathMachine(RuleBasedStateMachine):
         self.groups_on = pick("groups", st.booleans())
         section = draw(limit_sections(self.borrow_on, self.groups_on, focus), label="limits")
         self.section = section
+        self.burst = Fraction(section.get("burst_seconds", BURST)).limit_denominator(10**6)
         num_blocks = self.max_model_len // 16 + 4 if self.tight_kv else 4000
 
         self.clock = MachineClock()
@@ -1040,6 +1048,9 @@ class ChargePathMachine(RuleBasedStateMachine):
                 if "weight" not in entry and "ceil" in entry:
                     entry["weight"] = rate
             users[user] = entry if len(entry) > 1 else entry["rate"]
+        section.pop("burst_seconds", None)  # startup only: the running burst stays
+        if "burst_seconds" in self.section:
+            section["burst_seconds"] = self.section["burst_seconds"]
         settings = OutputRateSettings.from_additional_config({"output_rate": section})
         # One nanosecond on, so that no window of the new limits holds a step
         # of the old ones.
@@ -1683,11 +1694,14 @@ class ChargePathMachine(RuleBasedStateMachine):
                                 max(1, math.ceil((bound_rate(limit) or limit[0]) / 10))
                                 for limit in limits_of if limit is not None
                             )
-                            bound = (window + Fraction(6, 10)) * rate + 1 + lease
+                            # The store keeps max(burst, a lease lifetime) of credit and
+                            # adds a lifetime (stores/backend.py, bound_slack_ns).
+                            slack = max(self.burst, Fraction(3, 10)) + Fraction(3, 10)
+                            bound = (window + slack) * rate + 1 + lease
                             if self.store_was_down:
-                                bound += (window + BURST) * rate + 1
+                                bound += (window + self.burst) * rate + 1
                         else:
-                            bound = (window + BURST) * rate + 1
+                            bound = (window + self.burst) * rate + 1
                         live = sum(self.live_at.get(times[i], {}).get(u, 0) for u in members)
                         bound += prompt_extra + in_flight * live
                         if got > bound:
@@ -1826,7 +1840,7 @@ class UrgentMachine(ChargePathMachine):
         "priority policy": [True], "borrowing": [False], "groups": [False], "rate": [5],
         "input_token_weight": [0], "tight KV": [False], "pace": [None], "user pace": [None],
         "max_num_seqs": [8], "max_num_active_seqs": [None], "reload": ["rate"],
-        "fake store": [False], "drafts": [0],
+        "fake store": [False], "drafts": [0], "burst": [None],
     }
 
     # Every user holds its cap (2 streams: arrive_backlog), then urgent

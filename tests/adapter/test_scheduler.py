@@ -871,3 +871,24 @@ def test_a_scheduler_built_without_our_init_finishes_a_request_as_stock_does(sto
             raise
         results.append((request.status, sched.running, request.request_id in sched.requests))
     assert results[0] == results[1] == (RequestStatus.FINISHED_ERROR, [], False)
+
+
+@pytest.mark.parametrize("async_", [False, True])
+@pytest.mark.parametrize("burst, per_step", [(None, 5), (0.05, 3), (0.3, 10)])
+def test_a_long_step_gives_a_backlogged_user_its_burst_and_a_burst_that_covers_it_the_rate(
+    async_, burst, per_step
+):
+    """Rate 40, 16 streams, steps of 250 ms: one step takes at most burst x 40 + 1 tokens
+    (5 at the default 0.1 s, 3 at 0.05 s), and a burst of 0.3 s covers the step, so each
+    takes the 10 tokens it lasted (``burst_seconds`` through the real scheduler)."""
+    section = limits(40)
+    if burst is not None:
+        section["burst_seconds"] = burst
+    h = Harness(section, async_=async_, max_num_seqs=16)
+    for _ in range(16):
+        h.add("a", prompt_len=8, max_tokens=400)
+    counts = []
+    for _ in range(24):
+        h.step(250 * MS)
+        counts.append(len(h.sampled_log[-1]))
+    assert counts[8:] == [per_step] * 16, counts
