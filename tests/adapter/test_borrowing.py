@@ -389,3 +389,31 @@ def test_user_within_its_rate_is_admitted_ahead_of_borrowers_long_queues():
         h.step(10 * MS)
     first = next(i for i in range(arrived, len(h.sampled_log)) if a.request_id in h.sampled_log[i])
     assert first - arrived < 2  # its first token within 2 steps
+
+
+@pytest.mark.parametrize("weight, u3_rate", [(0, 5), (0.5, 20)])
+def test_room_is_not_kept_for_a_waiting_request_whose_quota_a_visible_prefill_spends(weight, u3_rate):
+    """Borrowers u0, u1 (and u2, or a cap of 5 where prompts cost) at 5 tok/s and u3
+    at ``u3_rate``, two 17-token prompts each at one instant; 6 slots, 3 active, a
+    budget of 32.  In the third step u3's visible prefill reaches its sampling
+    position and takes what its quota holds (its token, and its chunk's prompt cost);
+    the borrowing demand counted that quota for u3's waiting request too, kept a slot
+    for it from u0's resident stream, and the step left an active slot and 11 tokens
+    unused (the state machine's ``work``, found when it drew a burst).  Now every
+    active slot runs."""
+    users = {u: {"rate": 5, "ceil": None, "weight": 1} for u in ("u0", "u1", "u2")}
+    if weight:
+        users["u2"] = 5
+    users["u3"] = {"rate": u3_rate, "ceil": None, "weight": 1}
+    config = {"default_user_output_tokens_per_second": 100, "user_output_tokens_per_second": users,
+              "input_token_weight": weight}
+    h = Harness(config, chunked=True, max_num_seqs=6, max_num_active_seqs=3,
+                max_num_batched_tokens=32, max_model_len=512)
+    h.shadow = None  # borrowers go beyond their rates
+    for index in range(8):  # distinct prompts: no prefix-cache hits
+        h.add(("u0", "u1", "u2", "u3")[index // 2], max_tokens=120,
+              prompt=[3 + (7 * index + position) % 400 for position in range(17)])
+    outputs = [h.step(0) for _ in range(3)]
+    third = outputs[-1]
+    assert len(third.num_scheduled_tokens) == 3 or third.total_num_scheduled_tokens == 32, (
+        dict(third.num_scheduled_tokens))

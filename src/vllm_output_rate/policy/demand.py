@@ -51,7 +51,7 @@ Plain Python: no vLLM import.  Requests are opaque keys.
 from __future__ import annotations
 
 from itertools import filterfalse
-from typing import Callable, Container, Hashable, Iterable
+from typing import Callable, Container, Hashable, Iterable, Mapping
 
 from vllm_output_rate.policy.lanes import Lanes
 from vllm_output_rate.policy.ledger import Ledger
@@ -144,6 +144,7 @@ def waiting_demand(
     kv_room: Callable[[Key], bool] | None = None,
     guaranteed_keys: set[Key] | None = None,
     prefill: PrefillBudget | None = None,
+    committed: Mapping[str, int] | None = None,
 ) -> tuple[int, int]:
     """(guaranteed, admissions): waiting requests that get room before
     borrowed streams, up to ``limit`` (the step's active room).
@@ -166,7 +167,9 @@ def waiting_demand(
     that could not begin ends the count; admissions count only as many as
     begin in what they leave.
     ``guaranteed_keys`` (if given) receives the requests counted in
-    ``guaranteed``.  Nothing else is changed.
+    ``guaranteed``.  ``committed``: tokens of each user's quota the step
+    spends before its waiting loop (its visible prefills' first tokens), not
+    counted for its waiting requests.  Nothing else is changed.
     """
     user_of, in_turn = lanes.user_of, lanes.in_turn
     quota_now = ledger.quota_now
@@ -219,6 +222,8 @@ def waiting_demand(
         left = quota.get(user)
         if left is None:
             left = quota_now(user)
+            if committed and user in committed:
+                left = max(0, left - committed[user])
         if left > 0:
             if prompt_blocked is not None and prompt_blocked(request, True):
                 settled.add(user)  # its prompts are held (a debt, its group's turn)

@@ -879,8 +879,11 @@ class StepPolicy:
             borrow_admits = self._offer_spare_to_borrowers(
                 view, plan, slots, free_slots + len(evicted)
             )
-            if prompt_cost.weight:
-                lender = _BorrowedPrompts(gate.borrowing)
+        if gate.borrowing is not None and prompt_cost.weight:
+            # Also when slots ran out: the plan showed a borrower's resident
+            # prefill because borrowing can pay its chunk (``prefill_refused``);
+            # refused it, the slot it took stayed empty.
+            lender = _BorrowedPrompts(gate.borrowing)
         # The gate decides which requests the engine sees; the engine's own
         # order among them (admission order) decides who gets the token
         # budget first and who is preempted first, exactly as in stock vLLM.
@@ -954,6 +957,7 @@ class StepPolicy:
                 kv_room=view.kv_room_for,
                 guaranteed_keys=self._guaranteed_waiting,
                 prefill=self._prefill_budget(view, plan, room),
+                committed=self._spent_by_visible_prefills(view, plan),
             )
             self._demand_view = None
             room -= guaranteed + admissions
@@ -978,6 +982,34 @@ class StepPolicy:
         if receiver is not None:
             admits[receiver] = admits.get(receiver, 0) + 1
         return admits
+
+    def _spent_by_visible_prefills(self, view: EngineView, plan: StepPlan) -> dict[str, int]:
+        """user -> what its visible prefills take of its quota in this step,
+        before the engine's waiting loop asks: their chunks' prompt cost,
+        and a token for each that reaches its sampling position unpaid.
+        Counted as the user's quota for its waiting requests instead, it kept
+        a slot from borrowers for a request the step could not admit."""
+        if not plan.prefills:
+            return {}
+        tokens, _, longest = view.token_budget()
+        ledger, user_of = self.ledger, self.lanes.user_of
+        prompt_cost = self.prompt_cost
+        committed: dict[str, int] = {}
+        for request in cast("list[Any]", plan.prefills):
+            user = user_of.get(request)
+            if user is None:
+                continue
+            left = uncomputed(request)
+            chunk = min(left, tokens, longest) if longest > 0 else min(left, tokens)
+            cost = 0
+            if prompt_cost.weight:
+                computed = request.num_computed_tokens
+                cost = prompt_cost.cost_of(request, user, computed, chunk, request.num_prompt_tokens)
+            if chunk >= left and not ledger.is_charged(request):
+                cost += 1
+            if cost:
+                committed[user] = committed.get(user, 0) + cost
+        return committed
 
     def _prefill_budget(self, view: EngineView, plan: StepPlan, room: int) -> PrefillBudget:
         """What the step's token budget leaves for admissions: the engine's
