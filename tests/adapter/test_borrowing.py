@@ -391,7 +391,7 @@ def test_user_within_its_rate_is_admitted_ahead_of_borrowers_long_queues():
     assert first - arrived < 2  # its first token within 2 steps
 
 
-@pytest.mark.parametrize("weight, u3_rate", [(0, 5), (0.5, 20)])
+@pytest.mark.parametrize("weight, u3_rate", [(0, 5), (0.5, 20), (0.5, 50)])
 def test_room_is_not_kept_for_a_waiting_request_whose_quota_a_visible_prefill_spends(weight, u3_rate):
     """Borrowers u0, u1 (and u2, or a cap of 5 where prompts cost) at 5 tok/s and u3
     at ``u3_rate``, two 17-token prompts each at one instant; 6 slots, 3 active, a
@@ -399,8 +399,11 @@ def test_room_is_not_kept_for_a_waiting_request_whose_quota_a_visible_prefill_sp
     position and takes what its quota holds (its token, and its chunk's prompt cost);
     the borrowing demand counted that quota for u3's waiting request too, kept a slot
     for it from u0's resident stream, and the step left an active slot and 11 tokens
-    unused (the state machine's ``work``, found when it drew a burst).  Now every
-    active slot runs."""
+    unused (the state machine's ``work``, found when it drew a burst).  At 50 tok/s
+    u3's quota pays its waiting request too, and the demand counted u0's waiting
+    request as an admission by borrowing, which the engine's loop refuses (a borrowed
+    prompt ahead of a guaranteed request in the queue waits): the same slot lost.
+    Now every active slot runs."""
     users = {u: {"rate": 5, "ceil": None, "weight": 1} for u in ("u0", "u1", "u2")}
     if weight:
         users["u2"] = 5

@@ -408,18 +408,19 @@ ALL_CHECKS = (
 #:
 #: Open (``work``, found when the limits drew ``burst_seconds`` too, which
 #: redrew this machine's examples): chunked prefill, budget 32, 6 slots, 3
-#: active, borrowers u0 and u1 at 5 tok/s and u3 at 50 without ceilings, u2
-#: capped at 5, prompt cost 0.5, every user two 17-token prompts at once,
-#: three steps at one instant.  In the third, u3's waiting request is counted
-#: as paid from its quota (guaranteed) and u0's as an admission by
-#: borrowing, which keeps the room u0's resident stream would borrow; the
-#: engine's waiting loop then refuses u0's request (a borrowed prompt waits
-#: while a guaranteed request is behind it in the queue:
-#: ``StepDecision._admit_to_borrow``) and u3's takes the last model-runner slot: an active
-#: slot and 11 tokens unused.  The step model counts this case as its known
-#: defect "borrowing room kept for waiting requests the step did not admit".
-#: Two neighbours of it are fixed (the demand takes out what visible
-#: prefills spend of their users' quota first, ``_spent_by_visible_prefills``).
+#: active, borrowers u0 (5 tok/s) and u3 (50) without ceilings, u1 at 5 with
+#: a ceiling of 10, u2 capped at 5, prompt cost 1, a burst of 0.05 s, every
+#: user two 17-token prompts at once, three steps at one instant: the third
+#: leaves an active slot and 12 tokens unused beside u0's resident stream.
+#: Not analysed.  Three neighbours of it are fixed, each a slot the
+#: borrowing demand kept for a waiting request the step could not admit
+#: (``test_room_is_not_kept_for_a_waiting_request_whose_quota_a_visible_prefill_spends``):
+#: quota a visible prefill spends first counted for its user's waiting
+#: request, a borrower's visible prefill refused its chunk when slots ran
+#: out, and a borrowed admission counted ahead of a guaranteed request that
+#: the engine's loop then refuses.  The step model counts such cases as its
+#: known defect "borrowing room kept for waiting requests the step did not
+#: admit".
 OPEN_CHECKS: tuple[str, ...] = ()
 #: For measuring one invariant at a time (default: all but OPEN_CHECKS).
 CHECKS = frozenset(os.environ.get(

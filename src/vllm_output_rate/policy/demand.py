@@ -202,7 +202,11 @@ def waiting_demand(
     # user -> its requests counted for admission by borrowing, in queue order
     # (what they may output is read below, only for as many as are admitted).
     counted: dict[str, list[Key]] = {}
-    for request in waiting:
+    # Queue positions of the borrowers' candidates, and of the last request
+    # counted as guaranteed (see the rule below).
+    position: dict[Key, int] = {}
+    last_guaranteed = -1
+    for index, request in enumerate(waiting):
         if request in in_turn:
             continue
         user = user_of.get(request)
@@ -242,6 +246,7 @@ def waiting_demand(
             paying += 1
             if guaranteed < free_slots:
                 guaranteed += 1  # beyond the free slots vLLM admits none of them
+                last_guaranteed = index
                 if guaranteed_keys is not None:
                     guaranteed_keys.add(request)
             if paying >= limit:
@@ -270,6 +275,7 @@ def waiting_demand(
         if most is None:
             most = admittable[user] = min(wanted, limit - unpaid_decoding(lanes, prepaid, user))
         if len(costs) < most:
+            position[request] = index
             if prefill is not None:
                 # Every borrower stays a candidate whatever its place in the
                 # queue: which of them is admitted is the borrowing's choice
@@ -280,6 +286,17 @@ def waiting_demand(
             settled.add(user)
             if len(settled) == everyone:
                 break
+    if prompt_blocked is not None and prefill is not None and last_guaranteed >= 0:
+        # With prompt cost, a borrowed prompt ahead of a guaranteed request in
+        # the queue is refused in the engine's loop (it would spend the token
+        # budget first: ``StepDecision._admit_to_borrow``); counted, its slot
+        # stayed empty beside a borrower's hidden stream.
+        def refused(request: Key) -> bool:
+            return position[request] < last_guaranteed and prefill.chunk(request) > 1
+
+        borrowed = [request for request in borrowed if not refused(request)]
+        for user, requests in counted.items():
+            counted[user] = [request for request in requests if not refused(request)]
     slots = min(free_slots, limit) - guaranteed
     admissions = sum(map(len, counted.values()))
     if prefill is not None and admissions:
