@@ -529,7 +529,7 @@ def _throughput_reading(main: dict, running: str) -> str:
             f"{decodes / step:.3f} × in all. Counting prompt tokens too (recomputed ones included), ours "
             f"computes {computed['ours']:,.0f} tokens "
             f"per modelled GPU second against stock's {computed['stock']:,.0f} "
-            f"({computed['ours'] / computed['stock']:.3f} ×). The steps are longer for prefill: "
+            f"({computed['ours'] / computed['stock']:.3f} ×). Prefill: "
             f"{ou['mean_prefill_tokens']:.0f} prompt "
             f"tokens a step against {st['mean_prefill_tokens']:.0f}; the in-quota light users' prompts were "
             f"{q_o / span:.0f} tokens a second of it on ours, {q_s / span:.0f} on stock, which leaves them queued "
