@@ -435,7 +435,6 @@ UNDRAWN_WHEN_PINNED = frozenset({"store levels", "priority policy"})
 #: What a profile's FOCUS adds to keep issue 43's dimensions at their defaults.
 ISSUE_31_DIMENSIONS = {
     "pace": [None], "user pace": [None], "priority policy": [False], "store levels": [False],
-    "burst": [None],
     "reload": ["fresh", "move", "move", "rate"],
 }
 #: Steps (or requests) each check did not judge, per stated exception.
@@ -1858,7 +1857,7 @@ class UrgentMachine(ChargePathMachine):
         "priority policy": [True], "borrowing": [False], "groups": [False], "rate": [5],
         "input_token_weight": [0], "tight KV": [False], "pace": [None], "user pace": [None],
         "max_num_seqs": [8], "max_num_active_seqs": [None], "reload": ["rate"],
-        "fake store": [False], "drafts": [0], "burst": [None],
+        "fake store": [False], "drafts": [0],
     }
 
     # Every user holds its cap (2 streams: arrive_backlog), then urgent
