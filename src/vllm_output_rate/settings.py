@@ -582,16 +582,22 @@ def validate_all_limits(
     )
 
 
+def _from_text(value: Any, what: str, kind: str = "a number") -> Any:
+    """A flag's text as a float (JSON and YAML give numbers); anything else as given."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return float(value.strip())
+    except ValueError:
+        raise OutputRateConfigError(f"{what}: must be {kind}, got {value!r}") from None
+
+
 def validate_rate(value: Any, what: str) -> float:
     """A rate (or ceiling, or weight) in [MIN_RATE, MAX_RATE], or
     OutputRateConfigError naming ``what``."""
     if isinstance(value, bool):
         raise OutputRateConfigError(f"{what}: must be a number, got {value!r}")
-    if isinstance(value, str):
-        try:
-            value = float(value.strip())
-        except ValueError:
-            raise OutputRateConfigError(f"{what}: must be a number, got {value!r}") from None
+    value = _from_text(value, what)
     if not isinstance(value, (int, float)):
         raise OutputRateConfigError(f"{what}: must be a number, got {value!r}")
     try:
@@ -728,11 +734,7 @@ def _ratio(value: Any, what: str, problem: str) -> float:
 
 def validate_input_token_weight(value: Any, what: str) -> float:
     """Quota tokens per computed prompt token, in [0, MAX_RATIO]."""
-    if isinstance(value, str):  # a flag's text; JSON and YAML give numbers
-        try:
-            value = float(value.strip())
-        except ValueError:
-            raise OutputRateConfigError(f"{what}: must be a number, got {value!r}") from None
+    value = _from_text(value, what)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise OutputRateConfigError(f"{what}: must be a number, got {value!r}")
     return _ratio(value, what, "must be a non-negative finite number")
@@ -745,11 +747,7 @@ def validate_recompute_budget(value: Any, what: str) -> float:
 
 def validate_burst(value: Any, what: str) -> float:
     """A burst in seconds, in [MIN_BURST_SECONDS, MAX_BURST_SECONDS]."""
-    if isinstance(value, str):  # a flag's text; JSON gives numbers
-        try:
-            value = float(value.strip())
-        except ValueError:
-            raise OutputRateConfigError(f"{what}: must be a number of seconds, got {value!r}") from None
+    value = _from_text(value, what, "a number of seconds")
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
         MIN_BURST_SECONDS <= value <= MAX_BURST_SECONDS
     ):

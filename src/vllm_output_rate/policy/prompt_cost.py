@@ -280,14 +280,12 @@ class PromptCost:
         nothing: unlike :meth:`can_pay`, nobody is refused or queued."""
         if not self.weight:
             return False
-        if self.debt.get(user):
+        if self.held_by_debt(user):
             return True
         group_of = self.group_of
         group = None if group_of is None else group_of(user)
         if group_of is None or group is None:
             return False
-        if any(group_of(debtor) == group for debtor in self.debt):
-            return True
         line = self._waiting.get(group)
         if not line:
             return False

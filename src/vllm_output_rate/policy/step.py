@@ -943,6 +943,7 @@ class StepPolicy:
             self._turn_counted.clear()
             self._demand_prompts.clear()
             self._demand_view = view
+            prefill = self._prefill_budget(view, plan, room)
             guaranteed, admissions = waiting_demand(
                 view.admittable_waiting(),
                 lanes,
@@ -956,8 +957,8 @@ class StepPolicy:
                 prompt_blocked=self._prompt_blocked if self.prompt_cost.weight else None,
                 kv_room=view.kv_room_for,
                 guaranteed_keys=self._guaranteed_waiting,
-                prefill=self._prefill_budget(view, plan, room),
-                committed=self._spent_by_visible_prefills(view, plan),
+                prefill=prefill,
+                committed=self._spent_by_visible_prefills(view, plan, prefill),
             )
             self._demand_view = None
             room -= guaranteed + admissions
@@ -983,7 +984,9 @@ class StepPolicy:
             admits[receiver] = admits.get(receiver, 0) + 1
         return admits
 
-    def _spent_by_visible_prefills(self, view: EngineView, plan: StepPlan) -> dict[str, int]:
+    def _spent_by_visible_prefills(
+        self, view: EngineView, plan: StepPlan, budget: PrefillBudget
+    ) -> dict[str, int]:
         """user -> what its visible prefills take of its quota in this step,
         before the engine's waiting loop asks: their chunks' prompt cost,
         and a token for each that reaches its sampling position unpaid.
@@ -991,7 +994,7 @@ class StepPolicy:
         a slot from borrowers for a request the step could not admit."""
         if not plan.prefills:
             return {}
-        tokens, _, longest = view.token_budget()
+        tokens = view.token_budget()[0]
         ledger, user_of = self.ledger, self.lanes.user_of
         prompt_cost = self.prompt_cost
         committed: dict[str, int] = {}
@@ -1000,7 +1003,7 @@ class StepPolicy:
             if user is None:
                 continue
             left = uncomputed(request)
-            chunk = min(left, tokens, longest) if longest > 0 else min(left, tokens)
+            chunk = min(budget.chunk(request), tokens)  # with the step's whole budget
             cost = 0
             if prompt_cost.weight:
                 computed = request.num_computed_tokens
