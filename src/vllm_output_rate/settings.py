@@ -188,6 +188,21 @@ class OutputRateSettings:
     #: Hex SHA-256 of the limits file version these settings were read from.
     limits_digest: str | None = None
 
+    def inert_weights(self) -> list[str]:
+        """The limits that set a weight but no ceiling above their rate, as
+        ``"user 'c' (weight 3)"``: they never borrow, so the weight does
+        nothing (an operator who wrote ``{rate: 5, weight: 3}`` likely meant
+        ``ceil: null``).  A weight equal to the rate is its default: not listed."""
+        found = []
+        limits = [("the default", self.default_rate, self.default_share)]
+        limits += [(f"user {user!r}", self.user_rates[user], share) for user, share in self.user_shares.items()]
+        limits += [(f"group {group!r}", self.group_rates[group], share) for group, share in self.group_shares.items()]
+        for name, rate, share in limits:
+            if share is None or share.ceil is None or share.ceil > rate or share.weight == rate:
+                continue
+            found.append(f"{name} (weight {share.weight:g})")
+        return found
+
     def to_config(self) -> dict[str, Any]:
         """The ``additional_config["output_rate"]`` form of these settings."""
         config: dict[str, Any] = {

@@ -257,6 +257,21 @@ def test_an_unchanged_reload_is_recorded_with_no_change(tmp_path):
     assert entry["digest"] == entry["previous_digest"] == digest
 
 
+def test_a_weight_that_does_nothing_is_warned_about_at_start_and_on_reload(tmp_path, caplog):
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="vllm_output_rate.adapter.operate"):
+        h, path, watcher = make_harness(tmp_path, {"u": 20})
+        assert not [r for r in caplog.records if "weight does nothing" in r.getMessage()]
+        write_limits(path, 1000, {"u": {"rate": 20, "weight": 3}})  # the same hard cap of 20
+        bump_mtime(path, 1)
+        assert watcher.check()
+        h.step()
+    warned = [r.getMessage() for r in caplog.records if "weight does nothing" in r.getMessage()]
+    assert len(warned) == 1 and "user 'u' (weight 3)" in warned[0]
+    assert h.sched.output_rate_reloads == 1  # applied all the same: a hard cap of 20
+
+
 def test_a_failed_reload_records_why_and_the_version_still_in_force(tmp_path, caplog):
     import logging
 

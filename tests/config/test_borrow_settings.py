@@ -109,3 +109,21 @@ def test_round_trip_keeps_numbers_as_numbers():
     assert config["user_output_tokens_per_second"] == {
         "a": 2.0, "b": {"rate": 1.0, "ceil": None, "weight": 1.0}}
     assert config["default_user_output_tokens_per_second"] == 3.0
+
+
+def test_a_weight_without_a_ceiling_above_the_rate_is_named_as_doing_nothing():
+    s = OutputRateSettings.from_additional_config({"output_rate": {
+        "default_user_output_tokens_per_second": {"rate": 20, "weight": 4},
+        "user_output_tokens_per_second": {
+            "b": {"rate": 5, "weight": 3},  # no ceil: a hard cap; likely meant ceil: null
+            "c": {"rate": 5, "ceil": 5, "weight": 2},
+            "d": {"rate": 5, "ceil": None, "weight": 3},  # borrows: its weight counts
+            "e": {"rate": 5, "ceil": 9, "weight": 3},
+            "f": {"rate": 5},  # the weight is its default
+            "g": 5,
+            "h": {"rate": 5, "group": "team"},
+        },
+        "groups": {"team": {"rate": 50, "weight": 2}, "open": {"rate": 50, "ceil": None, "weight": 2}},
+    }})
+    assert s.inert_weights() == ["the default (weight 4)", "user 'b' (weight 3)", "user 'c' (weight 2)",
+                                 "group 'team' (weight 2)"]

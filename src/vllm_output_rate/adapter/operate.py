@@ -149,6 +149,15 @@ class LimitsFileWatcher:
                 logger.exception("vllm-output-rate: checking %s failed", self.path)
 
 
+def _warn_inert_weights(settings: OutputRateSettings) -> None:
+    inert = settings.inert_weights()
+    if inert:
+        logger.warning(
+            "vllm-output-rate: a weight does nothing without a ceiling above the rate "
+            "(these never borrow; \"ceil\": null borrows without a ceiling): %s", ", ".join(inert),
+        )
+
+
 class OperateSchedulerMixin:
     """Reload, stats and admin snapshot; list it before ``OutputRateSchedulerMixin``."""
 
@@ -164,6 +173,7 @@ class OperateSchedulerMixin:
         self.output_rate_reloads = 0
         self.output_rate_reload_failures = 0
         self._operate = operate = OperateState(settings.metrics_max_users)
+        _warn_inert_weights(settings)
         if settings.limits_file:
             section = self.vllm_config.additional_config[CONFIG_KEY]
             operate.watcher = LimitsFileWatcher(
@@ -207,6 +217,7 @@ class OperateSchedulerMixin:
         # and so do ceilings, groups and the prompt cost's weight.
         self.configure(settings)
         self.output_rate_reloads += 1
+        _warn_inert_weights(settings)
         logger.info(
             "vllm-output-rate: limits reloaded (default %s tok/s, %d override(s), %d group(s), "
             "input token weight %s; %d active user(s) changed rate)",
