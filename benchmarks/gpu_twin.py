@@ -95,7 +95,10 @@ from vllm_output_rate_harness import benchkit
 
 benchkit.use_cpu_testbed_env()
 
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+
 from vllm_output_rate.policy.gcra import DEFAULT_BURST_NS, Gcra  # noqa: E402
+from vllm_output_rate.policy.step import StepPolicy  # noqa: E402
 from vllm_output_rate.tools.workload import INPUT_TOKEN_WEIGHT, build_twin_workload  # noqa: E402
 
 from vllm_output_rate_harness.twin import (  # noqa: E402
@@ -173,19 +176,87 @@ def build_workload(running: int, *, users: int = 10_000, idle_users: int = 0, du
                     in_quota=w.in_quota, input_token_weight=w.input_token_weight)
 
 
+class PhaseClock:
+    """Thread time spent in vLLM's ``Scheduler.schedule`` (ours: with the plugin's hooks that its
+    loops call) and in the step policy's ``begin`` and ``end``, per object: where a step's
+    scheduler time goes.  Installed once per process (:meth:`install`); one wrapper call per phase
+    and step."""
+
+    PHASES = ((Scheduler, "schedule", "vllm_schedule"), (StepPolicy, "begin", "policy"),
+              (StepPolicy, "end", "policy"))
+
+    def __init__(self) -> None:
+        self.ns: dict[tuple[int, str], int] = {}
+        self._originals: list[tuple[type, str, object]] = []
+
+    @property
+    def installed(self) -> bool:
+        return bool(self._originals)
+
+    def install(self) -> None:
+        if self.installed:
+            return
+        for owner, name, phase in self.PHASES:
+            original = owner.__dict__[name]
+            self._originals.append((owner, name, original))
+            setattr(owner, name, self._timed(original, phase))
+
+    def uninstall(self) -> None:
+        """Put the classes' own methods back (tests)."""
+        while self._originals:
+            owner, name, original = self._originals.pop()
+            setattr(owner, name, original)
+
+    def _timed(self, method, phase: str):
+        ns = self.ns
+
+        def timed(obj, *args, **kwargs):
+            start = time.thread_time_ns()
+            try:
+                return method(obj, *args, **kwargs)
+            finally:
+                key = (id(obj), phase)
+                ns[key] = ns.get(key, 0) + time.thread_time_ns() - start
+        return timed
+
+    def read(self, obj, phase: str) -> int:
+        return self.ns.get((id(obj), phase), 0)
+
+
+PHASE_CLOCK = PhaseClock()
+
+
 class DispatchTimedEngine(TwinEngine):
     """A twin engine that also keeps each step's dispatch instant (the clock when ``schedule()``
-    runs, where the plugin charges), for :func:`attainable_tokens`.  ``enforces_caps``: the
-    workload's capped users are held to their limits on it (ours with the workload's limits)."""
+    runs, where the plugin charges), for :func:`attainable_tokens`, and each step's scheduler time
+    by phase (:class:`PhaseClock`, when installed).  ``enforces_caps``: the workload's capped
+    users are held to their limits on it (ours with the workload's limits)."""
 
     def __init__(self, *args, enforces_caps: bool = False, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.enforces_caps = enforces_caps
         self.dispatch_ns: list[int] = []
+        self.phase_ns: dict[str, list[int]] = {"vllm_schedule": [], "policy": []}
 
     def step(self, dt_ns: int | None = None):
         self.dispatch_ns.append(self.clock.now_ns)
-        return super().step(dt_ns)
+        if not PHASE_CLOCK.installed:
+            return super().step(dt_ns)
+        owners = {"vllm_schedule": self.sched, "policy": getattr(self.sched, "_policy", None)}
+        before = {phase: PHASE_CLOCK.read(obj, phase) for phase, obj in owners.items()}
+        out = super().step(dt_ns)
+        for phase, obj in owners.items():
+            self.phase_ns[phase].append(PHASE_CLOCK.read(obj, phase) - before[phase])
+        return out
+
+    def phases(self) -> dict | None:
+        """Mean µs a step that ran a model spent per phase (None: not measured)."""
+        busy = [i for i, g in enumerate(self.gpu_ms) if g > 0]
+        if not busy or len(self.phase_ns["policy"]) != len(self.gpu_ms):  # (not measured every step)
+            return None
+        out = {phase: sum(ns[i] for i in busy) / 1000 / len(busy) for phase, ns in self.phase_ns.items()}
+        out["rest"] = sum(self.cpu_ns[i] for i in busy) / 1000 / len(busy) - out["vllm_schedule"] - out["policy"]
+        return out
 
 
 def attainable_tokens(dispatch_ns: Sequence[int], rate: float, *, from_ns: int, to_ns: int,
@@ -276,6 +347,7 @@ def run_main(running: int, measured_s: float, asynchronous: bool, seed: int, war
     run_lockstep(engines, workload, duration_s, seed=seed, progress_every_s=10)
     rows = {e.name: summary(e, workload, duration_s, decode_step_ms(running)) for e in engines}
     for e, row in zip(engines, rows.values()):
+        row["phase_us_per_step"] = e.phases()
         if e.enforces_caps and row.get("measured"):
             row["measured"].update(capped_attainability(e, workload, warmup_s, duration_s))
     group_rate = workload.limits["groups"]["research"]["rate"]
@@ -472,6 +544,9 @@ def _reading(doc: dict) -> list[str]:
                 f"prompt cost off). {_throughput_reading(main, '1024')}", ""]
         if o.get("capped_worst_of_attainable") is not None:
             out += [f"**1,024 running: capped users.** {_capped_reading(o, main['1024'])}", ""]
+        cpu = _cpu_reading(main["1024"]["results"])
+        if cpu:
+            out += [f"**1,024 running: scheduler CPU.** {cpu}", ""]
     if kv:
         r = kv["results"]
         got, alone = r["ours"]["in_quota_first_token_ms"], r["ours_alone"]["in_quota_first_token_ms"]
@@ -507,6 +582,28 @@ def _step_use_table(res: dict) -> list[str]:
     for a, b in zip(segments["stock"], segments["ours"]):
         out.append(f"| {a['from_s']:.0f} | {cell(a)} | {cell(b)} |")
     return out + [""]
+
+
+def _cpu_reading(res: dict) -> str | None:
+    """Where the scheduler's time per step goes (:class:`PhaseClock`), ours against stock."""
+    phases = {name: res.get(name, {}).get("phase_us_per_step") for name in ("stock", "ours", "ours_never_hit")}
+    if not all(phases.values()):
+        return None
+    st, ou, nh = phases["stock"], phases["ours"], phases["ours_never_hit"]
+    added = sum(ou.values()) - sum(st.values())
+    part = {"vLLM's schedule (its own work on ours's step content, with the plugin's hooks its loops call)":
+            ou["vllm_schedule"] - st["vllm_schedule"],
+            "the step policy's begin and end": ou["policy"],
+            "the rest (output handling, the adapter's wrapper)": ou["rest"] - st["rest"]}
+    shares = "; ".join(f"{name} {us:+.0f} µs ({us / added:.0%})" for name, us in part.items()) if added > 0 else ""
+    return (f"Thread time per step that ran a model: stock {sum(st.values()):.0f} µs, of it "
+            f"{st['vllm_schedule']:.0f} in vLLM's schedule; ours {sum(ou.values()):.0f} µs, {added:+.0f} µs: "
+            f"{shares}. Ours's steps are not stock's (fewer decodes, more prefill admissions, see above), so "
+            f"the first part mixes vLLM's own work with the plugin's; with limits never hit the steps are the "
+            f"same, and vLLM's schedule takes {nh['vllm_schedule']:.0f} µs against stock's "
+            f"{st['vllm_schedule']:.0f} ({nh['vllm_schedule'] / st['vllm_schedule']:.3f} ×: the plugin's hooks "
+            f"alone, which its loops call per request), the step policy {nh['policy']:.0f} µs. "
+            f"(`PhaseClock` in benchmarks/gpu_twin.py; its wrappers add one call per phase and step.)")
 
 
 def _throughput_reading(main: dict, running: str) -> str:
@@ -766,6 +863,7 @@ def main() -> None:
     doc.update({"git": git_facts(), "cost_model": H100_LLAMA31_8B.__dict__, "cost_source": COST_SOURCE,
                 "kv_blocks": KV_BLOCKS, "targets": TARGETS})
     gc.freeze()
+    PHASE_CLOCK.install()
     if "main" not in skip:
         doc["main"] = {}
         for r in (int(x) for x in args.running.split(",")):

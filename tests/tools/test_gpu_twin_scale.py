@@ -234,3 +234,28 @@ def test_the_twins_decisions_do_not_depend_on_the_string_hash_seed():
         prints.append(done.stdout.strip().splitlines()[-1].split())  # after vLLM's log lines
     assert int(prints[0][0]) > 10  # steps ran (the first few are long prefill steps)
     assert prints[0] == prints[1]
+
+
+# -- where a step's scheduler time goes --------------------------------------------------------
+
+
+def test_the_phase_clock_splits_each_step_inside_its_measured_time(twin_script):
+    cost = GpuCostModel("test GPU", "test model", 20.0, 0.0, 0.0)
+    w = Workload({"default_user_output_tokens_per_second": 1000, "user_output_tokens_per_second": {"cap": 50},
+                  "input_token_weight": 0}, streams={"cap": [[Job(16, 200)] for _ in range(6)]}, capped={"cap": 50.0})
+    clock = twin_script.PHASE_CLOCK
+    clock.install()
+    try:
+        clock.install()  # once only: no wrapper around a wrapper
+        engines = [twin_script.DispatchTimedEngine(name, limits, cost, max_num_seqs=8, num_blocks=400,
+                                                   max_num_batched_tokens=256, watch=w.capped)
+                   for name, limits in (("stock", None), ("ours", w.limits))]
+        run_lockstep(engines, w, 1.0)
+    finally:
+        clock.uninstall()
+    assert not clock.installed and "timed" not in twin_script.Scheduler.schedule.__qualname__
+    stock, ours = (e.phases() for e in engines)
+    assert stock["policy"] == 0 and ours["policy"] > 0  # only ours has a step policy
+    for phases in (stock, ours):
+        # Each phase is inside the step's own measured thread time: what is left is not negative.
+        assert phases["vllm_schedule"] > 0 and phases["rest"] >= 0
