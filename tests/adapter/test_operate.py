@@ -270,6 +270,16 @@ def test_a_weight_that_does_nothing_is_warned_about_at_start_and_on_reload(tmp_p
     warned = [r.getMessage() for r in caplog.records if "weight does nothing" in r.getMessage()]
     assert len(warned) == 1 and "user 'u' (weight 3)" in warned[0]
     assert h.sched.output_rate_reloads == 1  # applied all the same: a hard cap of 20
+    # A file of many such users: one line, the first ten named.
+    caplog.clear()
+    many = {f"u{i:02d}": {"rate": 20, "weight": 3} for i in range(25)}
+    with caplog.at_level(logging.WARNING, logger="vllm_output_rate.adapter.operate"):
+        write_limits(path, 1000, many)
+        bump_mtime(path, 2)
+        assert watcher.check()
+        h.step()
+    warned = [r.getMessage() for r in caplog.records if "weight does nothing" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].count("(weight 3)") == 10 and warned[0].endswith(" and 15 more")
 
 
 def test_a_failed_reload_records_why_and_the_version_still_in_force(tmp_path, caplog):

@@ -149,12 +149,19 @@ class LimitsFileWatcher:
                 logger.exception("vllm-output-rate: checking %s failed", self.path)
 
 
+#: Most limits one warning names (a file of thousands of users stays one readable line).
+WARN_NAMES = 10
+
+
 def _warn_inert_weights(settings: OutputRateSettings) -> None:
     inert = settings.inert_weights()
     if inert:
+        named = ", ".join(inert[:WARN_NAMES])
+        if len(inert) > WARN_NAMES:
+            named += f" and {len(inert) - WARN_NAMES} more"
         logger.warning(
             "vllm-output-rate: a weight does nothing without a ceiling above the rate "
-            "(these never borrow; \"ceil\": null borrows without a ceiling): %s", ", ".join(inert),
+            "(these never borrow; \"ceil\": null borrows without a ceiling): %s", named,
         )
 
 
