@@ -290,13 +290,17 @@ def waiting_demand(
         # With prompt cost, a borrowed prompt ahead of a guaranteed request in
         # the queue is refused in the engine's loop (it would spend the token
         # budget first: ``StepDecision._admit_to_borrow``); counted, its slot
-        # stayed empty beside a borrower's hidden stream.
-        def refused(request: Key) -> bool:
-            return position[request] < last_guaranteed and prefill.chunk(request) > 1
-
-        borrowed = [request for request in borrowed if not refused(request)]
-        for user, requests in counted.items():
-            counted[user] = [request for request in requests if not refused(request)]
+        # stayed empty beside a borrower's hidden stream.  (``borrowed`` holds
+        # every request of ``counted``: judged once each.)
+        refused = {
+            request
+            for request in borrowed
+            if position[request] < last_guaranteed and prefill.chunk(request) > 1
+        }
+        if refused:
+            borrowed = [request for request in borrowed if request not in refused]
+            for user, requests in counted.items():
+                counted[user] = [request for request in requests if request not in refused]
     slots = min(free_slots, limit) - guaranteed
     admissions = sum(map(len, counted.values()))
     if prefill is not None and admissions:
