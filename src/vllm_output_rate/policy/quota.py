@@ -147,6 +147,14 @@ class ComposedLimiter:
         if count <= 0:
             return 0
         paid_by = self.payers_of(user)
+        if len(paid_by) == 1:
+            # One quota pays (most users: no group): its own take is the
+            # composition's, without asking it first (the plan's per-user cost).
+            limiter, key = paid_by[0]
+            taken = limiter.take_up_to(key, now_ns, count)
+            if taken < count:
+                limiter.want(key, now_ns, count - taken)
+            return taken
         taken = _take(paid_by, now_ns, min(count, available_on(paid_by, now_ns)))
         if taken < count:
             want_on(paid_by, now_ns, count - taken)
