@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 from collections import deque
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import given, settings
@@ -20,6 +21,7 @@ from vllm_output_rate.policy.gate import StepGate
 from vllm_output_rate.policy.lanes import Lane, Lanes
 from vllm_output_rate.policy.ledger import Ledger
 from vllm_output_rate.policy.plan import plan_step
+from vllm_output_rate.policy.step import SampledView
 from vllm_output_rate.policy.victims import throttled_victims
 from vllm_output_rate.policy.limiter import OutputRateLimiter
 
@@ -215,6 +217,34 @@ def test_rotate_front_moves_exactly_the_served_offered_keys_to_the_back(n, offer
     assert list(lane.decoding) == [k for k in start if k not in moved] + moved
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    n=st.integers(0, 8),
+    offered=st.integers(0, 8),
+    whole=st.booleans(),
+    picks=st.lists(st.booleans(), min_size=8, max_size=8),
+    others=st.sets(st.integers(0, 9), max_size=3),
+    gone=st.sets(st.integers(0, 7), max_size=2),
+)
+def test_rotate_front_when_every_offered_key_or_as_many_keys_were_served(n, offered, whole, picks, others, gone):
+    """The settle's cases: the whole offer served (a plain rotation when no key
+    left), or a part of it; and served lists as long as the offer that hold
+    keys outside it, which must not be taken for the whole offer."""
+    keys = [f"k{i}" for i in range(n)]
+    batch = keys[:offered]
+    if whole:
+        served_keys = list(batch)
+    else:
+        served_keys = [k for k, pick in zip(batch, picks) if pick]
+        served_keys += [f"k{i}" for i in sorted(others) if f"k{i}" not in batch][: len(batch) - len(served_keys)]
+    lane = Lane(decoding=deque(k for i, k in enumerate(keys) if i not in gone))
+    start = list(lane.decoding)
+    lane.rotate_front(batch, served_keys)
+    head = start[: min(len(batch), len(start))]
+    moved = [k for k in head if k in served_keys]
+    assert list(lane.decoding) == [k for k in start if k not in moved] + moved
+
+
 def test_served_to_back_keeps_both_groups_in_order():
     lane = Lane(decoding=deque(["a", "w", "b", "c", "d"]), waiting=1)
     lane.served_to_back({"d", "a"})
@@ -355,6 +385,23 @@ def test_settle_keeps_exactly_the_sampled_tokens():
     assert ledger.settle({"a", "b", "c", "o"}) == 0
     assert ledger.charged_tokens == {"lots": 4, "one": 1}  # cumulative
     assert ledger.ran == {"lots": 3, "one": 1}  # the last step only
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    requests=st.lists(st.tuples(st.booleans(), st.booleans()), max_size=12),
+    order=st.randoms(use_true_random=False),
+)
+def test_a_sampled_view_selects_in_order_exactly_the_requests_it_contains(requests, order):
+    """The settle asks a step's view once per user's batch (``select``); the
+    answer is the per-key ``in`` the view defines, in the batch's order."""
+    reqs = [SimpleNamespace(request_id=f"r{i}", is_prefill_chunk=chunk) for i, (_, chunk) in enumerate(requests)]
+    scheduled = {r.request_id: 1 for r, (is_scheduled, _) in zip(reqs, requests) if is_scheduled}
+    view = SampledView(scheduled)
+    batch = list(reqs)
+    order.shuffle(batch)
+    assert view.select(batch) == [r for r in batch if r in view]
+    assert view.select(batch) == [r for r in batch if r.request_id in scheduled and not r.is_prefill_chunk]
 
 
 @settings(max_examples=60, deadline=None)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import TYPE_CHECKING, Callable, Hashable, Iterable, Iterator
 
 if TYPE_CHECKING:
@@ -45,7 +46,13 @@ class Lane:
         """``offered`` was the front of the rotation: its ``served`` keys move
         to the back, the rest keep their places (keys may have left since)."""
         decoding = self.decoding
-        head = [decoding.popleft() for _ in range(min(len(offered), len(decoding)))]
+        front = min(len(offered), len(decoding))
+        if served == offered and front == len(offered) and list(islice(decoding, front)) == offered:
+            # Every offered key served and still at the front (lists compare
+            # by identity first): a plain rotation, the common case of a step.
+            decoding.rotate(-front)
+            return
+        head = [decoding.popleft() for _ in range(front)]
         served_set = set(served)
         decoding.extendleft(reversed([key for key in head if key not in served_set]))
         decoding.extend(key for key in head if key in served_set)

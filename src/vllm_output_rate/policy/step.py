@@ -1570,6 +1570,11 @@ class SampledView:
     def __contains__(self, request: Any) -> bool:
         return request.request_id in self._scheduled and not request.is_prefill_chunk
 
+    def select(self, requests: list[Any]) -> list[Any]:
+        """Those of ``requests`` in the view, in order (one call for a user's streams)."""
+        scheduled = self._scheduled
+        return [r for r in requests if r.request_id in scheduled and not r.is_prefill_chunk]
+
 
 def can_progress_unpaid(request: Any) -> bool:
     """At least two positions left: the next chunk need not sample."""
