@@ -16,10 +16,25 @@ from hypothesis import strategies as st
 from vllm_output_rate.policy.lanes import Lanes
 from vllm_output_rate.policy.ledger import Ledger
 from vllm_output_rate.policy.limiter import OutputRateLimiter
-from vllm_output_rate.policy.prompt_cost import PromptCost, exact_weight
+from vllm_output_rate.policy.prompt_cost import PromptCost, exact_weight, whole_cost
 
 MS = 1_000_000
 S = 1_000_000_000
+
+
+
+@given(
+    st.fractions(min_value=0, max_value=8, max_denominator=1000),
+    st.integers(min_value=0, max_value=100_000),
+    st.fractions(min_value=0, max_value=1, max_denominator=1000).filter(lambda c: c < 1),
+)
+def test_whole_cost_is_the_fraction_arithmetic(weight, positions, credit):
+    """The integer form of a chunk's cost is exactly ceil(weight x n - credit) and its credit left."""
+    owed = weight * positions - credit
+    whole = math.ceil(owed) if owed > 0 else 0
+    got = whole_cost(weight, positions, credit)
+    assert got == (whole, whole - owed)
+    assert 0 <= got[1] and (got[1] < 1 or whole == 0)
 
 
 class NetLimiter(OutputRateLimiter):

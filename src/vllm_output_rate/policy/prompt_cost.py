@@ -122,6 +122,22 @@ def exact_weight(value: object) -> Fraction:
     return exact_rate(value, "input token weight")
 
 
+def whole_cost(weight: Fraction, positions: int, credit: Fraction) -> tuple[int, Fraction]:
+    """What ``positions`` prompt positions cost at ``weight`` with ``credit``
+    paid ahead: the whole tokens, ceil(weight x positions - credit) (0 if
+    that is not positive), and the credit left, those tokens less that
+    amount.  Worked out on the fractions' integers: the charge runs once per
+    prompt chunk inside vLLM's loop, where Fraction's operators were most of
+    its time."""
+    p, q = weight.numerator, weight.denominator
+    a, b = credit.numerator, credit.denominator
+    num = p * positions * b - a * q  # (weight x positions - credit) x den
+    den = q * b
+    whole = -((-num) // den) if num > 0 else 0
+    left = whole * den - num
+    return whole, (Fraction(left, den) if left else _ZERO)
+
+
 def _first_in_line(line: dict[str, tuple[int, int]]) -> str:
     """The member of a group's line that started waiting first (ties: the
     one that asked first)."""
@@ -223,8 +239,7 @@ class PromptCost:
         end = min(start + count, num_prompt)
         if end <= first:
             return 0
-        owed = self.weight * (end - first) - self.credit.get(user, _ZERO)
-        return -((-owed.numerator) // owed.denominator) if owed > 0 else 0
+        return whole_cost(self.weight, end - first, self.credit.get(user, _ZERO))[0]
 
     def _held_by_group(self, user: str) -> bool:
         """Must ``user``'s chunk wait for its group?
@@ -325,9 +340,7 @@ class PromptCost:
         credit = self.credit.get(user, _ZERO)
         if user not in self._step_users:
             self._step_users[user] = (credit, 0)
-        owed = self.weight * (end - first) - credit
-        whole = -((-owed.numerator) // owed.denominator) if owed > 0 else 0
-        self.credit[user] = whole - owed
+        whole, self.credit[user] = whole_cost(self.weight, end - first, credit)
         if whole:
             ledger = self._ledger
             got = 0
@@ -392,9 +405,7 @@ class PromptCost:
         refund = self._ledger.limiter.refund
         for user, (before, charged) in self._step_users.items():
             kept = kept_by_user.get(user, 0)
-            owed = self.weight * kept - before
-            whole = -((-owed.numerator) // owed.denominator) if owed > 0 else 0
-            self.credit[user] = whole - owed
+            whole, self.credit[user] = whole_cost(self.weight, kept, before)
             if kept:
                 self.prompt_tokens[user] = self.prompt_tokens.get(user, 0) + kept
             back = charged - whole
