@@ -47,9 +47,9 @@ class Lane:
         to the back, the rest keep their places (keys may have left since)."""
         decoding = self.decoding
         front = min(len(offered), len(decoding))
-        if served == offered and front == len(offered) and list(islice(decoding, front)) == offered:
-            # Every offered key served and still at the front (lists compare
-            # by identity first): a plain rotation, the common case of a step.
+        if served == offered and list(islice(decoding, front)) == offered:
+            # Every offered key served and all still at the front (lists
+            # compare by identity first): a plain rotation, the common case.
             decoding.rotate(-front)
             return
         head = [decoding.popleft() for _ in range(front)]
